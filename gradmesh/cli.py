@@ -1,0 +1,121 @@
+"""The `gradmesh` command: `run` (the launcher) and `train` (the main job).
+
+Every choice list comes from a registry and every `train` flag from a `TrainConfig` field.
+Errors are one line on stderr and a non-zero exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any, NoReturn
+
+from gradmesh.errors import GradmeshError
+from gradmesh.train.config import TrainConfig
+
+USAGE_ERROR = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage mistake in one line."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(USAGE_ERROR)
+
+
+def _field_type(f: dataclasses.Field[Any]) -> type:
+    hint = typing.get_type_hints(TrainConfig)[f.name]
+    if isinstance(hint, types.UnionType):  # `str | None` -> str
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.cast(type, hint)
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = _field_type(f)
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=kind,
+            default=None,
+            help=f"{f.metadata['help']} (default: {f.default})",
+        )
+
+
+def _train_config(args: argparse.Namespace) -> TrainConfig:
+    config = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    return dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
+
+
+def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
+    from gradmesh.launch.run import LaunchSpec, launch
+
+    config = _train_config(args)
+    config.validate()
+    worker = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
+    spec = LaunchSpec(nproc=config.workers, timeout_s=config.timeout_s, passthrough_rank0=True)
+    return launch(spec, worker)
+
+
+def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
+    from gradmesh.launch.run import LaunchSpec, launch
+
+    spec = LaunchSpec(
+        nproc=args.np,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master=args.master,
+        iface=args.iface,
+        timeout_s=args.timeout,
+    )
+    return launch(spec, command)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
+    run.add_argument("-np", type=int, required=True, help="worker processes on this host")
+    run.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default: 1)")
+    run.add_argument("--node-rank", type=int, default=0, help="index of this host (default: 0)")
+    run.add_argument("--master", help="HOST[:PORT] of host 0 (default: a free loopback port)")
+    run.add_argument("--iface", help="network interface for Gloo/NCCL traffic (multi-host)")
+    run.add_argument(
+        "--timeout", type=float, default=60.0, help="rendezvous and collective timeout, s"
+    )
+    run.set_defaults(handler=_cmd_run)
+    train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")
+    _add_train_flags(train)
+    train.set_defaults(handler=_cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1 :]
+    args = build_parser().parse_args(argv)
+    if args.command != "run" and command:
+        print(f"gradmesh {args.command}: error: unexpected arguments after --", file=sys.stderr)
+        return USAGE_ERROR
+    try:
+        return int(args.handler(args, command))
+    except GradmeshError as exc:
+        print(f"gradmesh {args.command}: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    except KeyboardInterrupt:
+        print(f"gradmesh {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,8 @@
+"""Datasets by name (`DATASETS`) and the sharder that splits each global batch across ranks."""
+
+from gradmesh.data import digits as _digits  # noqa: F401  (registers "digits")
+from gradmesh.data import synthetic as _synthetic  # noqa: F401  (registers "synthetic")
+from gradmesh.data.registry import DATASETS, DataOptions, DataSpec, Split
+from gradmesh.data.sharding import GlobalBatchSharder
+
+__all__ = ["DATASETS", "DataOptions", "DataSpec", "GlobalBatchSharder", "Split"]

@@ -1,0 +1,45 @@
+"""What a dataset provides and the registry that names them."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gradmesh.registry import Registry
+
+
+@dataclass(frozen=True)
+class Split:
+    """Inputs and integer labels held in memory."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return int(self.y.shape[0])
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A train/test pair and the shape a model must accept."""
+
+    train: Split
+    test: Split
+    input_shape: tuple[int, ...]
+    num_classes: int
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Dataset options from the command line; each dataset reads the ones it understands."""
+
+    shape: tuple[int, ...] = (1, 8, 8)
+    """Input shape of one synthetic sample (channels, height, width)."""
+    classes: int = 10
+    """Number of synthetic classes."""
+    samples: int = 2048
+    """Number of synthetic samples (train + test)."""
+
+
+DatasetFn = Callable[[DataOptions], DataSpec]
+DATASETS: Registry[DatasetFn] = Registry("dataset")

@@ -1,0 +1,195 @@
+"""`gradmesh run`: start N workers per host through PyTorch's elastic agent (torch.distributed.run).
+
+We do not spawn processes ourselves: the elastic agent starts, watches and stops the workers,
+and rendezvous is torchrun's static TCP rendezvous on the master's address. What this module
+adds is the user-facing part: input checks with one-line errors, a free port on a single host,
+rank-prefixed output, the failing rank's exit code, and the interface variables for multi-host.
+
+`gradmesh run -np 4 --nnodes 2 --node-rank I --master HOST:PORT --iface eth0 -- python train.py`
+is the same job as
+`torchrun --nproc-per-node 4 --nnodes 2 --node-rank I --master-addr HOST --master-port PORT
+train.py` with GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0 exported.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field
+
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime import TIMEOUT_ENV
+
+DEFAULT_PORT = 29500
+PYTHON_NAMES = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")
+
+
+@dataclass
+class LaunchSpec:
+    """How many workers to start here and how to find the rest of the job."""
+
+    nproc: int
+    """Worker processes on this host."""
+    nnodes: int = 1
+    """Hosts in the job."""
+    node_rank: int = 0
+    """Index of this host, 0 .. nnodes-1; host 0 runs the rendezvous store."""
+    master: str | None = None
+    """HOST[:PORT] of host 0; on a single host a free loopback port is chosen when absent."""
+    iface: str | None = None
+    """Network interface the backends use (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME)."""
+    timeout_s: float = 60.0
+    """Rendezvous and collective timeout, in seconds."""
+    passthrough_rank0: bool = False
+    """Give global rank 0 the terminal itself (unprefixed), for a live progress bar."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Extra environment variables for the workers."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise GradmeshError(f"master port {port} is already in use on {host}") from None
+            raise GradmeshError(
+                f"cannot use master address {host}:{port}: {exc.strerror}"
+            ) from None
+
+
+def parse_master(master: str | None, nnodes: int) -> tuple[str, int]:
+    """(host, port) of the rendezvous; a free loopback port for a single host without --master."""
+    if master is None:
+        if nnodes > 1:
+            raise GradmeshError("--master HOST[:PORT] is required when --nnodes > 1")
+        return "127.0.0.1", free_port()
+    host, _, port_text = master.rpartition(":") if ":" in master else (master, "", "")
+    if not port_text:
+        return master, DEFAULT_PORT if nnodes > 1 else free_port()
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise GradmeshError(f"bad --master {master!r}: the port must be a number in 1..65535")
+    return host, int(port_text)
+
+
+def resolve_command(command: list[str]) -> list[str]:
+    """Check the worker command exists; `python` means this interpreter."""
+    if not command:
+        raise GradmeshError("no command to run: put it after --, like: -- python train.py")
+    program, *args = command
+    if program in PYTHON_NAMES:
+        program = sys.executable
+        script = next((a for a in args if not a.startswith("-")), None)
+        if args and not args[0].startswith("-") and script and not os.path.isfile(script):
+            raise GradmeshError(f"script {script} does not exist")
+    elif shutil.which(program) is None:
+        raise GradmeshError(f"command {program!r} not found")
+    return [program, *args]
+
+
+def _check(spec: LaunchSpec) -> None:
+    if spec.nproc < 1:
+        raise GradmeshError(f"-np must be >= 1, got {spec.nproc}")
+    if spec.nnodes < 1 or not 0 <= spec.node_rank < spec.nnodes:
+        raise GradmeshError(f"--node-rank {spec.node_rank} is not in 0..{spec.nnodes - 1}")
+    if spec.timeout_s <= 0:
+        raise GradmeshError(f"--timeout must be > 0, got {spec.timeout_s}")
+
+
+def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
+    env = {TIMEOUT_ENV: str(spec.timeout_s), **spec.env}
+    threads = max(1, (os.cpu_count() or 1) // spec.nproc)
+    env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(threads)))
+    iface = spec.iface or ("lo" if host in ("127.0.0.1", "localhost") else None)
+    if iface:
+        env["GLOO_SOCKET_IFNAME"] = iface
+        env["NCCL_SOCKET_IFNAME"] = iface
+    return env
+
+
+def _failure_message(exc: BaseException) -> tuple[str, int]:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    assert isinstance(exc, ChildFailedError)
+    rank, failure = exc.get_first_failure()
+    code = failure.exitcode
+    if code < 0:
+        how, code = f"was killed by signal {signal.Signals(-code).name}", 128 - code
+    else:
+        how = f"exited with code {code}"
+    detail = failure.message if isinstance(failure.message, str) else ""
+    detail = detail.strip().splitlines()[-1] if detail.strip() else ""
+    reason = f": {detail}" if detail and not detail.startswith("To enable traceback") else ""
+    return f"rank {rank} {how}{reason}; the job was stopped", code or 1
+
+
+def launch(spec: LaunchSpec, command: list[str]) -> int:
+    """Run `command` as `spec.nproc` workers on this host; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    _check(spec)
+    command = resolve_command(command)
+    host, port = parse_master(spec.master, spec.nnodes)
+    if spec.node_rank == 0:
+        _check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
+    os.environ.update(_worker_env(spec, host))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    log_dir = tempfile.mkdtemp(prefix="gradmesh-run-")
+    shown = Std.ALL
+    redirects: Std | dict[int, Std] = shown
+    if spec.passthrough_rank0 and spec.node_rank == 0:
+        redirects = {i: (Std.NONE if i == 0 else Std.ALL) for i in range(spec.nproc)}
+    config = LaunchConfig(
+        min_nodes=spec.nnodes,
+        max_nodes=spec.nnodes,
+        nproc_per_node=spec.nproc,
+        run_id=f"gradmesh-{port}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{host}:{port}",
+        rdzv_configs={"rank": spec.node_rank, "timeout": int(max(1, spec.timeout_s))},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        log_line_prefix_template="[${rank}] ",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=redirects, tee=redirects),
+        local_addr=host if spec.nnodes == 1 else None,
+    )
+    try:
+        elastic_launch(config, command[0])(*command[1:])
+        return 0
+    except ChildFailedError as exc:
+        message, code = _failure_message(exc)
+        print(f"gradmesh run: {message}", file=sys.stderr, flush=True)
+        return code
+    except SignalException as exc:
+        print(
+            f"gradmesh run: stopped by {exc.sigval.name}; every worker was ended", file=sys.stderr
+        )
+        return 128 + int(exc.sigval)
+    except (
+        RuntimeError,
+        ValueError,
+        OSError,
+    ) as exc:  # rendezvous: master unreachable or timed out
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        where = f"{host}:{port}"
+        raise GradmeshError(
+            f"node {spec.node_rank}: rendezvous with master {where} failed: {first}"
+        ) from None
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)

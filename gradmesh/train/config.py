@@ -1,0 +1,103 @@
+"""`TrainConfig`: the one configuration surface of `gradmesh train`.
+
+Every field carries its help text; the CLI builds its flags from these fields and a TOML file
+(`--config FILE`) fills the same fields, so there is nothing to keep in sync by hand.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradmesh.errors import GradmeshError
+
+
+def option(default: Any, help: str) -> Any:
+    """A dataclass field with the help text the CLI shows for it."""
+    return field(default=default, metadata={"help": help})
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """'1x8x8' -> (1, 8, 8)."""
+    try:
+        shape = tuple(int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise GradmeshError(f"bad shape {text!r}: expected sizes joined by x, like 1x8x8") from None
+    if not shape or any(s < 1 for s in shape):
+        raise GradmeshError(f"bad shape {text!r}: every size must be >= 1")
+    return shape
+
+
+@dataclass
+class TrainConfig:
+    """What to train, how, and on how many workers."""
+
+    workers: int = option(2, "number of worker processes on this host")
+    strategy: str = option("allreduce", "how workers cooperate (a registered strategy)")
+    allreduce: str = option("native", "allreduce algorithm for gradient averaging")
+    model: str = option("cnn", "model to train (a registered model)")
+    dataset: str = option("digits", "dataset to train on (a registered dataset)")
+    synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
+    synthetic_classes: int = option(10, "number of classes of the synthetic dataset")
+    synthetic_samples: int = option(2048, "number of samples of the synthetic dataset")
+    epochs: int = option(12, "passes over the training set")
+    batch_size: int = option(64, "global batch size, split across the workers")
+    lr: float = option(0.05, "learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "L2 weight decay")
+    seed: int = option(0, "seed for model initialisation and data order")
+    checkpoint_dir: str | None = option(
+        None, "save a checkpoint here after every epoch and resume from the newest one"
+    )
+    json: str | None = option(None, "write the run report as JSON to this path")
+    timeout_s: float = option(60.0, "seconds before a rendezvous or collective is declared failed")
+
+    def validate(self) -> None:
+        """Raise a one-line `GradmeshError` for values no run can use."""
+        from gradmesh.collectives import ALGORITHMS
+        from gradmesh.data import DATASETS
+        from gradmesh.models import MODELS
+        from gradmesh.train.strategies import STRATEGIES
+
+        STRATEGIES.get(self.strategy)
+        ALGORITHMS.get(self.allreduce)
+        MODELS.get(self.model)
+        DATASETS.get(self.dataset)
+        parse_shape(self.synthetic_shape)
+        positive = ("workers", "epochs", "batch_size", "synthetic_classes", "synthetic_samples")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise GradmeshError(
+                    f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
+                )
+        if self.lr <= 0 or self.timeout_s <= 0:
+            raise GradmeshError("--lr and --timeout-s must be > 0")
+        if self.batch_size < self.workers:
+            raise GradmeshError(
+                f"global batch {self.batch_size} is smaller than "
+                f"the number of workers {self.workers}"
+            )
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_mapping(cls, values: dict[str, Any], source: str) -> TrainConfig:
+        """Build from a dict (JSON or TOML), naming `source` for unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise GradmeshError(f"{source}: unknown option(s) {', '.join(unknown)}")
+        return cls(**values)
+
+    @classmethod
+    def from_toml(cls, path: str) -> TrainConfig:
+        try:
+            values = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise GradmeshError(f"cannot read config {path}: {exc}") from None
+        return cls.from_mapping(values.get("train", values), path)

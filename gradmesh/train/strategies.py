@@ -1,0 +1,50 @@
+"""Strategies by name: how a rank takes part in training; the loop itself exists once (trainer.py).
+
+A strategy prepares the model and optimizer (broadcasts, wrappers) and adds what it knows to the
+report; the trainer does forward, backward and `optimizer.step()` the same way for all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from torch import nn
+from torch.optim import Optimizer
+
+from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+from gradmesh.registry import Registry
+from gradmesh.runtime import Runtime
+from gradmesh.train.config import TrainConfig
+
+
+class Strategy(Protocol):
+    """What a strategy does around the one training loop."""
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
+        """Make every rank start from the same state; return the optimizer the loop steps."""
+        ...
+
+    def report(self) -> dict[str, Any]:
+        """Strategy-specific entries for the run report."""
+        ...
+
+
+STRATEGIES: Registry[Callable[[TrainConfig], Strategy]] = Registry("strategy")
+
+
+@STRATEGIES.register("allreduce")
+class AllreduceStrategy:
+    """Synchronous data parallelism: rank 0's initial weights everywhere, gradients averaged."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.algorithm = config.allreduce
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
+        broadcast_parameters(model.state_dict(), root_rank=0)
+        return DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters(), allreduce=self.algorithm
+        )
+
+    def report(self) -> dict[str, Any]:
+        return {"allreduce": self.algorithm}

@@ -1,0 +1,134 @@
+"""The one training loop every strategy runs in, on every rank.
+
+Per step each rank computes the summed loss of its slice of the global batch, scaled by
+world / global batch size: after gradient averaging this is exactly the mean loss over the global
+batch, so W workers take the same step one worker with the whole batch would.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from tqdm import tqdm
+
+from gradmesh.collectives import allreduce
+from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
+from gradmesh.models import MODELS
+from gradmesh.runtime import Runtime
+from gradmesh.train import checkpoint
+from gradmesh.train.config import TrainConfig, parse_shape
+from gradmesh.train.report import RunReport, gather_rank_stats
+from gradmesh.train.strategies import STRATEGIES
+
+
+@dataclass
+class _Clock:
+    """Seconds of local computation, excluding time spent in collectives."""
+
+    compute_s: float = 0.0
+    losses: list[float] = field(default_factory=list)
+
+
+def load_data(config: TrainConfig) -> DataSpec:
+    options = DataOptions(
+        shape=parse_shape(config.synthetic_shape),
+        classes=config.synthetic_classes,
+        samples=config.synthetic_samples,
+    )
+    return DATASETS.get(config.dataset)(options)
+
+
+def _identity(config: TrainConfig) -> dict[str, object]:
+    keys = ("model", "dataset", "batch_size", "seed", "strategy", "synthetic_shape")
+    return {k: getattr(config, k) for k in keys}
+
+
+def evaluate(model: nn.Module, split: Split, rt: Runtime) -> float:
+    """Accuracy over the whole split, each rank scoring its own slice."""
+    mine = torch.tensor_split(torch.arange(len(split)), rt.size)[rt.rank]
+    model.eval()
+    with torch.no_grad():
+        logits = model(split.x[mine].to(rt.device))
+        correct = (logits.argmax(dim=1).cpu() == split.y[mine]).sum()
+    model.train()
+    counts = torch.tensor([float(correct), float(len(mine))], dtype=torch.float64)
+    allreduce(counts)
+    return float(counts[0] / counts[1])
+
+
+def _progress(config: TrainConfig, steps: int, rt: Runtime) -> tqdm | None:
+    if rt.rank != 0 or not sys.stderr.isatty():
+        return None
+    return tqdm(total=config.epochs * steps, unit="step", dynamic_ncols=True, leave=False)
+
+
+def train(config: TrainConfig, rt: Runtime) -> RunReport:
+    """Train `config` on this rank of `rt`; every rank returns the same report."""
+    torch.manual_seed(config.seed)
+    data = load_data(config)
+    model = MODELS.get(config.model)(data.input_shape, data.num_classes).to(rt.device)
+    optimizer: torch.optim.Optimizer = torch.optim.SGD(
+        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+    first_epoch, losses = 0, list[float]()
+    if config.checkpoint_dir and (found := checkpoint.latest(config.checkpoint_dir)):
+        first_epoch, losses = checkpoint.load(found, model, optimizer, _identity(config))
+    strategy = STRATEGIES.get(config.strategy)(config)
+    optimizer = strategy.prepare(model, optimizer, rt)
+    sharder = GlobalBatchSharder(len(data.train), config.batch_size, rt.rank, rt.size, config.seed)
+    bar = _progress(config, sharder.steps_per_epoch(), rt)
+    if bar is not None:
+        bar.update(first_epoch * sharder.steps_per_epoch())
+    clock = _Clock(losses=losses)
+    started = time.perf_counter()
+    samples = 0
+    for epoch in range(first_epoch, config.epochs):
+        loss_sum = torch.zeros(2, dtype=torch.float64)
+        for indices, global_count in sharder.batches(epoch):
+            comm_before = rt.comm.comm_s
+            step_started = time.perf_counter()
+            x = data.train.x[indices].to(rt.device)
+            y = data.train.y[indices].to(rt.device)
+            loss = F.cross_entropy(model(x), y, reduction="sum")
+            optimizer.zero_grad(set_to_none=False)
+            (loss * (rt.size / global_count)).backward()  # type: ignore[no-untyped-call]
+            optimizer.step()
+            clock.compute_s += time.perf_counter() - step_started - (rt.comm.comm_s - comm_before)
+            loss_sum += torch.tensor([loss.item(), float(len(indices))], dtype=torch.float64)
+            samples += global_count
+            if bar is not None:
+                bar.update(1)
+        allreduce(loss_sum)
+        clock.losses.append(float(loss_sum[0] / loss_sum[1]))
+        elapsed = time.perf_counter() - started
+        rate = samples / elapsed if elapsed > 0 else 0.0
+        if bar is not None:
+            bar.set_postfix(
+                epoch=f"{epoch + 1}/{config.epochs}",
+                loss=f"{clock.losses[-1]:.4f}",
+                samples_s=f"{rate:.0f}",
+            )
+        elif rt.rank == 0:
+            print(
+                f"epoch {epoch + 1}/{config.epochs}  loss {clock.losses[-1]:.4f}  "
+                f"{rate:.0f} samples/s",
+                file=sys.stderr,
+                flush=True,
+            )
+        if config.checkpoint_dir and rt.rank == 0:
+            checkpoint.save(
+                config.checkpoint_dir, epoch + 1, model, optimizer, _identity(config), clock.losses
+            )
+    wall_s = time.perf_counter() - started
+    if bar is not None:
+        bar.close()
+    accuracy = evaluate(model, data.test, rt)
+    stats = gather_rank_stats(rt, clock.compute_s)
+    return RunReport.build(
+        config, rt, strategy.report(), accuracy, clock.losses, wall_s, samples, stats
+    )

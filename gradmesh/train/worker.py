@@ -1,0 +1,42 @@
+"""The process `gradmesh train` starts on every rank: join the job, train, report, leave."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime import init, shutdown
+from gradmesh.train.config import TrainConfig
+from gradmesh.train.trainer import train
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradmesh-worker")
+    parser.add_argument("--config", required=True, help="TrainConfig as JSON")
+    args = parser.parse_args(argv)
+    config = TrainConfig.from_mapping(json.loads(args.config), "--config")
+    rank = "?"
+    try:
+        rt = init(timeout_s=config.timeout_s)
+        rank = str(rt.rank)
+        report = train(config, rt)
+        if rt.rank == 0:
+            print(report.summary(), flush=True)
+            if config.json:
+                Path(config.json).write_text(report.to_json() + "\n")
+    except GradmeshError as exc:
+        print(f"gradmesh: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
