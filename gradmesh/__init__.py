@@ -8,44 +8,57 @@ Horovod-style use from a script::
     opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 """
 
-from gradmesh.data_parallel.optimizer import (
-    Average,
-    DistributedOptimizer,
-    Sum,
-    broadcast_parameters,
-)
-from gradmesh.errors import GradmeshError
-from gradmesh.runtime import (
-    WorkerGrid,
-    barrier,
-    cross_rank,
-    cross_size,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    rank,
-    runtime,
-    shutdown,
-    size,
-)
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
-__all__ = [
-    "Average",
-    "DistributedOptimizer",
-    "GradmeshError",
-    "Sum",
-    "WorkerGrid",
-    "barrier",
-    "broadcast_parameters",
-    "cross_rank",
-    "cross_size",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "rank",
-    "runtime",
-    "shutdown",
-    "size",
-]
+# The public names are loaded on first use, so that `gradmesh --help` and the launcher start
+# without importing torch (and the launcher can set torch's log level before it loads).
+_EXPORTS = {
+    "Average": "gradmesh.data_parallel.optimizer",
+    "DistributedOptimizer": "gradmesh.data_parallel.optimizer",
+    "Sum": "gradmesh.data_parallel.optimizer",
+    "broadcast_parameters": "gradmesh.data_parallel.optimizer",
+    "GradmeshError": "gradmesh.errors",
+    "WorkerGrid": "gradmesh.runtime",
+    "barrier": "gradmesh.runtime",
+    "cross_rank": "gradmesh.runtime",
+    "cross_size": "gradmesh.runtime",
+    "init": "gradmesh.runtime",
+    "is_initialized": "gradmesh.runtime",
+    "local_rank": "gradmesh.runtime",
+    "local_size": "gradmesh.runtime",
+    "rank": "gradmesh.runtime",
+    "get_runtime": "gradmesh.runtime",
+    "shutdown": "gradmesh.runtime",
+    "size": "gradmesh.runtime",
+}
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from gradmesh.data_parallel.optimizer import (
+        Average,
+        DistributedOptimizer,
+        Sum,
+        broadcast_parameters,
+    )
+    from gradmesh.errors import GradmeshError
+    from gradmesh.runtime import (
+        WorkerGrid,
+        barrier,
+        cross_rank,
+        cross_size,
+        get_runtime,
+        init,
+        is_initialized,
+        local_rank,
+        local_size,
+        rank,
+        shutdown,
+        size,
+    )
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gradmesh' has no attribute {name!r}")

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from gradmesh.launch.logs import quiet_cpp_logs
+
+    quiet_cpp_logs()
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:

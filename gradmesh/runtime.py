@@ -223,7 +223,7 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def runtime() -> Runtime:
+def get_runtime() -> Runtime:
     """The initialised runtime; a clear error when `init()` has not been called."""
     if _runtime is None:
         raise GradmeshError("gradmesh is not initialised: call gradmesh.init() first")
@@ -231,27 +231,27 @@ def runtime() -> Runtime:
 
 
 def rank() -> int:
-    return runtime().rank
+    return get_runtime().rank
 
 
 def size() -> int:
-    return runtime().size
+    return get_runtime().size
 
 
 def local_rank() -> int:
-    return runtime().local_rank
+    return get_runtime().local_rank
 
 
 def local_size() -> int:
-    return runtime().local_size
+    return get_runtime().local_size
 
 
 def cross_rank() -> int:
-    return runtime().cross_rank
+    return get_runtime().cross_rank
 
 
 def cross_size() -> int:
-    return runtime().cross_size
+    return get_runtime().cross_size
 
 
 def barrier() -> None:

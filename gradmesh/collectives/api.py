@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.registry import Registry
-from gradmesh.runtime import runtime
+from gradmesh.runtime import get_runtime
 
 Op = Literal["sum", "average"]
 
@@ -40,7 +40,7 @@ def allreduce(
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     started = time.perf_counter()
     sent = reduce(work, group) if _world(group) > 1 else 0
-    runtime().comm.add(sent, time.perf_counter() - started)
+    get_runtime().comm.add(sent, time.perf_counter() - started)
     if op == "average":
         if work.is_floating_point() or work.is_complex():
             work.div_(_world(group))
@@ -63,7 +63,7 @@ def broadcast(
     dist.broadcast(work, src=root, group=group)
     # Modelled as a flat broadcast: the root sends the tensor to each of the other ranks.
     sent = work.numel() * work.element_size() * (p - 1) if dist.get_rank() == root else 0
-    runtime().comm.add(sent, time.perf_counter() - started)
+    get_runtime().comm.add(sent, time.perf_counter() - started)
     if work is not tensor:
         tensor.copy_(work)
     return tensor

@@ -15,7 +15,7 @@ import torch
 from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast
-from gradmesh.runtime import runtime
+from gradmesh.runtime import get_runtime
 
 Average: Op = "average"
 Sum: Op = "sum"
@@ -98,7 +98,7 @@ def broadcast_parameters(
     """
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for _, t in items]
-    if runtime().size == 1 or not tensors:
+    if get_runtime().size == 1 or not tensors:
         return
     with torch.no_grad():
         for flat, members in _flat_buffers(tensors):

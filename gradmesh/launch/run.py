@@ -24,6 +24,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
 from gradmesh.runtime import TIMEOUT_ENV
 
 DEFAULT_PORT = 29500
@@ -110,7 +111,8 @@ def _check(spec: LaunchSpec) -> None:
 
 
 def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
-    env = {TIMEOUT_ENV: str(spec.timeout_s), **spec.env}
+    cpp_level = os.environ.get(WORKER_CPP_LOG_ENV, os.environ.get(CPP_LOG_ENV, "WARNING"))
+    env = {TIMEOUT_ENV: str(spec.timeout_s), CPP_LOG_ENV: cpp_level, **spec.env}
     threads = max(1, (os.cpu_count() or 1) // spec.nproc)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(threads)))
     iface = spec.iface or ("lo" if host in ("127.0.0.1", "localhost") else None)
@@ -118,6 +120,13 @@ def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
         env["GLOO_SOCKET_IFNAME"] = iface
         env["NCCL_SOCKET_IFNAME"] = iface
     return env
+
+
+def _quiet_agent() -> None:
+    """Silence the elastic agent's own log lines: we print one line of our own per outcome."""
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _failure_message(exc: BaseException) -> tuple[str, int]:
@@ -148,7 +157,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     if spec.node_rank == 0:
         _check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
     os.environ.update(_worker_env(spec, host))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    _quiet_agent()
     log_dir = tempfile.mkdtemp(prefix="gradmesh-run-")
     shown = Std.ALL
     redirects: Std | dict[int, Std] = shown

@@ -1,0 +1,65 @@
+"""Fixtures every test gets: no process may outlive the test that started it."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+TAG = "GRADMESH_TEST_TAG"
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """PIDs (other than ours) whose environment carries `TAG=tag`."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours to read
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def rank_forkserver() -> None:
+    """The long-lived process the test harness forks ranks from, started before any test."""
+    from tests.harness import start_forkserver
+
+    start_forkserver()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes() -> Iterator[str]:
+    """Tag every process a test starts; fail (and kill them) if any is alive afterwards."""
+    tag = uuid.uuid4().hex
+    previous = os.environ.get(TAG)
+    os.environ[TAG] = tag
+    try:
+        yield tag
+    finally:
+        if previous is None:
+            del os.environ[TAG]
+        else:
+            os.environ[TAG] = previous
+    deadline = time.monotonic() + 5.0  # a process that was just told to exit may take a moment
+    while (leaked := tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    children = [p for p in multiprocessing.active_children() if p.is_alive()]
+    for pid in leaked:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for child in children:
+        child.kill()
+    assert not leaked, f"processes left behind by the test: {leaked}"
+    assert not children, f"child processes left behind by the test: {children}"
