@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, first_line
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
@@ -149,7 +149,7 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
         ValueError,
     ) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
         waited = time.monotonic() - started
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise GradmeshError(
             f"rank {rank}: could not join the job at master {addr}:{port} "
             f"after {waited:.0f} s (timeout {timeout.total_seconds():.0f} s): {first}"

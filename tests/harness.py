@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -44,7 +45,9 @@ def _rank_main(
         import gradmesh
 
         gradmesh.init()
-        results.put((rank, "ok", fn(*args)))
+        # pickled by value here: the queue's own pickler would send tensors as shared-memory
+        # handles that die with this process
+        results.put((rank, "ok", pickle.dumps(fn(*args))))
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -98,7 +101,7 @@ def run_ranks(
                 continue
             if status == "error":
                 raise AssertionError(f"rank {rank} of {world} failed:\n{payload}")
-            outcome[rank] = payload
+            outcome[rank] = pickle.loads(payload)
     finally:
         for proc in procs:
             proc.join(timeout=5)

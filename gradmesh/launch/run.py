@@ -23,7 +23,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, first_line
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
 from gradmesh.runtime import TIMEOUT_ENV
 
@@ -195,7 +195,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         ValueError,
         OSError,
     ) as exc:  # rendezvous: master unreachable or timed out
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         where = f"{host}:{port}"
         raise GradmeshError(
             f"node {spec.node_rank}: rendezvous with master {where} failed: {first}"

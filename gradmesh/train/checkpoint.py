@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, first_line
 
 _NAME = re.compile(r"^epoch-(\d+)\.pt$")
 
@@ -63,7 +63,7 @@ def load(
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a torn or foreign file: say which and why, in one line
-        raise GradmeshError(f"cannot load checkpoint {path}: {exc}") from None
+        raise GradmeshError(f"cannot load checkpoint {path}: {first_line(exc)}") from None
     saved = state.get("identity", {})
     differing = sorted(k for k in identity if saved.get(k) != identity[k])
     if differing:

@@ -1,0 +1,87 @@
+"""Configuration, registries and the worker grid reject bad input with one clear line."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gradmesh.errors import GradmeshError
+from gradmesh.models import MODELS
+from gradmesh.registry import Registry
+from gradmesh.runtime import WorkerGrid
+from gradmesh.train.config import TrainConfig, parse_shape
+
+
+def test_registry_lists_valid_names_on_unknown() -> None:
+    reg: Registry[int] = Registry("widget")
+    reg.register("b")(1)
+    reg.register("a")(2)
+    with pytest.raises(GradmeshError, match=r"unknown widget 'c' \(valid: a, b\)"):
+        reg.get("c")
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.register("a")(3)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"strategy": "nope"}, "unknown strategy 'nope' (valid: allreduce)"),
+        ({"model": "resnet"}, "unknown model 'resnet' (valid: cnn, linear, mlp)"),
+        ({"dataset": "imagenet"}, "unknown dataset 'imagenet' (valid: digits, synthetic)"),
+        ({"allreduce": "magic"}, "unknown allreduce algorithm 'magic'"),
+        ({"workers": 0}, "--workers must be >= 1, got 0"),
+        ({"workers": 4, "batch_size": 3}, "global batch 3 is smaller than the number of workers 4"),
+        ({"lr": 0.0}, "--lr and --timeout-s must be > 0"),
+        ({"synthetic_shape": "3xy"}, "bad shape '3xy'"),
+    ],
+)
+def test_validate_rejects(change: dict[str, object], message: str) -> None:
+    config = TrainConfig(**change)  # type: ignore[arg-type]
+    with pytest.raises(GradmeshError) as err:
+        config.validate()
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_defaults_are_valid_and_round_trip_through_json() -> None:
+    config = TrainConfig()
+    config.validate()
+    import json
+
+    assert TrainConfig.from_mapping(json.loads(config.to_json()), "json") == config
+
+
+def test_toml_fills_fields_and_rejects_unknown_keys(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text('[train]\nworkers = 3\nmodel = "mlp"\nlr = 0.2\n')
+    config = TrainConfig.from_toml(str(good))
+    assert (config.workers, config.model, config.lr) == (3, "mlp", 0.2)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nwrokers = 3\n")
+    with pytest.raises(GradmeshError, match="unknown option.*wrokers"):
+        TrainConfig.from_toml(str(bad))
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("3x32x32") == (3, 32, 32)
+    with pytest.raises(GradmeshError):
+        parse_shape("0x3")
+
+
+def test_worker_grid_checks_the_world() -> None:
+    grid = WorkerGrid(data=2, model=3)
+    grid.check(6)
+    assert grid.coords(4) == (1, 1)
+    with pytest.raises(GradmeshError, match="data=2 x model=3 = 6 does not match the world size 4"):
+        grid.check(4)
+    with pytest.raises(GradmeshError):
+        WorkerGrid(data=0)
+
+
+@pytest.mark.parametrize("name", ["cnn", "mlp", "linear"])
+def test_models_accept_other_input_shapes(name: str) -> None:
+    import torch
+
+    model = MODELS.get(name)((3, 12, 10), 5)
+    assert model(torch.zeros(2, 3, 12, 10)).shape == (2, 5)

@@ -1,0 +1,60 @@
+"""Launcher input checks that need no processes."""
+
+from __future__ import annotations
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from gradmesh.errors import GradmeshError
+from gradmesh.launch.run import LaunchSpec, _check, parse_master, resolve_command
+
+
+def test_parse_master_forms() -> None:
+    assert parse_master("10.0.0.5:1234", 2) == ("10.0.0.5", 1234)
+    assert parse_master("node0", 2) == ("node0", 29500)
+    host, port = parse_master(None, 1)
+    assert host == "127.0.0.1" and 0 < port < 65536
+    with pytest.raises(GradmeshError, match="--master HOST"):
+        parse_master(None, 2)
+    with pytest.raises(GradmeshError, match="port must be a number"):
+        parse_master("node0:http", 2)
+
+
+def test_resolve_command(tmp_path: Path) -> None:
+    script = tmp_path / "s.py"
+    script.write_text("pass\n")
+    assert resolve_command(["python", str(script), "--x"]) == [sys.executable, str(script), "--x"]
+    assert resolve_command(["python", "-c", "pass"]) == [sys.executable, "-c", "pass"]
+    with pytest.raises(GradmeshError, match="script .*missing.py does not exist"):
+        resolve_command(["python", str(tmp_path / "missing.py")])
+    with pytest.raises(GradmeshError, match="command 'no-such-binary-x' not found"):
+        resolve_command(["no-such-binary-x"])
+    with pytest.raises(GradmeshError, match="no command to run"):
+        resolve_command([])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (LaunchSpec(nproc=0), "-np must be >= 1"),
+        (LaunchSpec(nproc=1, nnodes=2, node_rank=2), "--node-rank 2 is not in 0..1"),
+        (LaunchSpec(nproc=1, timeout_s=0), "--timeout must be > 0"),
+    ],
+)
+def test_spec_checks(spec: LaunchSpec, message: str) -> None:
+    with pytest.raises(GradmeshError, match=message):
+        _check(spec)
+
+
+def test_port_in_use_is_detected() -> None:
+    from gradmesh.launch.run import _check_port_free
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(GradmeshError, match=f"master port {port} is already in use"):
+            _check_port_free("127.0.0.1", port)
