@@ -60,7 +60,9 @@ def test_equal_to_one_process_with_global_batch(world: int) -> None:
         for got, want in zip(params, reference, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     initial = list(_setup()[0].parameters())
-    moved = sum(float((a - b).detach().abs().sum()) for a, b in zip(reference, initial, strict=True))
+    moved = sum(
+        float((a - b).detach().abs().sum()) for a, b in zip(reference, initial, strict=True)
+    )
     assert moved > 1e-2  # the steps really changed the model
 
 
