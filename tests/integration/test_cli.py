@@ -1,0 +1,223 @@
+"""The `gradmesh` command end to end: real launcher, real worker processes, real gloo."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradmesh.launch.run import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
+REPORT_KEYS = {
+    "test_accuracy",
+    "final_loss",
+    "wall_s",
+    "samples_per_s",
+    "comm_s",
+    "compute_s",
+    "bytes_sent",
+    "workers",
+    "strategy",
+    "epochs",
+    "seed",
+}
+
+
+def gradmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GRADMESH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def one_line_error(out: subprocess.CompletedProcess[str]) -> str:
+    assert out.returncode != 0
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    return lines[0]
+
+
+def test_default_train_reaches_accuracy_and_is_reproducible(tmp_path: Path) -> None:
+    reports = []
+    for name in ("a.json", "b.json"):
+        started = time.monotonic()
+        out = gradmesh("train", "--json", str(tmp_path / name))
+        elapsed = time.monotonic() - started
+        assert out.returncode == 0, out.stderr
+        assert "test accuracy" in out.stdout
+        reports.append(json.loads((tmp_path / name).read_text()))
+    first, second = reports
+    assert set(first) >= REPORT_KEYS
+    assert first["test_accuracy"] >= 0.95
+    assert first["workers"] == 2 and first["strategy"] == "allreduce"
+    assert first["bytes_sent"] > 0 and first["comm_s"] > 0 and first["compute_s"] > 0
+    assert elapsed < 120  # a generous bound against hangs; speed is measured by benchmarks
+    for key in ("test_accuracy", "final_loss", "loss_history"):
+        assert first[key] == second[key]
+
+
+def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
+    common = [
+        "--dataset",
+        "synthetic",
+        "--synthetic-samples",
+        "400",
+        "--model",
+        "mlp",
+        "--workers",
+        "2",
+    ]
+    ckpt = tmp_path / "ckpt"
+    assert (
+        gradmesh("train", *common, "--epochs", "2", "--checkpoint-dir", str(ckpt)).returncode == 0
+    )
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-00001.pt", "epoch-00002.pt"]
+    resumed = gradmesh(
+        "train",
+        *common,
+        "--epochs",
+        "4",
+        "--checkpoint-dir",
+        str(ckpt),
+        "--json",
+        str(tmp_path / "resumed.json"),
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    straight = gradmesh(
+        "train", *common, "--epochs", "4", "--json", str(tmp_path / "straight.json")
+    )
+    assert straight.returncode == 0, straight.stderr
+    a = json.loads((tmp_path / "resumed.json").read_text())
+    b = json.loads((tmp_path / "straight.json").read_text())
+    assert a["loss_history"] == pytest.approx(b["loss_history"], rel=1e-6)
+    assert a["test_accuracy"] == b["test_accuracy"]
+    other = gradmesh("train", *common, "--seed", "9", "--checkpoint-dir", str(ckpt))
+    assert "belongs to another run: seed=0 (now 9)" in other.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["train", "--strategy", "nope"], "unknown strategy 'nope' (valid: allreduce)"),
+        (["train", "--model", "vgg"], "unknown model 'vgg' (valid: cnn, linear, mlp)"),
+        (["train", "--dataset", "mnist"], "unknown dataset 'mnist' (valid: digits, synthetic)"),
+        (["train", "--workers", "0"], "--workers must be >= 1"),
+        (["train", "--workers", "4", "--batch-size", "2"], "global batch 2 is smaller"),
+        (["train", "--epochs", "many"], "invalid int value: 'many'"),
+        (
+            ["run", "-np", "2", "--", "python", "no/such/script.py"],
+            "script no/such/script.py does not exist",
+        ),
+        (["run", "-np", "0", "--", "python", "-c", "pass"], "-np must be >= 1"),
+        (["run", "-np", "1"], "no command to run"),
+    ],
+)
+def test_bad_input_gets_one_clear_line(args: list[str], message: str) -> None:
+    assert message in one_line_error(gradmesh(*args, timeout=60))
+
+
+def test_master_port_in_use() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = gradmesh(
+            "run", "-np", "2", "--master", f"127.0.0.1:{port}", "--", "python", "-c", "pass"
+        )
+    assert f"master port {port} is already in use" in one_line_error(out)
+
+
+def test_unreachable_master_fails_within_the_timeout_naming_it() -> None:
+    port = free_port()
+    started = time.monotonic()
+    out = gradmesh(
+        "run",
+        "-np",
+        "1",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master",
+        f"127.0.0.1:{port}",
+        "--timeout",
+        "2",
+        "--",
+        "python",
+        "-c",
+        "pass",
+    )
+    assert time.monotonic() - started < 30
+    assert f"rendezvous with master 127.0.0.1:{port} failed" in one_line_error(out)
+
+
+def test_failing_rank_ends_the_job_with_its_exit_code(tmp_path: Path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "print('started', flush=True)\n"
+        "if os.environ['RANK'] == '2':\n    sys.exit(7)\n"
+        "time.sleep(120)\n"
+    )
+    started = time.monotonic()
+    out = gradmesh("run", "-np", "3", "--", "python", str(script))
+    assert out.returncode == 7
+    assert time.monotonic() - started < 60  # the sleeping ranks were stopped, not waited for
+    assert "rank 2 exited with code 7; the job was stopped" in out.stderr
+    assert {"[0] started", "[1] started", "[2] started"} <= set(out.stdout.splitlines())
+
+
+def test_ctrl_c_ends_every_worker(tmp_path: Path) -> None:
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen(
+        [*GRADMESH, "run", "-np", "2", "--", "python", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    seen = [proc.stdout.readline(), proc.stdout.readline()]
+    assert all("up" in line for line in seen)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "stopped by SIGINT" in err
+    # the leak fixture then checks that no worker survived
+
+
+def test_example_trains_under_gradmesh_run_and_torchrun() -> None:
+    example = str(ROOT / "examples" / "train_digits.py")
+    ours = gradmesh("run", "-np", "2", "--", "python", example)
+    assert ours.returncode == 0, ours.stderr
+    assert "[0] test accuracy" in ours.stdout and "on 2 workers" in ours.stdout
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    theirs = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            example,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=ROOT,
+    )
+    assert theirs.returncode == 0, theirs.stderr
+    accuracy = float(theirs.stdout.split("test accuracy")[1].split()[0])
+    assert accuracy >= 0.9
