@@ -151,6 +151,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from gradmesh.launch.rendezvous import register
+
     _check(spec)
     command = resolve_command(command)
     host, port = parse_master(spec.master, spec.nnodes)
@@ -168,7 +170,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
         run_id=f"gradmesh-{port}",
-        rdzv_backend="static",
+        rdzv_backend=register(),
         rdzv_endpoint=f"{host}:{port}",
         rdzv_configs={"rank": spec.node_rank, "timeout": int(max(1, spec.timeout_s))},
         max_restarts=0,

@@ -221,3 +221,34 @@ def test_example_trains_under_gradmesh_run_and_torchrun() -> None:
     assert theirs.returncode == 0, theirs.stderr
     accuracy = float(theirs.stdout.split("test accuracy")[1].split()[0])
     assert accuracy >= 0.9
+
+
+def test_single_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    import psutil
+
+    script = tmp_path / "hold.py"
+    script.write_text(
+        "import gradmesh, time\ngradmesh.init()\nprint('up', flush=True)\ntime.sleep(120)\n"
+    )
+    proc = subprocess.Popen(
+        [*GRADMESH, "run", "-np", "2", "--", "python", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "up" in proc.stdout.readline() and "up" in proc.stdout.readline()
+        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+        listening = [
+            c.laddr
+            for p in family
+            for c in p.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN
+        ]
+        assert listening  # the rendezvous store and gloo's own listeners
+        assert all(addr.ip in ("127.0.0.1", "::1") for addr in listening), listening
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=60)
