@@ -91,6 +91,10 @@ class Runtime:
     cross_group: dist.ProcessGroup | None
     grid: WorkerGrid
     comm: CommStats = field(default_factory=CommStats)
+    workspace: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    """Scratch buffers of the collectives, kept across calls so the hot path allocates nothing."""
+    checked: set[tuple[object, ...]] = field(default_factory=set)
+    """Collective signatures whose shape and dtype have been checked to agree on every rank."""
 
 
 _runtime: Runtime | None = None

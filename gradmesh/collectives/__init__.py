@@ -1,11 +1,29 @@
-"""Collective operations on tensors, by algorithm name.
+"""Collective operations built on torch.distributed point-to-point messages, by algorithm name.
 
-`allreduce(tensor, op, algorithm)` reduces in place across a process group with the algorithm
-registered under that name; `broadcast` copies the root's tensor to every rank. Every call is
-counted in the runtime's `CommStats` (bytes this rank sent, seconds spent).
+`allreduce(tensor, op, algorithm)` reduces in place with one of: ring, tree, butterfly, star,
+hierarchical, native (the backend's own) or auto (lowest predicted cost). `broadcast`,
+`allgather` and `reduce_scatter` run on the same machinery. Every call is counted in the
+runtime's `CommStats`; `cost()` and `probe()` give the alpha-beta-gamma model.
 """
 
-from gradmesh.collectives import native as _native  # noqa: F401  (registers "native")
-from gradmesh.collectives.api import ALGORITHMS, Op, allreduce, broadcast
+from gradmesh.collectives import auto as _auto  # noqa: F401  (registers each algorithm)
+from gradmesh.collectives import butterfly as _butterfly  # noqa: F401
+from gradmesh.collectives import hierarchical as _hierarchical  # noqa: F401
+from gradmesh.collectives import native as _native  # noqa: F401
+from gradmesh.collectives import star as _star  # noqa: F401
+from gradmesh.collectives.api import ALGORITHMS, Op, allreduce
+from gradmesh.collectives.cost import CostParams, cost, probe
+from gradmesh.collectives.ring import allgather, reduce_scatter
+from gradmesh.collectives.tree import broadcast
 
-__all__ = ["ALGORITHMS", "Op", "allreduce", "broadcast"]
+__all__ = [
+    "ALGORITHMS",
+    "CostParams",
+    "Op",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "cost",
+    "probe",
+    "reduce_scatter",
+]

@@ -7,12 +7,18 @@ what Gloo and NCCL run for the large messages that dominate training: 2(p-1)/p *
 import torch
 import torch.distributed as dist
 
-from gradmesh.collectives.api import ALGORITHMS
+from gradmesh.collectives.api import algorithm
+from gradmesh.collectives.channel import Channel
+from gradmesh.collectives.ring import ring_cost
+from gradmesh.errors import GradmeshError, first_line
 
 
-@ALGORITHMS.register("native")
-def native_allreduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> int:
-    p = dist.get_world_size(group)
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
-    nbytes = tensor.numel() * tensor.element_size()
-    return 2 * (p - 1) * nbytes // p
+@algorithm("native", cost=ring_cost)
+def native_allreduce(flat: torch.Tensor, ch: Channel) -> None:
+    try:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ch.group)
+    except RuntimeError as exc:  # the backend does not say which peer failed
+        raise GradmeshError(
+            f"rank {ch.rt.rank}: {ch.operation} failed: {first_line(exc)}"
+        ) from None
+    ch.sent += 2 * (ch.size - 1) * flat.numel() * flat.element_size() // ch.size
