@@ -11,6 +11,7 @@ import dataclasses
 import sys
 import types
 import typing
+from importlib import import_module
 from typing import Any, NoReturn
 
 from gradmesh.errors import GradmeshError
@@ -64,6 +65,19 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
     return launch(spec, worker)
 
 
+BENCHES = {
+    "allreduce": (
+        "every allreduce algorithm, interleaved, with the cost model",
+        "gradmesh.bench.allreduce",
+    ),
+}
+"""Benchmark name -> (one-line help, module with add_arguments(parser) and run(args))."""
+
+
+def _cmd_bench(args: argparse.Namespace, _command: list[str]) -> int:
+    return int(import_module(args.bench_module).run(args))
+
+
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
     from gradmesh.launch.run import LaunchSpec, launch
 
@@ -94,6 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")
     _add_train_flags(train)
     train.set_defaults(handler=_cmd_train)
+    bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
+    benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
+    for name, (summary, module) in BENCHES.items():
+        one = benches.add_parser(name, help=summary)
+        import_module(module).add_arguments(one)
+        one.set_defaults(handler=_cmd_bench, bench_module=module)
     return parser
 
 

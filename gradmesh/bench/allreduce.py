@@ -1,0 +1,149 @@
+"""`gradmesh bench allreduce`: every allreduce algorithm, interleaved, on real ranks.
+
+For each world size the ranks first probe alpha, beta (ping-pong sweep) and gamma, then warm every
+(algorithm, size) up and take `--reps` measured rounds; in each round every size and algorithm
+runs once, in turn, so drift hits all alike. A measurement is the slowest rank's time between a
+barrier and the end of its allreduce. Reported: median and p90, algbw = bytes / median, busbw =
+algbw * 2(p-1)/p (the nccl-tests definition), and the time the alpha-beta-gamma model predicts
+with the probed parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from gradmesh.bench.common import (
+    median,
+    parse_ints,
+    parse_list,
+    parse_size,
+    quantile,
+    run_workers,
+    write_json,
+)
+
+DEFAULT_ALGORITHMS = "ring,tree,butterfly,star,hierarchical,native"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", default="2,4", help="world sizes, like 2,4 (default: 2,4)")
+    parser.add_argument("--sizes", default="4KB,256KB,4MB,32MB", help="message sizes")
+    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="algorithms to compare")
+    parser.add_argument("--reps", type=int, default=10, help="measured rounds (default: 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default: 2)")
+    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.collectives import ALGORITHMS
+    from gradmesh.errors import GradmeshError
+
+    worlds = parse_ints(args.world, "world size")
+    sizes = [parse_size(s) for s in parse_list(args.sizes, "size")]
+    algorithms = parse_list(args.algorithms, "algorithm")
+    for name in algorithms:
+        ALGORITHMS.get(name)
+    if args.reps < 1 or args.warmup < 0:
+        raise GradmeshError("--reps must be >= 1 and --warmup >= 0")
+    config = {"sizes": sizes, "algorithms": algorithms, "reps": args.reps, "warmup": args.warmup}
+    results: list[dict[str, Any]] = []
+    for world in worlds:
+        results += run_workers("gradmesh.bench.allreduce", world, config, args.timeout)["results"]
+    payload = {"results": results, "host": "loopback, one machine", "reps": args.reps}
+    write_json(args.json, payload)
+    print(table(results))
+    return 0
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    native = {
+        (r["world"], r["bytes"]): r["busbw_GBps"] for r in results if r["algorithm"] == "native"
+    }
+    lines = [
+        f"{'algorithm':>12} {'world':>5} {'bytes':>10} {'median ms':>10} {'p90 ms':>9} "
+        f"{'algbw GB/s':>10} {'busbw GB/s':>10} {'model ms':>9} {'vs native':>9}"
+    ]
+    for r in results:
+        ref = native.get((r["world"], r["bytes"]))
+        ratio = f"{r['busbw_GBps'] / ref:.2f}" if ref else "-"
+        lines.append(
+            f"{r['algorithm']:>12} {r['world']:>5} {r['bytes']:>10} {r['median_s'] * 1e3:>10.3f} "
+            f"{r['p90_s'] * 1e3:>9.3f} {r['algbw_GBps']:>10.3f} {r['busbw_GBps']:>10.3f} "
+            f"{r['predicted_s'] * 1e3:>9.3f} {ratio:>9}"
+        )
+    return "\n".join(lines)
+
+
+def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+
+    from gradmesh.collectives import allreduce, cost, probe
+    from gradmesh.runtime import init, shutdown
+
+    rt = init()
+    p = rt.size
+    params = probe() if p > 1 else None
+    buffers = {n: torch.ones(n // 4, dtype=torch.float32) for n in config["sizes"]}
+    slowest = torch.zeros(1, dtype=torch.float64)
+    samples: dict[tuple[str, int], list[float]] = {}
+    for round_ in range(config["warmup"] + config["reps"]):
+        for n in config["sizes"]:
+            for name in config["algorithms"]:
+                buffers[n].fill_(1.0)
+                dist.barrier()
+                started = time.perf_counter()
+                allreduce(buffers[n], algorithm=name)
+                slowest[0] = time.perf_counter() - started
+                dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+                if round_ >= config["warmup"]:
+                    samples.setdefault((name, n), []).append(float(slowest[0]))
+    rows = []
+    for (name, n), times in samples.items():
+        mid = median(times)
+        algbw = n / mid / 1e9
+        predicted = (
+            cost(name, p, n, params.alpha, params.beta, params.gamma, rt.local_size)
+            if params
+            else 0.0
+        )
+        rows.append(
+            {
+                "algorithm": name,
+                "world": p,
+                "bytes": n,
+                "median_s": mid,
+                "p90_s": quantile(times, 0.9),
+                "algbw_GBps": algbw,
+                "busbw_GBps": algbw * 2 * (p - 1) / p,
+                "predicted_s": predicted,
+            }
+        )
+    rows.sort(key=lambda r: (r["bytes"], config["algorithms"].index(r["algorithm"])))
+    fitted = (
+        {"alpha_s": params.alpha, "beta_s_per_byte": params.beta, "gamma_s_per_byte": params.gamma}
+        if params
+        else {}
+    )
+    shutdown()
+    return rt.rank, {"results": [{**r, **fitted} for r in rows]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="gradmesh-bench-allreduce-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, result = _measure(json.loads(args.config))
+    if rank == 0:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

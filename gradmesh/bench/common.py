@@ -1,0 +1,87 @@
+"""Pieces every benchmark shares: size parsing, robust statistics, launching a worker module."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gradmesh.errors import GradmeshError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1 << 10,
+    "K": 1 << 10,
+    "MB": 1 << 20,
+    "M": 1 << 20,
+    "GB": 1 << 30,
+    "G": 1 << 30,
+}
+
+
+def parse_size(text: str) -> int:
+    """'4KB' -> 4096 (binary units, as nccl-tests use)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
+    if not m:
+        raise GradmeshError(f"bad size {text!r}: expected a number with KB, MB or GB, like 4MB")
+    return int(m.group(1)) * _UNITS[m.group(2)]
+
+
+def parse_list(text: str, kind: str) -> list[str]:
+    items = [part.strip() for part in text.split(",") if part.strip()]
+    if not items:
+        raise GradmeshError(f"empty {kind} list")
+    return items
+
+
+def parse_ints(text: str, kind: str, minimum: int = 1) -> list[int]:
+    try:
+        values = [int(v) for v in parse_list(text, kind)]
+    except ValueError:
+        raise GradmeshError(f"bad {kind} list {text!r}: expected integers like 2,4") from None
+    if any(v < minimum for v in values):
+        raise GradmeshError(f"every {kind} must be >= {minimum}, got {text}")
+    return values
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1) with linear interpolation."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo = int(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run_workers(module: str, world: int, config: dict[str, Any], timeout_s: float) -> Any:
+    """Launch `python -m module` on `world` local ranks; return what rank 0 wrote as JSON."""
+    from gradmesh.launch.run import LaunchSpec, launch
+
+    with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        cmd = [sys.executable, "-m", module, "--config", json.dumps(config), "--out", str(out)]
+        code = launch(LaunchSpec(nproc=world, timeout_s=timeout_s), cmd)
+        if code != 0 or not out.exists():
+            raise GradmeshError(
+                f"benchmark workers ({module}, world {world}) failed with code {code}"
+            )
+        return json.loads(out.read_text())
+
+
+def write_json(path: str | None, payload: Any) -> None:
+    if path:
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+
+
+def cores() -> int:
+    return os.cpu_count() or 1
