@@ -109,3 +109,34 @@ def test_allgather_reduce_scatter_broadcast(world: int) -> None:
         assert gathered.tolist() == [[r, 10 * r] for r in range(world)]
         assert torch.equal(block, blocks[rank])
         assert b.tolist() == [float(world - 1)] * 4
+
+
+def probe_on_rank() -> tuple[float, float, float]:
+    from gradmesh.collectives import probe
+
+    params = probe(sizes=(8, 65536, 1 << 20), repeats=3)
+    return params.alpha, params.beta, params.gamma
+
+
+def test_probe_gives_every_rank_the_same_positive_fit() -> None:
+    fits = run_ranks(probe_on_rank, 3)
+    assert fits[0] == fits[1] == fits[2]
+    alpha, beta, gamma = fits[0]
+    assert 0 < alpha < 0.1 and 0 < beta < 1e-6 and 0 < gamma < 1e-6
+
+
+def bytes_per_algorithm() -> dict[str, int]:
+    sent = {}
+    for name in ("ring", "star", "tree"):
+        before = gradmesh.get_runtime().comm.bytes_sent
+        allreduce(torch.ones(4000), algorithm=name)
+        sent[name] = gradmesh.get_runtime().comm.bytes_sent - before
+    return sent
+
+
+def test_bytes_sent_are_what_each_algorithm_puts_on_the_wire() -> None:
+    per_rank = run_ranks(bytes_per_algorithm, 4)
+    n = 16000
+    assert all(r["ring"] == 2 * 3 * n // 4 for r in per_rank)  # 2(p-1) segments of n/p
+    assert per_rank[0]["star"] == 3 * n and per_rank[1]["star"] == n  # the root sends p-1 copies
+    assert sum(r["tree"] for r in per_rank) == 2 * 3 * n  # p-1 edges, up and down

@@ -252,3 +252,51 @@ def test_single_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     finally:
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=60)
+
+
+def test_bench_allreduce_writes_every_algorithm(tmp_path: Path) -> None:
+    out = gradmesh(
+        "bench",
+        "allreduce",
+        "--world",
+        "2",
+        "--sizes",
+        "4KB,64KB",
+        "--reps",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        str(tmp_path / "b.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "b.json").read_text())["results"]
+    names = {"ring", "tree", "butterfly", "star", "hierarchical", "native"}
+    assert {(r["algorithm"], r["bytes"]) for r in rows} == {
+        (a, b) for a in names for b in (4096, 65536)
+    }
+    for r in rows:
+        assert r["median_s"] > 0 and r["p90_s"] >= r["median_s"] and r["predicted_s"] > 0
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"])  # 2(p-1)/p = 1 at p = 2
+    assert "busbw GB/s" in out.stdout
+    assert "unknown allreduce algorithm 'x'" in one_line_error(
+        gradmesh("bench", "allreduce", "--algorithms", "ring,x")
+    )
+
+
+def test_train_with_another_allreduce_algorithm(tmp_path: Path) -> None:
+    out = gradmesh(
+        "train",
+        "--workers",
+        "3",
+        "--allreduce",
+        "ring",
+        "--epochs",
+        "6",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["strategy_info"] == {"allreduce": "ring"} and report["workers"] == 3
+    assert report["test_accuracy"] >= 0.9
