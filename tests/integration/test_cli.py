@@ -176,9 +176,11 @@ def test_failing_rank_ends_the_job_with_its_exit_code(tmp_path: Path) -> None:
     assert {"[0] started", "[1] started", "[2] started"} <= set(out.stdout.splitlines())
 
 
-def test_ctrl_c_ends_every_worker(tmp_path: Path) -> None:
-    script = tmp_path / "sleep.py"
-    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(120)\n")
+def start_two_workers(tmp_path: Path, prelude: str) -> subprocess.Popen[str]:
+    """`gradmesh run -np 2` of a script that runs `prelude`, says 'up' and sleeps; returns once
+    both workers are up."""
+    script = tmp_path / "hold.py"
+    script.write_text(f"{prelude}\nimport time\nprint('up', flush=True)\ntime.sleep(120)\n")
     proc = subprocess.Popen(
         [*GRADMESH, "run", "-np", "2", "--", "python", str(script)],
         stdout=subprocess.PIPE,
@@ -187,8 +189,12 @@ def test_ctrl_c_ends_every_worker(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert proc.stdout is not None
-    seen = [proc.stdout.readline(), proc.stdout.readline()]
-    assert all("up" in line for line in seen)
+    assert "up" in proc.stdout.readline() and "up" in proc.stdout.readline()
+    return proc
+
+
+def test_ctrl_c_ends_every_worker(tmp_path: Path) -> None:
+    proc = start_two_workers(tmp_path, "import time")
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130
@@ -226,20 +232,8 @@ def test_example_trains_under_gradmesh_run_and_torchrun() -> None:
 def test_single_host_job_listens_on_loopback_only(tmp_path: Path) -> None:
     import psutil
 
-    script = tmp_path / "hold.py"
-    script.write_text(
-        "import gradmesh, time\ngradmesh.init()\nprint('up', flush=True)\ntime.sleep(120)\n"
-    )
-    proc = subprocess.Popen(
-        [*GRADMESH, "run", "-np", "2", "--", "python", str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-    )
+    proc = start_two_workers(tmp_path, "import gradmesh, time\ngradmesh.init()")
     try:
-        assert proc.stdout is not None
-        assert "up" in proc.stdout.readline() and "up" in proc.stdout.readline()
         family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
         listening = [
             c.laddr
