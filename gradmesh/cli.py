@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 import types
 import typing
@@ -56,12 +57,13 @@ def _train_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
-    from gradmesh.launch.run import LaunchSpec, launch
+    from gradmesh.launch.run import LaunchSpec, cluster_defaults, launch
 
     config = _train_config(args)
     config.validate()
     worker = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
-    spec = LaunchSpec(nproc=config.workers, timeout_s=config.timeout_s, passthrough_rank0=True)
+    where = {"nproc": config.workers, **cluster_defaults()}
+    spec = LaunchSpec(**where, timeout_s=config.timeout_s, passthrough_rank0=True)
     return launch(spec, worker)
 
 
@@ -70,12 +72,28 @@ BENCHES = {
         "every allreduce algorithm, interleaved, with the cost model",
         "gradmesh.bench.allreduce",
     ),
+    "link": (
+        "native allreduce over emulated hosts, as a fraction of the link",
+        "gradmesh.bench.link",
+    ),
 }
 """Benchmark name -> (one-line help, module with add_arguments(parser) and run(args))."""
 
 
 def _cmd_bench(args: argparse.Namespace, _command: list[str]) -> int:
     return int(import_module(args.bench_module).run(args))
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _cmd_emulate(args: argparse.Namespace, command: list[str]) -> int:
+    from gradmesh.launch.emulate import EmulatedCluster
+
+    signal.signal(signal.SIGTERM, _interrupt)  # tear the namespaces down on SIGTERM too
+    with EmulatedCluster(hosts=args.hosts, bandwidth=args.bandwidth, latency=args.latency) as c:
+        return c.run(command, procs_per_host=args.procs_per_host, timeout=args.timeout)
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
@@ -95,8 +113,17 @@ def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    from gradmesh.launch.run import cluster_defaults
+
+    on_cluster = cluster_defaults()  # set by gradmesh emulate on each emulated host
     run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
-    run.add_argument("-np", type=int, required=True, help="worker processes on this host")
+    run.add_argument(
+        "-np",
+        type=int,
+        required="nproc" not in on_cluster,
+        default=on_cluster.get("nproc"),
+        help="worker processes on this host",
+    )
     run.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default: 1)")
     run.add_argument("--node-rank", type=int, default=0, help="index of this host (default: 0)")
     run.add_argument("--master", help="HOST[:PORT] of host 0 (default: a free loopback port)")
@@ -104,10 +131,19 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--timeout", type=float, default=60.0, help="rendezvous and collective timeout, s"
     )
-    run.set_defaults(handler=_cmd_run)
+    run.set_defaults(handler=_cmd_run, **{k: v for k, v in on_cluster.items() if k != "nproc"})
     train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")
     _add_train_flags(train)
     train.set_defaults(handler=_cmd_train)
+    emulate = sub.add_parser(
+        "emulate", help="run a command on emulated hosts: gradmesh emulate --hosts H -- CMD ..."
+    )
+    emulate.add_argument("--hosts", type=int, required=True, help="emulated hosts")
+    emulate.add_argument("--procs-per-host", type=int, default=1, help="workers per host")
+    emulate.add_argument("--bandwidth", default="1gbit", help="link rate per host (default: 1gbit)")
+    emulate.add_argument("--latency", help="added one-way latency, like 1ms (needs netem)")
+    emulate.add_argument("--timeout", type=float, default=600.0, help="end the job after S seconds")
+    emulate.set_defaults(handler=_cmd_emulate)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (summary, module) in BENCHES.items():
@@ -127,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
     args = build_parser().parse_args(argv)
-    if args.command != "run" and command:
+    if args.command not in ("run", "emulate") and command:
         print(f"gradmesh {args.command}: error: unexpected arguments after --", file=sys.stderr)
         return USAGE_ERROR
     try:

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from gradmesh.bench.common import (
+    emulated_cluster,
     median,
     parse_ints,
     parse_list,
@@ -37,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default: 2)")
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s")
+    parser.add_argument("--emulate-hosts", type=int, help="spread each world over H emulated hosts")
+    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,9 +55,16 @@ def run(args: argparse.Namespace) -> int:
         raise GradmeshError("--reps must be >= 1 and --warmup >= 0")
     config = {"sizes": sizes, "algorithms": algorithms, "reps": args.reps, "warmup": args.warmup}
     results: list[dict[str, Any]] = []
-    for world in worlds:
-        results += run_workers("gradmesh.bench.allreduce", world, config, args.timeout)["results"]
-    payload = {"results": results, "host": "loopback, one machine", "reps": args.reps}
+    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
+        for world in worlds:
+            found = run_workers("gradmesh.bench.allreduce", world, config, args.timeout, cluster)
+            results += found["results"]
+        where = (
+            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s links"
+            if cluster
+            else "loopback, one machine"
+        )
+    payload = {"results": results, "network": where, "reps": args.reps}
     write_json(args.json, payload)
     print(table(results))
     return 0

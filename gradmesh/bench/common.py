@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import re
 import statistics
 import sys
@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.emulate import EmulatedCluster
 
 _UNITS = {
     "": 1,
@@ -63,14 +64,29 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def run_workers(module: str, world: int, config: dict[str, Any], timeout_s: float) -> Any:
-    """Launch `python -m module` on `world` local ranks; return what rank 0 wrote as JSON."""
+def run_workers(
+    module: str,
+    world: int,
+    config: dict[str, Any],
+    timeout_s: float,
+    cluster: EmulatedCluster | None = None,
+) -> Any:
+    """Launch `python -m module` on `world` ranks, on this host or spread evenly over the hosts
+    of an emulated cluster; return what rank 0 wrote as JSON."""
     from gradmesh.launch.run import LaunchSpec, launch
 
     with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", module, "--config", json.dumps(config), "--out", str(out)]
-        code = launch(LaunchSpec(nproc=world, timeout_s=timeout_s), cmd)
+        if cluster is None:
+            code = launch(LaunchSpec(nproc=world, timeout_s=timeout_s), cmd)
+        else:
+            if world % cluster.hosts:
+                raise GradmeshError(
+                    f"world {world} does not split evenly over {cluster.hosts} hosts"
+                )
+            cmd[0] = "python"
+            code = cluster.run(cmd, procs_per_host=world // cluster.hosts, timeout=timeout_s * 4)
         if code != 0 or not out.exists():
             raise GradmeshError(
                 f"benchmark workers ({module}, world {world}) failed with code {code}"
@@ -83,5 +99,10 @@ def write_json(path: str | None, payload: Any) -> None:
         Path(path).write_text(json.dumps(payload, indent=2) + "\n")
 
 
-def cores() -> int:
-    return os.cpu_count() or 1
+def emulated_cluster(
+    hosts: int | None, bandwidth: str
+) -> contextlib.AbstractContextManager[EmulatedCluster | None]:
+    """An emulated cluster of `hosts` hosts, or nothing (loopback) when `hosts` is None."""
+    if hosts is None:
+        return contextlib.nullcontext()
+    return EmulatedCluster(hosts=hosts, bandwidth=bandwidth)

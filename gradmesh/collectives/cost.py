@@ -68,26 +68,29 @@ def probe(
     sizes: tuple[int, ...] = (8, 4096, 65536, 1 << 20, 4 << 20),
     repeats: int = 5,
 ) -> CostParams:
-    """Fit alpha and beta from ping-pongs between the group's first two ranks, gamma from a local
-    reduction on its first rank; every member gets the same figures. Needs >= 2 ranks."""
-    ranks = (
-        dist.get_process_group_ranks(group)
-        if group is not None
-        else list(range(dist.get_world_size()))
-    )
+    """Fit alpha and beta from ping-pongs between two ranks of the group, gamma from a local
+    reduction; every member gets the same figures. Needs >= 2 ranks. On the whole world of a
+    multi-host job the pair spans two hosts, so the fit describes the network, not loopback."""
+    from gradmesh.runtime import get_runtime
+
+    rt = get_runtime()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(rt.size))
     if len(ranks) < 2:
         raise ValueError("probe needs a group of at least 2 ranks")
-    me = dist.get_rank()
+    pair = ranks[:2]
+    if group is None and rt.cross_size > 1:  # torchrun numbers ranks host by host
+        pair = [0, rt.local_size]
+    me = rt.rank
     result = torch.zeros(3, dtype=torch.float64)
-    if me in ranks[:2]:
-        peer = ranks[1] if me == ranks[0] else ranks[0]
+    if me in pair:
+        peer = pair[1] if me == pair[0] else pair[0]
         one_way = []
         for n in sizes:
             buf = torch.zeros(max(1, n // 4), dtype=torch.float32)
             times = []
             for _ in range(repeats + 1):
                 started = time.perf_counter()
-                if me == ranks[0]:
+                if me == pair[0]:
                     dist.send(buf, peer, group=group)
                     dist.recv(buf, peer, group=group)
                 else:
@@ -102,5 +105,5 @@ def probe(
             a.add_(b)
         gamma = (time.perf_counter() - started) / (5 * a.numel() * 4)
         result = torch.tensor([alpha, beta, gamma], dtype=torch.float64)
-    dist.broadcast(result, src=ranks[0], group=group)
+    dist.broadcast(result, src=pair[0], group=group)
     return CostParams(*(float(v) for v in result))

@@ -22,6 +22,7 @@ import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
@@ -51,6 +52,24 @@ class LaunchSpec:
     """Give global rank 0 the terminal itself (unprefixed), for a live progress bar."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the workers."""
+
+
+def cluster_defaults() -> dict[str, Any]:
+    """Where this host sits in a multi-host job, from the GRADMESH_* variables that
+    `gradmesh emulate` (or a cluster script) sets; empty when none are set."""
+    from gradmesh.launch.emulate import CLUSTER_ENV
+
+    found: dict[str, Any] = {}
+    for key, var in CLUSTER_ENV.items():
+        raw = os.environ.get(var)
+        if raw:
+            try:
+                found[key] = raw if key in ("master", "iface") else int(raw)
+            except ValueError:
+                raise GradmeshError(
+                    f"environment variable {var}={raw!r} is not an integer"
+                ) from None
+    return found
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -1,0 +1,428 @@
+"""An emulated cluster: H hosts as Linux network namespaces joined by shaped links.
+
+Each host is a namespace with one interface, `eth0`, at 10.77.0.(i+1)/24, joined by a veth pair to
+a bridge that lives in a namespace of its own (so nothing touches the machine's own network).
+Both ends of every host's veth are shaped with `tc tbf` to the link rate, so each direction is
+limited; TSO/GSO/GRO are turned off on them so the shaper sees real packet sizes. `netem` adds
+latency only where the kernel has it (these machines do not: that is said in one line).
+
+A job runs as a real multi-node launch: on every host, in its namespace, one `gradmesh run` agent
+(torchrun's elastic agent) with --nnodes H --node-rank i --master 10.77.0.1 --iface eth0, passed
+through GRADMESH_* environment variables so that `gradmesh train` and `gradmesh bench` launch
+the same way. Namespace names carry a per-run id (`gmesh-<pid><rand>-...`); a run removes the
+namespaces of runs whose process is gone, so a crashed run leaves nothing behind for long.
+
+We write this ourselves: no maintained Python library builds namespace testbeds with tc shaping
+(mininet needs Open vSwitch and a Python 2-era code base); iproute2 is the tool, driven here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import IO
+
+from gradmesh.errors import GradmeshError
+
+PREFIX = "gmesh-"
+SUBNET = "10.77.0"
+MASTER_PORT = 29400
+IFACE = "eth0"
+NETNS_ETC = "/etc/netns"
+CLUSTER_ENV = {
+    "nnodes": "GRADMESH_NNODES",
+    "node_rank": "GRADMESH_NODE_RANK",
+    "master": "GRADMESH_MASTER",
+    "iface": "GRADMESH_IFACE",
+    "nproc": "GRADMESH_NPROC",
+}
+"""How an emulated host tells `gradmesh run` / `train` / `bench` where it sits in the job."""
+
+_RATE_UNITS = {
+    "bit": 1,
+    "kbit": 10**3,
+    "mbit": 10**6,
+    "gbit": 10**9,
+    "tbit": 10**12,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "bps": 8,
+    "kbps": 8 * 10**3,
+    "mbps": 8 * 10**6,
+    "gbps": 8 * 10**9,
+}
+
+
+def parse_rate(text: str) -> int:
+    """A tc-style rate ('1gbit', '100mbit', '250mbps') in bits per second."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
+    if not m or m.group(2) not in _RATE_UNITS:
+        raise GradmeshError(f"bad bandwidth {text!r}: expected a rate like 1gbit or 100mbit")
+    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
+    if bits < 8000:
+        raise GradmeshError(f"bandwidth {text!r} is too low to emulate (minimum 8kbit)")
+    return bits
+
+
+def parse_latency(text: str) -> float:
+    """'1ms', '250us', '0.5s' in seconds."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", text.lower())
+    if not m:
+        raise GradmeshError(f"bad latency {text!r}: expected a time like 1ms or 250us")
+    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(list(args), capture_output=True, text=True, timeout=30)
+    if check and out.returncode != 0:
+        raise GradmeshError(f"{' '.join(args)} failed: {out.stderr.strip() or out.stdout.strip()}")
+    return out
+
+
+def missing_capability() -> str | None:
+    """Why namespaces cannot be built here, in one line, or None when they can."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the emulated cluster needs `{tool}` (Debian package iproute2)"
+    if os.geteuid() != 0:
+        return "the emulated cluster needs root (or CAP_NET_ADMIN) to create network namespaces"
+    return None
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (checked on a throw-away namespace's loopback)."""
+    name = f"{PREFIX}{os.getpid()}probe"
+    _sh("ip", "netns", "add", name)
+    try:
+        out = _sh(
+            "tc",
+            "-n",
+            name,
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "netem",
+            "delay",
+            "1ms",
+            check=False,
+        )
+        return out.returncode == 0
+    finally:
+        _sh("ip", "netns", "del", name, check=False)
+
+
+def our_namespaces() -> list[str]:
+    out = _sh("ip", "netns", "list", check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_namespace_processes(namespace: str) -> None:
+    pids = _sh("ip", "netns", "pids", namespace, check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def _delete_namespace(namespace: str) -> None:
+    _kill_namespace_processes(namespace)
+    _sh("ip", "netns", "del", namespace, check=False)
+    shutil.rmtree(os.path.join(NETNS_ETC, namespace), ignore_errors=True)
+
+
+def remove_stale() -> list[str]:
+    """Delete namespaces of earlier runs whose owning process is gone; return their names."""
+    removed = []
+    for name in our_namespaces():
+        m = re.match(rf"{PREFIX}(\d+)x", name)
+        if m and not _pid_alive(int(m.group(1))):
+            _delete_namespace(name)
+            removed.append(name)
+    return removed
+
+
+@dataclass
+class HostJob:
+    """One command running on every emulated host; output is streamed with a host prefix."""
+
+    procs: list[subprocess.Popen[str]]
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def wait(self, timeout: float) -> int:
+        """The job's exit code: the first failing host's, 0 when all succeed, 124 on timeout."""
+        deadline = time.monotonic() + timeout
+        codes: dict[int, int] = {}
+        while len(codes) < len(self.procs):
+            for i, proc in enumerate(self.procs):
+                if i not in codes and proc.poll() is not None:
+                    codes[i] = proc.returncode
+            failed = [c for c in codes.values() if c != 0]
+            if failed or len(codes) == len(self.procs):
+                break
+            if time.monotonic() > deadline:
+                print(
+                    f"gradmesh emulate: the job did not finish within {timeout:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return 124
+            time.sleep(0.05)
+        if failed := [c for c in codes.values() if c != 0]:
+            grace = time.monotonic() + 10  # the other hosts see the failure and stop on their own
+            while any(p.poll() is None for p in self.procs) and time.monotonic() < grace:
+                time.sleep(0.05)
+            return failed[0]
+        for t in self.threads:
+            t.join(timeout=5)
+        return 0
+
+
+def _pump(stream: IO[str], prefix: str, sink: IO[str]) -> None:
+    for line in stream:
+        sink.write(f"{prefix}{line}")
+        sink.flush()
+
+
+@dataclass
+class EmulatedCluster:
+    """`with EmulatedCluster(hosts=4, bandwidth="1gbit") as cluster: cluster.run(cmd)`."""
+
+    hosts: int
+    bandwidth: str = "1gbit"
+    latency: str | None = None
+    run_id: str = field(default_factory=lambda: f"{os.getpid()}x{secrets.token_hex(2)}")
+    notes: list[str] = field(default_factory=list)
+    """One-line remarks about the emulation (netem missing, ...), for reports."""
+
+    def __post_init__(self) -> None:
+        if self.hosts < 1:
+            raise GradmeshError(f"--hosts must be >= 1, got {self.hosts}")
+        if self.hosts > 250:
+            raise GradmeshError(f"--hosts {self.hosts} is more than one /24 subnet holds (250)")
+        self.bandwidth_bps = parse_rate(self.bandwidth)
+        self.latency_s = parse_latency(self.latency) if self.latency else 0.0
+        self._created: list[str] = []
+
+    # -- names -----------------------------------------------------------------------------
+    def namespace(self, host: int) -> str:
+        return f"{PREFIX}{self.run_id}-h{host}"
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+    @property
+    def switch(self) -> str:
+        return f"{PREFIX}{self.run_id}-sw"
+
+    # -- life cycle ------------------------------------------------------------------------
+    def __enter__(self) -> EmulatedCluster:
+        if why := missing_capability():
+            raise GradmeshError(why)
+        remove_stale()
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _add_namespace(self, name: str) -> None:
+        _sh("ip", "netns", "add", name)
+        self._created.append(name)
+        _sh("ip", "-n", name, "link", "set", "lo", "up")
+
+    def _shape(self, namespace: str, dev: str) -> None:
+        for feature in ("tso", "gso", "gro"):
+            if shutil.which("ethtool"):
+                _sh(
+                    "ip",
+                    "netns",
+                    "exec",
+                    namespace,
+                    "ethtool",
+                    "-K",
+                    dev,
+                    feature,
+                    "off",
+                    check=False,
+                )
+        burst = max(16 * 1024, self.bandwidth_bps // 8 // 1000)  # one millisecond of traffic
+        _sh(
+            "tc",
+            "-n",
+            namespace,
+            "qdisc",
+            "add",
+            "dev",
+            dev,
+            "root",
+            "handle",
+            "1:",
+            "tbf",
+            "rate",
+            f"{self.bandwidth_bps}bit",
+            "burst",
+            str(burst),
+            "latency",
+            "50ms",
+        )
+        if self.latency_s:
+            delay = f"{self.latency_s / 2 * 1e6:.0f}us"  # half each way: the round trip adds up
+            _sh(
+                "tc",
+                "-n",
+                namespace,
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "parent",
+                "1:1",
+                "handle",
+                "10:",
+                "netem",
+                "delay",
+                delay,
+            )
+
+    def _write_hosts_file(self, namespace: str) -> None:
+        """`ip netns exec` mounts /etc/netns/NAME/hosts over /etc/hosts: name every emulated host
+        so that reverse look-ups of peers (c10d does them) answer at once."""
+        folder = os.path.join(NETNS_ETC, namespace)
+        os.makedirs(folder, exist_ok=True)
+        lines = ["127.0.0.1 localhost"]
+        lines += [f"{self.address(h)} h{h}" for h in range(self.hosts)]
+        lines += [f"::ffff:{self.address(h)} h{h}" for h in range(self.hosts)]  # dual-stack peers
+        with open(os.path.join(folder, "hosts"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+    def _build(self) -> None:
+        if self.latency_s and not netem_available():
+            note = "netem is not available on this kernel: --latency is not applied"
+            self.notes.append(note)
+            print(f"gradmesh emulate: {note}", file=sys.stderr, flush=True)
+            self.latency_s = 0.0
+        self._add_namespace(self.switch)
+        _sh("ip", "-n", self.switch, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.switch, "link", "set", "br0", "up")
+        for host in range(self.hosts):
+            ns, port = self.namespace(host), f"p{host}"
+            self._add_namespace(ns)
+            _sh(
+                "ip",
+                "link",
+                "add",
+                "name",
+                IFACE,
+                "netns",
+                ns,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                port,
+                "netns",
+                self.switch,
+            )
+            _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
+            _sh("ip", "-n", self.switch, "link", "set", port, "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFACE)
+            _sh("ip", "-n", ns, "link", "set", IFACE, "up")
+            self._write_hosts_file(ns)
+            self._shape(ns, IFACE)  # host -> switch
+            self._shape(self.switch, port)  # switch -> host
+
+    def close(self) -> None:
+        """Stop every process on every host and delete the namespaces (idempotent)."""
+        for name in self._created:
+            _kill_namespace_processes(name)
+        for name in reversed(self._created):
+            _delete_namespace(name)
+        self._created.clear()
+
+    # -- jobs ------------------------------------------------------------------------------
+    def host_env(self, host: int, procs_per_host: int) -> dict[str, str]:
+        return {
+            CLUSTER_ENV["nnodes"]: str(self.hosts),
+            CLUSTER_ENV["node_rank"]: str(host),
+            CLUSTER_ENV["master"]: f"{self.address(0)}:{MASTER_PORT}",
+            CLUSTER_ENV["iface"]: IFACE,
+            CLUSTER_ENV["nproc"]: str(procs_per_host),
+        }
+
+    def start(self, command: list[str], procs_per_host: int = 1) -> HostJob:
+        """Start `command` on every host (a gradmesh command, or any program under gradmesh run)."""
+        if not command:
+            raise GradmeshError("no command to run: put it after --, like: -- gradmesh train")
+        if procs_per_host < 1:
+            raise GradmeshError(f"--procs-per-host must be >= 1, got {procs_per_host}")
+        gradmesh = [sys.executable, "-m", "gradmesh.cli"]
+        argv = (
+            gradmesh + command[1:]
+            if command[0] == "gradmesh"
+            else [*gradmesh, "run", "--", *command]
+        )
+        procs, threads = [], []
+        for host in range(self.hosts):
+            env = {**os.environ, **self.host_env(host, procs_per_host)}
+            # every emulated host shares this machine's cores: do not let each think it has all
+            omp = max(1, (os.cpu_count() or 1) // (self.hosts * procs_per_host))
+            env.setdefault("OMP_NUM_THREADS", str(omp))
+            proc = subprocess.Popen(
+                ["ip", "netns", "exec", self.namespace(host), *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+                start_new_session=True,
+            )
+            procs.append(proc)
+            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+                assert stream is not None
+                t = threading.Thread(target=_pump, args=(stream, f"[h{host}] ", sink), daemon=True)
+                t.start()
+                threads.append(t)
+        return HostJob(procs, threads)
+
+    def run(self, command: list[str], procs_per_host: int = 1, timeout: float = 600.0) -> int:
+        """Run `command` on every host to the end; return the job's exit code."""
+        return self.start(command, procs_per_host).wait(timeout)
+
+    # -- faults and counters -----------------------------------------------------------------
+    def set_link(self, host: int, up: bool) -> None:
+        """Unplug (up=False) or replug a host's link."""
+        _sh("ip", "-n", self.namespace(host), "link", "set", IFACE, "up" if up else "down")
+
+    def kill_host(self, host: int) -> None:
+        """Kill every process on one host at once, as a power failure would."""
+        _kill_namespace_processes(self.namespace(host))
+
+    def bytes_sent(self, host: int) -> int:
+        """Bytes the host's interface has transmitted (the kernel's counter)."""
+        out = _sh("ip", "-j", "-s", "-n", self.namespace(host), "link", "show", "dev", IFACE)
+        return int(json.loads(out.stdout)[0]["stats64"]["tx"]["bytes"])
