@@ -6,6 +6,7 @@ import contextlib
 import multiprocessing
 import os
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -39,10 +40,18 @@ def rank_forkserver() -> None:
     start_forkserver()
 
 
+def emulated_namespaces() -> set[str]:
+    from gradmesh.launch import emulate
+
+    return set(emulate.our_namespaces()) if emulate.missing_capability() is None else set()
+
+
 @pytest.fixture(autouse=True)
 def no_leaked_processes() -> Iterator[str]:
-    """Tag every process a test starts; fail (and kill them) if any is alive afterwards."""
+    """Tag every process a test starts; fail (and kill them) if any is alive afterwards, and
+    fail if the test left an emulated host's namespace behind."""
     tag = uuid.uuid4().hex
+    namespaces_before = emulated_namespaces()
     previous = os.environ.get(TAG)
     os.environ[TAG] = tag
     try:
@@ -61,5 +70,9 @@ def no_leaked_processes() -> Iterator[str]:
             os.kill(pid, signal.SIGKILL)
     for child in children:
         child.kill()
+    left_namespaces = emulated_namespaces() - namespaces_before
+    for name in left_namespaces:
+        subprocess.run(["ip", "netns", "del", name], check=False)
     assert not leaked, f"processes left behind by the test: {leaked}"
+    assert not left_namespaces, f"network namespaces left behind: {sorted(left_namespaces)}"
     assert not children, f"child processes left behind by the test: {children}"

@@ -1,0 +1,172 @@
+"""The emulated cluster: real namespaces, shaped links, multi-node launches, faults, clean-up."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradmesh.launch import emulate
+from gradmesh.launch.emulate import EmulatedCluster
+
+ROOT = Path(__file__).resolve().parents[2]
+GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
+WHY = emulate.missing_capability()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+
+def gradmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*GRADMESH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+@pytest.mark.parametrize("hosts", [2, 4])
+def test_train_on_emulated_hosts_reaches_the_local_accuracy(hosts: int, tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    out = gradmesh(
+        "emulate",
+        "--hosts",
+        str(hosts),
+        "--bandwidth",
+        "1gbit",
+        "--",
+        "gradmesh",
+        "train",
+        "--json",
+        str(report),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(report.read_text())
+    assert got["workers"] == hosts
+    assert got["test_accuracy"] >= 0.95
+    assert "[h0] " in out.stdout
+
+
+def test_bench_link_measures_a_shaped_link(tmp_path: Path) -> None:
+    out = gradmesh(
+        "bench",
+        "link",
+        "--hosts",
+        "2",
+        "--bandwidth",
+        "200mbit",
+        "--bytes",
+        "4MB",
+        "--reps",
+        "3",
+        "--warmup",
+        "1",
+        "--json",
+        str(tmp_path / "l.json"),
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads((tmp_path / "l.json").read_text())
+    assert set(got) >= {
+        "hosts",
+        "bandwidth_bps",
+        "bytes",
+        "median_s",
+        "busbw_Bps",
+        "link_utilization",
+    }
+    assert got["bandwidth_bps"] == 200_000_000
+    # shaped: an unshaped veth would carry several Gbit/s, far above the 200 Mbit/s asked for
+    assert 0.3 < got["link_utilization"] < 1.1
+
+
+ALLREDUCE_LOOP = (
+    "import gradmesh, torch, time\n"
+    "from gradmesh.collectives import allreduce\n"
+    "gradmesh.init()\n"
+    "print('up', flush=True)\n"
+    "for _ in range({n}):\n"
+    "    allreduce(torch.ones(1 << 18))\n"
+    "    time.sleep({pause})\n"
+)
+
+
+def test_cluster_api_counts_bytes_and_survives_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(ALLREDUCE_LOOP.format(n=4, pause=0))
+    with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
+        names = [cluster.namespace(h) for h in range(2)]
+        assert set(names) <= set(emulate.our_namespaces())
+        before = cluster.bytes_sent(0)
+        assert cluster.run(["python", str(script)], timeout=120) == 0
+        # 4 native allreduces of 1 MiB on 2 ranks: each rank sends >= 4 x 1 MiB
+        assert cluster.bytes_sent(0) - before >= 4 << 20
+    assert not set(names) & set(emulate.our_namespaces())
+
+
+def test_a_killed_host_ends_the_job_and_leaves_nothing(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(ALLREDUCE_LOOP.format(n=10_000, pause=0.01))
+    with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
+        job = cluster.start(["gradmesh", "run", "--timeout", "5", "--", "python", str(script)])
+        time.sleep(6)  # the workers are up and reducing
+        cluster.kill_host(1)
+        started = time.monotonic()
+        code = job.wait(timeout=60)
+        assert code != 0
+        assert time.monotonic() - started < 60
+    assert not [n for n in emulate.our_namespaces() if cluster.run_id in n]
+
+
+def test_an_unplugged_link_fails_within_the_timeout(tmp_path: Path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(ALLREDUCE_LOOP.format(n=10_000, pause=0.01))
+    with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
+        job = cluster.start(["gradmesh", "run", "--timeout", "4", "--", "python", str(script)])
+        time.sleep(6)
+        cluster.set_link(1, up=False)
+        assert job.wait(timeout=90) != 0
+
+
+def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
+    script = tmp_path / "hold.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    proc = subprocess.Popen(
+        [*GRADMESH, "emulate", "--hosts", "2", "--", "python", str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stdout is not None
+    assert "up" in proc.stdout.readline() and "up" in proc.stdout.readline()
+    assert len(emulate.our_namespaces()) >= 3
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert not emulate.our_namespaces()
+
+
+def test_stale_namespaces_of_dead_runs_are_removed() -> None:
+    stale = f"{emulate.PREFIX}999999999x0000-h0"  # no such pid
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    assert stale in emulate.remove_stale()
+    assert stale not in emulate.our_namespaces()
+
+
+def test_latency_without_netem_is_said_not_failed() -> None:
+    with EmulatedCluster(hosts=2, latency="1ms") as cluster:
+        if emulate.netem_available():
+            assert cluster.notes == []
+        else:
+            assert cluster.notes == [
+                "netem is not available on this kernel: --latency is not applied"
+            ]
+
+
+def test_bad_emulate_input_is_one_line() -> None:
+    out = gradmesh("emulate", "--hosts", "2", "--bandwidth", "fast", "--", "gradmesh", "train")
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "gradmesh emulate: error: bad bandwidth 'fast': expected a rate like 1gbit or 100mbit"
+    )

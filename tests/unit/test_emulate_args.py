@@ -1,0 +1,35 @@
+"""Emulated-cluster arguments and capability checks that need no namespaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from gradmesh.errors import GradmeshError
+from gradmesh.launch import emulate
+
+
+def test_rates_and_latencies() -> None:
+    assert emulate.parse_rate("1gbit") == 10**9
+    assert emulate.parse_rate("100mbit") == 10**8
+    assert emulate.parse_rate("2.5gbit") == 2_500_000_000
+    assert emulate.parse_rate("10mbps") == 80_000_000
+    assert emulate.parse_latency("250us") == pytest.approx(250e-6)
+    for bad in ("fast", "1 parsec", "10"):
+        with pytest.raises(GradmeshError):
+            emulate.parse_rate(bad) if bad != "10" else emulate.parse_latency(bad)
+
+
+def test_missing_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
+    assert emulate.missing_capability() == (
+        "the emulated cluster needs root (or CAP_NET_ADMIN) to create network namespaces"
+    )
+    monkeypatch.setattr(emulate.shutil, "which", lambda tool: None)
+    assert "needs `ip` (Debian package iproute2)" in (emulate.missing_capability() or "")
+
+
+def test_cluster_checks_its_size() -> None:
+    with pytest.raises(GradmeshError, match="--hosts must be >= 1"):
+        emulate.EmulatedCluster(hosts=0)
+    with pytest.raises(GradmeshError, match="more than one /24"):
+        emulate.EmulatedCluster(hosts=300)
