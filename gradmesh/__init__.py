@@ -14,6 +14,19 @@ from typing import TYPE_CHECKING, Any
 # The public names are loaded on first use, so that `gradmesh --help` and the launcher start
 # without importing torch (and the launcher can set torch's log level before it loads).
 _EXPORTS = {
+    "Adasum": "gradmesh.data_parallel.optimizer",
+    "allgather": "gradmesh.horovod",
+    "allreduce": "gradmesh.horovod",
+    "allreduce_async": "gradmesh.horovod",
+    "broadcast": "gradmesh.horovod",
+    "broadcast_object": "gradmesh.data_parallel.api",
+    "broadcast_optimizer_state": "gradmesh.data_parallel.api",
+    "ddp_comm_hook": "gradmesh.data_parallel.ddp_hook",
+    "join": "gradmesh.horovod",
+    "poll": "gradmesh.data_parallel.api",
+    "synchronize": "gradmesh.data_parallel.api",
+    "start_timeline": "gradmesh.timeline",
+    "stop_timeline": "gradmesh.timeline",
     "Average": "gradmesh.data_parallel.optimizer",
     "DistributedOptimizer": "gradmesh.data_parallel.optimizer",
     "Sum": "gradmesh.data_parallel.optimizer",
@@ -35,13 +48,22 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from gradmesh.data_parallel.api import (
+        broadcast_object,
+        broadcast_optimizer_state,
+        poll,
+        synchronize,
+    )
+    from gradmesh.data_parallel.ddp_hook import ddp_comm_hook
     from gradmesh.data_parallel.optimizer import (
+        Adasum,
         Average,
         DistributedOptimizer,
         Sum,
         broadcast_parameters,
     )
     from gradmesh.errors import GradmeshError
+    from gradmesh.horovod import allgather, allreduce, allreduce_async, broadcast, join
     from gradmesh.runtime import (
         WorkerGrid,
         barrier,
@@ -56,6 +78,7 @@ if TYPE_CHECKING:
         shutdown,
         size,
     )
+    from gradmesh.timeline import start_timeline, stop_timeline
 
 
 def __getattr__(name: str) -> Any:

@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -95,6 +98,21 @@ class Runtime:
     """Scratch buffers of the collectives, kept across calls so the hot path allocates nothing."""
     checked: set[tuple[object, ...]] = field(default_factory=set)
     """Collective signatures whose shape and dtype have been checked to agree on every rank."""
+    async_group: dist.ProcessGroup | None = None
+    """A second group over the whole world for the communication thread, so that its
+    collectives never interleave with those the main thread issues on the default group."""
+    timeline: Any = None
+    """The running `gradmesh.timeline.Timeline`, if any."""
+    _executor: ThreadPoolExecutor | None = None
+    joinables: list[Callable[[], None]] = field(default_factory=list)
+    """What `join()` must run: one entry per DistributedOptimizer."""
+
+    def comm_executor(self) -> ThreadPoolExecutor:
+        """The one communication thread: asynchronous collectives run here, in submission order,
+        so every rank issues them in the same order."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradmesh-comm")
+        return self._executor
 
 
 _runtime: Runtime | None = None
@@ -206,6 +224,7 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
     local_group, cross_group, cross_rank, cross_size = _host_groups(rank, size, local_rank, device)
     if local_group is not None:
         local_size = dist.get_world_size(local_group)
+    async_group = dist.new_group(list(range(size))) if size > 1 else None
     _runtime = Runtime(
         rank=rank,
         size=size,
@@ -219,6 +238,7 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
         local_group=local_group,
         cross_group=cross_group,
         grid=WorkerGrid(data=size),
+        async_group=async_group,
     )
     return _runtime
 
@@ -266,6 +286,13 @@ def barrier() -> None:
 def shutdown() -> None:
     """Leave the job and free the process groups; safe to call twice."""
     global _runtime
+    if _runtime is not None:
+        if _runtime.timeline is not None:
+            from gradmesh.timeline import stop_timeline
+
+            stop_timeline()
+        if _runtime._executor is not None:
+            _runtime._executor.shutdown(wait=True, cancel_futures=True)
     if dist.is_initialized():
         dist.destroy_process_group()
     _runtime = None

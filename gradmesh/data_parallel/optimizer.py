@@ -1,24 +1,43 @@
-"""Horovod-style synchronous data parallelism: wrap an optimizer so `step()` averages gradients.
+"""Horovod-style synchronous data parallelism with tensor fusion and overlap with backward.
 
 `DistributedOptimizer(opt, named_parameters)` returns an object of a subclass of `opt`'s own class
-(so LR schedulers and `isinstance` keep working) that shares `opt`'s parameter groups and state.
-Before each step it packs every gradient into one flat buffer per dtype (tensor fusion), reduces
-the buffer with the chosen allreduce algorithm and unpacks it.
+(LR schedulers and `isinstance` keep working) sharing `opt`'s parameter groups and state.
+A post-accumulate-grad hook on every trainable parameter marks its gradient ready; when every
+gradient of a fusion bucket is ready the bucket is packed and handed to the communication thread,
+which reduces it with the chosen allreduce algorithm while backward goes on. A callback at the
+end of backward flushes buckets still waiting on parameters that got no gradient (they count as
+zero). `step()` waits only for what is still in flight, unpacks, and runs the wrapped optimizer.
+
+The communication thread uses the runtime's second process group, so collectives the main thread
+issues meanwhile never interleave with bucket reductions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, cast
+import json
+import time
+import zlib
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import Any, Literal, cast
 
 import torch
+import torch.distributed as dist
+from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.collectives import Op, allreduce, broadcast
-from gradmesh.runtime import get_runtime
+from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
+from gradmesh.compression import Codec, resolve
+from gradmesh.data_parallel.buckets import Bucket, plan_buckets
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime import Runtime, get_runtime
+from gradmesh.timeline import span
 
 Average: Op = "average"
 Sum: Op = "sum"
+Adasum = "adasum"
+OnNonfinite = Literal["error", "skip"]
 
 
 def _flat_buffers(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -37,55 +56,283 @@ def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         offset += n
 
 
+def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
+    return [f"{n} {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for n, p in params]
+
+
+def check_models_agree(rt: Runtime, params: list[tuple[str, nn.Parameter]]) -> None:
+    """Raise, naming the first differing parameter and the ranks, unless every rank has the
+    same parameter names, shapes and dtypes. Compares checksums first; text only on mismatch."""
+    group = rt.async_group
+    mine = describe(params)
+    digest = torch.tensor([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=torch.int64)
+    rows = [torch.empty_like(digest) for _ in range(rt.size)]
+    dist.all_gather(rows, digest, group=group)
+    if all(torch.equal(r, rows[0]) for r in rows):
+        return
+    text = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(rt.size)]
+    dist.all_gather(lengths, torch.tensor([text.numel()]), group=group)
+    longest = int(max(int(n) for n in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: text.numel()] = text
+    texts = [torch.empty_like(padded) for _ in range(rt.size)]
+    dist.all_gather(texts, padded, group=group)
+    listings = [
+        json.loads(bytes(t[: int(n)].tolist()).decode())
+        for t, n in zip(texts, lengths, strict=True)
+    ]
+    for i in range(max(len(x) for x in listings)):
+        entries = [x[i] if i < len(x) else "(none)" for x in listings]
+        if len(set(entries)) > 1:
+            which = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+            raise GradmeshError(
+                f"rank {rt.rank}: models differ across ranks at parameter #{i}: {which}"
+            )
+
+
+class GradientReducer:
+    """The long-lived state of one DistributedOptimizer: buckets, hooks, in-flight reductions."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        algorithm: str,
+        op: Op,
+        fusion_mb: float,
+        compression: Codec,
+        backward_passes_per_step: int,
+        on_nonfinite: OnNonfinite,
+    ) -> None:
+        self.rt = get_runtime()
+        self.params = params
+        self.algorithm = algorithm
+        self.op = op
+        self.codec = compression
+        self.passes_per_step = backward_passes_per_step
+        self.on_nonfinite = on_nonfinite
+        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
+        self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
+        self.counts = [0] * len(params)
+        self.index = {id(p): i for i, (_, p) in enumerate(params)}
+        self.futures: list[Future[None] | None] = [None] * len(self.buckets)
+        self.next_launch = 0
+        self.passes = 0
+        self.in_backward = False
+        self.backward_started = 0.0
+        self.checked = False
+        self.steps = 0
+        self.skipped_steps = 0
+        self.skip_sync = False
+        self.synced = False
+        self.handles = [
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+            for _, p in params
+        ]
+
+    # -- during backward -------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self.backward_started = time.perf_counter()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        i = self.index[id(p)]
+        self.counts[i] += 1
+        if self.counts[i] == self.passes_per_step:
+            bucket, j = self.where[id(p)]
+            bucket.ready.add(j)
+            self._launch_ready()
+
+    def _end_of_backward(self) -> None:
+        self.in_backward = False
+        timeline = self.rt.timeline
+        if timeline is not None:
+            timeline.add("backward", "compute", self.backward_started, time.perf_counter())
+        self.passes += 1
+        if self.passes == self.passes_per_step:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Everything not yet sent goes now: parameters without a gradient count as zero."""
+        for bucket in self.buckets:
+            bucket.ready.update(range(len(bucket.params)))
+        self._launch_ready()
+
+    def _launch_ready(self, active: bool = True) -> None:
+        if not self.checked and self.rt.size > 1:  # before the first bucket of the first step
+            check_models_agree(self.rt, self.params)
+        self.checked = True
+        # buckets leave in index order on every rank, whatever order their gradients came in
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete():
+            bucket = self.buckets[self.next_launch]
+            with span("pack", "comm", bucket=bucket.index):
+                bucket.pack(active)
+            self.futures[bucket.index] = self._submit(bucket)
+            self.next_launch += 1
+
+    def _submit(self, bucket: Bucket) -> Future[None]:
+        if self.rt.size == 1:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        return self.rt.comm_executor().submit(self._reduce, bucket)
+
+    def _reduce(self, bucket: Bucket) -> None:
+        with span(
+            "reduce",
+            "comm",
+            bucket=bucket.index,
+            bytes=bucket.buffer.numel() * bucket.buffer.element_size(),
+        ):
+            payload, ctx = self.codec.compress(bucket.buffer)
+            allreduce(payload, algorithm=self.algorithm, group=self.rt.async_group)
+            result = self.codec.decompress(payload, ctx)
+            if result is not bucket.buffer:
+                bucket.buffer.copy_(result)
+
+    # -- at step ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every bucket of this step and write the averaged gradients back."""
+        if self.synced:
+            return
+        if self.next_launch < len(self.buckets):  # no (or an unfinished) backward this step
+            self._flush()
+        for future in self.futures:
+            assert future is not None
+            future.result()
+        active = float(self.buckets[-1].buffer[-1]) if self.rt.size > 1 else 1.0
+        divisor = max(active, 1.0) if self.op == "average" else 1.0
+        for bucket in self.buckets:
+            with span("unpack", "comm", bucket=bucket.index):
+                bucket.unpack(divisor)
+        self.synced = True
+
+    def nonfinite_parameter(self) -> str | None:
+        """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
+        for bucket in self.buckets:
+            if not bool(torch.isfinite(bucket.buffer[: bucket.grad_numel]).all()):
+                for name, p in bucket.params:
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                        return name
+        return None
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        self.futures = [None] * len(self.buckets)
+        self.counts = [0] * len(self.params)
+        self.next_launch = 0
+        self.passes = 0
+        self.synced = False
+
+    def join(self) -> None:
+        """Keep taking part in the other ranks' reductions, with zero gradients, until every rank
+        has joined: a rank that runs out of data does not hang the rest."""
+        while True:
+            self.reset()
+            for bucket in self.buckets:
+                bucket.ready.update(range(len(bucket.params)))
+            self._launch_ready(active=False)
+            for future in self.futures:
+                assert future is not None
+                future.result()
+            if self.rt.size == 1 or float(self.buckets[-1].buffer[-1]) == 0.0:
+                self.reset()
+                return
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
 class _DistributedMixin:
     """Methods added to the wrapped optimizer's class."""
 
-    _gm_params: list[tuple[str, torch.nn.Parameter]]
-    _gm_op: Op
-    _gm_allreduce: str
+    _gm: GradientReducer
 
     def synchronize(self) -> None:
-        """Reduce every trainable gradient across ranks; a missing gradient counts as zero."""
-        grads = []
-        for _, p in self._gm_params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        for flat, members in _flat_buffers(grads):
-            allreduce(flat, op=self._gm_op, algorithm=self._gm_allreduce)
-            _unpack(flat, members)
+        """Reduce every trainable gradient across ranks now (before clipping, for instance)."""
+        self._gm.synchronize()
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """`step()` inside this block uses the gradients `synchronize()` already produced."""
+        self._gm.skip_sync = True
+        try:
+            yield
+        finally:
+            self._gm.skip_sync = False
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
-        self.synchronize()
-        return super().step(closure)  # type: ignore[misc]
+        gm = self._gm
+        gm.steps += 1
+        try:
+            if not gm.skip_sync or not gm.synced:
+                gm.synchronize()
+            if (name := gm.nonfinite_parameter()) is not None:
+                if gm.on_nonfinite == "error":
+                    raise GradmeshError(
+                        f"rank {gm.rt.rank}: step {gm.steps}: non-finite gradient in parameter "
+                        f"{name!r} (on_nonfinite='skip' or --on-nonfinite skip skips such steps)"
+                    )
+                gm.skipped_steps += 1
+                return None
+            with span("step", "compute"):
+                return super().step(closure)  # type: ignore[misc]
+        finally:
+            gm.reset()
+
+    def join(self) -> None:
+        """Call when this rank has no more data; returns once every rank has joined."""
+        self._gm.join()
 
 
 def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     optimizer: Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-    op: Op = Average,
     allreduce: str = "native",
+    fusion_mb: float = 64.0,
+    compression: Codec | str | None = None,
+    backward_passes_per_step: int = 1,
+    op: Op | str = Average,
+    on_nonfinite: OnNonfinite = "error",
 ) -> Optimizer:
-    """Wrap `optimizer` so every `step()` first reduces gradients over all ranks.
+    """Wrap `optimizer` so gradients are averaged over all ranks, overlapped with backward.
 
-    `named_parameters` fixes the order in which parameters are packed (it must be the same on every
-    rank); by default the optimizer's own parameter order is used.
+    `named_parameters` names the parameters (the same on every rank); by default the optimizer's
+    own order is used with generated names.
     """
-    from gradmesh.collectives import ALGORITHMS
-
     ALGORITHMS.get(allreduce)  # fail early on an unknown algorithm name
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not implemented in gradmesh; use Average or Sum")
+    if op not in (Average, Sum):
+        raise GradmeshError(f"unknown reduction op {op!r} (valid: average, sum)")
+    if backward_passes_per_step < 1:
+        raise GradmeshError(
+            f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
+        )
+    if on_nonfinite not in ("error", "skip"):
+        raise GradmeshError(f"unknown on_nonfinite {on_nonfinite!r} (valid: error, skip)")
     if named_parameters is None:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         named = [(f"param.{i}", p) for i, p in enumerate(params)]
     else:
         named = list(named_parameters)
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    reducer = GradientReducer(
+        trainable,
+        allreduce,
+        op,
+        fusion_mb,
+        resolve(compression),
+        backward_passes_per_step,
+        on_nonfinite,
+    )
     cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
     wrapped = cast(Optimizer, object.__new__(cls))
     wrapped.__dict__.update(optimizer.__dict__)
-    mixin = cast(_DistributedMixin, wrapped)
-    mixin._gm_params = [(n, p) for n, p in named if p.requires_grad]
-    mixin._gm_op = op
-    mixin._gm_allreduce = allreduce
+    cast(_DistributedMixin, wrapped)._gm = reducer
+    reducer.rt.joinables.append(reducer.join)
     return wrapped
 
 

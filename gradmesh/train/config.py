@@ -50,6 +50,13 @@ class TrainConfig:
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "L2 weight decay")
     seed: int = option(0, "seed for model initialisation and data order")
+    fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
+    compression: str = option("none", "gradient compression codec (none, fp16)")
+    lr_scaling: str = option("none", "large-batch rule: linear (lr x workers or x batch/reference)")
+    reference_batch: int = option(0, "with --lr-scaling linear: batch the base lr was tuned for")
+    warmup_epochs: float = option(0.0, "gradual linear warm-up to the scaled lr over K epochs")
+    on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step")
+    timeline: str | None = option(None, "write a Chrome trace per rank to this path")
     checkpoint_dir: str | None = option(
         None, "save a checkpoint here after every epoch and resume from the newest one"
     )
@@ -74,6 +81,19 @@ class TrainConfig:
                 raise GradmeshError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
+        from gradmesh.compression import CODECS
+
+        CODECS.get(self.compression)
+        if self.lr_scaling not in ("none", "linear"):
+            raise GradmeshError(f"unknown lr scaling {self.lr_scaling!r} (valid: linear, none)")
+        if self.on_nonfinite not in ("error", "skip"):
+            raise GradmeshError(
+                f"unknown --on-nonfinite {self.on_nonfinite!r} (valid: error, skip)"
+            )
+        if self.fusion_mb <= 0 or self.warmup_epochs < 0 or self.reference_batch < 0:
+            raise GradmeshError(
+                "--fusion-mb must be > 0, --warmup-epochs and --reference-batch >= 0"
+            )
         if self.lr <= 0 or self.timeout_s <= 0:
             raise GradmeshError("--lr and --timeout-s must be > 0")
         if self.batch_size < self.workers:

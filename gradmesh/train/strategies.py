@@ -38,13 +38,25 @@ class AllreduceStrategy:
     """Synchronous data parallelism: rank 0's initial weights everywhere, gradients averaged."""
 
     def __init__(self, config: TrainConfig) -> None:
-        self.algorithm = config.allreduce
+        self.config = config
+        self.optimizer: Optimizer | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
         broadcast_parameters(model.state_dict(), root_rank=0)
-        return DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters(), allreduce=self.algorithm
+        self.optimizer = DistributedOptimizer(
+            optimizer,
+            named_parameters=model.named_parameters(),
+            allreduce=self.config.allreduce,
+            fusion_mb=self.config.fusion_mb,
+            compression=self.config.compression,
+            on_nonfinite="skip" if self.config.on_nonfinite == "skip" else "error",
         )
+        return self.optimizer
 
     def report(self) -> dict[str, Any]:
-        return {"allreduce": self.algorithm}
+        skipped = self.optimizer._gm.skipped_steps if self.optimizer is not None else 0  # type: ignore[attr-defined]
+        return {
+            "allreduce": self.config.allreduce,
+            "compression": self.config.compression,
+            "skipped_steps": skipped,
+        }

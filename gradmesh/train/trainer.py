@@ -20,9 +20,11 @@ from gradmesh.collectives import allreduce
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
 from gradmesh.models import MODELS
 from gradmesh.runtime import Runtime
+from gradmesh.timeline import span, start_timeline
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
 from gradmesh.train.report import RunReport, gather_rank_stats
+from gradmesh.train.schedule import gradual_warmup, scaled_lr
 from gradmesh.train.strategies import STRATEGIES
 
 
@@ -70,10 +72,15 @@ def _progress(config: TrainConfig, steps: int, rt: Runtime) -> tqdm | None:
 def train(config: TrainConfig, rt: Runtime) -> RunReport:
     """Train `config` on this rank of `rt`; every rank returns the same report."""
     torch.manual_seed(config.seed)
+    if config.timeline:
+        start_timeline(config.timeline)
     data = load_data(config)
     model = MODELS.get(config.model)(data.input_shape, data.num_classes).to(rt.device)
+    lr = scaled_lr(
+        config.lr, config.lr_scaling, rt.size, config.batch_size, config.reference_batch or None
+    )
     optimizer: torch.optim.Optimizer = torch.optim.SGD(
-        model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
     )
     first_epoch, losses = 0, list[float]()
     if config.checkpoint_dir and (found := checkpoint.latest(config.checkpoint_dir)):
@@ -81,6 +88,12 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
     strategy = STRATEGIES.get(config.strategy)(config)
     optimizer = strategy.prepare(model, optimizer, rt)
     sharder = GlobalBatchSharder(len(data.train), config.batch_size, rt.rank, rt.size, config.seed)
+    warmup = gradual_warmup(
+        optimizer, round(config.warmup_epochs * sharder.steps_per_epoch()), lr / config.lr
+    )
+    if warmup is not None:  # a resumed run continues its warm-up where it was
+        for _ in range(first_epoch * sharder.steps_per_epoch()):
+            warmup.step()
     bar = _progress(config, sharder.steps_per_epoch(), rt)
     if bar is not None:
         bar.update(first_epoch * sharder.steps_per_epoch())
@@ -94,10 +107,13 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
             step_started = time.perf_counter()
             x = data.train.x[indices].to(rt.device)
             y = data.train.y[indices].to(rt.device)
-            loss = F.cross_entropy(model(x), y, reduction="sum")
+            with span("forward"):
+                loss = F.cross_entropy(model(x), y, reduction="sum")
             optimizer.zero_grad(set_to_none=False)
             (loss * (rt.size / global_count)).backward()  # type: ignore[no-untyped-call]
             optimizer.step()
+            if warmup is not None:
+                warmup.step()
             clock.compute_s += time.perf_counter() - step_started - (rt.comm.comm_s - comm_before)
             loss_sum += torch.tensor([loss.item(), float(len(indices))], dtype=torch.float64)
             samples += global_count

@@ -1,0 +1,134 @@
+"""Tensor- and object-level operations with Horovod's names and semantics.
+
+Asynchronous operations run on the runtime's one communication thread, in submission order, so
+every rank issues them in the same order. Objects travel as JSON, never pickle: gradmesh does
+not unpickle anything that came over the network.
+"""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+from torch.optim import Optimizer
+
+from gradmesh.collectives import Op, allreduce, broadcast
+from gradmesh.collectives import allgather as gather_equal
+from gradmesh.compression import Codec, resolve
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime import get_runtime
+
+Handle = Future[torch.Tensor]
+
+
+def _reduce_copy(
+    tensor: torch.Tensor, op: Op, algorithm: str, compression: Codec | str | None
+) -> torch.Tensor:
+    codec = resolve(compression)
+    payload, ctx = codec.compress(tensor.detach().clone())
+    allreduce(payload, op=op, algorithm=algorithm, group=get_runtime().async_group)
+    return codec.decompress(payload, ctx)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    op: Op = "average",
+    algorithm: str = "native",
+    compression: Codec | str | None = None,
+) -> Handle:
+    """Start reducing a copy of `tensor`; `synchronize(handle)` returns the result."""
+    rt = get_runtime()
+    if rt.size == 1:
+        done: Handle = Future()
+        done.set_result(tensor.detach().clone())
+        return done
+    return rt.comm_executor().submit(_reduce_copy, tensor, op, algorithm, compression)
+
+
+def synchronize(handle: Handle) -> torch.Tensor:
+    """Wait for an asynchronous operation and return its result."""
+    return handle.result()
+
+
+def poll(handle: Handle) -> bool:
+    """Whether an asynchronous operation has finished."""
+    return handle.done()
+
+
+def allgather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's tensor along dimension 0; first dimensions may differ."""
+    rt = get_runtime()
+    if rt.size == 1:
+        return tensor.detach().clone()
+    rows = gather_equal(torch.tensor([tensor.shape[0] if tensor.dim() else 1]))
+    lengths = [int(n) for n in rows.reshape(-1)]
+    longest = max(lengths)
+    item = tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.reshape(1)
+    padded = torch.zeros((longest, *item.shape[1:]), dtype=item.dtype, device=item.device)
+    padded[: item.shape[0]] = item
+    everyone = gather_equal(padded)
+    return torch.cat([everyone[r, :n] for r, n in enumerate(lengths)])
+
+
+def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
+    """Root's JSON-serialisable object (dicts, lists, numbers, strings) on every rank."""
+    rt = get_runtime()
+    if rt.size == 1:
+        return obj
+    data = b""
+    if rt.rank == root_rank:
+        try:
+            data = json.dumps(obj).encode()
+        except TypeError as exc:
+            raise GradmeshError(
+                f"broadcast_object sends JSON, not pickle: {exc} (convert the object first)"
+            ) from None
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    broadcast(length, root=root_rank)
+    buf = torch.zeros(int(length), dtype=torch.uint8)
+    if rt.rank == root_rank:
+        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    broadcast(buf, root=root_rank)
+    return json.loads(bytes(buf.tolist()).decode())
+
+
+def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:
+    """Give every rank the root's optimizer state (hyper-parameters, step counts, buffers such as
+    momentum), creating state entries a rank does not have yet."""
+    rt = get_runtime()
+    if rt.size == 1:
+        return
+    state = optimizer.state_dict()
+    manifest = None
+    if rt.rank == root_rank:
+        entries = {}
+        for index, values in state["state"].items():
+            entries[str(index)] = {
+                key: (
+                    {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                    if isinstance(v, torch.Tensor)
+                    else {"value": v}
+                )
+                for key, v in values.items()
+            }
+        manifest = {"param_groups": state["param_groups"], "state": entries}
+    manifest = broadcast_object(manifest, root_rank)
+    new_state: dict[int, dict[str, Any]] = {}
+    for index, values in manifest["state"].items():
+        mine = state["state"].get(int(index), {})
+        rebuilt: dict[str, Any] = {}
+        for key, spec in values.items():
+            if "value" in spec:
+                rebuilt[key] = spec["value"]
+                continue
+            dtype = getattr(torch, spec["dtype"])
+            tensor = mine.get(key)
+            if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != spec["shape"]:
+                tensor = torch.zeros(spec["shape"], dtype=dtype)
+            tensor = tensor.to(dtype).contiguous()
+            broadcast(tensor, root=root_rank)
+            rebuilt[key] = tensor
+        new_state[int(index)] = rebuilt
+    optimizer.load_state_dict({"state": new_state, "param_groups": manifest["param_groups"]})

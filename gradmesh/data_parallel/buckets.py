@@ -1,0 +1,93 @@
+"""Fusion buckets: gradients packed into a few flat buffers, in the order backward makes them.
+
+Parameters are taken in reverse registration order (backward produces the last layer's gradient
+first) and cut into buckets of at most `fusion_bytes` and one dtype/device each. The layout is
+the same on every rank because it depends only on the model. Each bucket owns one flat buffer,
+allocated once; the last bucket carries one extra element, the count of ranks still training
+(1 from every active rank, 0 from a rank that has joined), so that `join` costs no extra message.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from gradmesh.errors import GradmeshError
+
+
+@dataclass
+class Bucket:
+    """A group of parameters whose gradients travel in one message."""
+
+    index: int
+    params: list[tuple[str, nn.Parameter]]
+    buffer: torch.Tensor
+    offsets: list[tuple[int, int]]
+    has_flag: bool = False
+    ready: set[int] = field(default_factory=set)
+    """Positions (in `params`) whose gradient is final for this step."""
+
+    @property
+    def grad_numel(self) -> int:
+        return self.offsets[-1][1] if self.offsets else 0
+
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+    def pack(self, active: bool) -> None:
+        """Copy gradients into the buffer (a missing gradient packs as zeros)."""
+        for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
+            if p.grad is None:
+                self.buffer[a:b].zero_()
+            else:
+                self.buffer[a:b].copy_(p.grad.reshape(-1))
+        if self.has_flag:
+            self.buffer[-1] = 1.0 if active else 0.0
+
+    def unpack(self, divisor: float) -> None:
+        """Write the reduced gradients back (divided by `divisor` when averaging)."""
+        grads = self.buffer[: self.grad_numel]
+        if divisor != 1.0:
+            grads.div_(divisor)
+        for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
+            reduced = grads[a:b].view_as(p)
+            if p.grad is None:
+                p.grad = reduced.clone()
+            else:
+                p.grad.copy_(reduced)
+
+
+def plan_buckets(params: list[tuple[str, nn.Parameter]], fusion_bytes: int) -> list[Bucket]:
+    """Cut `params` (registration order) into buckets, last parameter first."""
+    names = [n for n, _ in params]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise GradmeshError(f"parameter name {dup!r} appears twice in named_parameters")
+    groups: list[list[tuple[str, nn.Parameter]]] = []
+    size = 0
+    for name, p in reversed(params):
+        nbytes = p.numel() * p.element_size()
+        same_kind = bool(groups) and (groups[-1][0][1].dtype, groups[-1][0][1].device) == (
+            p.dtype,
+            p.device,
+        )
+        if not groups or not same_kind or (size + nbytes > fusion_bytes and size > 0):
+            groups.append([])
+            size = 0
+        groups[-1].append((name, p))
+        size += nbytes
+    if not groups:  # nothing to train: one flag-only bucket keeps join() working
+        return [Bucket(0, [], torch.zeros(1), [], has_flag=True)]
+    buckets = []
+    for i, members in enumerate(groups):
+        offsets, at = [], 0
+        for _, p in members:
+            offsets.append((at, at + p.numel()))
+            at += p.numel()
+        last = i == len(groups) - 1
+        first = members[0][1]
+        buffer = torch.zeros(at + (1 if last else 0), dtype=first.dtype, device=first.device)
+        buckets.append(Bucket(i, members, buffer, offsets, has_flag=last))
+    return buckets
