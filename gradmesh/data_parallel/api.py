@@ -77,16 +77,19 @@ def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
     rt = get_runtime()
     if rt.size == 1:
         return obj
-    data = b""
+    data, problem = b"", ""
     if rt.rank == root_rank:
         try:
             data = json.dumps(obj).encode()
         except TypeError as exc:
-            raise GradmeshError(
-                f"broadcast_object sends JSON, not pickle: {exc} (convert the object first)"
-            ) from None
-    length = torch.tensor([len(data)], dtype=torch.int64)
-    broadcast(length, root=root_rank)
+            problem = str(exc)
+    length = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
+    broadcast(length, root=root_rank)  # -1 tells every rank that the root could not send
+    if int(length) < 0:
+        why = f": {problem}" if problem else f" on rank {root_rank}"
+        raise GradmeshError(
+            f"broadcast_object sends JSON, not pickle, and the object is not JSON{why}"
+        )
     buf = torch.zeros(int(length), dtype=torch.uint8)
     if rt.rank == root_rank:
         buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))

@@ -37,14 +37,18 @@ class Bucket:
         return len(self.ready) == len(self.params)
 
     def pack(self, active: bool) -> None:
-        """Copy gradients into the buffer (a missing gradient packs as zeros)."""
+        """Copy gradients into the buffer (a missing gradient, or a joined rank's, packs as
+        zeros)."""
+        if not active:
+            self.buffer.zero_()
+            return
         for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
             if p.grad is None:
                 self.buffer[a:b].zero_()
             else:
                 self.buffer[a:b].copy_(p.grad.reshape(-1))
         if self.has_flag:
-            self.buffer[-1] = 1.0 if active else 0.0
+            self.buffer[-1] = 1.0
 
     def unpack(self, divisor: float) -> None:
         """Write the reduced gradients back (divided by `divisor` when averaging)."""

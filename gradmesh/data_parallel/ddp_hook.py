@@ -48,4 +48,9 @@ def ddp_comm_hook(allreduce: str = "native", compression: Codec | str | None = N
         job.add_done_callback(done)
         return future
 
+    # DDP checks the hook's annotations against the real classes, not their names
+    hook.__annotations__.update(
+        bucket=torch.distributed.GradBucket,  # type: ignore[attr-defined]
+        **{"return": torch.futures.Future[torch.Tensor]},
+    )
     return hook

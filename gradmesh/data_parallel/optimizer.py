@@ -200,12 +200,7 @@ class GradientReducer:
         for future in self.futures:
             assert future is not None
             future.result()
-        active = float(self.buckets[-1].buffer[-1]) if self.rt.size > 1 else 1.0
-        divisor = max(active, 1.0) if self.op == "average" else 1.0
-        for bucket in self.buckets:
-            with span("unpack", "comm", bucket=bucket.index):
-                bucket.unpack(divisor)
-        self.synced = True
+        self.unpack_all(float(self.buckets[-1].buffer[-1]) if self.rt.size > 1 else 1.0)
 
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
@@ -225,20 +220,26 @@ class GradientReducer:
         self.passes = 0
         self.synced = False
 
-    def join(self) -> None:
-        """Keep taking part in the other ranks' reductions, with zero gradients, until every rank
-        has joined: a rank that runs out of data does not hang the rest."""
-        while True:
-            self.reset()
-            for bucket in self.buckets:
-                bucket.ready.update(range(len(bucket.params)))
-            self._launch_ready(active=False)
-            for future in self.futures:
-                assert future is not None
-                future.result()
-            if self.rt.size == 1 or float(self.buckets[-1].buffer[-1]) == 0.0:
-                self.reset()
-                return
+    def join_round(self) -> float:
+        """One step's reductions with zero gradients from this rank; returns how many ranks are
+        still training (0 once every rank has joined). The buffers hold the reduced sums."""
+        self.reset()
+        if self.rt.size == 1:
+            return 0.0
+        for bucket in self.buckets:
+            bucket.ready.update(range(len(bucket.params)))
+        self._launch_ready(active=False)
+        for future in self.futures:
+            assert future is not None
+            future.result()
+        return float(self.buckets[-1].buffer[-1])
+
+    def unpack_all(self, active: float) -> None:
+        divisor = max(active, 1.0) if self.op == "average" else 1.0
+        for bucket in self.buckets:
+            with span("unpack", "comm", bucket=bucket.index):
+                bucket.unpack(divisor)
+        self.synced = True
 
     def close(self) -> None:
         for handle in self.handles:
@@ -283,8 +284,15 @@ class _DistributedMixin:
             gm.reset()
 
     def join(self) -> None:
-        """Call when this rank has no more data; returns once every rank has joined."""
-        self._gm.join()
+        """Call when this rank has no more data. Until every rank has joined, this rank sends
+        zero gradients and takes the same steps as the others (averaged over the ranks still
+        training), so all replicas stay identical."""
+        gm = self._gm
+        while (active := gm.join_round()) > 0:
+            gm.unpack_all(active)
+            if gm.nonfinite_parameter() is None or gm.on_nonfinite == "error":
+                super().step()  # type: ignore[misc]
+        gm.reset()
 
 
 def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
@@ -332,7 +340,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     wrapped = cast(Optimizer, object.__new__(cls))
     wrapped.__dict__.update(optimizer.__dict__)
     cast(_DistributedMixin, wrapped)._gm = reducer
-    reducer.rt.joinables.append(reducer.join)
+    reducer.rt.joinables.append(cast(_DistributedMixin, wrapped).join)
     return wrapped
 
 

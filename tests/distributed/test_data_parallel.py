@@ -12,7 +12,7 @@ from gradmesh.models import small_cnn
 from tests.harness import run_ranks
 
 GLOBAL_BATCH = 12
-STEPS = 8
+STEPS = 20
 
 
 def _data() -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,38 +27,52 @@ def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, opt
 
 
-def train_steps(rank: int, world: int) -> list[torch.Tensor]:
-    """STEPS steps on this rank's slices, loss scaled as the trainer does."""
+def train_steps(
+    rank: int, world: int, algorithm: str = "native", passes: int = 1
+) -> list[torch.Tensor]:
+    """STEPS steps on this rank's slices, loss scaled as the trainer does; with `passes` > 1 each
+    slice is split into that many micro-batches whose gradients accumulate before the step."""
     x, y = _data()
     model, opt = _setup()
     if world > 1:
         gradmesh.broadcast_parameters(model.state_dict())
-        opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        opt = gradmesh.DistributedOptimizer(
+            opt,
+            named_parameters=model.named_parameters(),
+            allreduce=algorithm,
+            fusion_mb=0.02,
+            backward_passes_per_step=passes,  # several buckets
+        )
     sharder = GlobalBatchSharder(len(y), GLOBAL_BATCH, rank, world, seed=5)
     steps = 0
-    for epoch in range(3):
+    for epoch in range(STEPS):
         for idx, count in sharder.batches(epoch):
             if steps == STEPS:
                 return [p.detach().clone() for p in model.parameters()]
             opt.zero_grad()
-            loss = F.cross_entropy(model(x[idx]), y[idx], reduction="sum") * (world / count)
-            loss.backward()
+            for part in torch.tensor_split(idx, passes):
+                loss = F.cross_entropy(model(x[part]), y[part], reduction="sum") * (world / count)
+                loss.backward()
             opt.step()
             steps += 1
     raise AssertionError("not enough data for the steps asked")
 
 
-def on_rank() -> list[torch.Tensor]:
-    return train_steps(gradmesh.rank(), gradmesh.size())
+ALGORITHMS = ["native", "ring", "tree", "butterfly", "star", "hierarchical"]
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
-def test_equal_to_one_process_with_global_batch(world: int) -> None:
+def every_algorithm(passes: int) -> dict[str, list[torch.Tensor]]:
+    return {a: train_steps(gradmesh.rank(), gradmesh.size(), a, passes) for a in ALGORITHMS}
+
+
+@pytest.mark.parametrize(("world", "passes"), [(2, 1), (3, 1), (4, 1), (3, 2)])
+def test_equal_to_one_process_with_global_batch(world: int, passes: int) -> None:
     reference = train_steps(0, 1)
-    results = run_ranks(on_rank, world)
-    for params in results:
-        for got, want in zip(params, reference, strict=True):
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    results = run_ranks(every_algorithm, world, passes, timeout=180)
+    for per_algorithm in results:
+        for algorithm, params in per_algorithm.items():
+            for got, want in zip(params, reference, strict=True):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=algorithm)
     initial = list(_setup()[0].parameters())
     moved = sum(
         float((a - b).detach().abs().sum()) for a, b in zip(reference, initial, strict=True)
