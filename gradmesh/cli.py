@@ -72,6 +72,10 @@ BENCHES = {
         "every allreduce algorithm, interleaved, with the cost model",
         "gradmesh.bench.allreduce",
     ),
+    "dataparallel": (
+        "gradmesh's DistributedOptimizer against torch DDP, interleaved",
+        "gradmesh.bench.dataparallel",
+    ),
     "link": (
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",

@@ -15,6 +15,7 @@ issues meanwhile never interleave with bucket reductions.
 from __future__ import annotations
 
 import json
+import math
 import time
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -205,7 +206,9 @@ class GradientReducer:
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
         for bucket in self.buckets:
-            if not bool(torch.isfinite(bucket.buffer[: bucket.grad_numel]).all()):
+            # one cheap reduction per bucket; only a non-finite sum (NaN/Inf, or an overflow)
+            # pays for the per-parameter search
+            if not math.isfinite(float(bucket.buffer[: bucket.grad_numel].sum())):
                 for name, p in bucket.params:
                     if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                         return name

@@ -294,3 +294,60 @@ def test_train_with_another_allreduce_algorithm(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["strategy_info"] == {"allreduce": "ring"} and report["workers"] == 3
     assert report["test_accuracy"] >= 0.9
+
+
+def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
+    out = gradmesh(
+        "train",
+        "--epochs",
+        "3",
+        "--lr-scaling",
+        "linear",
+        "--lr",
+        "0.025",
+        "--warmup-epochs",
+        "1",
+        "--fusion-mb",
+        "0.05",
+        "--compression",
+        "fp16",
+        "--timeline",
+        str(tmp_path / "t.json"),
+        "--json",
+        str(tmp_path / "r.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["traceEvents"]
+        assert {"forward", "backward", "pack", "reduce", "unpack", "step"} <= {
+            e["name"] for e in events
+        }
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["strategy_info"]["compression"] == "fp16"
+    assert report["final_loss"] < 1.0
+
+
+def test_horovod_script_runs_with_only_its_import_changed() -> None:
+    out = gradmesh("run", "-np", "2", "--", "python", str(ROOT / "examples" / "horovod_digits.py"))
+    assert out.returncode == 0, out.stderr
+    accuracy = float(out.stdout.split("test accuracy")[1].split()[0])
+    assert accuracy >= 0.9
+
+
+def test_bench_dataparallel_compares_with_ddp(tmp_path: Path) -> None:
+    out = gradmesh(
+        "bench",
+        "dataparallel",
+        "--world",
+        "2",
+        "--steps",
+        "3",
+        "--rounds",
+        "2",
+        "--json",
+        str(tmp_path / "d.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "d.json").read_text())
+    assert set(got) >= {"world", "model", "gradmesh_step_s", "ddp_step_s", "ratio"}
+    assert got["ratio"] == pytest.approx(got["gradmesh_step_s"] / got["ddp_step_s"])

@@ -1,0 +1,147 @@
+"""`gradmesh bench dataparallel`: gradmesh's DistributedOptimizer against torch DDP.
+
+Both engines train the same model from the same weights on the same batches (synthetic inputs of
+the model's shape). Each round times `--steps` steps of one engine then of the other (the order
+alternates), after a warm-up round; a step time is the slowest rank's. Reported: the median step
+time of each and ratio = gradmesh / ddp (below 1.0: gradmesh is faster). DDP uses 25 MB buckets,
+its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from typing import Any
+
+from gradmesh.bench.common import emulated_cluster, median, run_workers, write_json
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
+    parser.add_argument("--model", default="cnn", help="a registered model (default: cnn)")
+    parser.add_argument("--dataset", default="digits", help="input shape from this dataset")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
+    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per engine")
+    parser.add_argument("--allreduce", default="native", help="gradmesh's allreduce algorithm")
+    parser.add_argument("--emulate-hosts", type=int, help="spread the workers over H hosts")
+    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate")
+    parser.add_argument("--json", help="write the result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.collectives import ALGORITHMS
+    from gradmesh.data import DATASETS
+    from gradmesh.errors import GradmeshError
+    from gradmesh.models import MODELS
+
+    MODELS.get(args.model)
+    DATASETS.get(args.dataset)
+    ALGORITHMS.get(args.allreduce)
+    if args.world < 2 or args.steps < 1 or args.rounds < 1 or args.batch_size < args.world:
+        raise GradmeshError("need --world >= 2, --steps >= 1, --rounds >= 1, batch >= world")
+    config = {
+        k: getattr(args, k)
+        for k in ("model", "dataset", "batch_size", "steps", "rounds", "allreduce")
+    }
+    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
+        result = run_workers("gradmesh.bench.dataparallel", args.world, config, 300.0, cluster)
+        result["network"] = (
+            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
+            if cluster
+            else "loopback, one machine"
+        )
+    write_json(args.json, result)
+    print(
+        f"world {result['world']}, model {result['model']}: gradmesh "
+        f"{result['gradmesh_step_s'] * 1e3:.2f} ms/step, DDP {result['ddp_step_s'] * 1e3:.2f} "
+        f"ms/step, ratio {result['ratio']:.3f} ({result['network']})"
+    )
+    return 0
+
+
+def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+
+    from gradmesh.data import DATASETS, DataOptions
+    from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+    from gradmesh.models import MODELS
+    from gradmesh.runtime import init, shutdown
+
+    rt = init()
+    spec = DATASETS.get(config["dataset"])(DataOptions())
+    per_rank = config["batch_size"] // rt.size
+    g = torch.Generator().manual_seed(rt.rank)
+    x = torch.randn((per_rank, *spec.input_shape), generator=g)
+    y = torch.randint(0, spec.num_classes, (per_rank,), generator=g)
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return MODELS.get(config["model"])(spec.input_shape, spec.num_classes)
+
+    ours_model = build()
+    broadcast_parameters(ours_model.state_dict())
+    ours = DistributedOptimizer(
+        torch.optim.SGD(ours_model.parameters(), lr=0.01),
+        named_parameters=ours_model.named_parameters(),
+        allreduce=config["allreduce"],
+    )
+    ddp_model = nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=25)
+    theirs = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
+    engines = {"gradmesh": (ours_model, ours), "ddp": (ddp_model, theirs)}
+    slowest = torch.zeros(1, dtype=torch.float64)
+    times: dict[str, list[float]] = {"gradmesh": [], "ddp": []}
+    for round_ in range(config["rounds"] + 1):  # round 0 warms up
+        order = ["gradmesh", "ddp"] if round_ % 2 else ["ddp", "gradmesh"]
+        for name in order:
+            model, opt = engines[name]
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(config["steps"]):
+                opt.zero_grad()
+                F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+                opt.step()
+            slowest[0] = (time.perf_counter() - started) / config["steps"]
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            if round_:
+                times[name].append(float(slowest[0]))
+    ours_s, ddp_s = median(times["gradmesh"]), median(times["ddp"])
+    result = {
+        "world": rt.size,
+        "model": config["model"],
+        "gradmesh_step_s": ours_s,
+        "ddp_step_s": ddp_s,
+        "ratio": ours_s / ddp_s,
+        "batch_size": config["batch_size"],
+        "allreduce": config["allreduce"],
+        "rounds": config["rounds"],
+        "steps_per_round": config["steps"],
+    }
+    rank = rt.rank
+    # DDP's reducer must go before its process group, or C++ may terminate at exit
+    del engines, ddp_model, theirs
+    gc.collect()
+    dist.barrier()
+    shutdown()
+    return rank, result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="gradmesh-bench-dataparallel-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, result = _measure(json.loads(args.config))
+    if rank == 0:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
