@@ -11,13 +11,15 @@ passed explicitly.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -293,6 +295,20 @@ def shutdown() -> None:
             stop_timeline()
         if _runtime._executor is not None:
             _runtime._executor.shutdown(wait=True, cancel_futures=True)
+        if _runtime.size > 1 and dist.is_initialized():
+            # leave together: a rank tearing its Gloo connections down while a peer still uses
+            # them made the peer abort ("terminate called") now and then
+            with contextlib.suppress(RuntimeError):
+                dist.barrier()
     if dist.is_initialized():
         dist.destroy_process_group()
     _runtime = None
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a worker process of gradmesh's own entry points after `shutdown()`: flush output and
+    leave without running C++ static destructors, one of which (in a c10d/Gloo thread) aborted
+    now and then at interpreter exit ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

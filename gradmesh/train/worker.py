@@ -10,7 +10,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime import init, shutdown
+from gradmesh.runtime import exit_process, init, shutdown
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.trainer import train
 
@@ -39,4 +39,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main() or 0)
