@@ -29,9 +29,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
+from gradmesh.collectives.api import check_agreement
+from gradmesh.collectives.channel import resolve_group
 from gradmesh.compression import Codec, resolve
 from gradmesh.data_parallel.buckets import Bucket, plan_buckets
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, first_line
 from gradmesh.runtime import Runtime, get_runtime
 from gradmesh.timeline import span
 
@@ -92,6 +94,37 @@ def check_models_agree(rt: Runtime, params: list[tuple[str, nn.Parameter]]) -> N
             )
 
 
+class NativeWork:
+    """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
+    on the default group (as torch DDP does): no thread handoff on the hot path."""
+
+    def __init__(self, rt: Runtime, bucket: Bucket, codec: Codec) -> None:
+        self.rt, self.bucket, self.codec = rt, bucket, codec
+        self.payload, self.ctx = codec.compress(bucket.buffer)
+        check_agreement(rt, resolve_group(None), "native allreduce", self.payload)
+        self.started = time.perf_counter()
+        self.work = dist.all_reduce(self.payload, async_op=True)
+        p, nbytes = rt.size, self.payload.numel() * self.payload.element_size()
+        rt.comm.add(2 * (p - 1) * nbytes // p, 0.0)
+
+    def result(self) -> None:
+        waited = time.perf_counter()
+        try:
+            self.work.wait(self.rt.timeout)
+        except RuntimeError as exc:
+            raise GradmeshError(
+                f"rank {self.rt.rank}: native allreduce of bucket {self.bucket.index} failed: "
+                f"{first_line(exc)}"
+            ) from None
+        done = time.perf_counter()
+        self.rt.comm.add(0, done - waited)
+        if self.rt.timeline is not None:
+            self.rt.timeline.add("reduce", "comm", self.started, done, bucket=self.bucket.index)
+        result = self.codec.decompress(self.payload, self.ctx)
+        if result is not self.bucket.buffer:
+            self.bucket.buffer.copy_(result)
+
+
 class GradientReducer:
     """The long-lived state of one DistributedOptimizer: buckets, hooks, in-flight reductions."""
 
@@ -116,7 +149,7 @@ class GradientReducer:
         self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
-        self.futures: list[Future[None] | None] = [None] * len(self.buckets)
+        self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
         self.next_launch = 0
         self.passes = 0
         self.in_backward = False
@@ -171,11 +204,13 @@ class GradientReducer:
             self.futures[bucket.index] = self._submit(bucket)
             self.next_launch += 1
 
-    def _submit(self, bucket: Bucket) -> Future[None]:
+    def _submit(self, bucket: Bucket) -> Future[None] | NativeWork:
         if self.rt.size == 1:
             done: Future[None] = Future()
             done.set_result(None)
             return done
+        if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
+            return NativeWork(self.rt, bucket, self.codec)
         return self.rt.comm_executor().submit(self._reduce, bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
