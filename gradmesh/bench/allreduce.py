@@ -11,7 +11,6 @@ with the probed parameters.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from typing import Any
 
@@ -23,6 +22,7 @@ from gradmesh.bench.common import (
     parse_size,
     quantile,
     run_workers,
+    worker_main,
     write_json,
 )
 
@@ -143,18 +143,5 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return rt.rank, {"results": [{**r, **fitted} for r in rows]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="gradmesh-bench-allreduce-worker")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    rank, result = _measure(json.loads(args.config))
-    if rank == 0:
-        write_json(args.out, result)
-    return 0
-
-
 if __name__ == "__main__":
-    from gradmesh.runtime import exit_process
-
-    exit_process(main())
+    worker_main(_measure)

@@ -8,8 +8,9 @@ import re
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
@@ -106,3 +107,20 @@ def emulated_cluster(
     if hosts is None:
         return contextlib.nullcontext()
     return EmulatedCluster(hosts=hosts, bandwidth=bandwidth)
+
+
+def worker_main(measure: Callable[[dict[str, Any]], tuple[int, Any]]) -> NoReturn:
+    """The `__main__` of a benchmark's worker module: read --config, run `measure` on this rank,
+    and have rank 0 write the result to --out for `run_workers` to read."""
+    import argparse
+
+    from gradmesh.runtime import exit_process
+
+    parser = argparse.ArgumentParser(prog="gradmesh-bench-worker")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    rank, result = measure(json.loads(args.config))
+    if rank == 0:
+        write_json(args.out, result)
+    exit_process(0)

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 from typing import Any
 
-from gradmesh.bench.common import emulated_cluster, median, run_workers, write_json
+from gradmesh.bench.common import emulated_cluster, median, run_workers, worker_main, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -131,18 +130,5 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     return rank, result
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(prog="gradmesh-bench-dataparallel-worker")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    rank, result = _measure(json.loads(args.config))
-    if rank == 0:
-        write_json(args.out, result)
-    return 0
-
-
 if __name__ == "__main__":
-    from gradmesh.runtime import exit_process
-
-    exit_process(main())
+    worker_main(_measure)

@@ -257,57 +257,21 @@ class EmulatedCluster:
         _sh("ip", "-n", name, "link", "set", "lo", "up")
 
     def _shape(self, namespace: str, dev: str) -> None:
-        for feature in ("tso", "gso", "gro"):
-            if shutil.which("ethtool"):
-                _sh(
-                    "ip",
-                    "netns",
-                    "exec",
-                    namespace,
-                    "ethtool",
-                    "-K",
-                    dev,
-                    feature,
-                    "off",
-                    check=False,
-                )
+        if shutil.which("ethtool"):
+            _sh(
+                *f"ip netns exec {namespace} ethtool -K {dev} tso off gso off gro off".split(),
+                check=False,
+            )
         burst = max(16 * 1024, self.bandwidth_bps // 8 // 1000)  # one millisecond of traffic
         _sh(
-            "tc",
-            "-n",
-            namespace,
-            "qdisc",
-            "add",
-            "dev",
-            dev,
-            "root",
-            "handle",
-            "1:",
-            "tbf",
-            "rate",
-            f"{self.bandwidth_bps}bit",
-            "burst",
-            str(burst),
-            "latency",
-            "50ms",
+            *f"tc -n {namespace} qdisc add dev {dev} root handle 1: tbf rate "
+            f"{self.bandwidth_bps}bit burst {burst} latency 50ms".split()
         )
         if self.latency_s:
             delay = f"{self.latency_s / 2 * 1e6:.0f}us"  # half each way: the round trip adds up
             _sh(
-                "tc",
-                "-n",
-                namespace,
-                "qdisc",
-                "add",
-                "dev",
-                dev,
-                "parent",
-                "1:1",
-                "handle",
-                "10:",
-                "netem",
-                "delay",
-                delay,
+                *f"tc -n {namespace} qdisc add dev {dev} parent 1:1 handle 10: netem delay "
+                f"{delay}".split()
             )
 
     def _write_hosts_file(self, namespace: str) -> None:
