@@ -139,8 +139,10 @@ def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> 
 
 
 def join(device: int = -1) -> int:
-    """Wait, taking part in the others' gradient reductions, until every rank has joined.
-    Returns the rank that joined last (here: -1, gradmesh does not track it)."""
-    for join_one in get_runtime().joinables:
-        join_one()
+    """Wait, taking part in the others' gradient reductions, until every rank has joined (for
+    the most recently created DistributedOptimizer). Returns -1: gradmesh does not track which
+    rank joined last."""
+    joinable = get_runtime().joinable
+    if joinable is not None:
+        joinable()
     return -1

@@ -106,8 +106,8 @@ class Runtime:
     timeline: Any = None
     """The running `gradmesh.timeline.Timeline`, if any."""
     _executor: ThreadPoolExecutor | None = None
-    joinables: list[Callable[[], None]] = field(default_factory=list)
-    """What `join()` must run: one entry per DistributedOptimizer."""
+    joinable: Callable[[], None] | None = None
+    """What `gradmesh.join()` runs: the join of the most recently created DistributedOptimizer."""
 
     def comm_executor(self) -> ThreadPoolExecutor:
         """The one communication thread: asynchronous collectives run here, in submission order,

@@ -302,22 +302,27 @@ class _DistributedMixin:
         finally:
             self._gm.skip_sync = False
 
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
+    def _apply(self, closure: Callable[[], float] | None = None) -> Any:
+        """Run the wrapped optimizer on the reduced gradients, unless they are not finite."""
         gm = self._gm
         gm.steps += 1
+        if (name := gm.nonfinite_parameter()) is not None:
+            if gm.on_nonfinite == "error":
+                raise GradmeshError(
+                    f"rank {gm.rt.rank}: step {gm.steps}: non-finite gradient in parameter "
+                    f"{name!r} (on_nonfinite='skip' or --on-nonfinite skip skips such steps)"
+                )
+            gm.skipped_steps += 1
+            return None
+        with span("step", "compute"):
+            return super().step(closure)  # type: ignore[misc]
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        gm = self._gm
         try:
             if not gm.skip_sync or not gm.synced:
                 gm.synchronize()
-            if (name := gm.nonfinite_parameter()) is not None:
-                if gm.on_nonfinite == "error":
-                    raise GradmeshError(
-                        f"rank {gm.rt.rank}: step {gm.steps}: non-finite gradient in parameter "
-                        f"{name!r} (on_nonfinite='skip' or --on-nonfinite skip skips such steps)"
-                    )
-                gm.skipped_steps += 1
-                return None
-            with span("step", "compute"):
-                return super().step(closure)  # type: ignore[misc]
+            return self._apply(closure)
         finally:
             gm.reset()
 
@@ -326,11 +331,12 @@ class _DistributedMixin:
         zero gradients and takes the same steps as the others (averaged over the ranks still
         training), so all replicas stay identical."""
         gm = self._gm
-        while (active := gm.join_round()) > 0:
-            gm.unpack_all(active)
-            if gm.nonfinite_parameter() is None or gm.on_nonfinite == "error":
-                super().step()  # type: ignore[misc]
-        gm.reset()
+        try:
+            while (active := gm.join_round()) > 0:
+                gm.unpack_all(active)
+                self._apply()
+        finally:
+            gm.reset()
 
 
 def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
@@ -378,7 +384,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     wrapped = cast(Optimizer, object.__new__(cls))
     wrapped.__dict__.update(optimizer.__dict__)
     cast(_DistributedMixin, wrapped)._gm = reducer
-    reducer.rt.joinables.append(cast(_DistributedMixin, wrapped).join)
+    reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins
     return wrapped
 
 
