@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
 from gradmesh.collectives.api import check_agreement
 from gradmesh.collectives.channel import resolve_group
+from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.compression import Codec, resolve
 from gradmesh.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, first_line
@@ -41,22 +42,6 @@ Average: Op = "average"
 Sum: Op = "sum"
 Adasum = "adasum"
 OnNonfinite = Literal["error", "skip"]
-
-
-def _flat_buffers(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """Group tensors by dtype and device and pack each group into one contiguous buffer."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.dtype, t.device), []).append(t)
-    return [(torch.cat([t.reshape(-1) for t in ts]), ts) for ts in groups.values()]
-
-
-def _unpack(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        t.copy_(flat[offset : offset + n].view_as(t))
-        offset += n
 
 
 def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
@@ -400,6 +385,6 @@ def broadcast_parameters(
     if get_runtime().size == 1 or not tensors:
         return
     with torch.no_grad():
-        for flat, members in _flat_buffers(tensors):
+        for flat, members in flat_buffers(tensors):
             broadcast(flat, root=root_rank)
-            _unpack(flat, members)
+            unpack(flat, members)

@@ -50,6 +50,9 @@ class TrainConfig:
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "L2 weight decay")
     seed: int = option(0, "seed for model initialisation and data order")
+    sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
+    averaging_algorithm: str = option("native", "local-sgd: allreduce algorithm for averaging")
+    warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
     fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
     compression: str = option("none", "gradient compression codec (none, fp16)")
     lr_scaling: str = option("none", "large-batch rule: linear (lr x workers or x batch/reference)")
@@ -72,6 +75,9 @@ class TrainConfig:
 
         STRATEGIES.get(self.strategy)
         ALGORITHMS.get(self.allreduce)
+        ALGORITHMS.get(self.averaging_algorithm)
+        if self.sync_every < 1 or self.warmup_sync_steps < 0:
+            raise GradmeshError("--sync-every must be >= 1 and --warmup-sync-steps >= 0")
         MODELS.get(self.model)
         DATASETS.get(self.dataset)
         parse_shape(self.synthetic_shape)

@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+from gradmesh.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.registry import Registry
 from gradmesh.runtime import Runtime
 from gradmesh.train.config import TrainConfig
@@ -59,4 +60,33 @@ class AllreduceStrategy:
             "allreduce": self.config.allreduce,
             "compression": self.config.compression,
             "skipped_steps": skipped,
+        }
+
+
+@STRATEGIES.register("local-sgd")
+class LocalSGDStrategy:
+    """K local steps, then parameter averaging; synchronous for the first T steps if asked."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.averager: Averager | None = None
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
+        broadcast_parameters(model.state_dict(), root_rank=0)
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.averager = Averager(
+            params,
+            self.config.sync_every,
+            self.config.warmup_sync_steps,
+            self.config.averaging_algorithm,
+        )
+        return LocalSGDOptimizer(optimizer, self.averager)
+
+    def report(self) -> dict[str, Any]:
+        rounds = self.averager.averaging_rounds if self.averager else 0
+        return {
+            "sync_every": self.config.sync_every,
+            "warmup_sync_steps": self.config.warmup_sync_steps,
+            "averaging_algorithm": self.config.averaging_algorithm,
+            "averaging_rounds": rounds,
         }

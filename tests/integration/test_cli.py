@@ -107,7 +107,7 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["train", "--strategy", "nope"], "unknown strategy 'nope' (valid: allreduce)"),
+        (["train", "--strategy", "nope"], "unknown strategy 'nope' (valid: allreduce, local-sgd)"),
         (["train", "--model", "vgg"], "unknown model 'vgg' (valid: cnn, linear, mlp)"),
         (["train", "--dataset", "mnist"], "unknown dataset 'mnist' (valid: digits, synthetic)"),
         (["train", "--workers", "0"], "--workers must be >= 1"),
@@ -351,3 +351,26 @@ def test_bench_dataparallel_compares_with_ddp(tmp_path: Path) -> None:
     got = json.loads((tmp_path / "d.json").read_text())
     assert set(got) >= {"world", "model", "gradmesh_step_s", "ddp_step_s", "ratio"}
     assert got["ratio"] == pytest.approx(got["gradmesh_step_s"] / got["ddp_step_s"])
+
+
+def test_local_sgd_sends_an_eighth_of_the_bytes_and_still_learns(tmp_path: Path) -> None:
+    local = gradmesh(
+        "train",
+        "--strategy",
+        "local-sgd",
+        "--sync-every",
+        "8",
+        "--json",
+        str(tmp_path / "local.json"),
+    )
+    assert local.returncode == 0, local.stderr
+    sync = gradmesh("train", "--json", str(tmp_path / "sync.json"))
+    assert sync.returncode == 0, sync.stderr
+    a = json.loads((tmp_path / "local.json").read_text())
+    b = json.loads((tmp_path / "sync.json").read_text())
+    assert a["test_accuracy"] >= 0.95
+    assert a["bytes_sent"] <= 0.15 * b["bytes_sent"]
+    assert a["strategy_info"]["averaging_rounds"] == 12 * 23 // 8
+    assert "--sync-every must be >= 1" in one_line_error(
+        gradmesh("train", "--strategy", "local-sgd", "--sync-every", "0")
+    )

@@ -26,7 +26,7 @@ def test_registry_lists_valid_names_on_unknown() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"strategy": "nope"}, "unknown strategy 'nope' (valid: allreduce)"),
+        ({"strategy": "nope"}, "unknown strategy 'nope' (valid: allreduce, local-sgd)"),
         ({"model": "resnet"}, "unknown model 'resnet' (valid: cnn, linear, mlp)"),
         ({"dataset": "imagenet"}, "unknown dataset 'imagenet' (valid: digits, synthetic)"),
         ({"allreduce": "magic"}, "unknown allreduce algorithm 'magic'"),
