@@ -20,6 +20,7 @@ from gradmesh.collectives import allreduce
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import get_runtime
+from gradmesh.wrapping import wrap_optimizer
 
 
 @dataclass
@@ -76,8 +77,4 @@ def LocalSGDOptimizer(  # noqa: N802 - reads like the optimizer it wraps
     optimizer: Optimizer, averager: Averager
 ) -> Optimizer:
     """`optimizer` with local SGD's communication around each step (a subclass of its class)."""
-    cls = type(optimizer.__class__.__name__, (_LocalSGDMixin, optimizer.__class__), {})
-    wrapped = cast(Optimizer, object.__new__(cls))
-    wrapped.__dict__.update(optimizer.__dict__)
-    cast(_LocalSGDMixin, wrapped)._averager = averager
-    return wrapped
+    return wrap_optimizer(optimizer, _LocalSGDMixin, _averager=averager)

@@ -37,6 +37,7 @@ from gradmesh.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.runtime import Runtime, get_runtime
 from gradmesh.timeline import span
+from gradmesh.wrapping import wrap_optimizer
 
 Average: Op = "average"
 Sum: Op = "sum"
@@ -365,10 +366,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         backward_passes_per_step,
         on_nonfinite,
     )
-    cls = type(optimizer.__class__.__name__, (_DistributedMixin, optimizer.__class__), {})
-    wrapped = cast(Optimizer, object.__new__(cls))
-    wrapped.__dict__.update(optimizer.__dict__)
-    cast(_DistributedMixin, wrapped)._gm = reducer
+    wrapped = wrap_optimizer(optimizer, _DistributedMixin, _gm=reducer)
     reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins
     return wrapped
 

@@ -4,35 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gradmesh
-from gradmesh.data import GlobalBatchSharder
-from gradmesh.models import small_cnn
+from tests.distributed.sgd_steps import cnn, run_steps
 from tests.harness import run_ranks
 
-GLOBAL_BATCH = 12
 STEPS = 20
 
 
-def _data() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    return torch.randn(60, 1, 8, 8, generator=g), torch.randint(0, 10, (60,), generator=g)
-
-
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(11)
-    model = small_cnn((1, 8, 8), 10)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
-    return model, opt
+    model = cnn()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
 
 
 def train_steps(
     rank: int, world: int, algorithm: str = "native", passes: int = 1
 ) -> list[torch.Tensor]:
-    """STEPS steps on this rank's slices, loss scaled as the trainer does; with `passes` > 1 each
-    slice is split into that many micro-batches whose gradients accumulate before the step."""
-    x, y = _data()
     model, opt = _setup()
     if world > 1:
         gradmesh.broadcast_parameters(model.state_dict())
@@ -40,22 +27,10 @@ def train_steps(
             opt,
             named_parameters=model.named_parameters(),
             allreduce=algorithm,
-            fusion_mb=0.02,
-            backward_passes_per_step=passes,  # several buckets
+            fusion_mb=0.02,  # several buckets
+            backward_passes_per_step=passes,
         )
-    sharder = GlobalBatchSharder(len(y), GLOBAL_BATCH, rank, world, seed=5)
-    steps = 0
-    for epoch in range(STEPS):
-        for idx, count in sharder.batches(epoch):
-            if steps == STEPS:
-                return [p.detach().clone() for p in model.parameters()]
-            opt.zero_grad()
-            for part in torch.tensor_split(idx, passes):
-                loss = F.cross_entropy(model(x[part]), y[part], reduction="sum") * (world / count)
-                loss.backward()
-            opt.step()
-            steps += 1
-    raise AssertionError("not enough data for the steps asked")
+    return run_steps(model, opt, 60, rank, world, STEPS, passes)
 
 
 ALGORITHMS = ["native", "ring", "tree", "butterfly", "star", "hierarchical"]

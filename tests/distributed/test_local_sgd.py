@@ -4,37 +4,22 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gradmesh
-from gradmesh.data import GlobalBatchSharder
 from gradmesh.local_sgd import Averager, LocalSGDOptimizer
-from gradmesh.models import small_cnn
+from tests.distributed.sgd_steps import cnn, run_steps
 from tests.harness import run_ranks
 
 STEPS = 12
 
 
 def train(rank: int, world: int, momentum: float, k: int, warmup: int) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(3)
-    x, y = torch.randn(48, 1, 8, 8, generator=g), torch.randint(0, 10, (48,), generator=g)
-    torch.manual_seed(11)
-    model = small_cnn((1, 8, 8), 10)
+    model = cnn()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum, weight_decay=1e-3)
     if world > 1:
         gradmesh.broadcast_parameters(model.state_dict())
         opt = LocalSGDOptimizer(opt, Averager(list(model.parameters()), k, warmup))
-    sharder = GlobalBatchSharder(len(y), 12, rank, world, seed=5)
-    steps = 0
-    for epoch in range(STEPS):
-        for idx, count in sharder.batches(epoch):
-            if steps == STEPS:
-                return [p.detach().clone() for p in model.parameters()]
-            opt.zero_grad()
-            (F.cross_entropy(model(x[idx]), y[idx], reduction="sum") * (world / count)).backward()
-            opt.step()
-            steps += 1
-    raise AssertionError("not enough data")
+    return run_steps(model, opt, 48, rank, world, STEPS)
 
 
 def on_rank(momentum: float, k: int, warmup: int) -> list[torch.Tensor]:
