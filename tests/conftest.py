@@ -40,6 +40,15 @@ def rank_forkserver() -> None:
     start_forkserver()
 
 
+def our_temp_dirs() -> set[str]:
+    """Launcher log folders and emulated-host temp folders in the temp directory."""
+    import glob
+    import tempfile
+
+    root = tempfile.gettempdir()
+    return {*glob.glob(f"{root}/gradmesh-run-*"), *glob.glob(f"{root}/gmesh-*")}
+
+
 def emulated_namespaces() -> set[str]:
     from gradmesh.launch import emulate
 
@@ -52,6 +61,7 @@ def no_leaked_processes() -> Iterator[str]:
     fail if the test left an emulated host's namespace behind."""
     tag = uuid.uuid4().hex
     namespaces_before = emulated_namespaces()
+    temp_before = our_temp_dirs()
     previous = os.environ.get(TAG)
     os.environ[TAG] = tag
     try:
@@ -73,6 +83,8 @@ def no_leaked_processes() -> Iterator[str]:
     left_namespaces = emulated_namespaces() - namespaces_before
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
+    left_temp = our_temp_dirs() - temp_before
     assert not leaked, f"processes left behind by the test: {leaked}"
+    assert not left_temp, f"temporary folders left behind: {sorted(left_temp)}"
     assert not left_namespaces, f"network namespaces left behind: {sorted(left_namespaces)}"
     assert not children, f"child processes left behind by the test: {children}"

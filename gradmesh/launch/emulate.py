@@ -19,6 +19,7 @@ We write this ourselves: no maintained Python library builds namespace testbeds 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -160,6 +162,10 @@ def remove_stale() -> list[str]:
         if m and not _pid_alive(int(m.group(1))):
             _delete_namespace(name)
             removed.append(name)
+    for folder in glob.glob(os.path.join(tempfile.gettempdir(), f"{PREFIX}*-tmp-*")):
+        m = re.match(rf"{PREFIX}(\d+)x", os.path.basename(folder))
+        if m and not _pid_alive(int(m.group(1))):
+            shutil.rmtree(folder, ignore_errors=True)
     return removed
 
 
@@ -224,6 +230,9 @@ class EmulatedCluster:
         self.bandwidth_bps = parse_rate(self.bandwidth)
         self.latency_s = parse_latency(self.latency) if self.latency else 0.0
         self._created: list[str] = []
+        self.tmpdir: str | None = None
+        """Temporary files of the hosts' processes (TMPDIR): removed with the cluster, even
+        when its processes had to be killed before they could clean up."""
 
     # -- names -----------------------------------------------------------------------------
     def namespace(self, host: int) -> str:
@@ -286,6 +295,7 @@ class EmulatedCluster:
             f.write("\n".join(lines) + "\n")
 
     def _build(self) -> None:
+        self.tmpdir = tempfile.mkdtemp(prefix=f"{PREFIX}{self.run_id}-tmp-")
         if self.latency_s and not netem_available():
             note = "netem is not available on this kernel: --latency is not applied"
             self.notes.append(note)
@@ -328,6 +338,9 @@ class EmulatedCluster:
         for name in reversed(self._created):
             _delete_namespace(name)
         self._created.clear()
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
 
     # -- jobs ------------------------------------------------------------------------------
     def host_env(self, host: int, procs_per_host: int) -> dict[str, str]:
@@ -354,6 +367,8 @@ class EmulatedCluster:
         procs, threads = [], []
         for host in range(self.hosts):
             env = {**os.environ, **self.host_env(host, procs_per_host)}
+            if self.tmpdir is not None:
+                env["TMPDIR"] = self.tmpdir
             # every emulated host shares this machine's cores: do not let each think it has all
             omp = max(1, (os.cpu_count() or 1) // (self.hosts * procs_per_host))
             env.setdefault("OMP_NUM_THREADS", str(omp))
