@@ -202,7 +202,7 @@ def test_ctrl_c_ends_every_worker(tmp_path: Path) -> None:
     # the leak fixture then checks that no worker survived
 
 
-def test_example_trains_under_gradmesh_run_and_torchrun() -> None:
+def test_example_trains_under_gradmesh_run_and_torchrun(tmp_path: Path) -> None:
     example = str(ROOT / "examples" / "train_digits.py")
     ours = gradmesh("run", "-np", "2", "--", "python", example)
     assert ours.returncode == 0, ours.stderr
@@ -214,6 +214,8 @@ def test_example_trains_under_gradmesh_run_and_torchrun() -> None:
             "-m",
             "torch.distributed.run",
             "--standalone",
+            "--log-dir",  # torchrun leaves its log folder behind; keep it in the test's tmp_path
+            str(tmp_path / "torchrun-logs"),
             "--nproc-per-node",
             "2",
             example,
