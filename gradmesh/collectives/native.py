@@ -13,6 +13,11 @@ from gradmesh.collectives.ring import ring_cost
 from gradmesh.errors import GradmeshError, first_line
 
 
+def modelled_bytes_sent(p: int, nbytes: int) -> int:
+    """What one rank sends in a ring allreduce of `nbytes` over `p` ranks."""
+    return 2 * (p - 1) * nbytes // p
+
+
 @algorithm("native", cost=ring_cost)
 def native_allreduce(flat: torch.Tensor, ch: Channel) -> None:
     try:
@@ -21,4 +26,4 @@ def native_allreduce(flat: torch.Tensor, ch: Channel) -> None:
         raise GradmeshError(
             f"rank {ch.rt.rank}: {ch.operation} failed: {first_line(exc)}"
         ) from None
-    ch.sent += 2 * (ch.size - 1) * flat.numel() * flat.element_size() // ch.size
+    ch.sent += modelled_bytes_sent(ch.size, flat.numel() * flat.element_size())

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast
@@ -23,13 +24,22 @@ from gradmesh.runtime import get_runtime
 Handle = Future[torch.Tensor]
 
 
+def compressed_allreduce(
+    tensor: torch.Tensor, codec: Codec, op: Op, algorithm: str, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Compress, reduce the payload (in place), decompress: the reduced value in `tensor`'s
+    dtype. With no compression the result is `tensor` itself."""
+    payload, ctx = codec.compress(tensor)
+    allreduce(payload, op=op, algorithm=algorithm, group=group)
+    return codec.decompress(payload, ctx)
+
+
 def _reduce_copy(
     tensor: torch.Tensor, op: Op, algorithm: str, compression: Codec | str | None
 ) -> torch.Tensor:
-    codec = resolve(compression)
-    payload, ctx = codec.compress(tensor.detach().clone())
-    allreduce(payload, op=op, algorithm=algorithm, group=get_runtime().async_group)
-    return codec.decompress(payload, ctx)
+    return compressed_allreduce(
+        tensor.detach().clone(), resolve(compression), op, algorithm, get_runtime().async_group
+    )
 
 
 def allreduce_async(

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from gradmesh.collectives import ALGORITHMS
-from gradmesh.collectives import allreduce as reduce_tensor
 from gradmesh.compression import Codec, resolve
+from gradmesh.data_parallel.api import compressed_allreduce
 from gradmesh.runtime import get_runtime
 
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
@@ -31,9 +31,7 @@ def ddp_comm_hook(allreduce: str = "native", compression: Codec | str | None = N
     rt = get_runtime()
 
     def reduce(buffer: torch.Tensor) -> torch.Tensor:
-        payload, ctx = codec.compress(buffer)
-        reduce_tensor(payload, op="average", algorithm=name, group=rt.async_group)
-        return codec.decompress(payload, ctx)
+        return compressed_allreduce(buffer, codec, "average", name, rt.async_group)
 
     def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()

@@ -3,13 +3,13 @@
 `DistributedOptimizer(opt, named_parameters)` returns an object of a subclass of `opt`'s own class
 (LR schedulers and `isinstance` keep working) sharing `opt`'s parameter groups and state.
 A post-accumulate-grad hook on every trainable parameter marks its gradient ready; when every
-gradient of a fusion bucket is ready the bucket is packed and handed to the communication thread,
-which reduces it with the chosen allreduce algorithm while backward goes on. A callback at the
-end of backward flushes buckets still waiting on parameters that got no gradient (they count as
-zero). `step()` waits only for what is still in flight, unpacks, and runs the wrapped optimizer.
-
-The communication thread uses the runtime's second process group, so collectives the main thread
-issues meanwhile never interleave with bucket reductions.
+gradient of a fusion bucket is ready the bucket is packed and its reduction starts while backward
+goes on: `native` as the backend's asynchronous allreduce issued from the training thread (as
+DDP does), gradmesh's own algorithms on the communication thread over the runtime's second
+process group (so they never interleave with collectives the training thread issues). A callback
+at the end of backward flushes buckets still waiting on parameters that got no gradient (they
+count as zero). `step()` waits only for what is still in flight, unpacks, and runs the wrapped
+optimizer.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
+from gradmesh.collectives import ALGORITHMS, Op, broadcast
 from gradmesh.collectives.api import check_agreement
 from gradmesh.collectives.channel import resolve_group
 from gradmesh.collectives.flat import flat_buffers, unpack
+from gradmesh.collectives.native import modelled_bytes_sent
 from gradmesh.compression import Codec, resolve
+from gradmesh.data_parallel.api import compressed_allreduce
 from gradmesh.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.runtime import Runtime, get_runtime
@@ -90,8 +92,8 @@ class NativeWork:
         check_agreement(rt, resolve_group(None), "native allreduce", self.payload)
         self.started = time.perf_counter()
         self.work = dist.all_reduce(self.payload, async_op=True)
-        p, nbytes = rt.size, self.payload.numel() * self.payload.element_size()
-        rt.comm.add(2 * (p - 1) * nbytes // p, 0.0)
+        nbytes = self.payload.numel() * self.payload.element_size()
+        rt.comm.add(modelled_bytes_sent(rt.size, nbytes), 0.0)
 
     def result(self) -> None:
         waited = time.perf_counter()
@@ -145,10 +147,8 @@ class GradientReducer:
         self.skipped_steps = 0
         self.skip_sync = False
         self.synced = False
-        self.handles = [
+        for _, p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
-            for _, p in params
-        ]
 
     # -- during backward -------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -206,9 +206,9 @@ class GradientReducer:
             bucket=bucket.index,
             bytes=bucket.buffer.numel() * bucket.buffer.element_size(),
         ):
-            payload, ctx = self.codec.compress(bucket.buffer)
-            allreduce(payload, algorithm=self.algorithm, group=self.rt.async_group)
-            result = self.codec.decompress(payload, ctx)
+            result = compressed_allreduce(
+                bucket.buffer, self.codec, "sum", self.algorithm, self.rt.async_group
+            )
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
 
@@ -219,10 +219,7 @@ class GradientReducer:
             return
         if self.next_launch < len(self.buckets):  # no (or an unfinished) backward this step
             self._flush()
-        for future in self.futures:
-            assert future is not None
-            future.result()
-        self.unpack_all(float(self.buckets[-1].buffer[-1]) if self.rt.size > 1 else 1.0)
+        self.unpack_all(self._wait_all() if self.rt.size > 1 else 1.0)
 
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
@@ -253,6 +250,10 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.ready.update(range(len(bucket.params)))
         self._launch_ready(active=False)
+        return self._wait_all()
+
+    def _wait_all(self) -> float:
+        """Wait for every bucket of the step; returns the count of ranks still training."""
         for future in self.futures:
             assert future is not None
             future.result()
@@ -264,10 +265,6 @@ class GradientReducer:
             with span("unpack", "comm", bucket=bucket.index):
                 bucket.unpack(divisor)
         self.synced = True
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 class _DistributedMixin:
