@@ -11,6 +11,7 @@ passed explicitly.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import sys
@@ -227,6 +228,7 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
     if local_group is not None:
         local_size = dist.get_world_size(local_group)
     async_group = dist.new_group(list(range(size))) if size > 1 else None
+    atexit.register(shutdown)  # scripts that never call shutdown() still leave together
     _runtime = Runtime(
         rank=rank,
         size=size,
