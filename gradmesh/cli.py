@@ -41,6 +41,11 @@ def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = _field_type(f)
+        if kind is bool:
+            parser.add_argument(
+                flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
+            )
+            continue
         parser.add_argument(
             flag,
             dest=f.name,
@@ -75,6 +80,10 @@ BENCHES = {
     "dataparallel": (
         "gradmesh's DistributedOptimizer against torch DDP, interleaved",
         "gradmesh.bench.dataparallel",
+    ),
+    "hogwild": (
+        "Hogwild! samples/s and accuracy, 1..N workers, lock-free and locked",
+        "gradmesh.bench.hogwild",
     ),
     "link": (
         "native allreduce over emulated hosts, as a fraction of the link",

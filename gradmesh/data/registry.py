@@ -27,6 +27,8 @@ class DataSpec:
     test: Split
     input_shape: tuple[int, ...]
     num_classes: int
+    vocab: int = 0
+    """For inputs that are int64 feature ids: how many ids there are. 0 for real-valued inputs."""
 
 
 @dataclass(frozen=True)

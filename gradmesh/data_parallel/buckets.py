@@ -38,7 +38,7 @@ class Bucket:
 
     def pack(self, active: bool) -> None:
         """Copy gradients into the buffer (a missing gradient, or a joined rank's, packs as
-        zeros)."""
+        zeros; a sparse one is densified, as Horovod's sparse_as_dense does)."""
         if not active:
             self.buffer.zero_()
             return
@@ -46,7 +46,8 @@ class Bucket:
             if p.grad is None:
                 self.buffer[a:b].zero_()
             else:
-                self.buffer[a:b].copy_(p.grad.reshape(-1))
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                self.buffer[a:b].copy_(grad.reshape(-1))
         if self.has_flag:
             self.buffer[-1] = 1.0
 
@@ -57,7 +58,7 @@ class Bucket:
             grads.div_(divisor)
         for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
             reduced = grads[a:b].view_as(p)
-            if p.grad is None:
+            if p.grad is None or p.grad.is_sparse:
                 p.grad = reduced.clone()
             else:
                 p.grad.copy_(reduced)

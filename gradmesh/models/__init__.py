@@ -1,15 +1,34 @@
-"""Models by name: each builder takes (input_shape, num_classes) and returns an `nn.Module`."""
+"""Models by name: each builder takes (input_shape, num_classes) and returns an `nn.Module`;
+models of feature-id inputs (`FEATURE_ID_MODELS`) also take the number of ids, `vocab`.
+`build_model` picks the call from the dataset and says which pairs do not fit."""
 
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from gradmesh.data.registry import DataSpec
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 
-ModelFn = Callable[[tuple[int, ...], int], nn.Module]
+ModelFn = Callable[..., nn.Module]
 MODELS: Registry[ModelFn] = Registry("model")
+FEATURE_ID_MODELS = {"bag"}
+
+
+def build_model(name: str, spec: DataSpec) -> nn.Module:
+    """Model `name` shaped for dataset `spec`; a one-line error where they do not fit."""
+    builder = MODELS.get(name)
+    if name in FEATURE_ID_MODELS:
+        if not spec.vocab:
+            raise GradmeshError(f"model {name} needs a dataset of feature ids, like docstrings")
+        return builder(spec.input_shape, spec.num_classes, vocab=spec.vocab)
+    if spec.vocab:
+        raise GradmeshError(
+            f"model {name} needs real-valued inputs; this dataset gives feature ids "
+            f"(use model {', '.join(sorted(FEATURE_ID_MODELS))})"
+        )
+    return builder(spec.input_shape, spec.num_classes)
 
 
 @MODELS.register("cnn")
@@ -47,3 +66,31 @@ def linear(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Multinomial logistic regression on the flattened input."""
     features = int(torch.tensor(input_shape).prod())
     return nn.Sequential(nn.Flatten(), nn.Linear(features, num_classes))
+
+
+class BagOfFeatures(nn.Module):
+    """A linear classifier over bags of feature ids: logits = sum of the ids' weight rows + bias.
+
+    The weight is an `EmbeddingBag` with sparse gradients, so a step touches only the rows of the
+    ids in the batch; id 0 is padding. Zero-initialised, as linear models usually are.
+    """
+
+    def __init__(self, vocab: int, num_classes: int) -> None:
+        super().__init__()
+        self.weight = nn.EmbeddingBag(vocab, num_classes, mode="sum", sparse=True, padding_idx=0)
+        nn.init.zeros_(self.weight.weight)
+        self.bias = nn.Parameter(torch.zeros(num_classes))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits: torch.Tensor = self.weight(ids) + self.bias
+        return logits
+
+
+@MODELS.register("bag")
+def bag(input_shape: tuple[int, ...], num_classes: int, vocab: int = 0) -> nn.Module:
+    """Sparse linear model over feature ids (see `BagOfFeatures`)."""
+    if len(input_shape) != 1 or vocab < 2:
+        raise GradmeshError(
+            f"model bag needs 1-d feature-id inputs and a vocabulary, got {input_shape}, {vocab}"
+        )
+    return BagOfFeatures(vocab, num_classes)

@@ -53,6 +53,7 @@ class TrainConfig:
     sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
     averaging_algorithm: str = option("native", "local-sgd: allreduce algorithm for averaging")
     warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
+    lock: bool = option(False, "hogwild: serialise the shared-memory updates with a lock")
     fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
     compression: str = option("none", "gradient compression codec (none, fp16)")
     lr_scaling: str = option("none", "large-batch rule: linear (lr x workers or x batch/reference)")

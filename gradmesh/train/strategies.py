@@ -9,10 +9,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from gradmesh.collectives import allreduce
 from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+from gradmesh.hogwild import HogwildOptimizer, SharedModel, share_model
 from gradmesh.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.registry import Registry
 from gradmesh.runtime import Runtime
@@ -89,4 +92,28 @@ class LocalSGDStrategy:
             "warmup_sync_steps": self.config.warmup_sync_steps,
             "averaging_algorithm": self.config.averaging_algorithm,
             "averaging_rounds": rounds,
+        }
+
+
+@STRATEGIES.register("hogwild")
+class HogwildStrategy:
+    """Lock-free updates of one model in this host's shared memory (`--lock` serialises them)."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.shared: SharedModel | None = None
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
+        self.shared = share_model(model, lock=self.config.lock)
+        return HogwildOptimizer(optimizer, self.shared)
+
+    def report(self) -> dict[str, Any]:
+        """Collective: the updates every worker applied, summed."""
+        assert self.shared is not None
+        updates = torch.tensor([float(self.shared.updates)], dtype=torch.float64)
+        allreduce(updates, op="sum")
+        return {
+            "lock": self.config.lock,
+            "updates_applied": int(updates[0]),
+            "shared_bytes": self.shared.nbytes,
         }

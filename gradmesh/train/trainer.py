@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from gradmesh.collectives import allreduce
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
-from gradmesh.models import MODELS
+from gradmesh.models import build_model
 from gradmesh.runtime import Runtime
 from gradmesh.timeline import span, start_timeline
 from gradmesh.train import checkpoint
@@ -69,13 +69,51 @@ def _progress(config: TrainConfig, steps: int, rt: Runtime) -> tqdm | None:
     return tqdm(total=config.epochs * steps, unit="step", dynamic_ncols=True, leave=False)
 
 
+def _reduce_losses(pending: list[torch.Tensor], clock: _Clock) -> None:
+    """Sum the pending epochs' losses over the ranks in one collective and record their means.
+
+    Done at checkpoints and at the end, not every epoch: asynchronous strategies (Hogwild!)
+    would otherwise wait for the slowest worker at every epoch boundary.
+    """
+    if not pending:
+        return
+    sums = torch.stack(pending)
+    allreduce(sums)
+    clock.losses.extend((sums[:, 0] / sums[:, 1]).tolist())
+    pending.clear()
+
+
+def _report_epoch(
+    epoch: int,
+    config: TrainConfig,
+    own_loss: float,
+    samples: int,
+    started: float,
+    bar: tqdm | None,
+    rt: Runtime,
+) -> None:
+    """Progress after an epoch, from rank 0's own loss (the global mean comes in the report)."""
+    elapsed = time.perf_counter() - started
+    rate = samples / elapsed if elapsed > 0 else 0.0
+    if bar is not None:
+        bar.set_postfix(
+            epoch=f"{epoch + 1}/{config.epochs}", loss=f"{own_loss:.4f}", samples_s=f"{rate:.0f}"
+        )
+    elif rt.rank == 0:
+        print(
+            f"epoch {epoch + 1}/{config.epochs}  rank-0 loss {own_loss:.4f}  {rate:.0f} samples/s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 def train(config: TrainConfig, rt: Runtime) -> RunReport:
     """Train `config` on this rank of `rt`; every rank returns the same report."""
     torch.manual_seed(config.seed)
     if config.timeline:
         start_timeline(config.timeline)
     data = load_data(config)
-    model = MODELS.get(config.model)(data.input_shape, data.num_classes).to(rt.device)
+    model = build_model(config.model, data).to(rt.device)
     lr = scaled_lr(
         config.lr, config.lr_scaling, rt.size, config.batch_size, config.reference_batch or None
     )
@@ -100,6 +138,7 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
     clock = _Clock(losses=losses)
     started = time.perf_counter()
     samples = 0
+    pending: list[torch.Tensor] = []  # per-epoch (loss sum, count) not yet summed over ranks
     for epoch in range(first_epoch, config.epochs):
         loss_sum = torch.zeros(2, dtype=torch.float64)
         for indices, global_count in sharder.batches(epoch):
@@ -119,27 +158,20 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
             samples += global_count
             if bar is not None:
                 bar.update(1)
-        allreduce(loss_sum)
-        clock.losses.append(float(loss_sum[0] / loss_sum[1]))
-        elapsed = time.perf_counter() - started
-        rate = samples / elapsed if elapsed > 0 else 0.0
-        if bar is not None:
-            bar.set_postfix(
-                epoch=f"{epoch + 1}/{config.epochs}",
-                loss=f"{clock.losses[-1]:.4f}",
-                samples_s=f"{rate:.0f}",
-            )
-        elif rt.rank == 0:
-            print(
-                f"epoch {epoch + 1}/{config.epochs}  loss {clock.losses[-1]:.4f}  "
-                f"{rate:.0f} samples/s",
-                file=sys.stderr,
-                flush=True,
-            )
-        if config.checkpoint_dir and rt.rank == 0:
-            checkpoint.save(
-                config.checkpoint_dir, epoch + 1, model, optimizer, _identity(config), clock.losses
-            )
+        pending.append(loss_sum)
+        _report_epoch(epoch, config, float(loss_sum[0] / loss_sum[1]), samples, started, bar, rt)
+        if config.checkpoint_dir:
+            _reduce_losses(pending, clock)
+            if rt.rank == 0:
+                checkpoint.save(
+                    config.checkpoint_dir,
+                    epoch + 1,
+                    model,
+                    optimizer,
+                    _identity(config),
+                    clock.losses,
+                )
+    _reduce_losses(pending, clock)
     wall_s = time.perf_counter() - started
     if bar is not None:
         bar.close()
