@@ -34,10 +34,11 @@ def run(args: argparse.Namespace) -> int:
     from gradmesh.collectives import ALGORITHMS
     from gradmesh.data import DATASETS
     from gradmesh.errors import GradmeshError
-    from gradmesh.models import MODELS
+    from gradmesh.models import MODELS, check_pairing
 
     MODELS.get(args.model)
     DATASETS.get(args.dataset)
+    check_pairing(args.model, args.dataset)
     ALGORITHMS.get(args.allreduce)
     if args.world < 2 or args.steps < 1 or args.rounds < 1 or args.batch_size < args.world:
         raise GradmeshError("need --world >= 2, --steps >= 1, --rounds >= 1, batch >= world")

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from gradmesh.data.digits import split_indices
-from gradmesh.data.registry import DATASETS, DataOptions, DataSpec, Split
+from gradmesh.data.registry import DATASETS, FEATURE_ID_DATASETS, DataOptions, DataSpec, Split
 from gradmesh.errors import GradmeshError
 
 PACKAGES = (
@@ -88,6 +88,9 @@ def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
     for i, ids in enumerate(rows):
         x[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
     return x, torch.tensor(labels, dtype=torch.int64)
+
+
+FEATURE_ID_DATASETS.add("docstrings")
 
 
 @DATASETS.register("docstrings")

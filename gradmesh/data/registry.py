@@ -45,3 +45,5 @@ class DataOptions:
 
 DatasetFn = Callable[[DataOptions], DataSpec]
 DATASETS: Registry[DatasetFn] = Registry("dataset")
+FEATURE_ID_DATASETS: set[str] = set()
+"""Datasets whose inputs are int64 feature ids (DataSpec.vocab > 0), known without loading them."""

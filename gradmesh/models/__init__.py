@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gradmesh.data.registry import DataSpec
+from gradmesh.data.registry import FEATURE_ID_DATASETS, DataSpec
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 
@@ -16,18 +16,26 @@ MODELS: Registry[ModelFn] = Registry("model")
 FEATURE_ID_MODELS = {"bag"}
 
 
-def build_model(name: str, spec: DataSpec) -> nn.Module:
-    """Model `name` shaped for dataset `spec`; a one-line error where they do not fit."""
-    builder = MODELS.get(name)
-    if name in FEATURE_ID_MODELS:
-        if not spec.vocab:
-            raise GradmeshError(f"model {name} needs a dataset of feature ids, like docstrings")
-        return builder(spec.input_shape, spec.num_classes, vocab=spec.vocab)
-    if spec.vocab:
+def check_pairing(model: str, dataset: str) -> None:
+    """A one-line error unless `model` takes the kind of input `dataset` gives."""
+    wants_ids = model in FEATURE_ID_MODELS
+    if wants_ids and dataset not in FEATURE_ID_DATASETS:
         raise GradmeshError(
-            f"model {name} needs real-valued inputs; this dataset gives feature ids "
+            f"model {model} needs a dataset of feature ids "
+            f"({', '.join(sorted(FEATURE_ID_DATASETS))}), not {dataset}"
+        )
+    if not wants_ids and dataset in FEATURE_ID_DATASETS:
+        raise GradmeshError(
+            f"model {model} needs real-valued inputs; dataset {dataset} gives feature ids "
             f"(use model {', '.join(sorted(FEATURE_ID_MODELS))})"
         )
+
+
+def build_model(name: str, spec: DataSpec) -> nn.Module:
+    """Model `name` shaped for dataset `spec` (check the pair first with `check_pairing`)."""
+    builder = MODELS.get(name)
+    if name in FEATURE_ID_MODELS:
+        return builder(spec.input_shape, spec.num_classes, vocab=spec.vocab)
     return builder(spec.input_shape, spec.num_classes)
 
 

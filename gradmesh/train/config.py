@@ -71,7 +71,7 @@ class TrainConfig:
         """Raise a one-line `GradmeshError` for values no run can use."""
         from gradmesh.collectives import ALGORITHMS
         from gradmesh.data import DATASETS
-        from gradmesh.models import MODELS
+        from gradmesh.models import MODELS, check_pairing
         from gradmesh.train.strategies import STRATEGIES
 
         STRATEGIES.get(self.strategy)
@@ -81,6 +81,7 @@ class TrainConfig:
             raise GradmeshError("--sync-every must be >= 1 and --warmup-sync-steps >= 0")
         MODELS.get(self.model)
         DATASETS.get(self.dataset)
+        check_pairing(self.model, self.dataset)
         parse_shape(self.synthetic_shape)
         positive = ("workers", "epochs", "batch_size", "synthetic_classes", "synthetic_samples")
         for name in positive:

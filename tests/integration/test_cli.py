@@ -107,9 +107,9 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["train", "--strategy", "nope"], "unknown strategy 'nope' (valid: allreduce, local-sgd)"),
-        (["train", "--model", "vgg"], "unknown model 'vgg' (valid: cnn, linear, mlp)"),
-        (["train", "--dataset", "mnist"], "unknown dataset 'mnist' (valid: digits, synthetic)"),
+        (["train", "--strategy", "nope"], "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd)"),
+        (["train", "--model", "vgg"], "unknown model 'vgg' (valid: bag, cnn, linear, mlp)"),
+        (["train", "--dataset", "mnist"], "unknown dataset 'mnist' (valid: digits, docstrings, synthetic)"),
         (["train", "--workers", "0"], "--workers must be >= 1"),
         (["train", "--workers", "4", "--batch-size", "2"], "global batch 2 is smaller"),
         (["train", "--epochs", "many"], "invalid int value: 'many'"),
@@ -376,3 +376,56 @@ def test_local_sgd_sends_an_eighth_of_the_bytes_and_still_learns(tmp_path: Path)
     assert "--sync-every must be >= 1" in one_line_error(
         gradmesh("train", "--strategy", "local-sgd", "--sync-every", "0")
     )
+
+
+def test_hogwild_trains_the_sparse_problem_and_counts_updates(tmp_path: Path) -> None:
+    out = gradmesh(
+        "train",
+        "--strategy=hogwild",
+        "--dataset=docstrings",
+        "--model=bag",
+        "--momentum=0",
+        "--lr=0.5",
+        "--batch-size=64",
+        "--epochs=6",
+        "--lock",
+        "--json",
+        str(tmp_path / "h.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "h.json").read_text())
+    assert got["test_accuracy"] >= 0.7  # 10 packages: chance is about 0.14
+    from gradmesh.data import DATASETS, DataOptions
+
+    steps_per_epoch = -(-len(DATASETS.get("docstrings")(DataOptions()).train) // 64)
+    assert got["strategy_info"]["updates_applied"] == 2 * 6 * steps_per_epoch
+    assert got["strategy_info"]["lock"] is True
+    assert got["bytes_sent"] < 10_000  # no weights cross a socket, only the loss sums
+    assert "needs real-valued inputs" in one_line_error(
+        gradmesh("train", "--strategy=hogwild", "--dataset=docstrings", "--model=cnn")
+    )
+
+
+def test_bench_hogwild_writes_the_results_table(tmp_path: Path) -> None:
+    out = gradmesh(
+        "bench",
+        "hogwild",
+        "--workers=1,2",
+        "--modes=hogwild",
+        "--problems=sparse",
+        "--rounds=1",
+        "--epochs=2",
+        "--json",
+        str(tmp_path / "b.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "b.json").read_text())
+    rows = {(r["workers"], r["mode"]): r for r in got["results"]}
+    assert set(rows) == {(1, "hogwild"), (2, "hogwild")}
+    for row in rows.values():
+        assert row["samples_per_s"] > 0 and 0.2 < row["test_accuracy"] <= 1.0
+    (speedup,) = got["speedup"]
+    assert speedup["speedup"] == pytest.approx(
+        rows[(2, "hogwild")]["samples_per_s"] / rows[(1, "hogwild")]["samples_per_s"]
+    )
+    assert "unknown mode 'fast'" in gradmesh("bench", "hogwild", "--modes=fast").stderr
