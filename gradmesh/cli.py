@@ -66,8 +66,11 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
 
     config = _train_config(args)
     config.validate()
-    worker = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
-    where = {"nproc": config.workers, **cluster_defaults()}
+    module, nproc = "gradmesh.train.worker", config.workers
+    if config.strategy == "ps":  # servers and workers, all through the same launcher
+        module, nproc = "gradmesh.parameter_server.node", config.servers + config.workers
+    worker = [sys.executable, "-m", module, "--config", config.to_json()]
+    where = {"nproc": nproc, **cluster_defaults()}
     spec = LaunchSpec(**where, timeout_s=config.timeout_s, passthrough_rank0=True)
     return launch(spec, worker)
 

@@ -49,6 +49,8 @@ CLUSTER_ENV = {
     "nproc": "GRADMESH_NPROC",
 }
 """How an emulated host tells `gradmesh run` / `train` / `bench` where it sits in the job."""
+JOB_TOKEN_ENV = "GRADMESH_JOB_TOKEN"
+"""The job's random token (hex), drawn at launch; parameter-server messages carry it."""
 
 _RATE_UNITS = {
     "bit": 1,
@@ -230,6 +232,8 @@ class EmulatedCluster:
         self.bandwidth_bps = parse_rate(self.bandwidth)
         self.latency_s = parse_latency(self.latency) if self.latency else 0.0
         self._created: list[str] = []
+        self.job_token = ""
+        """The token of the job now started: one for every host's launcher."""
         self.tmpdir: str | None = None
         """Temporary files of the hosts' processes (TMPDIR): removed with the cluster, even
         when its processes had to be killed before they could clean up."""
@@ -345,6 +349,7 @@ class EmulatedCluster:
     # -- jobs ------------------------------------------------------------------------------
     def host_env(self, host: int, procs_per_host: int) -> dict[str, str]:
         return {
+            JOB_TOKEN_ENV: self.job_token,
             CLUSTER_ENV["nnodes"]: str(self.hosts),
             CLUSTER_ENV["node_rank"]: str(host),
             CLUSTER_ENV["master"]: f"{self.address(0)}:{MASTER_PORT}",
@@ -358,6 +363,7 @@ class EmulatedCluster:
             raise GradmeshError("no command to run: put it after --, like: -- gradmesh train")
         if procs_per_host < 1:
             raise GradmeshError(f"--procs-per-host must be >= 1, got {procs_per_host}")
+        self.job_token = secrets.token_hex(16)
         gradmesh = [sys.executable, "-m", "gradmesh.cli"]
         argv = (
             gradmesh + command[1:]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -131,7 +132,10 @@ def _check(spec: LaunchSpec) -> None:
 
 def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
     cpp_level = os.environ.get(WORKER_CPP_LOG_ENV, os.environ.get(CPP_LOG_ENV, "WARNING"))
+    from gradmesh.launch.emulate import JOB_TOKEN_ENV
+
     env = {TIMEOUT_ENV: str(spec.timeout_s), CPP_LOG_ENV: cpp_level, **spec.env}
+    env.setdefault(JOB_TOKEN_ENV, os.environ.get(JOB_TOKEN_ENV) or secrets.token_hex(16))
     threads = max(1, (os.cpu_count() or 1) // spec.nproc)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(threads)))
     iface = spec.iface or ("lo" if host in ("127.0.0.1", "localhost") else None)

@@ -54,6 +54,14 @@ class TrainConfig:
     averaging_algorithm: str = option("native", "local-sgd: allreduce algorithm for averaging")
     warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
     lock: bool = option(False, "hogwild: serialise the shared-memory updates with a lock")
+    servers: int = option(1, "ps: parameter-server processes")
+    mode: str = option("async", "ps: sync, async (Downpour) or ssp (bounded staleness)")
+    max_staleness: int = option(2, "ps --mode ssp: most clocks a worker may run ahead (K)")
+    push_every: int = option(1, "ps: push the accumulated gradient every n steps")
+    pull_every: int = option(1, "ps: pull the parameters every m steps")
+    staleness_lr: bool = option(False, "ps: divide each gradient's step by its staleness")
+    server_optimizer: str = option("sgd", "ps: sgd (with --momentum), adagrad, adam, adarevision")
+    lost_after_s: float = option(10.0, "ps: a worker silent this long is declared lost")
     fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
     compression: str = option("none", "gradient compression codec (none, fp16)")
     lr_scaling: str = option("none", "large-batch rule: linear (lr x workers or x batch/reference)")
@@ -104,11 +112,32 @@ class TrainConfig:
             )
         if self.lr <= 0 or self.timeout_s <= 0:
             raise GradmeshError("--lr and --timeout-s must be > 0")
+        self._validate_ps()
         if self.batch_size < self.workers:
             raise GradmeshError(
                 f"global batch {self.batch_size} is smaller than "
                 f"the number of workers {self.workers}"
             )
+
+    def _validate_ps(self) -> None:
+        from gradmesh.parameter_server.optimizers import SERVER_OPTIMIZERS
+        from gradmesh.parameter_server.server import MODES
+
+        if self.mode not in MODES:
+            raise GradmeshError(f"unknown --mode {self.mode!r} (valid: {', '.join(MODES)})")
+        if self.server_optimizer not in SERVER_OPTIMIZERS:
+            raise GradmeshError(
+                f"unknown --server-optimizer {self.server_optimizer!r} "
+                f"(valid: {', '.join(SERVER_OPTIMIZERS)})"
+            )
+        if min(self.servers, self.push_every, self.pull_every) < 1 or self.max_staleness < 0:
+            raise GradmeshError(
+                "--servers, --push-every and --pull-every must be >= 1, --max-staleness >= 0"
+            )
+        if self.mode == "sync" and (self.push_every, self.pull_every) != (1, 1):
+            raise GradmeshError("--mode sync pushes and pulls every step: drop --push/pull-every")
+        if self.lost_after_s <= 0:
+            raise GradmeshError("--lost-after-s must be > 0")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -66,7 +66,7 @@ class RunReport:
     def build(
         cls,
         config: TrainConfig,
-        rt: Runtime,
+        workers: int,
         strategy_info: dict[str, Any],
         accuracy: float,
         losses: list[float],
@@ -82,7 +82,7 @@ class RunReport:
             comm_s=_mean(stats.comm_s),
             compute_s=_mean(stats.compute_s),
             bytes_sent=_mean(stats.bytes_sent),
-            workers=rt.size,
+            workers=workers,
             strategy=config.strategy,
             epochs=config.epochs,
             seed=config.seed,
@@ -100,7 +100,11 @@ class RunReport:
     def summary(self) -> str:
         """A few human lines for the end of a run."""
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "n/a"
-        info = " ".join(f"{k}={v}" for k, v in self.strategy_info.items())
+        info = " ".join(  # tables (histograms, per-server stats) are in the JSON report only
+            f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}"
+            for k, v in self.strategy_info.items()
+            if not isinstance(v, dict | list) or k == "lost_workers"
+        )
         return "\n".join(
             [
                 f"gradmesh train: {self.model} on {self.dataset}, strategy {self.strategy} {info}, "

@@ -15,8 +15,11 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+from gradmesh.errors import GradmeshError
 from gradmesh.hogwild import HogwildOptimizer, SharedModel, share_model
 from gradmesh.local_sgd import Averager, LocalSGDOptimizer
+from gradmesh.parameter_server.roles import worker_role
+from gradmesh.parameter_server.worker import PSWorker
 from gradmesh.registry import Registry
 from gradmesh.runtime import Runtime
 from gradmesh.train.config import TrainConfig
@@ -29,16 +32,41 @@ class Strategy(Protocol):
         """Make every rank start from the same state; return the optimizer the loop steps."""
         ...
 
+    def shard(self, rt: Runtime) -> tuple[int, int]:
+        """(index, count): which slice of each global batch this process trains on."""
+        ...
+
+    def finish(self, samples: int, wall_s: float) -> None:
+        """After the last step, before evaluation: bring the final model here."""
+        ...
+
+    def writes_report(self, rt: Runtime) -> bool:
+        """Whether this process prints and writes the run report."""
+        ...
+
     def report(self) -> dict[str, Any]:
         """Strategy-specific entries for the run report."""
         ...
+
+
+class _Defaults:
+    """What most strategies do: one data shard per rank, nothing to finish, rank 0 reports."""
+
+    def shard(self, rt: Runtime) -> tuple[int, int]:
+        return rt.rank, rt.size
+
+    def finish(self, samples: int, wall_s: float) -> None:
+        pass
+
+    def writes_report(self, rt: Runtime) -> bool:
+        return rt.rank == 0
 
 
 STRATEGIES: Registry[Callable[[TrainConfig], Strategy]] = Registry("strategy")
 
 
 @STRATEGIES.register("allreduce")
-class AllreduceStrategy:
+class AllreduceStrategy(_Defaults):
     """Synchronous data parallelism: rank 0's initial weights everywhere, gradients averaged."""
 
     def __init__(self, config: TrainConfig) -> None:
@@ -67,7 +95,7 @@ class AllreduceStrategy:
 
 
 @STRATEGIES.register("local-sgd")
-class LocalSGDStrategy:
+class LocalSGDStrategy(_Defaults):
     """K local steps, then parameter averaging; synchronous for the first T steps if asked."""
 
     def __init__(self, config: TrainConfig) -> None:
@@ -96,7 +124,7 @@ class LocalSGDStrategy:
 
 
 @STRATEGIES.register("hogwild")
-class HogwildStrategy:
+class HogwildStrategy(_Defaults):
     """Lock-free updates of one model in this host's shared memory (`--lock` serialises them)."""
 
     def __init__(self, config: TrainConfig) -> None:
@@ -116,4 +144,49 @@ class HogwildStrategy:
             "lock": self.config.lock,
             "updates_applied": int(updates[0]),
             "shared_bytes": self.shared.nbytes,
+        }
+
+
+@STRATEGIES.register("ps")
+class ParameterServerStrategy:
+    """A worker of a parameter-server job: pull parameters, push gradients; the servers update."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.worker: PSWorker | None = None
+
+    def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
+        role = worker_role()
+        if role is None:
+            raise GradmeshError(
+                "strategy ps needs its servers: start it with gradmesh train --strategy ps"
+            )
+        self.worker = PSWorker(
+            role,
+            self.config.servers,
+            self.config.push_every,
+            self.config.pull_every,
+            self.config.timeout_s,
+        )
+        return self.worker.attach(model, optimizer)
+
+    def shard(self, rt: Runtime) -> tuple[int, int]:
+        assert self.worker is not None
+        return self.worker.role.index, self.worker.role.workers
+
+    def finish(self, samples: int, wall_s: float) -> None:
+        assert self.worker is not None
+        self.worker.finish(samples, wall_s)
+
+    def writes_report(self, rt: Runtime) -> bool:
+        return self.worker is not None and self.worker.reporter
+
+    def report(self) -> dict[str, Any]:
+        assert self.worker is not None
+        return {
+            "mode": self.config.mode,
+            "max_staleness": self.config.max_staleness,
+            "staleness_lr": self.config.staleness_lr,
+            "server_optimizer": self.config.server_optimizer,
+            **self.worker.report(),
         }

@@ -34,6 +34,8 @@ class _Clock:
 
     compute_s: float = 0.0
     losses: list[float] = field(default_factory=list)
+    samples: int = 0
+    """Samples trained on by all ranks together in this run (from the reduced loss counts)."""
 
 
 def load_data(config: TrainConfig) -> DataSpec:
@@ -80,6 +82,7 @@ def _reduce_losses(pending: list[torch.Tensor], clock: _Clock) -> None:
     sums = torch.stack(pending)
     allreduce(sums)
     clock.losses.extend((sums[:, 0] / sums[:, 1]).tolist())
+    clock.samples += int(sums[:, 1].sum())
     pending.clear()
 
 
@@ -107,8 +110,9 @@ def _report_epoch(
         )
 
 
-def train(config: TrainConfig, rt: Runtime) -> RunReport:
-    """Train `config` on this rank of `rt`; every rank returns the same report."""
+def train(config: TrainConfig, rt: Runtime) -> tuple[RunReport, bool]:
+    """Train `config` on this rank of `rt`; return the report (the same on every rank of a
+    synchronous job) and whether this process is the one that prints and writes it."""
     torch.manual_seed(config.seed)
     if config.timeline:
         start_timeline(config.timeline)
@@ -125,7 +129,8 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
         first_epoch, losses = checkpoint.load(found, model, optimizer, _identity(config))
     strategy = STRATEGIES.get(config.strategy)(config)
     optimizer = strategy.prepare(model, optimizer, rt)
-    sharder = GlobalBatchSharder(len(data.train), config.batch_size, rt.rank, rt.size, config.seed)
+    index, count = strategy.shard(rt)
+    sharder = GlobalBatchSharder(len(data.train), config.batch_size, index, count, config.seed)
     warmup = gradual_warmup(
         optimizer, round(config.warmup_epochs * sharder.steps_per_epoch()), lr / config.lr
     )
@@ -149,17 +154,18 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
             with span("forward"):
                 loss = F.cross_entropy(model(x), y, reduction="sum")
             optimizer.zero_grad(set_to_none=False)
-            (loss * (rt.size / global_count)).backward()  # type: ignore[no-untyped-call]
+            (loss * (count / global_count)).backward()  # type: ignore[no-untyped-call]
             optimizer.step()
             if warmup is not None:
                 warmup.step()
             clock.compute_s += time.perf_counter() - step_started - (rt.comm.comm_s - comm_before)
             loss_sum += torch.tensor([loss.item(), float(len(indices))], dtype=torch.float64)
-            samples += global_count
+            samples += len(indices)
             if bar is not None:
                 bar.update(1)
         pending.append(loss_sum)
-        _report_epoch(epoch, config, float(loss_sum[0] / loss_sum[1]), samples, started, bar, rt)
+        own_loss = float(loss_sum[0] / loss_sum[1])
+        _report_epoch(epoch, config, own_loss, samples * count, started, bar, rt)
         if config.checkpoint_dir:
             _reduce_losses(pending, clock)
             if rt.rank == 0:
@@ -175,8 +181,10 @@ def train(config: TrainConfig, rt: Runtime) -> RunReport:
     wall_s = time.perf_counter() - started
     if bar is not None:
         bar.close()
+    strategy.finish(samples, wall_s)
     accuracy = evaluate(model, data.test, rt)
     stats = gather_rank_stats(rt, clock.compute_s)
-    return RunReport.build(
-        config, rt, strategy.report(), accuracy, clock.losses, wall_s, samples, stats
+    report = RunReport.build(
+        config, count, strategy.report(), accuracy, clock.losses, wall_s, clock.samples, stats
     )
+    return report, strategy.writes_report(rt)

@@ -25,8 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rt = init(timeout_s=config.timeout_s)
         rank = str(rt.rank)
-        report = train(config, rt)
-        if rt.rank == 0:
+        report, writes = train(config, rt)
+        if writes:
             print(report.summary(), flush=True)
             if config.json:
                 Path(config.json).write_text(report.to_json() + "\n")

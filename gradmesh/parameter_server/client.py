@@ -1,0 +1,123 @@
+"""The worker's side: one DEALER socket per server, the flat parameter vector split into the
+servers' shards, and the init / push / pull / finish requests.
+
+Shards are contiguous ranges of the flattened float32 parameters, balanced by bytes: a tensor
+larger than a fair share is simply split across servers (`shard_ranges`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import zmq
+
+from gradmesh.errors import GradmeshError
+from gradmesh.parameter_server.protocol import Kind, Message, WireError, decode, encode
+
+FINISH_PATIENCE = 10
+"""finish waits for the slowest worker: this many times the request timeout."""
+CLOSE_LINGER_MS = 1000
+
+
+def shard_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
+    """`servers` contiguous [start, end) ranges covering `numel` elements, sizes differing by at
+    most one."""
+    if servers < 1:
+        raise GradmeshError(f"--servers must be >= 1, got {servers}")
+    if numel < servers:
+        raise GradmeshError(f"{numel} parameters cannot be split over {servers} servers")
+    cuts = [numel * i // servers for i in range(servers + 1)]
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+class Client:
+    """Requests of worker `worker` to every server, each answered before the next."""
+
+    def __init__(
+        self, endpoints: list[str], token: bytes, worker: int, numel: int, timeout_s: float
+    ) -> None:
+        self.token = token
+        self.worker = worker
+        self.ranges = shard_ranges(numel, len(endpoints))
+        self.timeout_ms = int(timeout_s * 1000)
+        self.ctx = zmq.Context()
+        self.socks = []
+        for endpoint in endpoints:
+            sock = self.ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(endpoint)
+            self.socks.append(sock)
+        self.clock = 0
+        self.staleness = 0
+        self.bytes_sent = 0
+
+    def close(self) -> None:
+        for sock in self.socks:
+            sock.close(linger=CLOSE_LINGER_MS)  # let a CLOSE already queued go out
+        self.ctx.term()
+
+    def _roundtrip(self, op: str, frames: list[list[bytes | memoryview]]) -> list[Message]:
+        for sock, parts in zip(self.socks, frames, strict=True):
+            self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+            sock.send_multipart(parts, copy=False)
+        replies = []
+        for server, sock in enumerate(self.socks):
+            if not sock.poll(self.timeout_ms):
+                raise GradmeshError(
+                    f"ps worker {self.worker}: {op} got no answer from server {server} "
+                    f"in {self.timeout_ms / 1000:.0f} s"
+                )
+            raw = sock.recv_multipart(copy=False)
+            try:
+                replies.append(decode([f.buffer for f in raw], self.token, 1 << 40))
+            except WireError as exc:
+                raise GradmeshError(
+                    f"ps worker {self.worker}: {op}: bad answer from server {server}: {exc}"
+                ) from None
+        return replies
+
+    def _per_shard(self, kind: Kind, flat: torch.Tensor) -> list[list[bytes | memoryview]]:
+        return [
+            encode(kind, self.token, self.worker, clock=self.clock, tensor=flat[a:b])
+            for a, b in self.ranges
+        ]
+
+    def init(self, flat: torch.Tensor) -> None:
+        """Offer the initial values (the servers keep the first they get)."""
+        self._roundtrip("init", self._per_shard(Kind.INIT, flat))
+
+    def push(self, grad: torch.Tensor) -> None:
+        self.clock += 1
+        self._roundtrip("push", self._per_shard(Kind.PUSH, grad))
+
+    def pull(self, flat: torch.Tensor) -> int:
+        """Fill `flat` with the servers' values (once the mode allows); return the staleness."""
+        request = encode(Kind.PULL, self.token, self.worker, clock=self.clock)
+        replies = self._roundtrip("pull", [request] * len(self.socks))
+        with torch.no_grad():
+            for (a, b), reply in zip(self.ranges, replies, strict=True):
+                if reply.payload is None or reply.payload.numel() != b - a:
+                    raise GradmeshError(f"ps worker {self.worker}: pull: a shard of wrong size")
+                flat[a:b].copy_(reply.payload)
+        self.staleness = max(r.staleness for r in replies)
+        return self.staleness
+
+    def finish(self, stats: dict[str, Any]) -> list[dict[str, Any]]:
+        """Say this worker is done; wait until every live worker is; return each server's
+        summary."""
+        data = json.dumps(stats).encode()
+        request = encode(Kind.FINISH, self.token, self.worker, clock=self.clock, data=data)
+        patience, self.timeout_ms = self.timeout_ms, self.timeout_ms * FINISH_PATIENCE
+        try:
+            replies = self._roundtrip("finish", [request] * len(self.socks))
+        finally:
+            self.timeout_ms = patience
+        return [json.loads(bytes(r.raw or b"{}")) for r in replies]
+
+    def close_servers(self) -> None:
+        """Tell every server to stop (after the final pull)."""
+        request = encode(Kind.CLOSE, self.token, self.worker)
+        for sock in self.socks:
+            sock.send_multipart(request, copy=False)

@@ -1,0 +1,153 @@
+"""The parameter-server wire format: a fixed 80-byte header frame, then at most one frame of raw
+tensor bytes. No pickle; the tensor frame is sent without a copy and read as a view.
+
+Header (little-endian):
+
+    magic    4s  b"GMPS"           kind     B   Kind                dtype   B  DTYPES code
+    version  B   WIRE_VERSION      ndim     B   0..MAX_DIMS         worker  H  worker index
+    token    16s job token         clock    Q   worker's push count  seen   Q  server version read
+    staleness I  clock gap of the read      shape 4I                 offset Q  element offset
+    nbytes   Q   length of the tensor frame
+
+`decode` checks every field against the frames it came with and the receiver's limits and raises
+`WireError` (never anything else) for a message that fails: wrong magic, version, kind or token,
+an unknown dtype, a shape that does not match the byte count, a length over the receiver's bound,
+too many frames. It allocates nothing beyond the header's fields: the payload stays a view.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+import struct
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+# payload views of received frames are read-only; the server copies out of them, never writes
+warnings.filterwarnings("ignore", message="The given buffer is not writable")
+
+MAGIC = b"GMPS"
+WIRE_VERSION = 1
+MAX_DIMS = 4
+TOKEN_BYTES = 16
+HEADER = struct.Struct("<4sBBBBH16sQQI4IQQ")
+HEADER_BYTES = HEADER.size
+
+DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.int64}
+CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+class Kind(enum.IntEnum):
+    """What a message asks or answers."""
+
+    INIT = 1  # worker -> server: initial values of the shard (first one wins)
+    PUSH = 2  # worker -> server: a gradient for the shard
+    PULL = 3  # worker -> server: ask for the shard (answered when the mode allows)
+    PARAMS = 4  # server -> worker: the shard's values
+    ACK = 5  # server -> worker: a push or init was applied
+    FINISH = 6  # worker -> server: this worker is done (payload: its stats as JSON bytes)
+    DONE = 7  # server -> worker: every live worker is done (payload: JSON)
+    CLOSE = 8  # worker -> server: stop serving
+
+
+class WireError(ValueError):
+    """A message that does not parse or fails the token check."""
+
+
+@dataclass(frozen=True)
+class Message:
+    kind: Kind
+    worker: int
+    clock: int = 0
+    seen: int = 0
+    staleness: int = 0
+    offset: int = 0
+    payload: torch.Tensor | None = None
+    """A 1-d or shaped view of the tensor frame (no copy), or None."""
+    raw: bytes | memoryview | None = None
+    """The tensor frame as bytes, for JSON payloads (uint8)."""
+
+
+def encode(
+    kind: Kind,
+    token: bytes,
+    worker: int = 0,
+    *,
+    clock: int = 0,
+    seen: int = 0,
+    staleness: int = 0,
+    offset: int = 0,
+    tensor: torch.Tensor | None = None,
+    data: bytes | None = None,
+) -> list[bytes | memoryview]:
+    """The frames of one message: the header, then the tensor's bytes (no copy) or `data`."""
+    if tensor is not None:
+        flat = tensor.detach().contiguous()
+        shape = list(flat.shape) + [0] * (MAX_DIMS - flat.dim())
+        body: bytes | memoryview = memoryview(flat.view(torch.uint8).reshape(-1).numpy())  # type: ignore[arg-type]
+        code, ndim = CODES[flat.dtype], flat.dim()
+    else:
+        body = data or b""
+        code, ndim, shape = 0, 0, [0] * MAX_DIMS
+    header = HEADER.pack(
+        MAGIC,
+        WIRE_VERSION,
+        int(kind),
+        code,
+        ndim,
+        worker,
+        token,
+        clock,
+        seen,
+        staleness,
+        *shape,
+        offset,
+        len(body),
+    )
+    return [header, body] if len(body) else [header]
+
+
+def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> Message:
+    """Parse and check one message; `WireError` says what is wrong with it."""
+    if not 1 <= len(frames) <= 2:
+        raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
+    head = memoryview(frames[0])
+    if head.nbytes != HEADER_BYTES:
+        raise WireError(f"header is {head.nbytes} bytes, expected {HEADER_BYTES}")
+    (magic, version, kind, code, ndim, worker, tok, clock, seen, stale, *rest) = HEADER.unpack(head)
+    shape, offset, nbytes = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
+    if magic != MAGIC or version != WIRE_VERSION:
+        raise WireError("not a gradmesh parameter-server message (magic or version)")
+    if not hmac.compare_digest(tok, token):
+        raise WireError("wrong job token")
+    try:
+        kind = Kind(kind)
+    except ValueError:
+        raise WireError(f"unknown message kind {kind}") from None
+    body = memoryview(frames[1]) if len(frames) == 2 else memoryview(b"")
+    if body.nbytes != nbytes:
+        raise WireError(f"length field says {nbytes} bytes, the frame has {body.nbytes}")
+    if nbytes > max_payload:
+        raise WireError(f"payload of {nbytes} bytes is over the bound of {max_payload}")
+    if code == 0:  # plain bytes (JSON) or nothing
+        if ndim != 0 or any(shape):
+            raise WireError("a byte payload has no shape")
+        return Message(kind, worker, clock, seen, stale, offset, None, body if nbytes else None)
+    dtype = DTYPES.get(code)
+    if dtype is None:
+        raise WireError(f"unknown dtype code {code}")
+    if ndim > MAX_DIMS or any(shape[ndim:]):
+        raise WireError(f"bad shape {shape[:ndim]} with {ndim} dims")
+    dims = list(shape[:ndim])
+    count = 1
+    for d in dims:
+        count *= d
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if count * itemsize != nbytes:
+        raise WireError(f"shape {dims} of {dtype} is not {nbytes} bytes")
+    if nbytes == 0:
+        return Message(kind, worker, clock, seen, stale, offset, torch.empty(dims, dtype=dtype))
+    tensor = torch.frombuffer(body, dtype=dtype).view(dims)
+    return Message(kind, worker, clock, seen, stale, offset, tensor)

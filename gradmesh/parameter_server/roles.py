@@ -1,0 +1,139 @@
+"""Who a rank is in a parameter-server job, and how the roles find each other.
+
+The launcher starts S + W ranks; ranks 0..S-1 are servers, the rest workers. Servers do not join
+a torch.distributed process group: they publish their endpoints in the job's rendezvous store
+(the torchrun agent's TCPStore at MASTER_ADDR:MASTER_PORT), keyed `gradmesh/ps/...`. Each worker
+rank supervises one training process that runs as a world of its own (no collectives), so a
+worker that dies does not stop the others, as the elastic agent would for a failed rank.
+
+The job token comes from GRADMESH_JOB_TOKEN, which `gradmesh run` / `gradmesh emulate` draw at
+launch; under plain torchrun, server 0 draws one and shares it through the store.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+from gradmesh.errors import GradmeshError
+
+TOKEN_ENV = "GRADMESH_JOB_TOKEN"
+WORKER_ENV = "GRADMESH_PS_WORKER"
+WORKERS_ENV = "GRADMESH_PS_WORKERS"
+STORE_ENV = "GRADMESH_PS_STORE"
+KEY = "gradmesh/ps/"
+TORCHRUN_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "ROLE_RANK",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+
+
+@dataclass(frozen=True)
+class WorkerRole:
+    """What a training process of a parameter-server job knows of its place in it."""
+
+    index: int
+    workers: int
+    store_host: str
+    store_port: int
+
+
+def worker_role() -> WorkerRole | None:
+    """This process's worker role, or None when it was not started as a ps worker."""
+    if WORKER_ENV not in os.environ:
+        return None
+    host, _, port = os.environ[STORE_ENV].rpartition(":")
+    return WorkerRole(int(os.environ[WORKER_ENV]), int(os.environ[WORKERS_ENV]), host, int(port))
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    try:
+        return TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise GradmeshError(f"cannot reach the job's store at {host}:{port}: {exc}") from None
+
+
+def job_token(store: TCPStore, creator: bool) -> bytes:
+    """The job's 16-byte token: from the launcher, or drawn by `creator` and shared."""
+    raw = os.environ.get(TOKEN_ENV)
+    if raw:
+        return bytes.fromhex(raw)[:16].ljust(16, b"\0")
+    if creator:
+        store.set(KEY + "token", secrets.token_hex(16))
+    return bytes.fromhex(store.get(KEY + "token").decode())
+
+
+def local_address(toward: str) -> str:
+    """The address of the interface this host uses to reach `toward`: servers bind there only."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((toward, 9))  # no packet is sent: this only picks a route
+        return str(probe.getsockname()[0])
+
+
+def _die_with_parent() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the supervising rank
+
+
+def supervise_worker(command: list[str], index: int, workers: int, token: bytes) -> int:
+    """Run one ps training process as worker `index` and wait for it.
+
+    A worker killed by a signal is reported and the rank exits 0, so the job goes on without it;
+    one that fails with an error fails the rank. SIGTERM/SIGINT are passed on to the worker.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update(
+        {
+            WORKER_ENV: str(index),
+            WORKERS_ENV: str(workers),
+            STORE_ENV: f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            TOKEN_ENV: token.hex(),
+        }
+    )
+    child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+
+    stopped: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        stopped.append(signum)
+        child.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    code = child.wait()
+    if stopped:
+        return 128 + stopped[0]
+    if code < 0:
+        name = signal.Signals(-code).name
+        print(
+            f"gradmesh ps: worker {index} (pid {child.pid}) was killed by {name}; "
+            "the job goes on without it",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
+    return code

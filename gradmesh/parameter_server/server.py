@@ -1,0 +1,312 @@
+"""One parameter server: owns a contiguous shard of the flat parameter vector and its optimizer.
+
+A single-threaded ZeroMQ ROUTER loop. Every message is checked by `protocol.decode`; one that
+fails is dropped and counted, and the loop serves on. Modes:
+
+- `sync`: the gradients of step t from every live worker are averaged and applied once; a worker's
+  pull for step t + 1 is answered after that update.
+- `async` (Downpour): each gradient is applied as it arrives; pulls are answered at once.
+- `ssp`: as async, but a pull from a worker whose clock (pushes so far) is more than K ahead of the
+  slowest live worker's waits until that worker catches up.
+
+Staleness of a gradient = the clock gap of the read it was computed from: how many clocks the
+reading worker was ahead of the slowest live worker (SSP's own measure, at most K in `ssp`, 0 in
+`sync`). With `staleness_lr` a gradient's step is divided by max(1, staleness) (Zhang et al.).
+A worker silent for `lost_after_s` with no request waiting is declared lost and no longer waited
+for; its last gradients stay applied.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+from torch import nn
+
+from gradmesh.parameter_server.optimizers import make_optimizer
+from gradmesh.parameter_server.protocol import (
+    HEADER_BYTES,
+    Kind,
+    Message,
+    WireError,
+    decode,
+    encode,
+)
+
+MODES = ("sync", "async", "ssp")
+JSON_LIMIT = 1 << 16
+POLL_MS = 50
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    index: int
+    workers: int
+    numel: int
+    mode: str = "async"
+    max_staleness: int = 0
+    staleness_lr: bool = False
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lost_after_s: float = 10.0
+    timeout_s: float = 60.0
+
+
+@dataclass
+class ServerStats:
+    requests: Counter[str] = field(default_factory=Counter)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    dropped: int = 0
+    depth_max: int = 0
+    depth_sum: int = 0
+    wakeups: int = 0
+    first: float = 0.0
+    last: float = 0.0
+    staleness: dict[int, Counter[int]] = field(default_factory=dict)
+
+    def as_dict(self, index: int, lost: list[int]) -> dict[str, Any]:
+        span = max(self.last - self.first, 1e-9)
+        total = sum(self.requests.values())
+        return {
+            "server": index,
+            "requests": dict(self.requests),
+            "request_rate": total / span,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "dropped_messages": self.dropped,
+            "queue_depth_max": self.depth_max,
+            "queue_depth_mean": self.depth_sum / max(self.wakeups, 1),
+            "staleness": {
+                str(w): {str(k): v for k, v in sorted(h.items())}
+                for w, h in sorted(self.staleness.items())
+            },
+            "lost_workers": lost,
+        }
+
+
+class Server:
+    """Serve one shard until the workers are done (see the module docstring)."""
+
+    def __init__(self, config: ServerConfig, token: bytes, host: str) -> None:
+        self.cfg = config
+        self.token = token
+        self.values = nn.Parameter(torch.zeros(config.numel), requires_grad=True)
+        self.optimizer = make_optimizer(
+            config.optimizer, self.values, config.lr, config.momentum, config.weight_decay
+        )
+        self.max_payload = max(config.numel * 4, JSON_LIMIT)
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload + HEADER_BYTES)
+        port = self.sock.bind_to_random_port(f"tcp://{host}")
+        self.endpoint = f"tcp://{host}:{port}"
+        self.stats = ServerStats()
+        self.initialized = False
+        self.version = 0
+        self.clocks = [0] * config.workers
+        self.read_gap = [0] * config.workers
+        self.last_seen = [time.monotonic()] * config.workers
+        self.finished: dict[int, dict[str, Any]] = {}
+        self.lost: set[int] = set()
+        self.pending_pulls: list[tuple[bytes, Message]] = []
+        self.pending_done: list[tuple[bytes, int]] = []
+        self.round_sum = torch.zeros(config.numel)
+        self.round_from: set[int] = set()
+        self.done_at: float | None = None
+        self.closed = False
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def serve(self) -> dict[str, Any]:
+        """Run until CLOSE (or until the workers are all gone); return this server's stats."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        idle_since = time.monotonic()
+        try:
+            while not self.closed:
+                if poller.poll(POLL_MS):
+                    batch = self._drain()
+                    idle_since = time.monotonic()
+                    for frames in batch:
+                        self._handle(frames)
+                now = time.monotonic()
+                self._find_lost(now)
+                self._release_pulls()
+                self._maybe_done()
+                quiet = now - idle_since
+                if self.done_at is not None and quiet > self.cfg.lost_after_s:
+                    break  # done was sent and nobody closed: the reporter is gone
+                if quiet > self.cfg.timeout_s:
+                    break
+        finally:
+            self.sock.close(linger=0)
+            self.ctx.term()
+        return self.stats.as_dict(self.cfg.index, sorted(self.lost))
+
+    def _drain(self) -> list[list[zmq.Frame]]:
+        batch = []
+        while True:
+            try:
+                batch.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            except zmq.Again:
+                break
+        self.stats.wakeups += 1
+        self.stats.depth_sum += len(batch)
+        self.stats.depth_max = max(self.stats.depth_max, len(batch))
+        return batch
+
+    def _send(self, ident: bytes, frames: list[bytes | memoryview]) -> None:
+        self.stats.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        self.sock.send_multipart([ident, *frames], copy=False)
+
+    def _reply(self, ident: bytes, kind: Kind, worker: int, **fields: Any) -> None:
+        self._send(ident, encode(kind, self.token, worker, **fields))
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        self.stats.bytes_in += sum(len(f.buffer) for f in frames)
+        if len(frames) < 2:
+            self.stats.dropped += 1
+            return
+        ident = frames[0].bytes
+        try:
+            msg = decode([f.buffer for f in frames[1:]], self.token, self.max_payload)
+            self._check(msg)
+        except WireError:
+            self.stats.dropped += 1
+            return
+        now = time.monotonic()
+        self.stats.first = self.stats.first or now
+        self.stats.last = now
+        self.stats.requests[msg.kind.name.lower()] += 1
+        self.last_seen[msg.worker] = now
+        if msg.kind is Kind.INIT:
+            if not self.initialized:
+                with torch.no_grad():
+                    self.values.copy_(msg.payload)  # type: ignore[arg-type]
+                self.initialized = True
+            self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
+        elif msg.kind is Kind.PUSH:
+            self._push(msg)
+            self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
+        elif msg.kind is Kind.PULL:
+            self.pending_pulls.append((ident, msg))
+        elif msg.kind is Kind.FINISH:
+            self.finished[msg.worker] = json.loads(bytes(msg.raw or b"{}"))
+            self.pending_done.append((ident, msg.worker))
+        elif msg.kind is Kind.CLOSE:
+            self.closed = self.done_at is not None
+
+    def _check(self, msg: Message) -> None:
+        """What decode cannot know: worker index, shard size, dtype, a JSON payload's text."""
+        if not 0 <= msg.worker < self.cfg.workers:
+            raise WireError(f"no worker {msg.worker}")
+        if msg.kind in (Kind.INIT, Kind.PUSH):
+            p = msg.payload
+            if p is None or p.dtype != torch.float32 or p.numel() != self.cfg.numel:
+                raise WireError("a shard of the wrong size or dtype")
+            if msg.kind is Kind.PUSH and not self.initialized:
+                raise WireError("push before init")
+        elif msg.kind is Kind.FINISH:
+            try:
+                json.loads(bytes(msg.raw or b"{}"))
+            except (ValueError, UnicodeDecodeError):
+                raise WireError("finish stats are not JSON") from None
+        elif msg.kind not in (Kind.PULL, Kind.CLOSE):
+            raise WireError(f"a server does not take {msg.kind.name}")
+
+    # -- the modes --------------------------------------------------------------------------
+
+    def _live(self) -> list[int]:
+        return [w for w in range(self.cfg.workers) if w not in self.lost and w not in self.finished]
+
+    def _push(self, msg: Message) -> None:
+        grad = msg.payload
+        assert grad is not None
+        w = msg.worker
+        self.clocks[w] = max(self.clocks[w], msg.clock)
+        gap = self.read_gap[w]
+        self.stats.staleness.setdefault(w, Counter())[gap] += 1
+        if self.cfg.mode == "sync":
+            self.round_sum += grad
+            self.round_from.add(w)
+            self._close_round()
+            return
+        scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
+        self.optimizer.apply(grad.clone(), w, scale)
+        self.version += 1
+
+    def _close_round(self) -> None:
+        """sync: once every live worker has pushed this step, apply their average."""
+        if not self.round_from or not set(self._live()) <= self.round_from:
+            return
+        self.optimizer.apply(self.round_sum / len(self.round_from), -1, 1.0)
+        self.version += 1
+        self.round_sum.zero_()
+        self.round_from.clear()
+
+    def _may_read(self, msg: Message) -> bool:
+        if not self.initialized:
+            return False
+        if self.cfg.mode == "sync":
+            return self.version >= msg.clock
+        if self.cfg.mode == "ssp":
+            others = [self.clocks[w] for w in self._live() if w != msg.worker]
+            return not others or msg.clock - min(others) <= self.cfg.max_staleness
+        return True
+
+    def _release_pulls(self) -> None:
+        waiting = []
+        for ident, msg in self.pending_pulls:
+            if not self._may_read(msg):
+                waiting.append((ident, msg))
+                continue
+            others = [self.clocks[w] for w in self._live() if w != msg.worker]
+            gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
+            self.read_gap[msg.worker] = gap
+            self.optimizer.on_read(msg.worker)
+            self._reply(
+                ident,
+                Kind.PARAMS,
+                msg.worker,
+                seen=self.version,
+                staleness=gap,
+                tensor=self.values.detach(),
+            )
+        self.pending_pulls = waiting
+
+    def _find_lost(self, now: float) -> None:
+        waiting = {msg.worker for _, msg in self.pending_pulls}
+        for w in self._live():
+            if w not in waiting and now - self.last_seen[w] > self.cfg.lost_after_s:
+                self.lost.add(w)
+                print(
+                    f"gradmesh ps: server {self.cfg.index}: worker {w} lost "
+                    f"(silent for {now - self.last_seen[w]:.0f} s)",
+                    flush=True,
+                )
+                if self.cfg.mode == "sync":
+                    self._close_round()
+
+    def _maybe_done(self) -> None:
+        if self.done_at is not None or self._live() or not self.pending_done:
+            return
+        reporter = min(w for _, w in self.pending_done)
+        summary = {
+            "reporter": reporter,
+            "lost_workers": sorted(self.lost),
+            "workers": {str(w): s for w, s in sorted(self.finished.items())},
+            "server": self.stats.as_dict(self.cfg.index, sorted(self.lost)),
+        }
+        data = json.dumps(summary).encode()
+        for ident, w in self.pending_done:
+            self._reply(ident, Kind.DONE, w, data=data)
+        self.done_at = time.monotonic()

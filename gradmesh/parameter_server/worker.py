@@ -1,0 +1,132 @@
+"""A training process's side of a parameter-server job: its parameters become views of one flat
+vector that pulls overwrite; its optimizer's `step()` pushes the (accumulated) gradient every
+`push_every` steps and pulls every `pull_every`, applying nothing locally (Downpour)."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from gradmesh.errors import GradmeshError
+from gradmesh.parameter_server.client import Client
+from gradmesh.parameter_server.roles import KEY, WorkerRole, connect_store, job_token
+from gradmesh.runtime import get_runtime
+from gradmesh.wrapping import wrap_optimizer
+
+
+class PSWorker:
+    """Long-lived state of one worker: the flat parameters, the gradient accumulator, counters."""
+
+    def __init__(
+        self, role: WorkerRole, servers: int, push_every: int, pull_every: int, timeout_s: float
+    ) -> None:
+        self.role = role
+        self.servers = servers
+        self.push_every = push_every
+        self.pull_every = pull_every
+        self.timeout_s = timeout_s
+        self.steps = 0
+        self.staleness: Counter[int] = Counter()
+        self.summaries: list[dict[str, Any]] = []
+        self.reporter = False
+        self.params: list[nn.Parameter] = []
+        self.client: Client | None = None
+
+    def attach(self, model: nn.Module, optimizer: Optimizer) -> Optimizer:
+        """Connect to the servers, start from their values, and wrap `optimizer`."""
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if any(p.dtype != torch.float32 for p in self.params):
+            raise GradmeshError("the parameter server holds float32 parameters only")
+        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        self.spans = []
+        start = 0
+        for p in self.params:
+            self.spans.append((start, start + p.numel()))
+            p.data = self.flat[start : start + p.numel()].view_as(p)
+            start += p.numel()
+        self.grad = torch.zeros_like(self.flat)
+        store = connect_store(self.role.store_host, self.role.store_port, self.timeout_s)
+        if self.role.index == 0:
+            store.set(KEY + "numel", str(self.flat.numel()))
+        endpoints = [store.get(KEY + f"server{i}").decode() for i in range(self.servers)]
+        token = job_token(store, creator=False)
+        self.client = Client(endpoints, token, self.role.index, self.flat.numel(), self.timeout_s)
+        if self.role.index == 0:
+            self.client.init(self.flat)
+        self.client.pull(self.flat)
+        return PSOptimizer(optimizer, self)
+
+    def step(self) -> None:
+        assert self.client is not None
+        for p, (a, b) in zip(self.params, self.spans, strict=True):
+            if p.grad is not None:
+                g = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                self.grad[a:b] += g.reshape(-1)
+        self.steps += 1
+        sent, started = self.client.bytes_sent, time.perf_counter()
+        if self.steps % self.push_every == 0:
+            self.client.push(self.grad)
+            self.grad.zero_()
+        if self.steps % self.pull_every == 0:
+            self._pull()
+        get_runtime().comm.add(self.client.bytes_sent - sent, time.perf_counter() - started)
+
+    def _pull(self) -> None:
+        assert self.client is not None
+        started = time.perf_counter()
+        gap = self.client.pull(self.flat)
+        self.staleness[gap] += 1
+        timeline = get_runtime().timeline
+        if timeline is not None:
+            timeline.add("pull", "comm", started, time.perf_counter(), staleness=gap)
+
+    def finish(self, samples: int, wall_s: float) -> None:
+        """Push what is left, wait for every live worker, and (the reporter) pull the final
+        model and close the servers."""
+        assert self.client is not None
+        if self.steps % self.push_every:
+            self.client.push(self.grad)
+        stats = {"samples": samples, "wall_s": wall_s, "steps": self.steps}
+        self.summaries = self.client.finish(stats)
+        self.reporter = self.summaries[0]["reporter"] == self.role.index
+        if self.reporter:
+            self.client.pull(self.flat)
+            self.client.close_servers()
+        self.client.close()
+
+    def report(self) -> dict[str, Any]:
+        first = self.summaries[0] if self.summaries else {}
+        workers = first.get("workers", {})
+        walls = [w["wall_s"] for w in workers.values()] or [1.0]
+        lost = sorted({w for s in self.summaries for w in s["lost_workers"]})
+        return {
+            "servers": self.servers,
+            "workers": self.role.workers,
+            "lost_workers": lost,
+            "job_samples_per_s": sum(w["samples"] for w in workers.values()) / max(walls),
+            "staleness_histogram": first.get("server", {}).get("staleness", {}),
+            "server_stats": [s["server"] for s in self.summaries],
+            "bytes_sent_by_this_worker": self.client.bytes_sent if self.client else 0,
+        }
+
+
+class _PSMixin:
+    _ps: PSWorker
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        if closure is not None:
+            with torch.enable_grad():
+                closure()
+        self._ps.step()
+        return None
+
+
+def PSOptimizer(optimizer: Optimizer, worker: PSWorker) -> Optimizer:  # noqa: N802
+    """`optimizer` whose step pushes to and pulls from the servers of `worker`."""
+    return wrap_optimizer(optimizer, _PSMixin, _ps=worker)
