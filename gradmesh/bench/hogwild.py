@@ -31,7 +31,7 @@ PROBLEMS: dict[str, dict[str, Any]] = {
         "lr": 0.5,
         "momentum": 0.0,
         "batch_per_worker": 32,
-        "epochs": 40,
+        "epochs": 120,  # a run of a second or more: shorter ones drown in scheduling noise
     },
     "dense": {
         "model": "cnn",
