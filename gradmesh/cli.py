@@ -88,6 +88,10 @@ BENCHES = {
         "Hogwild! samples/s and accuracy, 1..N workers, lock-free and locked",
         "gradmesh.bench.hogwild",
     ),
+    "ps": (
+        "parameter servers 1..S against ring allreduce, on emulated hosts",
+        "gradmesh.bench.ps",
+    ),
     "link": (
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",

@@ -68,6 +68,9 @@ class TrainConfig:
     reference_batch: int = option(0, "with --lr-scaling linear: batch the base lr was tuned for")
     warmup_epochs: float = option(0.0, "gradual linear warm-up to the scaled lr over K epochs")
     on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step")
+    emulate_compute_ms: float = option(
+        0.0, "benchmarks: sleep this long per step, standing in for a bigger model's compute"
+    )
     timeline: str | None = option(None, "write a Chrome trace per rank to this path")
     checkpoint_dir: str | None = option(
         None, "save a checkpoint here after every epoch and resume from the newest one"
@@ -136,8 +139,8 @@ class TrainConfig:
             )
         if self.mode == "sync" and (self.push_every, self.pull_every) != (1, 1):
             raise GradmeshError("--mode sync pushes and pulls every step: drop --push/pull-every")
-        if self.lost_after_s <= 0:
-            raise GradmeshError("--lost-after-s must be > 0")
+        if self.lost_after_s <= 0 or self.emulate_compute_ms < 0:
+            raise GradmeshError("--lost-after-s must be > 0 and --emulate-compute-ms >= 0")
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

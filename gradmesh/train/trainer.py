@@ -153,6 +153,8 @@ def train(config: TrainConfig, rt: Runtime) -> tuple[RunReport, bool]:
             y = data.train.y[indices].to(rt.device)
             with span("forward"):
                 loss = F.cross_entropy(model(x), y, reduction="sum")
+            if config.emulate_compute_ms:
+                time.sleep(config.emulate_compute_ms / 1000)  # labelled emulation (benchmarks)
             optimizer.zero_grad(set_to_none=False)
             (loss * (count / global_count)).backward()  # type: ignore[no-untyped-call]
             optimizer.step()

@@ -107,9 +107,15 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["train", "--strategy", "nope"], "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd)"),
+        (
+            ["train", "--strategy", "nope"],
+            "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd)",
+        ),
         (["train", "--model", "vgg"], "unknown model 'vgg' (valid: bag, cnn, linear, mlp)"),
-        (["train", "--dataset", "mnist"], "unknown dataset 'mnist' (valid: digits, docstrings, synthetic)"),
+        (
+            ["train", "--dataset", "mnist"],
+            "unknown dataset 'mnist' (valid: digits, docstrings, synthetic)",
+        ),
         (["train", "--workers", "0"], "--workers must be >= 1"),
         (["train", "--workers", "4", "--batch-size", "2"], "global batch 2 is smaller"),
         (["train", "--epochs", "many"], "invalid int value: 'many'"),

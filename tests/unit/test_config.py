@@ -28,7 +28,10 @@ def test_registry_lists_valid_names_on_unknown() -> None:
     [
         ({"strategy": "nope"}, "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd)"),
         ({"model": "resnet"}, "unknown model 'resnet' (valid: bag, cnn, linear, mlp)"),
-        ({"dataset": "imagenet"}, "unknown dataset 'imagenet' (valid: digits, docstrings, synthetic)"),
+        (
+            {"dataset": "imagenet"},
+            "unknown dataset 'imagenet' (valid: digits, docstrings, synthetic)",
+        ),
         ({"allreduce": "magic"}, "unknown allreduce algorithm 'magic'"),
         ({"workers": 0}, "--workers must be >= 1, got 0"),
         ({"workers": 4, "batch_size": 3}, "global batch 3 is smaller than the number of workers 4"),

@@ -1,0 +1,100 @@
+"""`gradmesh train --strategy ps` end to end: servers and workers through the real launcher."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.integration.test_cli import GRADMESH, ROOT, gradmesh, one_line_error
+
+
+@pytest.mark.parametrize("mode", ["async", "ssp"])
+def test_async_and_ssp_learn_digits(mode: str, tmp_path: Path) -> None:
+    out = gradmesh(
+        "train",
+        "--strategy=ps",
+        "--servers=2",
+        "--workers=2",
+        f"--mode={mode}",
+        "--max-staleness=1",
+        "--json",
+        str(tmp_path / "r.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "r.json").read_text())
+    info = got["strategy_info"]
+    assert got["test_accuracy"] >= 0.95
+    assert info["mode"] == mode and info["lost_workers"] == []
+    assert len(info["server_stats"]) == 2
+    for server in info["server_stats"]:
+        assert server["bytes_in"] > 0 and server["bytes_out"] > 0 and server["request_rate"] > 0
+        assert server["dropped_messages"] == 0
+    if mode == "ssp":
+        worst = max(int(s) for h in info["staleness_histogram"].values() for s in h)
+        assert worst <= 1
+
+
+def _training_workers(root: psutil.Process) -> dict[int, psutil.Process]:
+    found = {}
+    for proc in root.children(recursive=True):
+        try:
+            if "gradmesh.train.worker" in " ".join(proc.cmdline()):
+                found[int(proc.environ()["GRADMESH_PS_WORKER"])] = proc
+        except (psutil.NoSuchProcess, psutil.AccessDenied, KeyError):
+            continue
+    return found
+
+
+def test_a_killed_async_worker_does_not_stop_the_job(tmp_path: Path) -> None:
+    report = tmp_path / "r.json"
+    args = [
+        "--strategy=ps",
+        "--workers=3",
+        "--mode=async",
+        "--epochs=80",
+        "--staleness-lr",
+        "--lost-after-s=2",
+    ]
+    job = subprocess.Popen(
+        [*GRADMESH, "train", *args, "--json", str(report)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        workers: dict[int, psutil.Process] = {}
+        while len(workers) < 3 and time.monotonic() < deadline:
+            workers = _training_workers(psutil.Process(job.pid))
+            time.sleep(0.2)
+        assert len(workers) == 3, "the three training workers did not start"
+        time.sleep(4)  # well into training
+        workers[2].kill()
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.communicate()
+    assert job.returncode == 0, err
+    assert "worker 2" in err and "killed by SIGKILL" in err
+    got = json.loads(report.read_text())
+    assert got["strategy_info"]["lost_workers"] == [2]
+    assert got["test_accuracy"] > 0.9
+
+
+def test_ps_options_are_checked_before_launch() -> None:
+    assert "unknown --mode 'fast'" in one_line_error(
+        gradmesh("train", "--strategy=ps", "--mode=fast")
+    )
+    assert "--mode sync pushes and pulls every step" in one_line_error(
+        gradmesh("train", "--strategy=ps", "--mode=sync", "--push-every=2")
+    )
+    assert "unknown --server-optimizer 'sgdd'" in one_line_error(
+        gradmesh("train", "--strategy=ps", "--server-optimizer=sgdd")
+    )
