@@ -58,12 +58,15 @@ class Client:
             sock.close(linger=CLOSE_LINGER_MS)  # let a CLOSE already queued go out
         self.ctx.term()
 
-    def _roundtrip(self, op: str, frames: list[list[bytes | memoryview]]) -> list[Message]:
-        for sock, parts in zip(self.socks, frames, strict=True):
-            self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
-            sock.send_multipart(parts, copy=False)
+    def _roundtrip(self, op: str, *requests: list[list[bytes | memoryview]]) -> list[Message]:
+        """Send each request to every server (all of them before any answer is awaited), then
+        collect the answers: one per server per request, in order."""
+        for frames in requests:
+            for sock, parts in zip(self.socks, frames, strict=True):
+                self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
+                sock.send_multipart(parts, copy=False)
         replies = []
-        for server, sock in enumerate(self.socks):
+        for server, sock in [(i, s) for _ in requests for i, s in enumerate(self.socks)]:
             if not sock.poll(self.timeout_ms):
                 raise GradmeshError(
                     f"ps worker {self.worker}: {op} got no answer from server {server} "
@@ -92,10 +95,18 @@ class Client:
         self.clock += 1
         self._roundtrip("push", self._per_shard(Kind.PUSH, grad))
 
-    def pull(self, flat: torch.Tensor) -> int:
-        """Fill `flat` with the servers' values (once the mode allows); return the staleness."""
-        request = encode(Kind.PULL, self.token, self.worker, clock=self.clock)
-        replies = self._roundtrip("pull", [request] * len(self.socks))
+    def pull(self, flat: torch.Tensor, push: torch.Tensor | None = None) -> int:
+        """Fill `flat` with the servers' values (once the mode allows); return the staleness.
+        With `push`, that gradient goes first in the same round trip: a server answers in
+        order, so the values come back with it applied (or, in sync, with its step's update)."""
+        pull = [encode(Kind.PULL, self.token, self.worker, clock=self.clock + (push is not None))]
+        if push is None:
+            replies = self._roundtrip("pull", pull * len(self.socks))
+        else:
+            self.clock += 1
+            pushes = self._per_shard(Kind.PUSH, push)
+            replies = self._roundtrip("push and pull", pushes, pull * len(self.socks))
+            replies = replies[len(self.socks) :]
         with torch.no_grad():
             for (a, b), reply in zip(self.ranges, replies, strict=True):
                 if reply.payload is None or reply.payload.numel() != b - a:

@@ -241,7 +241,7 @@ class Server:
             self._close_round()
             return
         scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
-        self.optimizer.apply(grad.clone(), w, scale)
+        self.optimizer.apply(grad, w, scale)  # a read-only view of the frame: never written
         self.version += 1
 
     def _close_round(self) -> None:
@@ -279,7 +279,7 @@ class Server:
                 msg.worker,
                 seen=self.version,
                 staleness=gap,
-                tensor=self.values.detach(),
+                tensor=self.values.detach().clone(),  # ZeroMQ sends later: a snapshot
             )
         self.pending_pulls = waiting
 

@@ -70,17 +70,19 @@ class PSWorker:
                 self.grad[a:b] += g.reshape(-1)
         self.steps += 1
         sent, started = self.client.bytes_sent, time.perf_counter()
-        if self.steps % self.push_every == 0:
-            self.client.push(self.grad)
-            self.grad.zero_()
+        push = self.steps % self.push_every == 0
         if self.steps % self.pull_every == 0:
-            self._pull()
+            self._pull(self.grad if push else None)
+        elif push:
+            self.client.push(self.grad)
+        if push:
+            self.grad.zero_()
         get_runtime().comm.add(self.client.bytes_sent - sent, time.perf_counter() - started)
 
-    def _pull(self) -> None:
+    def _pull(self, push: torch.Tensor | None = None) -> None:
         assert self.client is not None
         started = time.perf_counter()
-        gap = self.client.pull(self.flat)
+        gap = self.client.pull(self.flat, push)
         self.staleness[gap] += 1
         timeline = get_runtime().timeline
         if timeline is not None:
