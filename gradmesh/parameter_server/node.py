@@ -10,49 +10,30 @@ import sys
 
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.roles import (
-    KEY,
     connect_store,
     job_token,
-    local_address,
+    run_server,
     supervise_worker,
 )
-from gradmesh.parameter_server.server import Server, ServerConfig
 from gradmesh.train.config import TrainConfig
 
 
 def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> int:
-    store = connect_store(store_host, store_port, config.timeout_s)
-    token = job_token(store, creator=index == 0)
-    total = int(store.get(KEY + "numel").decode())  # published by worker 0
-    from gradmesh.parameter_server.client import shard_ranges
-
-    start, end = shard_ranges(total, config.servers)[index]
-    server = Server(
-        ServerConfig(
-            index=index,
-            workers=config.workers,
-            numel=end - start,
-            mode=config.mode,
-            max_staleness=config.max_staleness,
-            staleness_lr=config.staleness_lr,
-            optimizer=config.server_optimizer,
-            lr=config.lr,
-            momentum=config.momentum,
-            weight_decay=config.weight_decay,
-            lost_after_s=config.lost_after_s,
-            timeout_s=config.timeout_s,
-        ),
-        token,
-        local_address(store_host),
-    )
-    store.set(KEY + f"server{index}", server.endpoint)
-    stats = server.serve()
-    print(
-        f"gradmesh ps: server {index}: {sum(stats['requests'].values())} requests, "
-        f"{stats['bytes_in'] / 1e6:.1f} MB in, {stats['bytes_out'] / 1e6:.1f} MB out, "
-        f"{stats['dropped_messages']} dropped",
-        file=sys.stderr,
-        flush=True,
+    run_server(
+        index,
+        config.servers,
+        config.workers,
+        store_host,
+        store_port,
+        config.timeout_s,
+        mode=config.mode,
+        max_staleness=config.max_staleness,
+        staleness_lr=config.staleness_lr,
+        optimizer=config.server_optimizer,
+        lr=config.lr,
+        momentum=config.momentum,
+        weight_decay=config.weight_decay,
+        lost_after_s=config.lost_after_s,
     )
     return 0
 

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
@@ -105,16 +106,9 @@ def supervise_worker(command: list[str], index: int, workers: int, token: bytes)
     A worker killed by a signal is reported and the rank exits 0, so the job goes on without it;
     one that fails with an error fails the rank. SIGTERM/SIGINT are passed on to the worker.
     """
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
-    env.update(
-        {
-            WORKER_ENV: str(index),
-            WORKERS_ENV: str(workers),
-            STORE_ENV: f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            TOKEN_ENV: token.hex(),
-        }
-    )
-    child = subprocess.Popen(command, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+    child = subprocess.Popen(
+        command, env=worker_env(index, workers, token), preexec_fn=_die_with_parent
+    )  # noqa: PLW1509
 
     stopped: list[int] = []
 
@@ -137,3 +131,51 @@ def supervise_worker(command: list[str], index: int, workers: int, token: bytes)
         )
         return 0
     return code
+
+
+def run_server(
+    index: int,
+    servers: int,
+    workers: int,
+    store_host: str,
+    store_port: int,
+    timeout_s: float,
+    **options: Any,
+) -> dict[str, Any]:
+    """Serve shard `index` of `servers` for `workers` workers until they are done; `options` are
+    `ServerConfig` fields (mode, max_staleness, optimizer, lr, ...). Returns the server's stats."""
+    from gradmesh.parameter_server.client import shard_ranges
+    from gradmesh.parameter_server.server import Server, ServerConfig
+
+    store = connect_store(store_host, store_port, timeout_s)
+    token = job_token(store, creator=index == 0)
+    total = int(store.get(KEY + "numel").decode())  # published by worker 0
+    start, end = shard_ranges(total, servers)[index]
+    config = ServerConfig(
+        index=index, workers=workers, numel=end - start, timeout_s=timeout_s, **options
+    )
+    server = Server(config, token, local_address(store_host))
+    store.set(KEY + f"server{index}", server.endpoint)
+    stats = server.serve()
+    print(
+        f"gradmesh ps: server {index}: {sum(stats['requests'].values())} requests, "
+        f"{stats['bytes_in'] / 1e6:.1f} MB in, {stats['bytes_out'] / 1e6:.1f} MB out, "
+        f"{stats['dropped_messages']} dropped",
+        file=sys.stderr,
+        flush=True,
+    )
+    return stats
+
+
+def worker_env(index: int, workers: int, token: bytes) -> dict[str, str]:
+    """The environment of a ps training process: its role, and no torchrun world of its own."""
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+    env.update(
+        {
+            WORKER_ENV: str(index),
+            WORKERS_ENV: str(workers),
+            STORE_ENV: f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            TOKEN_ENV: token.hex(),
+        }
+    )
+    return env

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.client import Client
 from gradmesh.parameter_server.roles import KEY, WorkerRole, connect_store, job_token
-from gradmesh.runtime import get_runtime
+from gradmesh.runtime import get_runtime, is_initialized
 from gradmesh.wrapping import wrap_optimizer
 
 
@@ -77,14 +77,15 @@ class PSWorker:
             self.client.push(self.grad)
         if push:
             self.grad.zero_()
-        get_runtime().comm.add(self.client.bytes_sent - sent, time.perf_counter() - started)
+        if is_initialized():
+            get_runtime().comm.add(self.client.bytes_sent - sent, time.perf_counter() - started)
 
     def _pull(self, push: torch.Tensor | None = None) -> None:
         assert self.client is not None
         started = time.perf_counter()
         gap = self.client.pull(self.flat, push)
         self.staleness[gap] += 1
-        timeline = get_runtime().timeline
+        timeline = get_runtime().timeline if is_initialized() else None
         if timeline is not None:
             timeline.add("pull", "comm", started, time.perf_counter(), staleness=gap)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -98,3 +99,18 @@ def test_ps_options_are_checked_before_launch() -> None:
     assert "unknown --server-optimizer 'sgdd'" in one_line_error(
         gradmesh("train", "--strategy=ps", "--server-optimizer=sgdd")
     )
+
+
+def test_the_script_example_serves_and_trains_through_gradmesh_run() -> None:
+    out = subprocess.run(
+        [*GRADMESH, "run", "-np", "3", "--", sys.executable, "examples/ps_digits.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    line = next(x for x in out.stdout.splitlines() if "test accuracy" in x)
+    assert float(line.split("test accuracy ")[1].split()[0]) >= 0.95
+    staleness = line.split("staleness ")[1]
+    assert "'3'" not in staleness  # ssp with K = 2
