@@ -26,7 +26,10 @@ def test_registry_lists_valid_names_on_unknown() -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"strategy": "nope"}, "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd, ps)"),
+        (
+            {"strategy": "nope"},
+            "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd, ps)",
+        ),
         ({"model": "resnet"}, "unknown model 'resnet' (valid: bag, cnn, linear, mlp)"),
         (
             {"dataset": "imagenet"},
