@@ -12,8 +12,8 @@ fails is dropped and counted, and the loop serves on. Modes:
 Staleness of a gradient = the clock gap of the read it was computed from: how many clocks the
 reading worker was ahead of the slowest live worker (SSP's own measure, at most K in `ssp`, 0 in
 `sync`). With `staleness_lr` a gradient's step is divided by max(1, staleness) (Zhang et al.).
-A worker silent for `lost_after_s` with no request waiting is declared lost and no longer waited
-for; its last gradients stay applied.
+A worker silent for `lost_after_s` with no request waiting (or, before its first message, for
+`timeout_s`) is declared lost and no longer waited for; its last gradients stay applied.
 """
 
 from __future__ import annotations
@@ -115,6 +115,7 @@ class Server:
         self.clocks = [0] * config.workers
         self.read_gap = [0] * config.workers
         self.last_seen = [time.monotonic()] * config.workers
+        self.heard: set[int] = set()
         self.finished: dict[int, dict[str, Any]] = {}
         self.lost: set[int] = set()
         self.pending_pulls: list[tuple[bytes, Message]] = []
@@ -188,6 +189,7 @@ class Server:
         self.stats.last = now
         self.stats.requests[msg.kind.name.lower()] += 1
         self.last_seen[msg.worker] = now
+        self.heard.add(msg.worker)
         if msg.kind is Kind.INIT:
             if not self.initialized:
                 with torch.no_grad():
@@ -286,7 +288,9 @@ class Server:
     def _find_lost(self, now: float) -> None:
         waiting = {msg.worker for _, msg in self.pending_pulls}
         for w in self._live():
-            if w not in waiting and now - self.last_seen[w] > self.cfg.lost_after_s:
+            # a worker still starting up (never heard from) gets the whole timeout
+            patience = self.cfg.lost_after_s if w in self.heard else self.cfg.timeout_s
+            if w not in waiting and now - self.last_seen[w] > patience:
                 self.lost.add(w)
                 print(
                     f"gradmesh ps: server {self.cfg.index}: worker {w} lost "

@@ -60,16 +60,7 @@ class PSWorker:
         if self.role.index == 0:
             self.client.init(self.flat)
         self.client.pull(self.flat)
-        self._start_together(store)
         return PSOptimizer(optimizer, self)
-
-    def _start_together(self, store: Any) -> None:
-        """Wait (up to the timeout) until every worker is connected, so that no worker trains
-        while the others are still starting up; a worker that never comes is not waited for."""
-        store.add(KEY + "ready", 1)
-        deadline = time.monotonic() + self.timeout_s
-        while store.add(KEY + "ready", 0) < self.role.workers and time.monotonic() < deadline:
-            time.sleep(0.01)
 
     def step(self) -> None:
         assert self.client is not None

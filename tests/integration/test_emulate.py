@@ -137,6 +137,8 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
         cwd=ROOT,
+        # a suite started in the background inherits SIGINT ignored: Ctrl-C must reach it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
     )
     assert proc.stdout is not None
     assert "up" in proc.stdout.readline() and "up" in proc.stdout.readline()

@@ -23,6 +23,7 @@ def test_async_and_ssp_learn_digits(mode: str, tmp_path: Path) -> None:
         "--workers=2",
         f"--mode={mode}",
         "--max-staleness=1",
+        f"--timeline={tmp_path / 'trace.json'}",
         "--json",
         str(tmp_path / "r.json"),
     )
@@ -38,6 +39,10 @@ def test_async_and_ssp_learn_digits(mode: str, tmp_path: Path) -> None:
     if mode == "ssp":
         worst = max(int(s) for h in info["staleness_histogram"].values() for s in h)
         assert worst <= 1
+    for worker in (0, 1):  # each worker's timeline carries the staleness of every pull
+        events = json.loads((tmp_path / f"trace.worker{worker}.json").read_text())["traceEvents"]
+        pulls = [e for e in events if e["name"] == "pull"]
+        assert pulls and all("staleness" in e["args"] for e in pulls)
 
 
 def _training_workers(root: psutil.Process) -> dict[int, psutil.Process]:
@@ -75,8 +80,11 @@ def test_a_killed_async_worker_does_not_stop_the_job(tmp_path: Path) -> None:
             workers = _training_workers(psutil.Process(job.pid))
             time.sleep(0.2)
         assert len(workers) == 3, "the three training workers did not start"
-        time.sleep(4)  # well into training
-        workers[2].kill()
+        victim = workers[2]
+        while sum(victim.cpu_times()[:2]) < 5 and job.poll() is None:  # start-up is ~3 s of CPU
+            time.sleep(0.1)
+        assert job.poll() is None, "the job ended before a worker could be killed"
+        victim.kill()
         out, err = job.communicate(timeout=120)
     finally:
         if job.poll() is None:
