@@ -24,9 +24,18 @@ class PSWorker:
     """Long-lived state of one worker: the flat parameters, the gradient accumulator, counters."""
 
     def __init__(
-        self, role: WorkerRole, servers: int, push_every: int, pull_every: int, timeout_s: float
+        self,
+        role: WorkerRole,
+        servers: int,
+        push_every: int,
+        pull_every: int,
+        timeout_s: float,
+        overlap: bool = False,
     ) -> None:
+        """`overlap`: send a step's pull before its push, so that both cross the link at once
+        (async and ssp; sync must push first)."""
         self.role = role
+        self.overlap = overlap
         self.servers = servers
         self.push_every = push_every
         self.pull_every = pull_every
@@ -83,7 +92,7 @@ class PSWorker:
     def _pull(self, push: torch.Tensor | None = None) -> None:
         assert self.client is not None
         started = time.perf_counter()
-        gap = self.client.pull(self.flat, push)
+        gap = self.client.pull(self.flat, push, push_first=not self.overlap)
         self.staleness[gap] += 1
         timeline = get_runtime().timeline if is_initialized() else None
         if timeline is not None:
