@@ -167,7 +167,6 @@ class ParameterServerStrategy:
             self.config.push_every,
             self.config.pull_every,
             self.config.timeout_s,
-            overlap=self.config.mode != "sync",
         )
         return self.worker.attach(model, optimizer)
 
