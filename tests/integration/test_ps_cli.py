@@ -25,6 +25,7 @@ def test_async_and_ssp_learn_digits(mode: str, tmp_path: Path) -> None:
         "--max-staleness=1",
         "--momentum=0.5",  # momentum 0.9 on stale gradients ranged 0.91-0.97 (docs)
         "--lr=0.1",
+        "--epochs=20",
         f"--timeline={tmp_path / 'trace.json'}",
         "--json",
         str(tmp_path / "r.json"),
