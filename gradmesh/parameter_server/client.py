@@ -51,8 +51,6 @@ class Client:
             self.socks.append(sock)
         self.clock = 0
         self.staleness = 0
-        self.seen = [0] * len(endpoints)
-        """Per server: the version of the last values read, sent with the next push."""
         self.bytes_sent = 0
 
     def close(self) -> None:
@@ -62,13 +60,13 @@ class Client:
 
     def _roundtrip(self, op: str, *requests: list[list[bytes | memoryview]]) -> list[Message]:
         """Send each request to every server (all of them before any answer is awaited), then
-        collect the answers: server by server, each server's in the order it sent them."""
+        collect the answers: one per server per request, in order."""
         for frames in requests:
             for sock, parts in zip(self.socks, frames, strict=True):
                 self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
                 sock.send_multipart(parts, copy=False)
         replies = []
-        for server, sock in [(i, s) for i, s in enumerate(self.socks) for _ in requests]:
+        for server, sock in [(i, s) for _ in requests for i, s in enumerate(self.socks)]:
             if not sock.poll(self.timeout_ms):
                 raise GradmeshError(
                     f"ps worker {self.worker}: {op} got no answer from server {server} "
@@ -85,8 +83,8 @@ class Client:
 
     def _per_shard(self, kind: Kind, flat: torch.Tensor) -> list[list[bytes | memoryview]]:
         return [
-            encode(kind, self.token, self.worker, clock=self.clock, seen=seen, tensor=flat[a:b])
-            for (a, b), seen in zip(self.ranges, self.seen, strict=True)
+            encode(kind, self.token, self.worker, clock=self.clock, tensor=flat[a:b])
+            for a, b in self.ranges
         ]
 
     def init(self, flat: torch.Tensor) -> None:
@@ -97,34 +95,23 @@ class Client:
         self.clock += 1
         self._roundtrip("push", self._per_shard(Kind.PUSH, grad))
 
-    def pull(
-        self, flat: torch.Tensor, push: torch.Tensor | None = None, push_first: bool = True
-    ) -> int:
+    def pull(self, flat: torch.Tensor, push: torch.Tensor | None = None) -> int:
         """Fill `flat` with the servers' values (once the mode allows); return the staleness.
-
-        With `push`, that gradient travels in the same round trip. `push_first`: the values come
-        back with it applied (sync needs this). Otherwise the pull goes first and an async server
-        answers it at once, so the gradient going up and the values coming down share the
-        (full-duplex) link instead of taking turns, as Downpour's fetch and push do."""
+        With `push`, that gradient goes first in the same round trip: a server answers in
+        order, so the values come back with it applied (or, in sync, with its step's update)."""
+        pull = [encode(Kind.PULL, self.token, self.worker, clock=self.clock + (push is not None))]
         if push is None:
-            pull = encode(Kind.PULL, self.token, self.worker, clock=self.clock)
-            replies = self._roundtrip("pull", [pull] * len(self.socks))
+            replies = self._roundtrip("pull", pull * len(self.socks))
         else:
-            pull = encode(
-                Kind.PULL, self.token, self.worker, clock=self.clock + (1 if push_first else 0)
-            )
             self.clock += 1
             pushes = self._per_shard(Kind.PUSH, push)
-            pulls = [pull] * len(self.socks)
-            order = (pushes, pulls) if push_first else (pulls, pushes)
-            got = self._roundtrip("push and pull", *order)
-            replies = [r for r in got if r.kind is Kind.PARAMS]  # one per server, server order
+            replies = self._roundtrip("push and pull", pushes, pull * len(self.socks))
+            replies = replies[len(self.socks) :]
         with torch.no_grad():
             for (a, b), reply in zip(self.ranges, replies, strict=True):
                 if reply.payload is None or reply.payload.numel() != b - a:
                     raise GradmeshError(f"ps worker {self.worker}: pull: a shard of wrong size")
                 flat[a:b].copy_(reply.payload)
-        self.seen = [r.seen for r in replies]
         self.staleness = max(r.staleness for r in replies)
         return self.staleness
 

@@ -27,18 +27,12 @@ SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "adarevision")
 INITIAL_ACCUMULATOR = 0.1
 
 
-READS_KEPT = 2
-"""Reads remembered per worker: a gradient is computed from the last read or (when a worker's
-pull overtakes its push) the one before."""
-
-
 class ServerOptimizer(Protocol):
-    def on_read(self, worker: int, version: int) -> None:
-        """A worker has just read the shard at `version`."""
+    def on_read(self, worker: int) -> None:
+        """A worker has just read the shard."""
 
-    def apply(self, grad: torch.Tensor, worker: int, version: int, lr_scale: float) -> None:
-        """Apply one gradient that `worker` computed from its read at `version`, with the
-        learning rate times `lr_scale`."""
+    def apply(self, grad: torch.Tensor, worker: int, lr_scale: float) -> None:
+        """Apply one gradient (from `worker`) with the learning rate times `lr_scale`."""
 
 
 class TorchOptimizer:
@@ -49,10 +43,10 @@ class TorchOptimizer:
         self.optimizer = optimizer
         self.base_lr = [g["lr"] for g in optimizer.param_groups]
 
-    def on_read(self, worker: int, version: int) -> None:
+    def on_read(self, worker: int) -> None:
         pass
 
-    def apply(self, grad: torch.Tensor, worker: int, version: int, lr_scale: float) -> None:
+    def apply(self, grad: torch.Tensor, worker: int, lr_scale: float) -> None:
         self.shard.grad = grad
         for group, lr in zip(self.optimizer.param_groups, self.base_lr, strict=True):
             group["lr"] = lr * lr_scale
@@ -68,18 +62,14 @@ class AdaRevision:
         self.z = torch.zeros_like(shard)
         self.zp = torch.full_like(shard, INITIAL_ACCUMULATOR)
         self.zmax = self.zp.clone()
-        self.reads: dict[int, dict[int, torch.Tensor]] = {}
+        self.read: dict[int, torch.Tensor] = {}
 
-    def on_read(self, worker: int, version: int) -> None:
-        mine = self.reads.setdefault(worker, {})
-        mine[version] = self.z.clone()
-        for old in sorted(mine)[:-READS_KEPT]:
-            del mine[old]
+    def on_read(self, worker: int) -> None:
+        self.read[worker] = self.z.clone()
 
     @torch.no_grad()
-    def apply(self, grad: torch.Tensor, worker: int, version: int, lr_scale: float) -> None:
-        read = self.reads.get(worker, {}).get(version)
-        backlog = self.z - read if read is not None else torch.zeros_like(grad)
+    def apply(self, grad: torch.Tensor, worker: int, lr_scale: float) -> None:
+        backlog = self.z - self.read[worker] if worker in self.read else torch.zeros_like(grad)
         alpha = self.alpha * lr_scale
         eta_old = alpha / self.zmax.sqrt()
         self.z += grad

@@ -28,7 +28,7 @@ import torch
 import zmq
 from torch import nn
 
-from gradmesh.parameter_server.optimizers import READS_KEPT, make_optimizer
+from gradmesh.parameter_server.optimizers import make_optimizer
 from gradmesh.parameter_server.protocol import (
     HEADER_BYTES,
     Kind,
@@ -113,8 +113,7 @@ class Server:
         self.initialized = False
         self.version = 0
         self.clocks = [0] * config.workers
-        self.read_gaps: list[dict[int, int]] = [{} for _ in range(config.workers)]
-        """Per worker: the staleness of its recent reads, by the version each read returned."""
+        self.read_gap = [0] * config.workers
         self.last_seen = [time.monotonic()] * config.workers
         self.heard: set[int] = set()
         self.finished: dict[int, dict[str, Any]] = {}
@@ -236,7 +235,7 @@ class Server:
         assert grad is not None
         w = msg.worker
         self.clocks[w] = max(self.clocks[w], msg.clock)
-        gap = self.read_gaps[w].get(msg.seen, 0)  # the read this gradient was computed from
+        gap = self.read_gap[w]
         self.stats.staleness.setdefault(w, Counter())[gap] += 1
         if self.cfg.mode == "sync":
             self.round_sum += grad
@@ -244,16 +243,14 @@ class Server:
             self._close_round()
             return
         scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
-        self.optimizer.apply(
-            grad, w, msg.seen, scale
-        )  # a read-only view of the frame: never written
+        self.optimizer.apply(grad, w, scale)  # a read-only view of the frame: never written
         self.version += 1
 
     def _close_round(self) -> None:
         """sync: once every live worker has pushed this step, apply their average."""
         if not self.round_from or not set(self._live()) <= self.round_from:
             return
-        self.optimizer.apply(self.round_sum / len(self.round_from), -1, self.version, 1.0)
+        self.optimizer.apply(self.round_sum / len(self.round_from), -1, 1.0)
         self.version += 1
         self.round_sum.zero_()
         self.round_from.clear()
@@ -276,11 +273,8 @@ class Server:
                 continue
             others = [self.clocks[w] for w in self._live() if w != msg.worker]
             gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
-            reads = self.read_gaps[msg.worker]
-            reads[self.version] = gap
-            for old in sorted(reads)[:-READS_KEPT]:
-                del reads[old]
-            self.optimizer.on_read(msg.worker, self.version)
+            self.read_gap[msg.worker] = gap
+            self.optimizer.on_read(msg.worker)
             self._reply(
                 ident,
                 Kind.PARAMS,

@@ -5,7 +5,6 @@ vector that pulls overwrite; its optimizer's `step()` pushes the (accumulated) g
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -24,26 +23,14 @@ class PSWorker:
     """Long-lived state of one worker: the flat parameters, the gradient accumulator, counters."""
 
     def __init__(
-        self,
-        role: WorkerRole,
-        servers: int,
-        push_every: int,
-        pull_every: int,
-        timeout_s: float,
-        overlap: bool = False,
+        self, role: WorkerRole, servers: int, push_every: int, pull_every: int, timeout_s: float
     ) -> None:
-        """`overlap`: send a step's pull before its push, so that both cross the link at once
-        (async and ssp only; sync must push first). Each gradient is then one step staler:
-        with the server's momentum 0.9, async training on digits diverged (accuracy 0.08), so
-        `gradmesh train` keeps it off."""
         self.role = role
-        self.overlap = overlap
         self.servers = servers
         self.push_every = push_every
         self.pull_every = pull_every
         self.timeout_s = timeout_s
         self.steps = 0
-        self.staleness: Counter[int] = Counter()
         self.summaries: list[dict[str, Any]] = []
         self.reporter = False
         self.params: list[nn.Parameter] = []
@@ -94,8 +81,7 @@ class PSWorker:
     def _pull(self, push: torch.Tensor | None = None) -> None:
         assert self.client is not None
         started = time.perf_counter()
-        gap = self.client.pull(self.flat, push, push_first=not self.overlap)
-        self.staleness[gap] += 1
+        gap = self.client.pull(self.flat, push)
         timeline = get_runtime().timeline if is_initialized() else None
         if timeline is not None:
             timeline.add("pull", "comm", started, time.perf_counter(), staleness=gap)
@@ -126,7 +112,6 @@ class PSWorker:
             "job_samples_per_s": sum(w["samples"] for w in workers.values()) / max(walls),
             "staleness_histogram": first.get("server", {}).get("staleness", {}),
             "server_stats": [s["server"] for s in self.summaries],
-            "bytes_sent_by_this_worker": self.client.bytes_sent if self.client else 0,
         }
 
 

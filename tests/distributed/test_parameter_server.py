@@ -83,7 +83,7 @@ def uneven_steps(port: int, steps: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Linear(8, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    worker = PSWorker(WorkerRole(rank, world, "127.0.0.1", port), 1, 1, 1, 30, overlap=True)
+    worker = PSWorker(WorkerRole(rank, world, "127.0.0.1", port), 1, 1, 1, timeout_s=30)
     opt = worker.attach(model, opt)
     x, y = torch.randn(16, 8), torch.randint(0, 2, (16,))
     for _ in range(steps):

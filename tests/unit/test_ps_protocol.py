@@ -169,8 +169,8 @@ def test_adarevision_without_delay_is_adagrad() -> None:
     opt = torch.optim.Adagrad([ref], lr=0.5, initial_accumulator_value=0.1, eps=0.0)
     for step in range(4):
         g = torch.linspace(-1, 1, 5) * (step + 1)
-        ada.on_read(0, step)
-        ada.apply(g, 0, step, 1.0)
+        ada.on_read(0)
+        ada.apply(g, 0, 1.0)
         ref.grad = g.clone()
         opt.step()
     torch.testing.assert_close(x.detach(), ref.detach())
@@ -179,11 +179,11 @@ def test_adarevision_without_delay_is_adagrad() -> None:
 def test_adarevision_revises_a_delayed_gradient() -> None:
     x = torch.nn.Parameter(torch.zeros(1))
     ada = AdaRevision(x, lr=1.0)
-    ada.on_read(0, 0)  # worker 0 reads, then worker 1's gradient lands first
-    ada.on_read(1, 0)
-    ada.apply(torch.ones(1), 1, 0, 1.0)
+    ada.on_read(0)  # worker 0 reads, then worker 1's gradient lands first
+    ada.on_read(1)
+    ada.apply(torch.ones(1), 1, 1.0)
     before = x.detach().clone()
-    ada.apply(torch.ones(1), 0, 0, 1.0)  # it never saw worker 1's gradient: z' grows by 1 + 2*1*1
+    ada.apply(torch.ones(1), 0, 1.0)  # it never saw worker 1's gradient: z' grows by 1 + 2*1*1
     eta_old, eta = 1 / 1.1**0.5, 1 / 4.1**0.5
     # its own step at the new rate, and the backlog's earlier step revised down to that rate
     assert float(before - x.detach()) == pytest.approx(eta - (eta_old - eta), rel=1e-5)
