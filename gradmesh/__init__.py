@@ -19,7 +19,7 @@ _EXPORTS = {
     "allreduce": "gradmesh.horovod",
     "allreduce_async": "gradmesh.horovod",
     "broadcast": "gradmesh.horovod",
-    "broadcast_object": "gradmesh.data_parallel.api",
+    "broadcast_object": "gradmesh.collectives",
     "broadcast_optimizer_state": "gradmesh.data_parallel.api",
     "ddp_comm_hook": "gradmesh.data_parallel.ddp_hook",
     "join": "gradmesh.horovod",
@@ -48,8 +48,8 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
+    from gradmesh.collectives import broadcast_object
     from gradmesh.data_parallel.api import (
-        broadcast_object,
         broadcast_optimizer_state,
         poll,
         synchronize,

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.data_parallel.api import broadcast_object
+from gradmesh.collectives import broadcast_object
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import barrier, get_runtime
 from gradmesh.wrapping import wrap_optimizer

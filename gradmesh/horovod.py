@@ -12,10 +12,10 @@ from typing import Any
 import torch
 
 from gradmesh.collectives import broadcast as _broadcast_in_place
+from gradmesh.collectives import broadcast_object
 from gradmesh.compression import FP16Compression, NoCompression
 from gradmesh.data_parallel.api import (
     Handle,
-    broadcast_object,
     broadcast_optimizer_state,
     poll,
     synchronize,

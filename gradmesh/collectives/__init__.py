@@ -1,9 +1,10 @@
 """Collective operations built on torch.distributed point-to-point messages, by algorithm name.
 
 `allreduce(tensor, op, algorithm)` reduces in place with one of: ring, tree, butterfly, star,
-hierarchical, native (the backend's own) or auto (lowest predicted cost). `broadcast`,
-`allgather` and `reduce_scatter` run on the same machinery. Every call is counted in the
-runtime's `CommStats`; `cost()` and `probe()` give the alpha-beta-gamma model.
+hierarchical, native (the backend's own) or auto (lowest predicted cost). `broadcast` (and
+`broadcast_object`, JSON only), `allgather` and `reduce_scatter` run on the same machinery.
+Every call is counted in the runtime's `CommStats`; `cost()` and `probe()` give the
+alpha-beta-gamma model.
 """
 
 from gradmesh.collectives import auto as _auto  # noqa: F401  (registers each algorithm)
@@ -14,7 +15,7 @@ from gradmesh.collectives import star as _star  # noqa: F401
 from gradmesh.collectives.api import ALGORITHMS, Op, allreduce
 from gradmesh.collectives.cost import CostParams, cost, probe
 from gradmesh.collectives.ring import allgather, reduce_scatter
-from gradmesh.collectives.tree import broadcast
+from gradmesh.collectives.tree import broadcast, broadcast_object
 
 __all__ = [
     "ALGORITHMS",
@@ -23,6 +24,7 @@ __all__ = [
     "allgather",
     "allreduce",
     "broadcast",
+    "broadcast_object",
     "cost",
     "probe",
     "reduce_scatter",

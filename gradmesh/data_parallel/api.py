@@ -7,7 +7,6 @@ not unpickle anything that came over the network.
 
 from __future__ import annotations
 
-import json
 from concurrent.futures import Future
 from typing import Any
 
@@ -15,10 +14,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from gradmesh.collectives import Op, allreduce, broadcast
+from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
 from gradmesh.compression import Codec, resolve
-from gradmesh.errors import GradmeshError
 from gradmesh.runtime import get_runtime
 
 Handle = Future[torch.Tensor]
@@ -80,31 +78,6 @@ def allgather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     padded[: item.shape[0]] = item
     everyone = gather_equal(padded)
     return torch.cat([everyone[r, :n] for r, n in enumerate(lengths)])
-
-
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """Root's JSON-serialisable object (dicts, lists, numbers, strings) on every rank."""
-    rt = get_runtime()
-    if rt.size == 1:
-        return obj
-    data, problem = b"", ""
-    if rt.rank == root_rank:
-        try:
-            data = json.dumps(obj).encode()
-        except TypeError as exc:
-            problem = str(exc)
-    length = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
-    broadcast(length, root=root_rank)  # -1 tells every rank that the root could not send
-    if int(length) < 0:
-        why = f": {problem}" if problem else f" on rank {root_rank}"
-        raise GradmeshError(
-            f"broadcast_object sends JSON, not pickle, and the object is not JSON{why}"
-        )
-    buf = torch.zeros(int(length), dtype=torch.uint8)
-    if rt.rank == root_rank:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    broadcast(buf, root=root_rank)
-    return json.loads(bytes(buf.tolist()).decode())
 
 
 def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:
