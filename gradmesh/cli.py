@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from gradmesh.launch.run import cluster_defaults
+    from gradmesh.runtime import default_timeout_s
 
     on_cluster = cluster_defaults()  # set by gradmesh emulate on each emulated host
     run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
@@ -149,7 +150,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--master", help="HOST[:PORT] of host 0 (default: a free loopback port)")
     run.add_argument("--iface", help="network interface for Gloo/NCCL traffic (multi-host)")
     run.add_argument(
-        "--timeout", type=float, default=60.0, help="rendezvous and collective timeout, s"
+        "--timeout",
+        type=float,
+        default=default_timeout_s(),
+        help="rendezvous and collective timeout, s (default: GRADMESH_TIMEOUT_S or 60)",
     )
     run.set_defaults(handler=_cmd_run, **{k: v for k, v in on_cluster.items() if k != "nproc"})
     train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")

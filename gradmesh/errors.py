@@ -1,11 +1,36 @@
-"""The one exception type a user sees as a single line (the CLI prints it without a traceback)."""
+"""The exceptions a user sees as a single line (the CLI and the workers print them without a
+traceback), and the exit code that marks a rank which failed only because another one did."""
+
+import re
 
 
 class GradmeshError(RuntimeError):
     """A user-facing error (bad input, unreachable peer, failed rank) whose message is one line."""
 
 
+class PeerFailure(GradmeshError):
+    """A collective could not complete because of other ranks: one left, fell silent past the
+    timeout, or brought a different tensor. The message names this rank, the operation with its
+    sequence number, and the peer(s) waited for."""
+
+
+PEER_FAILED_EXIT = 75
+"""Exit code of a worker that stopped on a `PeerFailure`: the launcher reports another rank's
+failure first when there is one, since this rank is a casualty, not the cause."""
+
+
+_SOURCE = re.compile(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*")
+
+
 def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (library errors can run to many lines)."""
+    """The first line of an exception's message (library errors can run to many lines), without
+    a C++ source location in front or Gloo's advice behind."""
     text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return str(_SOURCE.sub("", line)).split(". This is typically caused")[0]
+
+
+def on_rank(rank: int | str, exc: BaseException) -> str:
+    """`exc`'s message as a line about `rank` ('rank 3: ...'), without naming the rank twice."""
+    text = str(exc)
+    return text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}"

@@ -104,7 +104,7 @@ def allreduce_async(
     op: str | None = None,
     compression: Any = Compression.none,
 ) -> Handle:
-    return _allreduce_async(tensor, op=_op(average, op), compression=compression)  # type: ignore[arg-type]
+    return _allreduce_async(tensor, op=_op(average, op), compression=compression, name=name)  # type: ignore[arg-type]
 
 
 def allreduce(

@@ -12,8 +12,9 @@ passed explicitly.
 from __future__ import annotations
 
 import atexit
-import contextlib
+import ctypes
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -25,11 +26,15 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from gradmesh.errors import GradmeshError, first_line
+from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
 BACKEND_ENV = "GRADMESH_BACKEND"
+LAUNCHER_PID_ENV = "GRADMESH_LAUNCHER_PID"
+"""Set by `gradmesh run` (and a ps worker's supervisor) to its own pid: the process a worker
+must not outlive."""
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -99,8 +104,11 @@ class Runtime:
     comm: CommStats = field(default_factory=CommStats)
     workspace: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     """Scratch buffers of the collectives, kept across calls so the hot path allocates nothing."""
-    checked: set[tuple[object, ...]] = field(default_factory=set)
-    """Collective signatures whose shape and dtype have been checked to agree on every rank."""
+    sequence: dict[int, int] = field(default_factory=dict)
+    """Collective calls made so far on each group (by id): every call is numbered in messages."""
+    group_names: dict[int, str] = field(default_factory=dict)
+    failure: BaseException | None = None
+    """Set when this rank is failing: leaving then waits for nobody."""
     async_group: dist.ProcessGroup | None = None
     """A second group over the whole world for the communication thread, so that its
     collectives never interleave with those the main thread issues on the default group."""
@@ -109,6 +117,19 @@ class Runtime:
     _executor: ThreadPoolExecutor | None = None
     joinable: Callable[[], None] | None = None
     """What `gradmesh.join()` runs: the join of the most recently created DistributedOptimizer."""
+
+    def next_sequence(self, group: dist.ProcessGroup) -> int:
+        """Number the next collective call on `group` (1, 2, ...); every rank counts alike."""
+        n = self.sequence.get(id(group), 0) + 1
+        self.sequence[id(group)] = n
+        return n
+
+    def group_label(self, group: dist.ProcessGroup) -> str:
+        """'world', 'host-local', ... or the group's ranks, for messages."""
+        name = self.group_names.get(id(group))
+        if name is None:
+            name = "ranks " + ",".join(str(r) for r in dist.get_process_group_ranks(group))
+        return name
 
     def comm_executor(self) -> ThreadPoolExecutor:
         """The one communication thread: asynchronous collectives run here, in submission order,
@@ -129,6 +150,11 @@ def _env_int(name: str, default: int) -> int:
         return int(raw)
     except ValueError:
         raise GradmeshError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def default_timeout_s() -> float:
+    """GRADMESH_TIMEOUT_S when set, else 60 s."""
+    return _timeout_s(None)
 
 
 def _timeout_s(timeout_s: float | None) -> float:
@@ -182,7 +208,7 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
 
 
 def _host_groups(
-    rank: int, size: int, local_rank: int, device: torch.device
+    rank: int, size: int, local_rank: int, device: torch.device, timeout: timedelta
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int]:
     """Intra-host and cross-host groups; hosts are found by all-gathering each rank's node id."""
     node = _env_int("GROUP_RANK", -1)
@@ -200,8 +226,9 @@ def _host_groups(
     my_node, my_local = pairs[rank]
     if size == 1:
         return None, None, 0, 1
-    local_group, _ = dist.new_subgroups_by_enumeration(by_node)  # type: ignore[no-untyped-call]
-    cross_group, _ = dist.new_subgroups_by_enumeration(by_local)  # type: ignore[no-untyped-call]
+    # every group gets the job's timeout: without it torch gives subgroups its 30-minute default
+    local_group, _ = dist.new_subgroups_by_enumeration(by_node, timeout=timeout)  # type: ignore[no-untyped-call]
+    cross_group, _ = dist.new_subgroups_by_enumeration(by_local, timeout=timeout)  # type: ignore[no-untyped-call]
     cross_members = by_local[local_ranks.index(my_local)]
     return local_group, cross_group, cross_members.index(rank), len(cross_members)
 
@@ -222,13 +249,17 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
     if size < 1 or not 0 <= rank < size:
         raise GradmeshError(f"bad process world: RANK={rank} WORLD_SIZE={size}")
     timeout = timedelta(seconds=_timeout_s(timeout_s))
+    bind_to_launcher(rank)
     chosen, device = _pick_backend(local_size, backend)
     _connect(chosen, rank, size, timeout)
-    local_group, cross_group, cross_rank, cross_size = _host_groups(rank, size, local_rank, device)
+    local_group, cross_group, cross_rank, cross_size = _host_groups(
+        rank, size, local_rank, device, timeout
+    )
     if local_group is not None:
         local_size = dist.get_world_size(local_group)
-    async_group = dist.new_group(list(range(size))) if size > 1 else None
-    atexit.register(shutdown)  # scripts that never call shutdown() still leave together
+    async_group = dist.new_group(list(range(size)), timeout=timeout) if size > 1 else None
+    atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
+    sys.excepthook = _failing_hook(sys.excepthook)
     _runtime = Runtime(
         rank=rank,
         size=size,
@@ -244,7 +275,70 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
         grid=WorkerGrid(data=size),
         async_group=async_group,
     )
+    world = resolve_world()
+    _runtime.group_names.update({id(world): "world"})
+    for group, label in (
+        (async_group, "world (comm thread)"),
+        (local_group, "host-local"),
+        (cross_group, "cross-host"),
+    ):
+        if group is not None:
+            _runtime.group_names[id(group)] = label
     return _runtime
+
+
+def resolve_world() -> dist.ProcessGroup:
+    """The default process group itself."""
+    world = dist.group.WORLD
+    if not isinstance(world, dist.ProcessGroup):
+        raise GradmeshError("torch.distributed is not initialised: call gradmesh.init() first")
+    return world
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when the process that started it dies."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def bind_to_launcher(rank: int) -> None:
+    """A worker never outlives its launcher: when the launcher dies by any signal (SIGKILL
+    included, which it cannot pass on), the kernel ends this worker too. Exits at once if the
+    launcher is already gone."""
+    raw = os.environ.get(LAUNCHER_PID_ENV)
+    if not raw:
+        return
+    die_with_parent()
+    if str(os.getppid()) != raw:  # it died before we asked the kernel to watch it
+        print(
+            f"gradmesh: rank {rank}: the launcher (pid {raw}) is gone; stopping",
+            file=sys.stderr,
+            flush=True,
+        )
+        os._exit(1)
+
+
+def mark_failed(exc: BaseException) -> int:
+    """Record that this rank is failing with `exc` (so leaving waits for nobody); return the
+    exit code a worker should end with."""
+    if _runtime is not None:
+        _runtime.failure = exc
+    return PEER_FAILED_EXIT if isinstance(exc, PeerFailure) else 1
+
+
+def _failing_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """sys.excepthook for scripts: an uncaught exception marks the rank failing; a gradmesh
+    error is printed as its one line (it names the rank), anything else as usual."""
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        mark_failed(exc)
+        if isinstance(exc, GradmeshError):
+            rank = _runtime.rank if _runtime is not None else "?"
+            print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, exc, tb)
+
+    return hook
 
 
 def is_initialized() -> bool:
@@ -284,27 +378,50 @@ def cross_size() -> int:
 
 def barrier() -> None:
     """Wait until every rank reaches this point (bounded by the collective timeout)."""
-    dist.barrier()
+    rt = get_runtime()
+    world = resolve_world()
+    sequence = rt.next_sequence(world)
+    try:
+        dist.barrier(group=world)
+    except RuntimeError as exc:
+        raise PeerFailure(
+            f"rank {rt.rank}: barrier #{sequence} on world: {first_line(exc)}"
+        ) from None
 
 
 def shutdown() -> None:
-    """Leave the job and free the process groups; safe to call twice."""
+    """Leave the job and free the process groups; safe to call twice.
+
+    No rank waits for the others here: a rank that leaves early (it failed, or the user's script
+    exited) must not sit in a barrier while its peers wait in a collective for it. A failing rank
+    does not free its groups either, since a collective stuck in a backend thread would hold it.
+    """
     global _runtime
+    failing = _runtime is not None and _runtime.failure is not None
     if _runtime is not None:
         if _runtime.timeline is not None:
             from gradmesh.timeline import stop_timeline
 
             stop_timeline()
         if _runtime._executor is not None:
-            _runtime._executor.shutdown(wait=True, cancel_futures=True)
-        if _runtime.size > 1 and dist.is_initialized():
-            # leave together: a rank tearing its Gloo connections down while a peer still uses
-            # them made the peer abort ("terminate called") now and then
-            with contextlib.suppress(RuntimeError):
-                dist.barrier()
-    if dist.is_initialized():
+            _runtime._executor.shutdown(wait=not failing, cancel_futures=True)
+    if dist.is_initialized() and not failing:
         dist.destroy_process_group()
     _runtime = None
+
+
+def _leave_at_exit() -> None:
+    """atexit: leave the job; a rank failing on an uncaught exception then ends at once, since
+    interpreter teardown would wait for any collective still stuck in a backend thread."""
+    code = mark_failed(_runtime.failure) if _runtime and _runtime.failure else None
+    shutdown()
+    if code is not None:
+        exit_process(code)
+
+
+PEER_GRACE_S = 1.0
+"""How long a rank that stopped on a peer's failure lingers before exiting, so that the launcher
+sees the rank that caused it end first and names that one."""
 
 
 def exit_process(code: int) -> NoReturn:
@@ -313,4 +430,6 @@ def exit_process(code: int) -> NoReturn:
     now and then at interpreter exit ("terminate called without an active exception")."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == PEER_FAILED_EXIT:
+        time.sleep(PEER_GRACE_S)
     os._exit(code)

@@ -1,14 +1,13 @@
 """The entry points every strategy calls; algorithms plug in through `@algorithm(name, cost=...)`.
 
 `allreduce` works on a flat contiguous view of the caller's tensor (a non-contiguous tensor is
-reduced through a copy), checks once per shape and dtype that every rank brings the same kind of
-tensor (on every call with GRADMESH_DEBUG=1), runs the named algorithm on a `Channel`, and counts
-the bytes it sent and the time it took in the runtime's `CommStats`.
+reduced through a copy), checks on every call that every rank brings the same call (sequence
+number, operation, shape, dtype: `agreement`), runs the named algorithm on a `Channel`, and
+counts the bytes it sent and the time it took in the runtime's `CommStats`.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -16,11 +15,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from gradmesh.collectives.agreement import PendingCheck
 from gradmesh.collectives.channel import Channel, resolve_group
 from gradmesh.collectives.cost import COSTS, CostFn
-from gradmesh.errors import GradmeshError, first_line
+from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
-from gradmesh.runtime import Runtime, get_runtime
+from gradmesh.runtime import get_runtime
 
 Op = Literal["sum", "average"]
 
@@ -28,22 +28,6 @@ AllreduceFn = Callable[[torch.Tensor, Channel], None]
 """An algorithm sums a flat contiguous tensor in place over the channel's group."""
 
 ALGORITHMS: Registry[AllreduceFn] = Registry("allreduce algorithm")
-
-DEBUG_ENV = "GRADMESH_DEBUG"
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
 
 
 def algorithm(name: str, cost: CostFn) -> Callable[[AllreduceFn], AllreduceFn]:
@@ -56,52 +40,26 @@ def algorithm(name: str, cost: CostFn) -> Callable[[AllreduceFn], AllreduceFn]:
     return add
 
 
-def _dtype_name(code: int) -> str:
-    return str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "other"
-
-
-def check_agreement(rt: Runtime, group: dist.ProcessGroup, operation: str, t: torch.Tensor) -> None:
-    """Raise on every rank, naming ranks and shapes, if the ranks' tensors differ in size or dtype.
-
-    Done once per (group, size, dtype) and on every call when GRADMESH_DEBUG=1: a small
-    all-gather of (numel, dtype) instead of a hang or a silently wrong sum."""
-    code = _DTYPES.index(t.dtype) if t.dtype in _DTYPES else -1
-    key = (id(group), operation, t.numel(), code)
-    if key in rt.checked and os.environ.get(DEBUG_ENV) != "1":
-        return
-    mine = torch.tensor([t.numel(), code], dtype=torch.int64, device=t.device)
-    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        dist.all_gather(rows, mine, group=group)
-    except RuntimeError as exc:
-        raise GradmeshError(
-            f"rank {rt.rank}: {operation}: checking tensor shapes with the group failed: "
-            f"{first_line(exc)}"
-        ) from None
-    kinds = [(int(r[0]), int(r[1])) for r in rows]
-    if any(k != kinds[0] for k in kinds):
-        ranks = dist.get_process_group_ranks(group)
-        which = ", ".join(
-            f"rank {ranks[i]} has {n} x {_dtype_name(c)}" for i, (n, c) in enumerate(kinds)
-        )
-        raise GradmeshError(f"rank {rt.rank}: {operation}: ranks disagree on the tensor: {which}")
-    rt.checked.add(key)
-
-
 def run_collective(
     tensor: torch.Tensor,
     operation: str,
     body: Callable[[torch.Tensor, Channel], None],
     group: dist.ProcessGroup | None,
+    name: str | None = None,
+    check: PendingCheck | None = None,
 ) -> torch.Tensor:
-    """Run `body` on a flat contiguous view of `tensor` with accounting; copy back if needed."""
+    """Run `body` on a flat contiguous view of `tensor` with accounting; copy back if needed.
+
+    Every rank's signature for the call is checked first (`check`, when the caller posted it
+    earlier; otherwise posted here); `name` is the caller's name for the tensor, part of it."""
     rt = get_runtime()
     pg = resolve_group(group)
     if dist.get_world_size(pg) == 1:
         return tensor
-    check_agreement(rt, pg, operation, tensor)
+    check = check or PendingCheck.post(rt, pg, operation, tensor, name)
+    check.wait()
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    channel = Channel(rt, pg, operation)
+    channel = Channel(rt, pg, check.label)
     started = time.perf_counter()
     body(work.view(-1), channel)
     rt.comm.add(channel.sent, time.perf_counter() - started)
@@ -115,14 +73,19 @@ def allreduce(
     op: Op = "sum",
     algorithm: str = "native",
     group: dist.ProcessGroup | None = None,
+    name: str | None = None,
+    check: PendingCheck | None = None,
 ) -> torch.Tensor:
     """Reduce `tensor` in place over `group` (default: the whole world) and return it.
 
     `op="average"` divides the sum by the group size (floor division for integer tensors).
+    `name`, if given, must be the same on every rank (a different name is a mismatch);
+    `check` is the call's signature exchange when the caller posted it ahead.
     """
     if op not in ("sum", "average"):
         raise GradmeshError(f"unknown reduction op {op!r} (valid: average, sum)")
-    run_collective(tensor, f"{algorithm} allreduce", ALGORITHMS.get(algorithm), group)
+    body = ALGORITHMS.get(algorithm)
+    run_collective(tensor, f"{algorithm} allreduce", body, group, name, check)
     if op == "average":
         p = dist.get_world_size(resolve_group(group))
         if tensor.is_floating_point() or tensor.is_complex():

@@ -9,23 +9,19 @@ and are reused across calls, so the hot path allocates nothing message-sized.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from gradmesh.errors import GradmeshError, first_line
-from gradmesh.runtime import Runtime
+from gradmesh.errors import PeerFailure, first_line
+from gradmesh.runtime import Runtime, resolve_world
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     """The process group object itself (the default group for None)."""
-    if group is not None:
-        return group
-    world = dist.group.WORLD
-    if not isinstance(world, dist.ProcessGroup):
-        raise GradmeshError("torch.distributed is not initialised: call gradmesh.init() first")
-    return world
+    return group if group is not None else resolve_world()
 
 
 @dataclass
@@ -35,7 +31,7 @@ class Channel:
     rt: Runtime
     group: dist.ProcessGroup
     operation: str
-    """What is running, for error messages: 'ring allreduce', 'tree broadcast', ..."""
+    """What is running, for error messages: 'ring allreduce #3 on world', ..."""
     sent: int = 0
     """Bytes this rank has sent on this channel."""
     ranks: list[int] = field(default_factory=list)
@@ -67,6 +63,18 @@ class Channel:
         except RuntimeError as exc:
             raise self._error(what, peer, exc) from None
 
+    def backend_collective(self, issue: Callable[[], dist.Work]) -> None:
+        """Issue one of the backend's own collectives on the whole group (`issue` starts it
+        asynchronously) and wait for it within the timeout."""
+        try:
+            issue().wait(self.rt.timeout)
+        except RuntimeError as exc:  # the backend does not say which peer failed
+            others = ", ".join(str(r) for r in self.ranks if r != self.rt.rank)
+            raise PeerFailure(
+                f"rank {self.rt.rank}: {self.operation}: waiting for rank(s) {others} failed: "
+                f"{first_line(exc)}"
+            ) from None
+
     def exchange(
         self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0
     ) -> None:
@@ -95,8 +103,8 @@ class Channel:
             self.rt.workspace[key] = buf
         return buf[:numel]
 
-    def _error(self, what: str, peer: int, exc: BaseException) -> GradmeshError:
-        return GradmeshError(
+    def _error(self, what: str, peer: int, exc: BaseException) -> PeerFailure:
+        return PeerFailure(
             f"rank {self.rt.rank}: {self.operation}: {what} rank {self.ranks[peer]} failed: "
             f"{first_line(exc)}"
         )

@@ -10,7 +10,6 @@ import torch.distributed as dist
 from gradmesh.collectives.api import algorithm
 from gradmesh.collectives.channel import Channel
 from gradmesh.collectives.ring import ring_cost
-from gradmesh.errors import GradmeshError, first_line
 
 
 def modelled_bytes_sent(p: int, nbytes: int) -> int:
@@ -20,10 +19,5 @@ def modelled_bytes_sent(p: int, nbytes: int) -> int:
 
 @algorithm("native", cost=ring_cost)
 def native_allreduce(flat: torch.Tensor, ch: Channel) -> None:
-    try:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=ch.group)
-    except RuntimeError as exc:  # the backend does not say which peer failed
-        raise GradmeshError(
-            f"rank {ch.rt.rank}: {ch.operation} failed: {first_line(exc)}"
-        ) from None
+    ch.backend_collective(lambda: dist.all_reduce(flat, group=ch.group, async_op=True))
     ch.sent += modelled_bytes_sent(ch.size, flat.numel() * flat.element_size())

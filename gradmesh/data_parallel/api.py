@@ -23,20 +23,34 @@ Handle = Future[torch.Tensor]
 
 
 def compressed_allreduce(
-    tensor: torch.Tensor, codec: Codec, op: Op, algorithm: str, group: dist.ProcessGroup | None
+    tensor: torch.Tensor,
+    codec: Codec,
+    op: Op,
+    algorithm: str,
+    group: dist.ProcessGroup | None,
+    name: str | None = None,
 ) -> torch.Tensor:
     """Compress, reduce the payload (in place), decompress: the reduced value in `tensor`'s
     dtype. With no compression the result is `tensor` itself."""
     payload, ctx = codec.compress(tensor)
-    allreduce(payload, op=op, algorithm=algorithm, group=group)
+    allreduce(payload, op=op, algorithm=algorithm, group=group, name=name)
     return codec.decompress(payload, ctx)
 
 
 def _reduce_copy(
-    tensor: torch.Tensor, op: Op, algorithm: str, compression: Codec | str | None
+    tensor: torch.Tensor,
+    op: Op,
+    algorithm: str,
+    compression: Codec | str | None,
+    name: str | None,
 ) -> torch.Tensor:
     return compressed_allreduce(
-        tensor.detach().clone(), resolve(compression), op, algorithm, get_runtime().async_group
+        tensor.detach().clone(),
+        resolve(compression),
+        op,
+        algorithm,
+        get_runtime().async_group,
+        name,
     )
 
 
@@ -45,18 +59,21 @@ def allreduce_async(
     op: Op = "average",
     algorithm: str = "native",
     compression: Codec | str | None = None,
+    name: str | None = None,
 ) -> Handle:
-    """Start reducing a copy of `tensor`; `synchronize(handle)` returns the result."""
+    """Start reducing a copy of `tensor`; `synchronize(handle)` returns the result. `name`, if
+    given, must be the same on every rank for the same call."""
     rt = get_runtime()
     if rt.size == 1:
         done: Handle = Future()
         done.set_result(tensor.detach().clone())
         return done
-    return rt.comm_executor().submit(_reduce_copy, tensor, op, algorithm, compression)
+    return rt.comm_executor().submit(_reduce_copy, tensor, op, algorithm, compression, name)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
-    """Wait for an asynchronous operation and return its result."""
+    """Wait for an asynchronous operation and return its result (each collective it runs is
+    bounded by the job's timeout, so this wait is too)."""
     return handle.result()
 
 

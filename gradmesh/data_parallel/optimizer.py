@@ -29,14 +29,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.collectives import ALGORITHMS, Op, broadcast
-from gradmesh.collectives.api import check_agreement
+from gradmesh.collectives.agreement import PendingCheck
 from gradmesh.collectives.channel import resolve_group
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.collectives.native import modelled_bytes_sent
 from gradmesh.compression import Codec, resolve
 from gradmesh.data_parallel.api import compressed_allreduce
 from gradmesh.data_parallel.buckets import Bucket, plan_buckets
-from gradmesh.errors import GradmeshError, first_line
+from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime import Runtime, get_runtime
 from gradmesh.timeline import span
 from gradmesh.wrapping import wrap_optimizer
@@ -86,24 +86,30 @@ class NativeWork:
     """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
     on the default group (as torch DDP does): no thread handoff on the hot path."""
 
-    def __init__(self, rt: Runtime, bucket: Bucket, codec: Codec) -> None:
-        self.rt, self.bucket, self.codec = rt, bucket, codec
+    def __init__(self, rt: Runtime, bucket: Bucket, codec: Codec, check: PendingCheck) -> None:
+        self.rt, self.bucket, self.codec, self.label = rt, bucket, codec, check.label
+        check.wait()  # posted when backward began: its round trip is long over by now
         self.payload, self.ctx = codec.compress(bucket.buffer)
-        check_agreement(rt, resolve_group(None), "native allreduce", self.payload)
         self.started = time.perf_counter()
-        self.work = dist.all_reduce(self.payload, async_op=True)
+        try:
+            self.work = dist.all_reduce(self.payload, async_op=True)
+        except RuntimeError as exc:
+            raise self._error(exc) from None
         nbytes = self.payload.numel() * self.payload.element_size()
         rt.comm.add(modelled_bytes_sent(rt.size, nbytes), 0.0)
+
+    def _error(self, exc: BaseException) -> PeerFailure:
+        return PeerFailure(
+            f"rank {self.rt.rank}: {self.label} (bucket {self.bucket.index}) failed: "
+            f"{first_line(exc)}"
+        )
 
     def result(self) -> None:
         waited = time.perf_counter()
         try:
             self.work.wait(self.rt.timeout)
         except RuntimeError as exc:
-            raise GradmeshError(
-                f"rank {self.rt.rank}: native allreduce of bucket {self.bucket.index} failed: "
-                f"{first_line(exc)}"
-            ) from None
+            raise self._error(exc) from None
         done = time.perf_counter()
         self.rt.comm.add(0, done - waited)
         if self.rt.timeline is not None:
@@ -138,6 +144,8 @@ class GradientReducer:
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
         self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
+        self.checks: list[PendingCheck] = []
+        """This step's posted signature checks of the native buckets, in bucket order."""
         self.next_launch = 0
         self.passes = 0
         self.in_backward = False
@@ -156,6 +164,7 @@ class GradientReducer:
             self.in_backward = True
             self.backward_started = time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._post_checks()
         i = self.index[id(p)]
         self.counts[i] += 1
         if self.counts[i] == self.passes_per_step:
@@ -178,10 +187,25 @@ class GradientReducer:
             bucket.ready.update(range(len(bucket.params)))
         self._launch_ready()
 
+    def _post_checks(self) -> None:
+        """Start this step's signature checks of the native buckets, so that their round trips
+        overlap backward instead of delaying each bucket's reduction."""
+        if self.checks or self.rt.size == 1 or self.algorithm != "native":
+            return
+        world = resolve_group(None)
+        codec = type(self.codec).__name__
+        self.checks = [
+            PendingCheck.post(
+                self.rt, world, "native allreduce", b.buffer, f"bucket {b.index} {codec}"
+            )
+            for b in self.buckets
+        ]
+
     def _launch_ready(self, active: bool = True) -> None:
         if not self.checked and self.rt.size > 1:  # before the first bucket of the first step
             check_models_agree(self.rt, self.params)
         self.checked = True
+        self._post_checks()
         # buckets leave in index order on every rank, whatever order their gradients came in
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete():
             bucket = self.buckets[self.next_launch]
@@ -196,7 +220,7 @@ class GradientReducer:
             done.set_result(None)
             return done
         if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
-            return NativeWork(self.rt, bucket, self.codec)
+            return NativeWork(self.rt, bucket, self.codec, self.checks[bucket.index])
         return self.rt.comm_executor().submit(self._reduce, bucket)
 
     def _reduce(self, bucket: Bucket) -> None:
@@ -207,7 +231,12 @@ class GradientReducer:
             bytes=bucket.buffer.numel() * bucket.buffer.element_size(),
         ):
             result = compressed_allreduce(
-                bucket.buffer, self.codec, "sum", self.algorithm, self.rt.async_group
+                bucket.buffer,
+                self.codec,
+                "sum",
+                self.algorithm,
+                self.rt.async_group,
+                f"bucket {bucket.index}",
             )
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
@@ -236,6 +265,7 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.ready.clear()
         self.futures = [None] * len(self.buckets)
+        self.checks = []
         self.counts = [0] * len(self.params)
         self.next_launch = 0
         self.passes = 0

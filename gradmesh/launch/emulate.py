@@ -34,7 +34,7 @@ import time
 from dataclasses import dataclass, field
 from typing import IO
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError
 
 PREFIX = "gmesh-"
 SUBNET = "10.77.0"
@@ -179,7 +179,9 @@ class HostJob:
     threads: list[threading.Thread] = field(default_factory=list)
 
     def wait(self, timeout: float) -> int:
-        """The job's exit code: the first failing host's, 0 when all succeed, 124 on timeout."""
+        """The job's exit code: the failing host's (named on stderr), 0 when all succeed, 124 on
+        timeout. A host whose ranks only stopped because of another host's failure
+        (PEER_FAILED_EXIT) is named only when no host failed by itself."""
         deadline = time.monotonic() + timeout
         codes: dict[int, int] = {}
         while len(codes) < len(self.procs):
@@ -197,11 +199,27 @@ class HostJob:
                 )
                 return 124
             time.sleep(0.05)
-        if failed := [c for c in codes.values() if c != 0]:
+        if [c for c in codes.values() if c != 0]:
             grace = time.monotonic() + 10  # the other hosts see the failure and stop on their own
             while any(p.poll() is None for p in self.procs) and time.monotonic() < grace:
                 time.sleep(0.05)
-            return failed[0]
+            for i, proc in enumerate(self.procs):
+                if i not in codes and proc.poll() is not None:
+                    codes[i] = proc.returncode
+            ranked = [
+                (c == PEER_FAILED_EXIT, order, host, c)
+                for order, (host, c) in enumerate(codes.items())
+                if c != 0
+            ]
+            _, _, host, code = min(ranked)
+            for t in self.threads:  # the hosts' own last lines come before ours
+                t.join(timeout=2)
+            print(
+                f"gradmesh emulate: host {host} failed (exit code {code})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return code
         for t in self.threads:
             t.join(timeout=5)
         return 0

@@ -22,12 +22,13 @@ import signal
 import socket
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradmesh.errors import GradmeshError, first_line
+from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
-from gradmesh.runtime import TIMEOUT_ENV
+from gradmesh.runtime import LAUNCHER_PID_ENV, TIMEOUT_ENV
 
 DEFAULT_PORT = 29500
 PYTHON_NAMES = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")
@@ -92,6 +93,26 @@ def _check_port_free(host: str, port: int) -> None:
             ) from None
 
 
+def wait_for_master(host: str, port: int, timeout_s: float, node_rank: int) -> None:
+    """Wait until host 0's store accepts connections, at most `timeout_s`: torch's store client
+    backs off between tries and overshot the timeout by 1.4-2.5x; this bound is exact."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GradmeshError(
+                f"node {node_rank}: rendezvous with master {host}:{port} failed: "
+                f"nothing accepted a connection within {timeout_s:g} s ({last})"
+            )
+        try:
+            with socket.create_connection((host, port), timeout=min(left, 1.0)):
+                return
+        except OSError as exc:
+            last = exc.strerror or type(exc).__name__
+        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
+
+
 def parse_master(master: str | None, nnodes: int) -> tuple[str, int]:
     """(host, port) of the rendezvous; a free loopback port for a single host without --master."""
     if master is None:
@@ -134,7 +155,12 @@ def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
     cpp_level = os.environ.get(WORKER_CPP_LOG_ENV, os.environ.get(CPP_LOG_ENV, "WARNING"))
     from gradmesh.launch.emulate import JOB_TOKEN_ENV
 
-    env = {TIMEOUT_ENV: str(spec.timeout_s), CPP_LOG_ENV: cpp_level, **spec.env}
+    env = {
+        TIMEOUT_ENV: str(spec.timeout_s),
+        CPP_LOG_ENV: cpp_level,
+        LAUNCHER_PID_ENV: str(os.getpid()),  # workers end when this process does
+        **spec.env,
+    }
     env.setdefault(JOB_TOKEN_ENV, os.environ.get(JOB_TOKEN_ENV) or secrets.token_hex(16))
     threads = max(1, (os.cpu_count() or 1) // spec.nproc)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(threads)))
@@ -152,14 +178,34 @@ def _quiet_agent() -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The failure that caused the others. The agent's timestamps are whole seconds, so order
+    by kind first: a rank that raised, exited non-zero or was killed by a signal comes before
+    one that stopped on a peer's failure (PEER_FAILED_EXIT), and that before one the agent itself
+    ended with SIGTERM after the first failure; then by time, then by rank."""
+
+    def kind(exitcode: int) -> int:
+        if exitcode == PEER_FAILED_EXIT:
+            return 1
+        return 2 if exitcode == -signal.SIGTERM else 0
+
+    order = {rank: i for i, rank in enumerate(failures)}
+    rank = min(
+        failures, key=lambda r: (kind(failures[r].exitcode), failures[r].timestamp, order[r])
+    )
+    return rank, failures[rank]
+
+
 def _failure_message(exc: BaseException) -> tuple[str, int]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     assert isinstance(exc, ChildFailedError)
-    rank, failure = exc.get_first_failure()
+    rank, failure = _first_failure(exc.failures)
     code = failure.exitcode
     if code < 0:
         how, code = f"was killed by signal {signal.Signals(-code).name}", 128 - code
+    elif code == PEER_FAILED_EXIT:
+        how = "stopped: a collective with other ranks failed (its line above says which)"
     else:
         how = f"exited with code {code}"
     detail = failure.message if isinstance(failure.message, str) else ""
@@ -181,6 +227,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     host, port = parse_master(spec.master, spec.nnodes)
     if spec.node_rank == 0:
         _check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
+    else:
+        wait_for_master(host, port, spec.timeout_s, spec.node_rank)
     os.environ.update(_worker_env(spec, host))
     _quiet_agent()
     log_dir = tempfile.mkdtemp(prefix="gradmesh-run-")

@@ -8,7 +8,7 @@ import json
 import os
 import sys
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, on_rank
 from gradmesh.parameter_server.roles import (
     connect_store,
     job_token,
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
         command = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
         return supervise_worker(command, index, config.workers, token)
     except GradmeshError as exc:
-        print(f"gradmesh: rank {rank}: {exc}", file=sys.stderr, flush=True)
+        print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return 1
 
 

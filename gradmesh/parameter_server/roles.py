@@ -12,7 +12,6 @@ launch; under plain torchrun, server 0 draws one and shares it through the store
 
 from __future__ import annotations
 
-import ctypes
 import os
 import secrets
 import signal
@@ -26,6 +25,7 @@ from typing import Any
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from gradmesh.errors import GradmeshError
+from gradmesh.runtime import LAUNCHER_PID_ENV, die_with_parent
 
 TOKEN_ENV = "GRADMESH_JOB_TOKEN"
 WORKER_ENV = "GRADMESH_PS_WORKER"
@@ -95,11 +95,6 @@ def local_address(toward: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def _die_with_parent() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: never outlive the supervising rank
-
-
 def supervise_worker(command: list[str], index: int, workers: int, token: bytes) -> int:
     """Run one ps training process as worker `index` and wait for it.
 
@@ -107,7 +102,7 @@ def supervise_worker(command: list[str], index: int, workers: int, token: bytes)
     one that fails with an error fails the rank. SIGTERM/SIGINT are passed on to the worker.
     """
     child = subprocess.Popen(
-        command, env=worker_env(index, workers, token), preexec_fn=_die_with_parent
+        command, env=worker_env(index, workers, token), preexec_fn=die_with_parent
     )  # noqa: PLW1509
 
     stopped: list[int] = []
@@ -176,6 +171,7 @@ def worker_env(index: int, workers: int, token: bytes) -> dict[str, str]:
             WORKERS_ENV: str(workers),
             STORE_ENV: f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
             TOKEN_ENV: token.hex(),
+            LAUNCHER_PID_ENV: str(os.getpid()),  # its supervisor is the process it must not outlive
         }
     )
     return env

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from gradmesh.errors import GradmeshError
-from gradmesh.runtime import exit_process, init, shutdown
+from gradmesh.errors import GradmeshError, on_rank
+from gradmesh.runtime import exit_process, init, mark_failed, shutdown
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.trainer import train
 
@@ -31,8 +31,8 @@ def main(argv: list[str] | None = None) -> int:
             if config.json:
                 Path(config.json).write_text(report.to_json() + "\n")
     except GradmeshError as exc:
-        print(f"gradmesh: rank {rank}: {exc}", file=sys.stderr, flush=True)
-        return 1
+        print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
+        return mark_failed(exc)
     finally:
         shutdown()
     return 0
