@@ -10,13 +10,11 @@ import argparse
 import dataclasses
 import signal
 import sys
-import types
-import typing
 from importlib import import_module
-from typing import Any, NoReturn
+from typing import NoReturn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.train.config import TrainConfig
+from gradmesh.train.config import TrainConfig, field_kind, field_value
 
 USAGE_ERROR = 2
 
@@ -29,36 +27,29 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(USAGE_ERROR)
 
 
-def _field_type(f: dataclasses.Field[Any]) -> type:
-    hint = typing.get_type_hints(TrainConfig)[f.name]
-    if isinstance(hint, types.UnionType):  # `str | None` -> str
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-    return typing.cast(type, hint)
-
-
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
-        kind = _field_type(f)
-        if kind is bool:
+        if field_kind(TrainConfig, f.name)[0] is bool:
             parser.add_argument(
                 flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
             )
             continue
         parser.add_argument(
-            flag,
-            dest=f.name,
-            type=kind,
-            default=None,
-            help=f"{f.metadata['help']} (default: {f.default})",
+            flag, dest=f.name, default=None, help=f"{f.metadata['help']} (default: {f.default})"
         )
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
+    """Defaults, then the TOML file, then the flags: every value through `field_value`."""
     config = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    return dataclasses.replace(config, **{k: v for k, v in given.items() if v is not None})
+    given = {}
+    for f in dataclasses.fields(TrainConfig):
+        raw = getattr(args, f.name)
+        if raw is not None:
+            given[f.name] = field_value(TrainConfig, f.name, raw, None)
+    return dataclasses.replace(config, **given)
 
 
 def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
@@ -66,6 +57,11 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
 
     config = _train_config(args)
     config.validate()
+    config.check_outputs()
+    if config.checkpoint_dir:
+        from gradmesh.train.trainer import check_resume
+
+        check_resume(config)
     module, nproc = "gradmesh.train.worker", config.workers
     if config.strategy == "ps":  # servers and workers, all through the same launcher
         module, nproc = "gradmesh.parameter_server.node", config.servers + config.workers

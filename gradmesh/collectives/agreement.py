@@ -58,15 +58,16 @@ def encode(sequence: int, what: str, tensor: torch.Tensor) -> list[int]:
     return [sequence, zlib.crc32(what.encode()), code, len(shape), tensor.numel(), *dims]
 
 
-def describe(row: list[int], mine: list[int]) -> str:
-    """'call #7 of 2x3 float32', from a signature row (naming a different operation if so)."""
+def describe(row: list[int], first: list[int], first_rank: int) -> str:
+    """'call #7 of 2x3 float32', from a signature row, saying whether its operation (or name)
+    differs from the lowest rank's row `first`: every rank words the mismatch alike."""
     sequence, digest, code, ndim, numel = row[:_HEADER]
     shape = (
         "x".join(str(d) for d in row[_HEADER : _HEADER + ndim]) or "scalar"
         if ndim <= MAX_DIMS
         else f"{ndim}-d with {numel} elements"
     )
-    other = "" if digest == mine[1] else ", another operation or name"
+    other = "" if digest == first[1] else f", another operation or name than rank {first_rank}"
     return f"call #{sequence} of {shape} {dtype_name(code)}{other}"
 
 
@@ -124,6 +125,7 @@ class PendingCheck:
         if any(row != self.mine for row in rows):
             ranks = dist.get_process_group_ranks(self.group)
             which = ", ".join(
-                f"rank {ranks[i]} has {describe(row, self.mine)}" for i, row in enumerate(rows)
+                f"rank {ranks[i]} has {describe(row, rows[0], ranks[0])}"
+                for i, row in enumerate(rows)
             )
             raise PeerFailure(f"rank {self.rt.rank}: {self.label}: ranks disagree: {which}")

@@ -210,7 +210,10 @@ def _failure_message(exc: BaseException) -> tuple[str, int]:
         how = f"exited with code {code}"
     detail = failure.message if isinstance(failure.message, str) else ""
     detail = detail.strip().splitlines()[-1] if detail.strip() else ""
-    reason = f": {detail}" if detail and not detail.startswith("To enable traceback") else ""
+    # torch's own placeholders ("To enable traceback...", "Signal 9 (SIGKILL) received by PID")
+    # add nothing to what is said already
+    told = detail.startswith(("To enable traceback", "Signal "))
+    reason = f": {detail}" if detail and not told else ""
     return f"rank {rank} {how}{reason}; the job was stopped", code or 1
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import tomllib
+import types
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,64 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(s < 1 for s in shape):
         raise GradmeshError(f"bad shape {text!r}: every size must be >= 1")
     return shape
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def field_kind(cls: type, name: str) -> tuple[type, bool]:
+    """(the field's type, whether None is allowed), from its annotation: `str | None` -> str."""
+    hint = typing.get_type_hints(cls)[name]
+    if isinstance(hint, types.UnionType):
+        args = typing.get_args(hint)
+        return next(a for a in args if a is not type(None)), type(None) in args
+    return typing.cast(type, hint), False
+
+
+def field_value(cls: type, name: str, value: Any, source: str | None) -> Any:
+    """`value` checked against field `name`'s annotation: the one conversion every flag, TOML
+    key and JSON key goes through. `source` names the file; None means a command-line flag,
+    whose value is text to parse."""
+    text = source is None
+    kind, optional = field_kind(cls, name)
+    if value is None and optional:
+        return value
+    if text and isinstance(value, str) and kind in (int, float):
+        try:
+            return kind(value)
+        except ValueError:
+            pass
+    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+        return value
+    shown = json.dumps(value) if not isinstance(value, str) else repr(value)
+    what = f"--{name.replace('_', '-')}" if source is None else f"{source}: {name}"
+    raise GradmeshError(f"{what} must be {_KIND_NAMES[kind]}, got {shown}")
+
+
+def check_writable(path: str, what: str, directory: bool = False) -> None:
+    """Raise one line unless `path` (a file, or with `directory` a folder, created here if it
+    is missing) can be written: checked before launch so no run's results are lost at the end."""
+    target = Path(path)
+    if directory:
+        if target.exists() and not target.is_dir():
+            raise GradmeshError(f"{what} {path} exists and is not a folder")
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise GradmeshError(f"{what} {path} cannot be created: {exc.strerror}") from None
+        folder = target
+    else:
+        if target.is_dir():
+            raise GradmeshError(f"{what} {path} is a folder, not a file")
+        folder = target.parent
+        if not folder.is_dir():
+            raise GradmeshError(f"{what} {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK | os.X_OK) or (
+        not directory and target.exists() and not os.access(target, os.W_OK)
+    ):
+        raise GradmeshError(f"{what} {path} is not writable")
 
 
 @dataclass
@@ -122,6 +183,15 @@ class TrainConfig:
                 f"the number of workers {self.workers}"
             )
 
+    def check_outputs(self) -> None:
+        """Raise one line unless every output path can be written (before anything runs)."""
+        if self.json:
+            check_writable(self.json, "--json")
+        if self.timeline:
+            check_writable(self.timeline, "--timeline")
+        if self.checkpoint_dir:
+            check_writable(self.checkpoint_dir, "--checkpoint-dir", directory=True)
+
     def _validate_ps(self) -> None:
         from gradmesh.parameter_server.optimizers import SERVER_OPTIMIZERS
         from gradmesh.parameter_server.server import MODES
@@ -146,18 +216,27 @@ class TrainConfig:
         return json.dumps(dataclasses.asdict(self))
 
     @classmethod
-    def from_mapping(cls, values: dict[str, Any], source: str) -> TrainConfig:
-        """Build from a dict (JSON or TOML), naming `source` for unknown keys."""
+    def from_mapping(
+        cls, values: dict[str, Any], source: str, base: TrainConfig | None = None
+    ) -> TrainConfig:
+        """Build from a dict (JSON or TOML), each value checked against its field's type, on
+        top of `base` (the defaults when None); `source` is named in errors."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise GradmeshError(f"{source}: unknown option(s) {', '.join(unknown)}")
-        return cls(**values)
+        checked = {k: field_value(cls, k, v, source) for k, v in values.items()}
+        return dataclasses.replace(base or cls(), **checked)
 
     @classmethod
     def from_toml(cls, path: str) -> TrainConfig:
         try:
             values = tomllib.loads(Path(path).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as exc:
+        except OSError as exc:
+            raise GradmeshError(f"cannot read config {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
             raise GradmeshError(f"cannot read config {path}: {exc}") from None
-        return cls.from_mapping(values.get("train", values), path)
+        table = values.get("train", values)
+        if not isinstance(table, dict):
+            raise GradmeshError(f"{path}: [train] must be a table")
+        return cls.from_mapping(table, path)

@@ -52,6 +52,20 @@ def _identity(config: TrainConfig) -> dict[str, object]:
     return {k: getattr(config, k) for k in keys}
 
 
+def build_optimizer(config: TrainConfig, model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(
+        model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
+    )
+
+
+def check_resume(config: TrainConfig) -> None:
+    """Before launch: the checkpoint a run would resume from loads into this run's model and
+    optimizer, or one line says why not."""
+    if config.checkpoint_dir and (found := checkpoint.latest(config.checkpoint_dir)):
+        model = build_model(config.model, load_data(config))
+        checkpoint.load(found, model, build_optimizer(config, model, config.lr), _identity(config))
+
+
 def evaluate(model: nn.Module, split: Split, rt: Runtime) -> float:
     """Accuracy over the whole split, each rank scoring its own slice."""
     mine = torch.tensor_split(torch.arange(len(split)), rt.size)[rt.rank]
@@ -121,9 +135,7 @@ def train(config: TrainConfig, rt: Runtime) -> tuple[RunReport, bool]:
     lr = scaled_lr(
         config.lr, config.lr_scaling, rt.size, config.batch_size, config.reference_batch or None
     )
-    optimizer: torch.optim.Optimizer = torch.optim.SGD(
-        model.parameters(), lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
-    )
+    optimizer = build_optimizer(config, model, lr)
     first_epoch, losses = 0, list[float]()
     if config.checkpoint_dir and (found := checkpoint.latest(config.checkpoint_dir)):
         first_epoch, losses = checkpoint.load(found, model, optimizer, _identity(config))

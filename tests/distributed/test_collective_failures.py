@@ -1,4 +1,5 @@
-"""Collectives fail clearly: mismatched tensors name ranks and shapes; a lost peer is named."""
+"""Collectives fail clearly: every call is checked, numbered and bounded by the timeout; a
+mismatch names every rank's signature, a lost or silent peer is named."""
 
 from __future__ import annotations
 
@@ -8,40 +9,82 @@ import pytest
 import torch
 
 import gradmesh
-from gradmesh.collectives import allreduce
-from gradmesh.errors import GradmeshError
+from gradmesh.collectives import ALGORITHMS, allreduce, broadcast
+from gradmesh.errors import GradmeshError, PeerFailure
 from tests.harness import run_ranks
 
+EVERY_ALGORITHM = sorted(ALGORITHMS.names())
 
-def mismatched(algorithm: str, debug_later: bool) -> str:
+
+def mismatched(algorithm: str) -> str:
     r = gradmesh.rank()
     try:
-        if debug_later:  # agree first, then differ on a call whose signature was already checked
-            allreduce(torch.zeros(10), algorithm=algorithm)
         allreduce(
             torch.zeros(10 + r, dtype=torch.float32 if r < 2 else torch.float64),
             algorithm=algorithm,
         )
-    except GradmeshError as exc:
+    except PeerFailure as exc:
         return str(exc)
     return "no error"
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "butterfly", "native"])
 def test_mismatched_lengths_and_dtypes_name_ranks_and_shapes(algorithm: str) -> None:
-    messages = run_ranks(mismatched, 3, algorithm, False, timeout=60)
+    messages = run_ranks(mismatched, 3, algorithm, timeout=60)
     want = (
-        "ranks disagree on the tensor: rank 0 has 10 x float32, rank 1 has 11 x float32, "
-        "rank 2 has 12 x float64"
+        "ranks disagree: rank 0 has call #1 of 10 float32, rank 1 has call #1 of 11 float32, "
+        "rank 2 has call #1 of 12 float64"
     )
     for rank, message in enumerate(messages):
-        assert message.startswith(f"rank {rank}: {algorithm} allreduce: ")
+        assert message.startswith(f"rank {rank}: {algorithm} allreduce #1 on world: ")
         assert want in message
 
 
-def test_debug_mode_checks_every_call() -> None:
-    messages = run_ranks(mismatched, 2, "ring", True, extra_env={"GRADMESH_DEBUG": "1"})
-    assert all("rank 0 has 10 x float32, rank 1 has 11 x float32" in m for m in messages)
+def later_call_goes_wrong(algorithm: str, how: str) -> tuple[str, float]:
+    """Three calls agree, then rank 1 brings another shape (same element count), or skips the
+    call and goes on to its next one (a broadcast)."""
+    r = gradmesh.rank()
+    for _ in range(3):
+        allreduce(torch.ones(2, 3), algorithm=algorithm)
+    started = time.monotonic()
+    try:
+        if how == "shape":
+            allreduce(torch.ones(2, 3) if r == 0 else torch.ones(3, 2), algorithm=algorithm)
+        elif r == 0:
+            allreduce(torch.ones(2, 3), algorithm=algorithm)
+        else:
+            broadcast(torch.ones(4), root=0)
+    except PeerFailure as exc:
+        return str(exc), time.monotonic() - started
+    return "no error", 0.0
+
+
+@pytest.mark.parametrize("algorithm", EVERY_ALGORITHM)
+def test_a_later_mismatch_or_skipped_call_is_named_at_once(algorithm: str) -> None:
+    env = {"GRADMESH_TIMEOUT_S": "15"}
+    shape = run_ranks(later_call_goes_wrong, 2, algorithm, "shape", timeout=30, extra_env=env)
+    for rank, (message, seconds) in enumerate(shape):
+        assert message.startswith(f"rank {rank}: {algorithm} allreduce #4 on world: ")
+        assert "rank 0 has call #4 of 2x3 float32, rank 1 has call #4 of 3x2 float32" in message
+        assert seconds < 5, "found by the signature check, not by a timeout"
+    skipped = run_ranks(later_call_goes_wrong, 2, algorithm, "skip", timeout=30, extra_env=env)
+    for rank, (message, seconds) in enumerate(skipped):
+        assert f"rank {rank}: " in message and "#4 on world: ranks disagree" in message
+        assert "another operation or name" in message and seconds < 5
+
+
+def named_differently() -> str:
+    name = "grad.a" if gradmesh.rank() == 0 else "grad.b"
+    try:
+        allreduce(torch.ones(3), name=name)
+    except PeerFailure as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_different_name_is_a_mismatch() -> None:
+    for message in run_ranks(named_differently, 2):
+        assert "rank 1 has call #1 of 3 float32, another operation or name than rank 0" in message
 
 
 def peer_leaves(algorithm: str, hang: bool) -> str:
@@ -53,23 +96,50 @@ def peer_leaves(algorithm: str, hang: bool) -> str:
     started = time.monotonic()
     try:
         allreduce(torch.ones(1000), algorithm=algorithm)
-    except GradmeshError as exc:
+    except PeerFailure as exc:
         return f"{time.monotonic() - started:.1f}s {exc}"
     return "no error"
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "tree", "star", "butterfly"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "star", "butterfly", "native"])
 def test_a_peer_that_exits_is_named(algorithm: str) -> None:
     message, _ = run_ranks(peer_leaves, 2, algorithm, False, extra_env={"GRADMESH_TIMEOUT_S": "5"})
-    assert f"rank 0: {algorithm} allreduce: " in message
-    assert "rank 1 failed" in message
+    seconds = float(message.split("s ")[0])
+    assert seconds < 3, "a peer that left is noticed at once, not after the timeout"
+    assert f"rank 0: {algorithm} allreduce #2 on world: " in message
+    assert "rank(s) 1 did not join the call" in message
 
 
 def test_a_silent_peer_times_out_naming_it() -> None:
     message, _ = run_ranks(peer_leaves, 2, "ring", True, extra_env={"GRADMESH_TIMEOUT_S": "2"})
     seconds = float(message.split("s ")[0])
-    assert seconds < 5.5
-    assert "rank 0: ring allreduce: receive from rank 1 failed" in message
+    assert 1.5 < seconds < 5.5
+    assert "rank 0: ring allreduce #2 on world: rank(s) 1 did not join the call (timeout 2 s)" in (
+        message
+    )
+
+
+def hierarchical_with_a_silent_peer() -> str:
+    allreduce(torch.ones(10), algorithm="hierarchical")
+    if gradmesh.rank() == 3:
+        time.sleep(6)
+        return "left"
+    started = time.monotonic()
+    try:
+        allreduce(torch.ones(10), algorithm="hierarchical")
+    except PeerFailure as exc:
+        return f"{time.monotonic() - started:.1f}s {exc}"
+    return "no error"
+
+
+def test_subgroups_have_the_jobs_timeout() -> None:
+    """hierarchical runs on the host-local and cross-host groups: they time out with the job."""
+    messages = run_ranks(
+        hierarchical_with_a_silent_peer, 4, local_size=2, extra_env={"GRADMESH_TIMEOUT_S": "2"}
+    )
+    for message in messages[:3]:
+        assert float(message.split("s ")[0]) < 5.5, message
+        assert "hierarchical allreduce #2 on world" in message
 
 
 def unknown_algorithm() -> str:

@@ -1,0 +1,151 @@
+"""Failures fail fast and name the culprit, as a user sees them under `gradmesh run -np 2` with a
+15 s collective timeout: one line naming the rank and the operation, no traceback from gradmesh,
+the job over within timeout + 5 s (or 5 s when a rank dies), and no process left behind (the
+leak fixture checks every test)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradmesh.errors import PEER_FAILED_EXIT
+from gradmesh.launch.run import free_port
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "faulty.py")
+TIMEOUT_S = 15
+GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
+
+
+class Job:
+    """`gradmesh run -np 2 -- python faulty.py MODE ALGORITHM`, read line by line."""
+
+    def __init__(self, mode: str, algorithm: str = "hvd", tmp: Path | None = None) -> None:
+        env = {**os.environ, "GRADMESH_TIMEOUT_S": str(TIMEOUT_S)}
+        if tmp is not None:  # a launcher killed by SIGKILL cannot remove its log folder
+            env["TMPDIR"] = str(tmp)
+        command = [*GRADMESH, "run", "-np", "2", "--", "python", SCRIPT, mode, algorithm]
+        self.proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+        )
+        self.lines: list[str] = []
+
+    def until(self, pattern: str, count: int = 1) -> list[re.Match[str]]:
+        """Read stdout until `count` lines match `pattern`; return the matches."""
+        assert self.proc.stdout is not None
+        found: list[re.Match[str]] = []
+        while len(found) < count:
+            line = self.proc.stdout.readline()
+            assert line, f"the job ended before printing {pattern!r}: {self.lines}"
+            self.lines.append(line)
+            if m := re.search(pattern, line):
+                found.append(m)
+        return found
+
+    def finish(self) -> tuple[int, str, float]:
+        """(exit code, stderr, seconds from now until the job was over)."""
+        started = time.monotonic()
+        _, err = self.proc.communicate(timeout=TIMEOUT_S + 30)
+        return self.proc.returncode, err, time.monotonic() - started
+
+
+def gradmesh_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "gradmesh" in line]
+
+
+@pytest.mark.parametrize("mode", ["shape", "skip"])
+def test_horovod_api_later_mismatch_and_skipped_call(mode: str) -> None:
+    job = Job(mode)
+    job.until("agreed", 2)
+    code, err, seconds = job.finish()
+    assert code == PEER_FAILED_EXIT
+    assert "Traceback" not in err
+    assert seconds < TIMEOUT_S + 5
+    if mode == "shape":  # found by the signature check at once, on both ranks
+        want = (
+            ": native allreduce #4 on world (comm thread): ranks disagree: rank 0 has call #4 of "
+            "2x3 float32, rank 1 has call #4 of 3x2 float32"
+        )
+        assert f"[0] gradmesh: rank 0{want}" in err and f"[1] gradmesh: rank 1{want}" in err
+        assert seconds < 5
+    else:  # rank 1 never comes: rank 0 gives up after the timeout, naming rank 1
+        assert (
+            "[0] gradmesh: rank 0: native allreduce #4 on world (comm thread): rank(s) 1 did not "
+            f"join the call (timeout {TIMEOUT_S} s)"
+        ) in err
+    assert "gradmesh run: rank 0 stopped: a collective with other ranks failed" in err
+
+
+@pytest.mark.parametrize(("mode", "code"), [("raise", 1), ("exit3", 3)])
+def test_rank_0_failing_ends_the_job_at_once_and_is_named(mode: str, code: int) -> None:
+    job = Job(mode)
+    job.until("rank 1 pid")
+    returncode, err, seconds = job.finish()
+    assert returncode == code
+    assert seconds < 5, "not a timeout: the failed rank left at once and rank 1 was stopped"
+    assert (
+        gradmesh_lines(err)[-1]
+        == f"gradmesh run: rank 0 exited with code {code}; the job was stopped"
+    )
+    if mode == "exit3":
+        assert "Traceback" not in err
+    else:  # the user's own exception keeps its traceback; gradmesh adds none of its own
+        assert err.count("Traceback") == 1 and "ValueError: the user's own bug" in err
+
+
+def test_a_killed_rank_is_named_with_its_signal() -> None:
+    job = Job("train")
+    pids = {int(m[1]): int(m[2]) for m in job.until(r"rank (\d) pid (\d+) training", 2)}
+    time.sleep(1)  # mid-training
+    os.kill(pids[1], signal.SIGKILL)
+    code, err, seconds = job.finish()
+    assert code == 128 + signal.SIGKILL
+    assert seconds < 5
+    assert gradmesh_lines(err)[-1] == (
+        "gradmesh run: rank 1 was killed by signal SIGKILL; the job was stopped"
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_never_outlive_a_killed_launcher(tmp_path: Path) -> None:
+    job = Job("train", tmp=tmp_path)
+    pids = [int(m[2]) for m in job.until(r"rank (\d) pid (\d+) training", 2)]
+    job.proc.kill()  # SIGKILL: the launcher can pass nothing on
+    job.proc.communicate(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if alive(p)], "workers outlived their launcher"
+
+
+def test_an_unreachable_master_fails_within_the_timeout() -> None:
+    port = free_port()
+    started = time.monotonic()
+    out = subprocess.run(
+        [*GRADMESH, "run", "-np", "1", "--nnodes", "2", "--node-rank", "1"]
+        + ["--master", f"127.0.0.1:{port}", "--timeout", "5", "--", "python", "-c", "pass"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert time.monotonic() - started < 7
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == (
+        f"gradmesh run: error: node 1: rendezvous with master 127.0.0.1:{port} failed: nothing "
+        "accepted a connection within 5 s (Connection refused)"
+    )
