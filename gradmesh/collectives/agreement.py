@@ -7,9 +7,10 @@ has arrived and all rows agree. That order matters: Gloo aborts the whole proces
 size doesn't match expected size") when a peer's message is longer than the buffer posted for it,
 so a mismatch must be found before the data is sent.
 
-Where the caller knows its next calls early (DistributedOptimizer's buckets are known when
-backward starts) the check is posted then and its round trip overlaps the computation; elsewhere
-it is one small round trip before the data. A mismatch is a `PeerFailure` that names every
+The exchange is one small round trip before the data; a caller whose calls are fixed in shape
+and carry their own tag (`InBand`: DistributedOptimizer's buckets, checked once for layout and
+every round for step agreement inside the last bucket) skips it, so the training step's hot path
+pays nothing extra. A mismatch is a `PeerFailure` that names every
 rank's signature and the call's sequence number; a rank that never comes is one that names the
 ranks waited for, after the group's timeout.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -69,6 +71,30 @@ def describe(row: list[int], first: list[int], first_rank: int) -> str:
     )
     other = "" if digest == first[1] else f", another operation or name than rank {first_rank}"
     return f"call #{sequence} of {shape} {dtype_name(code)}{other}"
+
+
+class Check(Protocol):
+    """What `run_collective` needs of a call's agreement check."""
+
+    label: str
+
+    def wait(self) -> None: ...
+
+
+@dataclass
+class InBand:
+    """A call whose agreement travels inside its own data, so it needs no exchange here: the
+    caller fixed the layout (checked once) and checks a tag it carries in the payload
+    (DistributedOptimizer's buckets). The call still takes its sequence number."""
+
+    label: str
+
+    @classmethod
+    def post(cls, rt: Runtime, group: dist.ProcessGroup, operation: str) -> InBand:
+        return cls(f"{operation} #{rt.next_sequence(group)} on {rt.group_label(group)}")
+
+    def wait(self) -> None:
+        return None
 
 
 @dataclass

@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from gradmesh.collectives.agreement import PendingCheck
+from gradmesh.collectives.agreement import Check, PendingCheck
 from gradmesh.collectives.channel import Channel, resolve_group
 from gradmesh.collectives.cost import COSTS, CostFn
 from gradmesh.errors import GradmeshError
@@ -46,12 +46,12 @@ def run_collective(
     body: Callable[[torch.Tensor, Channel], None],
     group: dist.ProcessGroup | None,
     name: str | None = None,
-    check: PendingCheck | None = None,
+    check: Check | None = None,
 ) -> torch.Tensor:
     """Run `body` on a flat contiguous view of `tensor` with accounting; copy back if needed.
 
-    Every rank's signature for the call is checked first (`check`, when the caller posted it
-    earlier; otherwise posted here); `name` is the caller's name for the tensor, part of it."""
+    Every rank's signature for the call is checked first (posted here unless the caller gives
+    its own `check`); `name` is the caller's name for the tensor, part of the signature."""
     rt = get_runtime()
     pg = resolve_group(group)
     if dist.get_world_size(pg) == 1:
@@ -74,13 +74,13 @@ def allreduce(
     algorithm: str = "native",
     group: dist.ProcessGroup | None = None,
     name: str | None = None,
-    check: PendingCheck | None = None,
+    check: Check | None = None,
 ) -> torch.Tensor:
     """Reduce `tensor` in place over `group` (default: the whole world) and return it.
 
     `op="average"` divides the sum by the group size (floor division for integer tensors).
     `name`, if given, must be the same on every rank (a different name is a mismatch);
-    `check` is the call's signature exchange when the caller posted it ahead.
+    `check` replaces the signature exchange where the caller checks agreement its own way.
     """
     if op not in ("sum", "average"):
         raise GradmeshError(f"unknown reduction op {op!r} (valid: average, sum)")

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
+from gradmesh.collectives.agreement import Check
 from gradmesh.compression import Codec, resolve
 from gradmesh.runtime import get_runtime
 
@@ -29,11 +30,12 @@ def compressed_allreduce(
     algorithm: str,
     group: dist.ProcessGroup | None,
     name: str | None = None,
+    check: Check | None = None,
 ) -> torch.Tensor:
     """Compress, reduce the payload (in place), decompress: the reduced value in `tensor`'s
     dtype. With no compression the result is `tensor` itself."""
     payload, ctx = codec.compress(tensor)
-    allreduce(payload, op=op, algorithm=algorithm, group=group, name=name)
+    allreduce(payload, op=op, algorithm=algorithm, group=group, name=name, check=check)
     return codec.decompress(payload, ctx)
 
 

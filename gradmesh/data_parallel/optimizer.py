@@ -29,13 +29,13 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.collectives import ALGORITHMS, Op, broadcast
-from gradmesh.collectives.agreement import PendingCheck
+from gradmesh.collectives.agreement import InBand
 from gradmesh.collectives.channel import resolve_group
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.collectives.native import modelled_bytes_sent
 from gradmesh.compression import Codec, resolve
 from gradmesh.data_parallel.api import compressed_allreduce
-from gradmesh.data_parallel.buckets import Bucket, plan_buckets
+from gradmesh.data_parallel.buckets import ROUND_TAGS, Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime import Runtime, get_runtime
 from gradmesh.timeline import span
@@ -86,9 +86,8 @@ class NativeWork:
     """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
     on the default group (as torch DDP does): no thread handoff on the hot path."""
 
-    def __init__(self, rt: Runtime, bucket: Bucket, codec: Codec, check: PendingCheck) -> None:
-        self.rt, self.bucket, self.codec, self.label = rt, bucket, codec, check.label
-        check.wait()  # posted when backward began: its round trip is long over by now
+    def __init__(self, rt: Runtime, bucket: Bucket, codec: Codec, label: str) -> None:
+        self.rt, self.bucket, self.codec, self.label = rt, bucket, codec, label
         self.payload, self.ctx = codec.compress(bucket.buffer)
         self.started = time.perf_counter()
         try:
@@ -139,13 +138,13 @@ class GradientReducer:
         self.codec = compression
         self.passes_per_step = backward_passes_per_step
         self.on_nonfinite = on_nonfinite
-        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
+        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)), self.rt.size)
         self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
         self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
-        self.checks: list[PendingCheck] = []
-        """This step's posted signature checks of the native buckets, in bucket order."""
+        self.rounds = 0
+        """Reduction rounds begun (steps, and join rounds); tagged in the last bucket."""
         self.next_launch = 0
         self.passes = 0
         self.in_backward = False
@@ -164,7 +163,6 @@ class GradientReducer:
             self.in_backward = True
             self.backward_started = time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self._post_checks()
         i = self.index[id(p)]
         self.counts[i] += 1
         if self.counts[i] == self.passes_per_step:
@@ -187,30 +185,17 @@ class GradientReducer:
             bucket.ready.update(range(len(bucket.params)))
         self._launch_ready()
 
-    def _post_checks(self) -> None:
-        """Start this step's signature checks of the native buckets, so that their round trips
-        overlap backward instead of delaying each bucket's reduction."""
-        if self.checks or self.rt.size == 1 or self.algorithm != "native":
-            return
-        world = resolve_group(None)
-        codec = type(self.codec).__name__
-        self.checks = [
-            PendingCheck.post(
-                self.rt, world, "native allreduce", b.buffer, f"bucket {b.index} {codec}"
-            )
-            for b in self.buckets
-        ]
-
     def _launch_ready(self, active: bool = True) -> None:
         if not self.checked and self.rt.size > 1:  # before the first bucket of the first step
             check_models_agree(self.rt, self.params)
         self.checked = True
-        self._post_checks()
         # buckets leave in index order on every rank, whatever order their gradients came in
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete():
             bucket = self.buckets[self.next_launch]
+            if bucket.index == 0:
+                self.rounds += 1
             with span("pack", "comm", bucket=bucket.index):
-                bucket.pack(active)
+                bucket.pack(active, self.rounds, self.rt.rank)
             self.futures[bucket.index] = self._submit(bucket)
             self.next_launch += 1
 
@@ -219,11 +204,14 @@ class GradientReducer:
             done: Future[None] = Future()
             done.set_result(None)
             return done
+        # the call is numbered here, in bucket order on the training thread, on every rank alike
+        group = resolve_group(None if self.algorithm == "native" else self.rt.async_group)
+        check = InBand.post(self.rt, group, f"{self.algorithm} allreduce")
         if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
-            return NativeWork(self.rt, bucket, self.codec, self.checks[bucket.index])
-        return self.rt.comm_executor().submit(self._reduce, bucket)
+            return NativeWork(self.rt, bucket, self.codec, check.label)
+        return self.rt.comm_executor().submit(self._reduce, bucket, check)
 
-    def _reduce(self, bucket: Bucket) -> None:
+    def _reduce(self, bucket: Bucket, check: InBand) -> None:
         with span(
             "reduce",
             "comm",
@@ -236,7 +224,7 @@ class GradientReducer:
                 "sum",
                 self.algorithm,
                 self.rt.async_group,
-                f"bucket {bucket.index}",
+                check=check,
             )
             if result is not bucket.buffer:
                 bucket.buffer.copy_(result)
@@ -265,7 +253,6 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.ready.clear()
         self.futures = [None] * len(self.buckets)
-        self.checks = []
         self.counts = [0] * len(self.params)
         self.next_launch = 0
         self.passes = 0
@@ -283,11 +270,21 @@ class GradientReducer:
         return self._wait_all()
 
     def _wait_all(self) -> float:
-        """Wait for every bucket of the step; returns the count of ranks still training."""
+        """Wait for every bucket of the step; returns the count of ranks still training.
+        Raises `PeerFailure` naming each rank's round if the ranks were not at the same one."""
         for future in self.futures:
             assert future is not None
             future.result()
-        return float(self.buckets[-1].buffer[-1])
+        last = self.buckets[-1]
+        tags = last.round_tags()
+        if any(tag != tags[0] for tag in tags):
+            which = ", ".join(f"rank {r} at {t}" for r, t in enumerate(tags))
+            raise PeerFailure(
+                f"rank {self.rt.rank}: {self.algorithm} allreduce of round {self.rounds}: ranks "
+                f"are at different rounds (mod {ROUND_TAGS}): {which}; a rank skipped or "
+                "repeated a step"
+            )
+        return last.active_ranks()
 
     def unpack_all(self, active: float) -> None:
         divisor = max(active, 1.0) if self.op == "average" else 1.0
