@@ -107,6 +107,8 @@ class Runtime:
     sequence: dict[int, int] = field(default_factory=dict)
     """Collective calls made so far on each group (by id): every call is numbered in messages."""
     group_names: dict[int, str] = field(default_factory=dict)
+    optimizers: int = 0
+    """DistributedOptimizers created so far (each has a process group of its own)."""
     failure: BaseException | None = None
     """Set when this rank is failing: leaving then waits for nobody."""
     async_group: dist.ProcessGroup | None = None

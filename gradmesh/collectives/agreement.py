@@ -7,12 +7,13 @@ has arrived and all rows agree. That order matters: Gloo aborts the whole proces
 size doesn't match expected size") when a peer's message is longer than the buffer posted for it,
 so a mismatch must be found before the data is sent.
 
-The exchange is one small round trip before the data; a caller whose calls are fixed in shape
-and carry their own tag (`InBand`: DistributedOptimizer's buckets, checked once for layout and
-every round for step agreement inside the last bucket) skips it, so the training step's hot path
-pays nothing extra. A mismatch is a `PeerFailure` that names every
-rank's signature and the call's sequence number; a rank that never comes is one that names the
-ranks waited for, after the group's timeout.
+The exchange is one small round trip before the data (about 0.3 ms on this machine's loopback).
+The training step's hot path does not pay it: a DistributedOptimizer's buckets go on a process
+group of their own (`FixedLayout`), whose only calls are those buckets, in a layout checked once
+when the optimizer first reduces, so each of its calls agrees by construction.
+
+A mismatch is a `PeerFailure` that names every rank's signature and the call's sequence number;
+a rank that never comes is one that names the ranks waited for, after the group's timeout.
 """
 
 from __future__ import annotations
@@ -82,15 +83,15 @@ class Check(Protocol):
 
 
 @dataclass
-class InBand:
-    """A call whose agreement travels inside its own data, so it needs no exchange here: the
-    caller fixed the layout (checked once) and checks a tag it carries in the payload
-    (DistributedOptimizer's buckets). The call still takes its sequence number."""
+class FixedLayout:
+    """A call on a group reserved for one stream of calls whose layout is fixed and was checked
+    once (a DistributedOptimizer's buckets): every call on it agrees by construction, so it
+    needs no exchange. The call still takes its sequence number, for messages."""
 
     label: str
 
     @classmethod
-    def post(cls, rt: Runtime, group: dist.ProcessGroup, operation: str) -> InBand:
+    def post(cls, rt: Runtime, group: dist.ProcessGroup, operation: str) -> FixedLayout:
         return cls(f"{operation} #{rt.next_sequence(group)} on {rt.group_label(group)}")
 
     def wait(self) -> None:

@@ -3,11 +3,8 @@
 Parameters are taken in reverse registration order (backward produces the last layer's gradient
 first) and cut into buckets of at most `fusion_bytes` and one dtype/device each. The layout is
 the same on every rank because it depends only on the model. Each bucket owns one flat buffer,
-allocated once. The last bucket carries a trailer: the count of ranks still training (1 from
-every active rank, 0 from a rank that has joined), so that `join` costs no extra message, and one
-slot per rank in which only that rank writes its reduction round (mod 256, exact in every float
-dtype): after the sum every rank reads every rank's round, so a rank that skipped or repeated a
-step is found without an extra message.
+allocated once; the last bucket carries one extra element, the count of ranks still training
+(1 from every active rank, 0 from a rank that has joined), so that `join` costs no extra message.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ class Bucket:
     buffer: torch.Tensor
     offsets: list[tuple[int, int]]
     has_flag: bool = False
-    """Whether the buffer ends with the trailer (the last bucket)."""
     ready: set[int] = field(default_factory=set)
     """Positions (in `params`) whose gradient is final for this step."""
 
@@ -40,33 +36,20 @@ class Bucket:
     def complete(self) -> bool:
         return len(self.ready) == len(self.params)
 
-    def pack(self, active: bool, round_tag: int = 0, rank: int = 0) -> None:
+    def pack(self, active: bool) -> None:
         """Copy gradients into the buffer (a missing gradient, or a joined rank's, packs as
-        zeros; a sparse one is densified, as Horovod's sparse_as_dense does), then the trailer:
-        whether this rank is active, and `round_tag` in this rank's slot."""
+        zeros; a sparse one is densified, as Horovod's sparse_as_dense does)."""
         if not active:
             self.buffer.zero_()
-        else:
-            for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
-                if p.grad is None:
-                    self.buffer[a:b].zero_()
-                else:
-                    grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
-                    self.buffer[a:b].copy_(grad.reshape(-1))
+            return
+        for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
+            if p.grad is None:
+                self.buffer[a:b].zero_()
+            else:
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
+                self.buffer[a:b].copy_(grad.reshape(-1))
         if self.has_flag:
-            trailer = self.buffer[self.grad_numel :]
-            trailer.zero_()
-            trailer[0] = 1.0 if active else 0.0
-            if trailer.numel() > 1:
-                trailer[1 + rank] = float(round_tag % ROUND_TAGS)
-
-    def active_ranks(self) -> float:
-        """After the reduction: how many ranks are still training."""
-        return float(self.buffer[self.grad_numel])
-
-    def round_tags(self) -> list[int]:
-        """After the reduction: every rank's round tag, by rank."""
-        return [int(v) for v in self.buffer[self.grad_numel + 1 :].tolist()]
+            self.buffer[-1] = 1.0
 
     def unpack(self, divisor: float) -> None:
         """Write the reduced gradients back (divided by `divisor` when averaging)."""
@@ -81,15 +64,8 @@ class Bucket:
                 p.grad.copy_(reduced)
 
 
-ROUND_TAGS = 256
-"""Rounds are tagged modulo this: integers below it are exact in float32, float16 and bfloat16."""
-
-
-def plan_buckets(
-    params: list[tuple[str, nn.Parameter]], fusion_bytes: int, world: int = 1
-) -> list[Bucket]:
-    """Cut `params` (registration order) into buckets, last parameter first; the last one's
-    trailer has a round slot per rank when `world` > 1."""
+def plan_buckets(params: list[tuple[str, nn.Parameter]], fusion_bytes: int) -> list[Bucket]:
+    """Cut `params` (registration order) into buckets, last parameter first."""
     names = [n for n, _ in params]
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
@@ -107,9 +83,8 @@ def plan_buckets(
             size = 0
         groups[-1].append((name, p))
         size += nbytes
-    trailer = 1 + (world if world > 1 else 0)
-    if not groups:  # nothing to train: one trailer-only bucket keeps join() working
-        return [Bucket(0, [], torch.zeros(trailer), [], has_flag=True)]
+    if not groups:  # nothing to train: one flag-only bucket keeps join() working
+        return [Bucket(0, [], torch.zeros(1), [], has_flag=True)]
     buckets = []
     for i, members in enumerate(groups):
         offsets, at = [], 0
@@ -118,6 +93,6 @@ def plan_buckets(
             at += p.numel()
         last = i == len(groups) - 1
         first = members[0][1]
-        buffer = torch.zeros(at + (trailer if last else 0), dtype=first.dtype, device=first.device)
+        buffer = torch.zeros(at + (1 if last else 0), dtype=first.dtype, device=first.device)
         buckets.append(Bucket(i, members, buffer, offsets, has_flag=last))
     return buckets

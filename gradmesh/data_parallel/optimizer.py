@@ -29,13 +29,12 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.collectives import ALGORITHMS, Op, broadcast
-from gradmesh.collectives.agreement import InBand
-from gradmesh.collectives.channel import resolve_group
+from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.collectives.native import modelled_bytes_sent
 from gradmesh.compression import Codec, resolve
 from gradmesh.data_parallel.api import compressed_allreduce
-from gradmesh.data_parallel.buckets import ROUND_TAGS, Bucket, plan_buckets
+from gradmesh.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime import Runtime, get_runtime
 from gradmesh.timeline import span
@@ -51,14 +50,21 @@ def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
     return [f"{n} {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for n, p in params]
 
 
-def check_models_agree(rt: Runtime, params: list[tuple[str, nn.Parameter]]) -> None:
+def check_models_agree(
+    rt: Runtime, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup
+) -> None:
     """Raise, naming the first differing parameter and the ranks, unless every rank has the
     same parameter names, shapes and dtypes. Compares checksums first; text only on mismatch."""
-    group = rt.async_group
     mine = describe(params)
     digest = torch.tensor([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=torch.int64)
     rows = [torch.empty_like(digest) for _ in range(rt.size)]
-    dist.all_gather(rows, digest, group=group)
+    try:
+        dist.all_gather(rows, digest, group=group)
+    except RuntimeError as exc:
+        raise PeerFailure(
+            f"rank {rt.rank}: comparing the model's parameters on {rt.group_label(group)} "
+            f"failed: {first_line(exc)}"
+        ) from None
     if all(torch.equal(r, rows[0]) for r in rows):
         return
     text = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
@@ -138,13 +144,12 @@ class GradientReducer:
         self.codec = compression
         self.passes_per_step = backward_passes_per_step
         self.on_nonfinite = on_nonfinite
-        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)), self.rt.size)
+        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
+        self.group = self._own_group()
         self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
         self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
-        self.rounds = 0
-        """Reduction rounds begun (steps, and join rounds); tagged in the last bucket."""
         self.next_launch = 0
         self.passes = 0
         self.in_backward = False
@@ -156,6 +161,21 @@ class GradientReducer:
         self.synced = False
         for _, p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def _own_group(self) -> dist.ProcessGroup | None:
+        """A process group for this optimizer's buckets alone. Their layout is fixed and checked
+        once, so every call on the group agrees by construction and needs no per-call check;
+        and a rank that steps two optimizers in another order than its peers times out naming
+        the optimizer instead of reducing one's buckets with the other's (Gloo aborts the
+        process on such a size mismatch)."""
+        if self.rt.size == 1:
+            return None
+        group: dist.ProcessGroup = dist.new_group(
+            list(range(self.rt.size)), timeout=self.rt.timeout
+        )
+        self.rt.optimizers += 1
+        self.rt.group_names[id(group)] = f"DistributedOptimizer {self.rt.optimizers}"
+        return group
 
     # -- during backward -------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -186,16 +206,14 @@ class GradientReducer:
         self._launch_ready()
 
     def _launch_ready(self, active: bool = True) -> None:
-        if not self.checked and self.rt.size > 1:  # before the first bucket of the first step
-            check_models_agree(self.rt, self.params)
+        if not self.checked and self.group is not None:  # before the first bucket, once
+            check_models_agree(self.rt, self.params, self.group)
         self.checked = True
         # buckets leave in index order on every rank, whatever order their gradients came in
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete():
             bucket = self.buckets[self.next_launch]
-            if bucket.index == 0:
-                self.rounds += 1
             with span("pack", "comm", bucket=bucket.index):
-                bucket.pack(active, self.rounds, self.rt.rank)
+                bucket.pack(active)
             self.futures[bucket.index] = self._submit(bucket)
             self.next_launch += 1
 
@@ -204,14 +222,14 @@ class GradientReducer:
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        # the call is numbered here, in bucket order on the training thread, on every rank alike
-        group = resolve_group(None if self.algorithm == "native" else self.rt.async_group)
-        check = InBand.post(self.rt, group, f"{self.algorithm} allreduce")
+        # numbered here, in bucket order on the training thread, on every rank alike
+        assert self.group is not None
+        check = FixedLayout.post(self.rt, self.group, f"{self.algorithm} allreduce")
         if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
             return NativeWork(self.rt, bucket, self.codec, check.label)
         return self.rt.comm_executor().submit(self._reduce, bucket, check)
 
-    def _reduce(self, bucket: Bucket, check: InBand) -> None:
+    def _reduce(self, bucket: Bucket, check: FixedLayout) -> None:
         with span(
             "reduce",
             "comm",
@@ -223,7 +241,7 @@ class GradientReducer:
                 self.codec,
                 "sum",
                 self.algorithm,
-                self.rt.async_group,
+                self.group,
                 check=check,
             )
             if result is not bucket.buffer:
@@ -270,21 +288,11 @@ class GradientReducer:
         return self._wait_all()
 
     def _wait_all(self) -> float:
-        """Wait for every bucket of the step; returns the count of ranks still training.
-        Raises `PeerFailure` naming each rank's round if the ranks were not at the same one."""
+        """Wait for every bucket of the step; returns the count of ranks still training."""
         for future in self.futures:
             assert future is not None
             future.result()
-        last = self.buckets[-1]
-        tags = last.round_tags()
-        if any(tag != tags[0] for tag in tags):
-            which = ", ".join(f"rank {r} at {t}" for r, t in enumerate(tags))
-            raise PeerFailure(
-                f"rank {self.rt.rank}: {self.algorithm} allreduce of round {self.rounds}: ranks "
-                f"are at different rounds (mod {ROUND_TAGS}): {which}; a rank skipped or "
-                "repeated a step"
-            )
-        return last.active_ranks()
+        return float(self.buckets[-1].buffer[-1])
 
     def unpack_all(self, active: float) -> None:
         divisor = max(active, 1.0) if self.op == "average" else 1.0

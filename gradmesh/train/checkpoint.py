@@ -61,11 +61,12 @@ def _problem(state: Any, model: nn.Module) -> str | None:
     if not isinstance(state, dict):
         return f"expected a dict of checkpoint fields, found {type(state).__name__}"
     kinds = {"epoch": int, "identity": dict, "model": dict, "optimizer": dict, "losses": list}
+    names = {int: "an integer", dict: "a dict", list: "a list"}
     for key, kind in kinds.items():
         if key not in state:
             return f"no {key!r} entry"
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
-            return f"{key!r} is a {type(state[key]).__name__}, not a {kind.__name__}"
+            return f"{key!r} is a {type(state[key]).__name__}, not {names[kind]}"
     if state["epoch"] < 0 or not all(isinstance(v, int | float) for v in state["losses"]):
         return "'epoch' must be >= 0 and 'losses' a list of numbers"
     expected = model.state_dict()

@@ -156,3 +156,34 @@ def test_unknown_algorithm_lists_the_valid_ones() -> None:
         run_ranks(unknown_algorithm, 2)
         == [f"unknown allreduce algorithm 'gossip' (valid: {valid})"] * 2
     )
+
+
+def optimizers_out_of_order() -> str:
+    """Two DistributedOptimizers stepped in another order on rank 1: each has its own group, so
+    each rank waits for its partner on its optimizer's group (instead of reducing one
+    optimizer's buckets with the other's, which Gloo answers by aborting the process) and the
+    timeout names the optimizer."""
+    from gradmesh.data_parallel.optimizer import DistributedOptimizer
+
+    models = [torch.nn.Linear(4, 2), torch.nn.Linear(8, 3)]
+    opts = [
+        DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m.named_parameters())
+        for m in models
+    ]
+    order = [0, 1] if gradmesh.rank() == 0 else [1, 0]
+    try:
+        for i in order:
+            models[i](torch.ones(3, models[i].in_features)).sum().backward()
+            opts[i].step()
+    except PeerFailure as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_optimizers_stepped_out_of_order_time_out_naming_the_optimizer() -> None:
+    first, second = run_ranks(optimizers_out_of_order, 2, extra_env={"GRADMESH_TIMEOUT_S": "3"})
+    for rank, message in enumerate((first, second)):
+        assert message.startswith(
+            f"rank {rank}: comparing the model's parameters on DistributedOptimizer {rank + 1} "
+            "failed: "
+        )

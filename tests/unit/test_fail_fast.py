@@ -1,0 +1,159 @@
+"""The pure pieces of failing fast: typed config values, checkpoint structure, call signatures,
+which failure the launcher names, and one-line library messages."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from gradmesh.collectives.agreement import describe, encode
+from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line, on_rank
+from gradmesh.launch.run import _first_failure
+from gradmesh.train import checkpoint
+from gradmesh.train.config import TrainConfig, check_writable, field_value
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "source", "want"),
+    [
+        ("workers", 3, "f.toml", 3),
+        ("workers", "3", None, 3),
+        ("lr", 1, "f.toml", 1.0),
+        ("lr", "0.5", None, 0.5),
+        ("json", None, "f.toml", None),
+        ("lock", True, "f.toml", True),
+    ],
+)
+def test_field_values_of_the_right_type_pass(name: str, value: Any, source: Any, want: Any) -> None:
+    got = field_value(TrainConfig, name, value, source)
+    assert got == want and type(got) is type(want)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "source", "message"),
+    [
+        ("workers", "two", "f.toml", "f.toml: workers must be an integer, got 'two'"),
+        ("workers", "3", "f.toml", "f.toml: workers must be an integer, got '3'"),
+        ("workers", True, "f.toml", "f.toml: workers must be an integer, got true"),
+        ("epochs", 2.5, "f.toml", "f.toml: epochs must be an integer, got 2.5"),
+        ("batch_size", [64], "f.toml", "f.toml: batch_size must be an integer, got [64]"),
+        ("lr", "fast", None, "--lr must be a number, got 'fast'"),
+        ("lock", 1, "f.toml", "f.toml: lock must be true or false, got 1"),
+        ("model", 3, "f.toml", "f.toml: model must be a string, got 3"),
+    ],
+)
+def test_field_values_of_the_wrong_type_are_one_line(
+    name: str, value: Any, source: Any, message: str
+) -> None:
+    with pytest.raises(GradmeshError) as err:
+        field_value(TrainConfig, name, value, source)
+    assert str(err.value) == message
+
+
+def test_a_json_config_goes_through_the_same_checks() -> None:
+    with pytest.raises(GradmeshError, match="--config: epochs must be an integer, got 2.5"):
+        TrainConfig.from_mapping({"epochs": 2.5}, "--config")
+
+
+def test_output_paths(tmp_path: Path) -> None:
+    check_writable(str(tmp_path / "out.json"), "--json")
+    check_writable(str(tmp_path / "new" / "ckpt"), "--checkpoint-dir", directory=True)
+    assert (tmp_path / "new" / "ckpt").is_dir()
+    with pytest.raises(GradmeshError, match="is a folder, not a file"):
+        check_writable(str(tmp_path), "--json")
+    with pytest.raises(GradmeshError, match="the folder .*/nope does not exist"):
+        check_writable(str(tmp_path / "nope" / "t.json"), "--timeline")
+
+
+def _saved(tmp_path: Path, state: object) -> Path:
+    path = tmp_path / "epoch-00001.pt"
+    torch.save(state, path)
+    return path
+
+
+def _good(model: torch.nn.Module) -> dict[str, Any]:
+    return {"epoch": 1, "identity": {}, "model": model.state_dict(), "optimizer": {}, "losses": []}
+
+
+@pytest.mark.parametrize(
+    ("change", "problem"),
+    [
+        (lambda s: [1, 2], "expected a dict of checkpoint fields, found list"),
+        (lambda s: {k: v for k, v in s.items() if k != "model"}, "no 'model' entry"),
+        (lambda s: {**s, "epoch": "one"}, "'epoch' is a str, not an integer"),
+        (lambda s: {**s, "model": {}}, "missing model entry 'bias'"),
+        (
+            lambda s: {**s, "model": {**s["model"], "extra": torch.zeros(1)}},
+            "the model has no 'extra'",
+        ),
+        (
+            lambda s: {**s, "model": {**s["model"], "weight": torch.zeros(3)}},
+            "model entry 'weight' is [3] torch.float32, the model needs [2, 4] torch.float32",
+        ),
+        (
+            lambda s: {**s, "optimizer": {"state": {}, "param_groups": [{"params": [0, 1, 2]}]}},
+            "optimizer state: ",
+        ),
+    ],
+)
+def test_a_checkpoint_that_does_not_fit_is_one_line_naming_the_file(
+    tmp_path: Path, change: Any, problem: str
+) -> None:
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    path = _saved(tmp_path, change(_good(model)))
+    with pytest.raises(GradmeshError) as err:
+        checkpoint.load(path, model, opt, {})
+    assert str(err.value).startswith(f"checkpoint {path} does not fit this run: ")
+    assert problem in str(err.value) and "\n" not in str(err.value)
+
+
+def test_signatures_describe_shape_dtype_and_a_different_operation() -> None:
+    mine = encode(7, "ring allreduce\0", torch.ones(2, 3))
+    theirs = encode(7, "tree broadcast\0", torch.ones(3, 2, dtype=torch.float64))
+    assert describe(mine, mine, 0) == "call #7 of 2x3 float32"
+    assert describe(theirs, mine, 0) == (
+        "call #7 of 3x2 float64, another operation or name than rank 0"
+    )
+    assert describe(encode(1, "x", torch.ones(1, 1, 1, 1, 1, 2)), mine, 0).startswith(
+        "call #1 of 6-d with 2 elements"
+    )
+    assert describe(encode(1, "ring allreduce\0", torch.tensor(1.0)), mine, 0) == (
+        "call #1 of scalar float32"
+    )
+
+
+def failure(exitcode: int, timestamp: int) -> Any:
+    return SimpleNamespace(exitcode=exitcode, timestamp=timestamp)
+
+
+def test_the_launcher_names_the_cause_not_the_casualties() -> None:
+    killed = -signal.SIGKILL
+    stopped = -signal.SIGTERM
+    # rank 0 stopped on its peer's death in the same second as rank 1 was killed: rank 1
+    assert _first_failure({0: failure(PEER_FAILED_EXIT, 5), 1: failure(killed, 5)})[0] == 1
+    # rank 0 exited with 3; rank 1 was ended by the agent afterwards: rank 0
+    assert _first_failure({0: failure(3, 9), 1: failure(stopped, 9)})[0] == 0
+    # only casualties: the earliest of them
+    assert (
+        _first_failure({0: failure(PEER_FAILED_EXIT, 9), 1: failure(PEER_FAILED_EXIT, 8)})[0] == 1
+    )
+    # a rank stopped on a peer's failure is named before one the agent ended
+    assert _first_failure({0: failure(stopped, 1), 1: failure(PEER_FAILED_EXIT, 2)})[0] == 1
+
+
+def test_library_messages_become_one_readable_line() -> None:
+    gloo = RuntimeError(
+        "[/__w/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+        "peer [127.0.0.1]:43944. This is typically caused by a remote worker crashing.\nmore"
+    )
+    assert first_line(gloo) == "Connection closed by peer [127.0.0.1]:43944"
+    assert (
+        on_rank(2, GradmeshError("rank 2: ring allreduce #1: x")) == "rank 2: ring allreduce #1: x"
+    )
+    assert on_rank(2, GradmeshError("bad shape")) == "rank 2: bad shape"
