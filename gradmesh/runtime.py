@@ -260,8 +260,9 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
     if local_group is not None:
         local_size = dist.get_world_size(local_group)
     async_group = dist.new_group(list(range(size)), timeout=timeout) if size > 1 else None
-    atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
-    sys.excepthook = _failing_hook(sys.excepthook)
+    if not getattr(sys.excepthook, "gradmesh", False):  # once per process, however many inits
+        atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
+        sys.excepthook = _failing_hook(sys.excepthook)
     _runtime = Runtime(
         rank=rank,
         size=size,
@@ -340,6 +341,7 @@ def _failing_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
         else:
             previous(kind, exc, tb)
 
+    hook.gradmesh = True  # type: ignore[attr-defined]
     return hook
 
 

@@ -28,6 +28,21 @@ class Bucket:
     has_flag: bool = False
     ready: set[int] = field(default_factory=set)
     """Positions (in `params`) whose gradient is final for this step."""
+    views: list[torch.Tensor] = field(default_factory=list)
+    """Each parameter's slice of the buffer, shaped like it: one fused copy moves them all."""
+
+    def __post_init__(self) -> None:
+        self.views = [
+            self.buffer[a:b].view_as(p)
+            for (_, p), (a, b) in zip(self.params, self.offsets, strict=True)
+        ]
+
+    def _dense_grads(self) -> list[torch.Tensor] | None:
+        """Every parameter's gradient, when all exist and are dense (the usual step)."""
+        grads = [p.grad for _, p in self.params]
+        if any(g is None or g.is_sparse for g in grads):
+            return None
+        return grads  # type: ignore[return-value]
 
     @property
     def grad_numel(self) -> int:
@@ -41,6 +56,11 @@ class Bucket:
         zeros; a sparse one is densified, as Horovod's sparse_as_dense does)."""
         if not active:
             self.buffer.zero_()
+            return
+        if (grads := self._dense_grads()) is not None:
+            torch._foreach_copy_(self.views, grads)  # one call instead of one per parameter
+            if self.has_flag:
+                self.buffer[-1] = 1.0
             return
         for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
             if p.grad is None:
@@ -56,6 +76,9 @@ class Bucket:
         grads = self.buffer[: self.grad_numel]
         if divisor != 1.0:
             grads.div_(divisor)
+        if (dense := self._dense_grads()) is not None:
+            torch._foreach_copy_(dense, self.views)
+            return
         for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
             reduced = grads[a:b].view_as(p)
             if p.grad is None or p.grad.is_sparse:

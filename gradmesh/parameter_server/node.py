@@ -15,6 +15,7 @@ from gradmesh.parameter_server.roles import (
     run_server,
     supervise_worker,
 )
+from gradmesh.runtime import bind_to_launcher
 from gradmesh.train.config import TrainConfig
 
 
@@ -45,6 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig.from_mapping(json.loads(args.config), "--config")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    bind_to_launcher(rank)  # servers and supervisors join no process group, so say it here
     try:
         if world != config.servers + config.workers:
             raise GradmeshError(

@@ -172,3 +172,20 @@ def test_bad_emulate_input_is_one_line() -> None:
     assert out.stderr.strip() == (
         "gradmesh emulate: error: bad bandwidth 'fast': expected a rate like 1gbit or 100mbit"
     )
+
+
+def test_the_host_whose_rank_failed_is_named(tmp_path: Path) -> None:
+    """Host 1's rank raises; host 0's rank only stops because of it: host 1 is named."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        ALLREDUCE_LOOP.format(n=3, pause=0)
+        + "if gradmesh.rank() == 1:\n    raise SystemExit(5)\n"
+        + "allreduce(torch.ones(4))\n"
+    )
+    started = time.monotonic()
+    out = gradmesh("emulate", "--hosts", "2", "--", "python", str(script), timeout=120)
+    assert out.returncode == 5
+    assert time.monotonic() - started < 60
+    lines = out.stderr.strip().splitlines()
+    assert "[h1] gradmesh run: rank 1 exited with code 5; the job was stopped" in lines
+    assert lines[-1] == "gradmesh emulate: host 1 failed (exit code 5)"
