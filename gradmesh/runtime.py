@@ -107,8 +107,6 @@ class Runtime:
     sequence: dict[int, int] = field(default_factory=dict)
     """Collective calls made so far on each group (by id): every call is numbered in messages."""
     group_names: dict[int, str] = field(default_factory=dict)
-    optimizers: int = 0
-    """DistributedOptimizers created so far (each has a process group of its own)."""
     failure: BaseException | None = None
     """Set when this rank is failing: leaving then waits for nobody."""
     async_group: dist.ProcessGroup | None = None
@@ -125,6 +123,14 @@ class Runtime:
         n = self.sequence.get(id(group), 0) + 1
         self.sequence[id(group)] = n
         return n
+
+    def new_group(self, kind: str) -> dist.ProcessGroup:
+        """A new group over the whole world with the job's timeout, named '<kind> <n>' in
+        messages (n counts the groups of that kind). Every rank must call it, in the same order."""
+        group: dist.ProcessGroup = dist.new_group(list(range(self.size)), timeout=self.timeout)
+        n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
+        self.group_names[id(group)] = f"{kind} {n}"
+        return group
 
     def group_label(self, group: dist.ProcessGroup) -> str:
         """'world', 'host-local', ... or the group's ranks, for messages."""

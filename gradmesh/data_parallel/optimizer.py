@@ -168,14 +168,7 @@ class GradientReducer:
         and a rank that steps two optimizers in another order than its peers times out naming
         the optimizer instead of reducing one's buckets with the other's (Gloo aborts the
         process on such a size mismatch)."""
-        if self.rt.size == 1:
-            return None
-        group: dist.ProcessGroup = dist.new_group(
-            list(range(self.rt.size)), timeout=self.rt.timeout
-        )
-        self.rt.optimizers += 1
-        self.rt.group_names[id(group)] = f"DistributedOptimizer {self.rt.optimizers}"
-        return group
+        return self.rt.new_group("DistributedOptimizer") if self.rt.size > 1 else None
 
     # -- during backward -------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
