@@ -107,6 +107,9 @@ class Runtime:
     sequence: dict[int, int] = field(default_factory=dict)
     """Collective calls made so far on each group (by id): every call is numbered in messages."""
     group_names: dict[int, str] = field(default_factory=dict)
+    owned: list[dist.ProcessGroup] = field(default_factory=list)
+    """Every group `new_group` made. The runtime holds the only strong references to its groups
+    (others keep weak ones), so that `shutdown()` can free them: see `release_groups`."""
     failure: BaseException | None = None
     """Set when this rank is failing: leaving then waits for nobody."""
     async_group: dist.ProcessGroup | None = None
@@ -130,7 +133,20 @@ class Runtime:
         group: dist.ProcessGroup = dist.new_group(list(range(self.size)), timeout=self.timeout)
         n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
         self.group_names[id(group)] = f"{kind} {n}"
+        self.owned.append(group)
         return group
+
+    def release_groups(self) -> None:
+        """Drop every reference the runtime holds to a process group, after
+        `dist.destroy_process_group()`. A group's C++ object then ends at once, joining its
+        backend threads. Kept alive into interpreter exit, a Gloo worker thread still releasing
+        a finished call's tensors needs the GIL while Python finalizes, and the process aborts
+        ("terminate called without an active exception") after its work was done."""
+        self.local_group = self.cross_group = self.async_group = None
+        self.owned.clear()
+        self.group_names.clear()
+        self.sequence.clear()
+        self.workspace.clear()
 
     def group_label(self, group: dist.ProcessGroup) -> str:
         """'world', 'host-local', ... or the group's ranks, for messages."""
@@ -192,6 +208,11 @@ def _pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.de
 
 
 def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
+    # torch.distributed.nn.functional takes `group=group.WORLD` as a default argument: imported
+    # after init (torch._dynamo pulls it in lazily), it would hold the world group forever and
+    # `shutdown()` could not free it (see `Runtime.release_groups`). Imported first, it holds None.
+    import torch.distributed.nn.functional  # noqa: F401
+
     if size == 1 and "MASTER_ADDR" not in os.environ:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
@@ -417,6 +438,8 @@ def shutdown() -> None:
             _runtime._executor.shutdown(wait=not failing, cancel_futures=True)
     if dist.is_initialized() and not failing:
         dist.destroy_process_group()
+        if _runtime is not None:
+            _runtime.release_groups()
     _runtime = None
 
 

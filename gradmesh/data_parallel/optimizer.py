@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -145,7 +146,8 @@ class GradientReducer:
         self.passes_per_step = backward_passes_per_step
         self.on_nonfinite = on_nonfinite
         self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
-        self.group = self._own_group()
+        own = self._own_group()
+        self._group = weakref.ref(own) if own is not None else None  # the runtime owns it
         self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
@@ -161,6 +163,18 @@ class GradientReducer:
         self.synced = False
         for _, p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """This optimizer's own group; an error once `gradmesh.shutdown()` freed it."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise GradmeshError(
+                f"rank {self.rt.rank}: DistributedOptimizer used after gradmesh.shutdown()"
+            )
+        return group
 
     def _own_group(self) -> dist.ProcessGroup | None:
         """A process group for this optimizer's buckets alone. Their layout is fixed and checked

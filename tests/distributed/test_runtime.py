@@ -160,3 +160,38 @@ def failing_rank() -> None:
 def test_harness_surfaces_the_failing_rank() -> None:
     with pytest.raises(AssertionError, match=r"rank 1 of 2 failed:(.|\n)*boom on purpose"):
         run_ranks(failing_rank, 2, timeout=20)
+
+
+def groups_left_after_shutdown() -> tuple[int, int, str]:
+    """Weak references to every process group a job holds, taken before `shutdown()`."""
+    import weakref
+
+    from gradmesh.errors import GradmeshError
+    from gradmesh.runtime import resolve_world, shutdown
+
+    rt = gradmesh.get_runtime()
+    model = torch.nn.Linear(4, 2)
+    opt = gradmesh.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    model(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    groups = [resolve_world(), rt.async_group, rt.local_group, rt.cross_group, *rt.owned]
+    refs = [weakref.ref(g) for g in groups if g is not None]
+    del groups
+    shutdown()
+    try:
+        opt.step()
+        error = ""
+    except GradmeshError as exc:
+        error = str(exc)
+    return len(refs), [i for i, r in enumerate(refs) if r() is not None], error
+
+
+def test_shutdown_frees_every_group_while_the_job_still_holds_its_optimizer() -> None:
+    # a group kept alive into interpreter exit keeps its Gloo threads, and one of them releasing
+    # a finished call's tensors while Python finalizes aborted the process ("terminate called")
+    got = run_ranks(groups_left_after_shutdown, 2)
+    for made, alive, _ in got:
+        assert made >= 3 and alive == []
+    assert got[1][2] == "rank 1: DistributedOptimizer used after gradmesh.shutdown()"
