@@ -32,7 +32,6 @@ _EXPORTS = {
     "Sum": "gradmesh.data_parallel.optimizer",
     "broadcast_parameters": "gradmesh.data_parallel.optimizer",
     "GradmeshError": "gradmesh.errors",
-    "WorkerGrid": "gradmesh.runtime",
     "barrier": "gradmesh.runtime",
     "cross_rank": "gradmesh.runtime",
     "cross_size": "gradmesh.runtime",
@@ -40,6 +39,7 @@ _EXPORTS = {
     "is_initialized": "gradmesh.runtime",
     "local_rank": "gradmesh.runtime",
     "local_size": "gradmesh.runtime",
+    "mesh": "gradmesh.runtime",
     "rank": "gradmesh.runtime",
     "get_runtime": "gradmesh.runtime",
     "shutdown": "gradmesh.runtime",
@@ -65,7 +65,6 @@ if TYPE_CHECKING:
     from gradmesh.errors import GradmeshError
     from gradmesh.horovod import allgather, allreduce, allreduce_async, broadcast, join
     from gradmesh.runtime import (
-        WorkerGrid,
         barrier,
         cross_rank,
         cross_size,
@@ -74,6 +73,7 @@ if TYPE_CHECKING:
         is_initialized,
         local_rank,
         local_size,
+        mesh,
         rank,
         shutdown,
         size,

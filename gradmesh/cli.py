@@ -14,7 +14,7 @@ from importlib import import_module
 from typing import NoReturn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.train.config import TrainConfig, field_kind, field_value
+from gradmesh.train.config import COMPONENTS, TrainConfig, field_kind, field_value
 
 USAGE_ERROR = 2
 
@@ -28,17 +28,19 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, grouped in the help by the component that owns the field."""
     parser.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
-    for f in dataclasses.fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if field_kind(TrainConfig, f.name)[0] is bool:
-            parser.add_argument(
-                flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
-            )
-            continue
-        parser.add_argument(
-            flag, dest=f.name, default=None, help=f"{f.metadata['help']} (default: {f.default})"
-        )
+    for title, component in COMPONENTS:
+        group = parser.add_argument_group(title, (component.__doc__ or "").split("\n")[0])
+        for f in dataclasses.fields(component):
+            flag = "--" + f.name.replace("_", "-")
+            if field_kind(TrainConfig, f.name)[0] is bool:
+                group.add_argument(
+                    flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
+                )
+                continue
+            shown = f" (default: {f.default})" if f.default not in ("", None) else ""
+            group.add_argument(flag, dest=f.name, default=None, help=f.metadata["help"] + shown)
 
 
 def _train_config(args: argparse.Namespace) -> TrainConfig:
@@ -58,6 +60,10 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
     config = _train_config(args)
     config.validate()
     config.check_outputs()
+    if config.tensor_parallel * config.pipeline_parallel > 1 or config.microbatches > 1:
+        from gradmesh.train.trainer import check_layout
+
+        check_layout(config)  # builds the model: the launcher imports torch only when needed
     if config.checkpoint_dir:
         from gradmesh.train.trainer import check_resume
 

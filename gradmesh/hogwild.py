@@ -60,6 +60,11 @@ def _check_one_host() -> None:
         )
     if rt.device.type != "cpu":
         raise GradmeshError(f"hogwild shares CPU memory; this rank trains on {rt.device}")
+    if rt.mesh.split:
+        raise GradmeshError(
+            f"hogwild shares one whole model between workers; this job splits it "
+            f"({rt.mesh.shape.describe()}): use tensor and pipeline parallel 1"
+        )
 
 
 def share_model(model: nn.Module, lock: bool = False) -> SharedModel:

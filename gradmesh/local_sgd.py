@@ -39,11 +39,12 @@ class Averager:
             raise GradmeshError("--sync-every must be >= 1 and --warmup-sync-steps >= 0")
 
     def _average(self, tensors: list[torch.Tensor]) -> None:
-        if get_runtime().size == 1 or not tensors:
+        replicas = get_runtime().dp  # the ranks holding the same part of the model
+        if replicas.size == 1 or not tensors:
             return
         with torch.no_grad():
             for flat, members in flat_buffers(tensors):
-                allreduce(flat, op="average", algorithm=self.algorithm)
+                allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
                 unpack(flat, members)
 
     def before_step(self) -> None:

@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from gradmesh.axes import Axis, Mesh, MeshShape, build_mesh
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -37,38 +38,6 @@ must not outlive."""
 _PR_SET_PDEATHSIG = 1
 
 
-@dataclass(frozen=True)
-class WorkerGrid:
-    """The data-parallel x model-parallel layout of the world; strategies split ranks along it."""
-
-    data: int
-    """Number of model replicas (data-parallel degree)."""
-    model: int = 1
-    """Number of ranks one replica is split over (tensor x pipeline degree)."""
-
-    def __post_init__(self) -> None:
-        if self.data < 1 or self.model < 1:
-            raise GradmeshError(
-                f"worker grid axes must be >= 1, got data={self.data} model={self.model}"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.data * self.model
-
-    def check(self, world_size: int) -> None:
-        """Raise unless data x model covers exactly `world_size` ranks."""
-        if self.world_size != world_size:
-            raise GradmeshError(
-                f"worker grid data={self.data} x model={self.model} = {self.world_size} "
-                f"does not match the world size {world_size}"
-            )
-
-    def coords(self, rank: int) -> tuple[int, int]:
-        """(data index, model index) of `rank`; model-parallel peers are adjacent ranks."""
-        return divmod(rank, self.model)
-
-
 @dataclass
 class CommStats:
     """What this rank has communicated: counted by the collectives, read by reports."""
@@ -78,11 +47,16 @@ class CommStats:
     comm_s: float = 0.0
     """Seconds spent waiting in communication calls."""
     calls: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    """Bytes sent by what they were for: 'sync' (replicas agreeing: gradients, parameters),
+    'tensor_parallel' (a split layer's activations), 'pipeline' (activations between stages),
+    'metrics' (losses and accuracies)."""
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, kind: str = "sync") -> None:
         self.bytes_sent += nbytes
         self.comm_s += seconds
         self.calls += 1
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
 
 
 @dataclass
@@ -100,7 +74,9 @@ class Runtime:
     timeout: timedelta
     local_group: dist.ProcessGroup | None
     cross_group: dist.ProcessGroup | None
-    grid: WorkerGrid
+    mesh: Mesh
+    """The world as dp x pp x tp (`gradmesh.mesh()`): `tensor_parallel` x `pipeline_parallel`
+    adjacent ranks hold one replica of the model, the rest of the world is data-parallel."""
     comm: CommStats = field(default_factory=CommStats)
     workspace: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     """Scratch buffers of the collectives, kept across calls so the hot path allocates nothing."""
@@ -127,14 +103,26 @@ class Runtime:
         self.sequence[id(group)] = n
         return n
 
-    def new_group(self, kind: str) -> dist.ProcessGroup:
-        """A new group over the whole world with the job's timeout, named '<kind> <n>' in
-        messages (n counts the groups of that kind). Every rank must call it, in the same order."""
-        group: dist.ProcessGroup = dist.new_group(list(range(self.size)), timeout=self.timeout)
+    def new_group(self, kind: str, axis: str | None = None) -> dist.ProcessGroup:
+        """A new group over the whole world (or over this rank's line of mesh `axis`) with the
+        job's timeout, named '<kind> <n>' in messages (n counts the groups of that kind). Every
+        rank must call it, in the same order."""
+        lines = [list(range(self.size))] if axis is None else self.mesh.shape.lines(axis)
+        mine: dist.ProcessGroup | None = None
+        for line in lines:
+            group = dist.new_group(line, timeout=self.timeout)
+            if self.rank in line:
+                mine = group
+        assert mine is not None
         n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
-        self.group_names[id(group)] = f"{kind} {n}"
-        self.owned.append(group)
-        return group
+        self.group_names[id(mine)] = f"{kind} {n}" + (f" ({axis})" if axis else "")
+        self.owned.append(mine)
+        return mine
+
+    @property
+    def dp(self) -> Axis:
+        """This rank's data-parallel axis: the replicas that average with it."""
+        return self.mesh["dp"]
 
     def release_groups(self) -> None:
         """Drop every reference the runtime holds to a process group, after
@@ -143,6 +131,7 @@ class Runtime:
         a finished call's tensors needs the GIL while Python finalizes, and the process aborts
         ("terminate called without an active exception") after its work was done."""
         self.local_group = self.cross_group = self.async_group = None
+        self.mesh.release()
         self.owned.clear()
         self.group_names.clear()
         self.sequence.clear()
@@ -262,14 +251,28 @@ def _host_groups(
     return local_group, cross_group, cross_members.index(rank), len(cross_members)
 
 
-def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
+def init(
+    timeout_s: float | None = None,
+    backend: str | None = None,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> Runtime:
     """Join the job described by the torchrun environment (or a world of one) and return it.
 
     `timeout_s` bounds rendezvous and every collective (default 60 s, or GRADMESH_TIMEOUT_S).
-    Calling `init()` again in an initialised process returns the existing runtime.
+    `tensor_parallel` x `pipeline_parallel` adjacent ranks hold one replica of the model; the
+    mesh (`gradmesh.mesh()`) has one group per axis. Calling `init()` again in an initialised
+    process returns the existing runtime.
     """
     global _runtime
     if _runtime is not None:
+        asked = (tensor_parallel, pipeline_parallel)
+        if asked != (1, 1) and asked != (_runtime.mesh.shape.tp, _runtime.mesh.shape.pp):
+            raise GradmeshError(
+                f"gradmesh is already initialised with {_runtime.mesh.shape.describe()}: "
+                f"call shutdown() before init(tensor_parallel={asked[0]}, "
+                f"pipeline_parallel={asked[1]})"
+            )
         return _runtime
     rank = _env_int("RANK", 0)
     size = _env_int("WORLD_SIZE", 1)
@@ -278,6 +281,7 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
     if size < 1 or not 0 <= rank < size:
         raise GradmeshError(f"bad process world: RANK={rank} WORLD_SIZE={size}")
     timeout = timedelta(seconds=_timeout_s(timeout_s))
+    shape = MeshShape.for_world(size, tp=tensor_parallel, pp=pipeline_parallel)
     bind_to_launcher(rank)
     chosen, device = _pick_backend(local_size, backend)
     _connect(chosen, rank, size, timeout)
@@ -287,6 +291,7 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
     if local_group is not None:
         local_size = dist.get_world_size(local_group)
     async_group = dist.new_group(list(range(size)), timeout=timeout) if size > 1 else None
+    owned: list[dist.ProcessGroup] = []
     if not getattr(sys.excepthook, "gradmesh", False):  # once per process, however many inits
         atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
         sys.excepthook = _failing_hook(sys.excepthook)
@@ -302,11 +307,14 @@ def init(timeout_s: float | None = None, backend: str | None = None) -> Runtime:
         timeout=timeout,
         local_group=local_group,
         cross_group=cross_group,
-        grid=WorkerGrid(data=size),
+        mesh=build_mesh(shape, rank, timeout, owned),
         async_group=async_group,
+        owned=owned,
     )
     world = resolve_world()
     _runtime.group_names.update({id(world): "world"})
+    for axis in _runtime.mesh.axes.values():
+        _runtime.group_names[id(axis.group)] = f"{axis.name} axis"
     for group, label in (
         (async_group, "world (comm thread)"),
         (local_group, "host-local"),
@@ -381,6 +389,11 @@ def get_runtime() -> Runtime:
     if _runtime is None:
         raise GradmeshError("gradmesh is not initialised: call gradmesh.init() first")
     return _runtime
+
+
+def mesh() -> Mesh:
+    """The world as dp x pp x tp: `gradmesh.mesh()["dp"].group`, `.size`, `.index`."""
+    return get_runtime().mesh
 
 
 def rank() -> int:

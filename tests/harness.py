@@ -38,13 +38,14 @@ def _rank_main(
     args: tuple[Any, ...],
     env: dict[str, str],
     results: mp.Queue,  # type: ignore[type-arg]
+    init: dict[str, Any],
 ) -> None:
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
         import gradmesh
 
-        gradmesh.init()
+        gradmesh.init(**init)
         # pickled by value here: the queue's own pickler would send tensors as shared-memory
         # handles that die with this process
         results.put((rank, "ok", pickle.dumps(fn(*args))))
@@ -63,8 +64,10 @@ def run_ranks(
     timeout: float = 60.0,
     local_size: int | None = None,
     extra_env: dict[str, str] | None = None,
+    init: dict[str, Any] | None = None,
 ) -> list[Any]:
-    """Run `fn(*args)` on `world` ranks; return the per-rank results in rank order."""
+    """Run `fn(*args)` on `world` ranks, each after `gradmesh.init(**init)`; return the per-rank
+    results in rank order."""
     port = free_port()
     results: mp.Queue = _CTX.Queue()  # type: ignore[type-arg]
     procs = []
@@ -84,7 +87,9 @@ def run_ranks(
             "GRADMESH_TEST_TAG": os.environ.get("GRADMESH_TEST_TAG", ""),
             **(extra_env or {}),
         }
-        proc = _CTX.Process(target=_rank_main, args=(fn, args, env, results), daemon=True)
+        proc = _CTX.Process(
+            target=_rank_main, args=(fn, args, env, results, init or {}), daemon=True
+        )
         proc.start()
         procs.append(proc)
     outcome: dict[int, Any] = {}

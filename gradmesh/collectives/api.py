@@ -47,11 +47,13 @@ def run_collective(
     group: dist.ProcessGroup | None,
     name: str | None = None,
     check: Check | None = None,
+    kind: str = "sync",
 ) -> torch.Tensor:
     """Run `body` on a flat contiguous view of `tensor` with accounting; copy back if needed.
 
     Every rank's signature for the call is checked first (posted here unless the caller gives
-    its own `check`); `name` is the caller's name for the tensor, part of the signature."""
+    its own `check`); `name` is the caller's name for the tensor, part of the signature; the
+    bytes sent are counted under `kind` (see `CommStats.by_kind`)."""
     rt = get_runtime()
     pg = resolve_group(group)
     if dist.get_world_size(pg) == 1:
@@ -62,7 +64,7 @@ def run_collective(
     channel = Channel(rt, pg, check.label)
     started = time.perf_counter()
     body(work.view(-1), channel)
-    rt.comm.add(channel.sent, time.perf_counter() - started)
+    rt.comm.add(channel.sent, time.perf_counter() - started, kind)
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -75,6 +77,7 @@ def allreduce(
     group: dist.ProcessGroup | None = None,
     name: str | None = None,
     check: Check | None = None,
+    kind: str = "sync",
 ) -> torch.Tensor:
     """Reduce `tensor` in place over `group` (default: the whole world) and return it.
 
@@ -85,7 +88,7 @@ def allreduce(
     if op not in ("sum", "average"):
         raise GradmeshError(f"unknown reduction op {op!r} (valid: average, sum)")
     body = ALGORITHMS.get(algorithm)
-    run_collective(tensor, f"{algorithm} allreduce", body, group, name, check)
+    run_collective(tensor, f"{algorithm} allreduce", body, group, name, check, kind)
     if op == "average":
         p = dist.get_world_size(resolve_group(group))
         if tensor.is_floating_point() or tensor.is_complex():

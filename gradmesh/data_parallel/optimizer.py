@@ -57,8 +57,9 @@ def check_models_agree(
     """Raise, naming the first differing parameter and the ranks, unless every rank has the
     same parameter names, shapes and dtypes. Compares checksums first; text only on mismatch."""
     mine = describe(params)
+    ranks = dist.get_process_group_ranks(group)
     digest = torch.tensor([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=torch.int64)
-    rows = [torch.empty_like(digest) for _ in range(rt.size)]
+    rows = [torch.empty_like(digest) for _ in ranks]
     try:
         dist.all_gather(rows, digest, group=group)
     except RuntimeError as exc:
@@ -69,12 +70,12 @@ def check_models_agree(
     if all(torch.equal(r, rows[0]) for r in rows):
         return
     text = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(rt.size)]
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
     dist.all_gather(lengths, torch.tensor([text.numel()]), group=group)
     longest = int(max(int(n) for n in lengths))
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: text.numel()] = text
-    texts = [torch.empty_like(padded) for _ in range(rt.size)]
+    texts = [torch.empty_like(padded) for _ in ranks]
     dist.all_gather(texts, padded, group=group)
     listings = [
         json.loads(bytes(t[: int(n)].tolist()).decode())
@@ -83,7 +84,7 @@ def check_models_agree(
     for i in range(max(len(x) for x in listings)):
         entries = [x[i] if i < len(x) else "(none)" for x in listings]
         if len(set(entries)) > 1:
-            which = "; ".join(f"rank {r}: {e}" for r, e in enumerate(entries))
+            which = "; ".join(f"rank {r}: {e}" for r, e in zip(ranks, entries, strict=True))
             raise GradmeshError(
                 f"rank {rt.rank}: models differ across ranks at parameter #{i}: {which}"
             )
@@ -91,18 +92,20 @@ def check_models_agree(
 
 class NativeWork:
     """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
-    on the default group (as torch DDP does): no thread handoff on the hot path."""
+    on the optimizer's group (as torch DDP does): no thread handoff on the hot path."""
 
-    def __init__(self, rt: Runtime, bucket: Bucket, codec: Codec, label: str) -> None:
+    def __init__(
+        self, rt: Runtime, bucket: Bucket, codec: Codec, label: str, group: dist.ProcessGroup
+    ) -> None:
         self.rt, self.bucket, self.codec, self.label = rt, bucket, codec, label
         self.payload, self.ctx = codec.compress(bucket.buffer)
         self.started = time.perf_counter()
         try:
-            self.work = dist.all_reduce(self.payload, async_op=True)
+            self.work = dist.all_reduce(self.payload, group=group, async_op=True)
         except RuntimeError as exc:
             raise self._error(exc) from None
         nbytes = self.payload.numel() * self.payload.element_size()
-        rt.comm.add(modelled_bytes_sent(rt.size, nbytes), 0.0)
+        rt.comm.add(modelled_bytes_sent(dist.get_world_size(group), nbytes), 0.0)
 
     def _error(self, exc: BaseException) -> PeerFailure:
         return PeerFailure(
@@ -139,6 +142,8 @@ class GradientReducer:
         on_nonfinite: OnNonfinite,
     ) -> None:
         self.rt = get_runtime()
+        self.replicas = self.rt.dp.size
+        """Ranks on the data-parallel axis: the replicas this optimizer averages over."""
         self.params = params
         self.algorithm = algorithm
         self.op = op
@@ -182,7 +187,7 @@ class GradientReducer:
         and a rank that steps two optimizers in another order than its peers times out naming
         the optimizer instead of reducing one's buckets with the other's (Gloo aborts the
         process on such a size mismatch)."""
-        return self.rt.new_group("DistributedOptimizer") if self.rt.size > 1 else None
+        return self.rt.new_group("DistributedOptimizer", "dp") if self.replicas > 1 else None
 
     # -- during backward -------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -225,7 +230,7 @@ class GradientReducer:
             self.next_launch += 1
 
     def _submit(self, bucket: Bucket) -> Future[None] | NativeWork:
-        if self.rt.size == 1:
+        if self.replicas == 1:
             done: Future[None] = Future()
             done.set_result(None)
             return done
@@ -233,7 +238,7 @@ class GradientReducer:
         assert self.group is not None
         check = FixedLayout.post(self.rt, self.group, f"{self.algorithm} allreduce")
         if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
-            return NativeWork(self.rt, bucket, self.codec, check.label)
+            return NativeWork(self.rt, bucket, self.codec, check.label, self.group)
         return self.rt.comm_executor().submit(self._reduce, bucket, check)
 
     def _reduce(self, bucket: Bucket, check: FixedLayout) -> None:
@@ -261,7 +266,7 @@ class GradientReducer:
             return
         if self.next_launch < len(self.buckets):  # no (or an unfinished) backward this step
             self._flush()
-        self.unpack_all(self._wait_all() if self.rt.size > 1 else 1.0)
+        self.unpack_all(self._wait_all() if self.replicas > 1 else 1.0)
 
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
@@ -287,7 +292,7 @@ class GradientReducer:
         """One step's reductions with zero gradients from this rank; returns how many ranks are
         still training (0 once every rank has joined). The buffers hold the reduced sums."""
         self.reset()
-        if self.rt.size == 1:
+        if self.replicas == 1:
             return 0.0
         for bucket in self.buckets:
             bucket.ready.update(range(len(bucket.params)))
@@ -411,17 +416,21 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
 
 
 def broadcast_parameters(
-    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], root_rank: int = 0
+    params: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    root_rank: int = 0,
+    group: dist.ProcessGroup | None = None,
 ) -> None:
-    """Overwrite every rank's tensors with `root_rank`'s in place (state_dict or named_parameters).
+    """Overwrite every rank's tensors with `root_rank`'s in place (state_dict or named_parameters),
+    over the whole world or over `group` (which holds `root_rank`, a global rank).
 
     Tensors are sent in the given order, which must be the same on every rank.
     """
     items = list(params.items()) if isinstance(params, Mapping) else list(params)
     tensors = [t.data if isinstance(t, torch.nn.Parameter) else t for _, t in items]
-    if get_runtime().size == 1 or not tensors:
+    members = get_runtime().size if group is None else dist.get_world_size(group)
+    if members == 1 or not tensors:
         return
     with torch.no_grad():
-        for flat, members in flat_buffers(tensors):
-            broadcast(flat, root=root_rank)
-            unpack(flat, members)
+        for flat, views in flat_buffers(tensors):
+            broadcast(flat, root=root_rank, group=group)
+            unpack(flat, views)

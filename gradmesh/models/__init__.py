@@ -1,6 +1,10 @@
 """Models by name: each builder takes (input_shape, num_classes) and returns an `nn.Module`;
 models of feature-id inputs (`FEATURE_ID_MODELS`) also take the number of ids, `vocab`.
-`build_model` picks the call from the dataset and says which pairs do not fit."""
+`build_model` picks the call from the dataset and says which pairs do not fit.
+
+A model that can be split over tensor-parallel ranks declares its plan next to its definition
+(`TP_PLANS`: layer name -> colwise or rowwise, see `gradmesh.layout.tensor_parallel`); every
+`nn.Sequential` model can be cut into pipeline stages."""
 
 from collections.abc import Callable
 
@@ -13,6 +17,7 @@ from gradmesh.registry import Registry
 
 ModelFn = Callable[..., nn.Module]
 MODELS: Registry[ModelFn] = Registry("model")
+TP_PLANS: Registry[dict[str, str]] = Registry("tensor-parallel plan")
 FEATURE_ID_MODELS = {"bag"}
 
 
@@ -60,6 +65,44 @@ def small_cnn(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     )
 
 
+# each convolution pair and the fully connected pair: column-parallel, then row-parallel
+TP_PLANS.register("cnn")({"0": "colwise", "2": "rowwise", "6": "colwise", "8": "rowwise"})
+
+
+@MODELS.register("alexnet")
+def alexnet(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """AlexNet's shape at 32x32: three convolution blocks (3x3, ReLU, 2x2 max-pool) then three
+    fully connected layers of 1024 units, which hold 97% of the ~2.7M parameters (as AlexNet's
+    and VGG's hold over 85%): the model where splitting the weights pays."""
+    if len(input_shape) != 3 or input_shape[1] % 8 or input_shape[2] % 8:
+        raise GradmeshError(
+            "model alexnet needs (channels, height, width) inputs with height and width "
+            f"multiples of 8, got shape {input_shape}"
+        )
+    channels, height, width = input_shape
+    return nn.Sequential(
+        nn.Conv2d(channels, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(64, 96, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(96 * (height // 8) * (width // 8), 1024),
+        nn.ReLU(),
+        nn.Linear(1024, 1024),
+        nn.ReLU(),
+        nn.Linear(1024, num_classes),
+    )
+
+
+# the convolutions (3% of the weights) stay whole; the first two fully connected layers split
+TP_PLANS.register("alexnet")({"10": "colwise", "12": "rowwise"})
+
+
 @MODELS.register("mlp")
 def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """One hidden layer of 128 units on the flattened input."""
@@ -67,6 +110,9 @@ def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     return nn.Sequential(
         nn.Flatten(), nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, num_classes)
     )
+
+
+TP_PLANS.register("mlp")({"1": "colwise", "3": "rowwise"})
 
 
 @MODELS.register("linear")

@@ -94,23 +94,43 @@ def check_writable(path: str, what: str, directory: bool = False) -> None:
 
 
 @dataclass
-class TrainConfig:
-    """What to train, how, and on how many workers."""
+class JobConfig:
+    """The job: how many workers, how long, how it fails."""
 
     workers: int = option(2, "number of worker processes on this host")
+    epochs: int = option(12, "passes over the training set")
+    seed: int = option(0, "seed for model initialisation and data order")
+    timeout_s: float = option(60.0, "seconds before a rendezvous or collective is declared failed")
+    emulate_compute_ms: float = option(
+        0.0, "benchmarks: sleep this long per step, standing in for a bigger model's compute"
+    )
+
+
+@dataclass
+class LayoutConfig:
+    """Layout: how one replica of the model is split over ranks (the rest of the workers are
+    data-parallel replicas)."""
+
+    tensor_parallel: int = option(1, "ranks each layer of the model's plan is split over (tp)")
+    pipeline_parallel: int = option(1, "pipeline stages the model's layers are cut into (pp)")
+    microbatches: int = option(1, "pipeline: micro-batches per replica's batch")
+    schedule: str = option("1f1b", "pipeline schedule: gpipe or 1f1b")
+    stages: str = option(
+        "",
+        "pipeline: first layer index of each stage after the first, like 4,9 (default: "
+        "balanced by measured layer time)",
+    )
+
+
+@dataclass
+class StrategyConfig:
+    """Strategy: how the replicas agree."""
+
     strategy: str = option("allreduce", "how workers cooperate (a registered strategy)")
     allreduce: str = option("native", "allreduce algorithm for gradient averaging")
-    model: str = option("cnn", "model to train (a registered model)")
-    dataset: str = option("digits", "dataset to train on (a registered dataset)")
-    synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
-    synthetic_classes: int = option(10, "number of classes of the synthetic dataset")
-    synthetic_samples: int = option(2048, "number of samples of the synthetic dataset")
-    epochs: int = option(12, "passes over the training set")
-    batch_size: int = option(64, "global batch size, split across the workers")
-    lr: float = option(0.05, "learning rate")
-    momentum: float = option(0.9, "SGD momentum")
-    weight_decay: float = option(0.0, "L2 weight decay")
-    seed: int = option(0, "seed for model initialisation and data order")
+    fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
+    compression: str = option("none", "gradient compression codec (none, fp16)")
+    on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step")
     sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
     averaging_algorithm: str = option("native", "local-sgd: allreduce algorithm for averaging")
     warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
@@ -123,21 +143,63 @@ class TrainConfig:
     staleness_lr: bool = option(False, "ps: divide each gradient's step by its staleness")
     server_optimizer: str = option("sgd", "ps: sgd (with --momentum), adagrad, adam, adarevision")
     lost_after_s: float = option(10.0, "ps: a worker silent this long is declared lost")
-    fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
-    compression: str = option("none", "gradient compression codec (none, fp16)")
-    lr_scaling: str = option("none", "large-batch rule: linear (lr x workers or x batch/reference)")
+
+
+@dataclass
+class DataConfig:
+    """Model and data: what is trained, on what."""
+
+    model: str = option("cnn", "model to train (a registered model)")
+    dataset: str = option("digits", "dataset to train on (a registered dataset)")
+    batch_size: int = option(64, "global batch size, split across the data-parallel replicas")
+    synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
+    synthetic_classes: int = option(10, "number of classes of the synthetic dataset")
+    synthetic_samples: int = option(2048, "number of samples of the synthetic dataset")
+
+
+@dataclass
+class OptimizerConfig:
+    """Optimizer: how each rank updates its own parameters."""
+
+    optimizer: str = option("sgd", "optimizer (a registered one: sgd, adam, adamw)")
+    lr: float = option(0.05, "learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    weight_decay: float = option(0.0, "L2 weight decay (decoupled for adamw)")
+    lr_scaling: str = option(
+        "none", "large-batch rule: linear (lr x replicas or x batch/reference)"
+    )
     reference_batch: int = option(0, "with --lr-scaling linear: batch the base lr was tuned for")
     warmup_epochs: float = option(0.0, "gradual linear warm-up to the scaled lr over K epochs")
-    on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step")
-    emulate_compute_ms: float = option(
-        0.0, "benchmarks: sleep this long per step, standing in for a bigger model's compute"
-    )
+
+
+@dataclass
+class OutputConfig:
+    """Output: what the run writes."""
+
     timeline: str | None = option(None, "write a Chrome trace per rank to this path")
     checkpoint_dir: str | None = option(
         None, "save a checkpoint here after every epoch and resume from the newest one"
     )
     json: str | None = option(None, "write the run report as JSON to this path")
-    timeout_s: float = option(60.0, "seconds before a rendezvous or collective is declared failed")
+
+
+COMPONENTS: tuple[tuple[str, type], ...] = (
+    ("job", JobConfig),
+    ("layout", LayoutConfig),
+    ("strategy", StrategyConfig),
+    ("model and data", DataConfig),
+    ("optimizer", OptimizerConfig),
+    ("output", OutputConfig),
+)
+"""Each component's own config, in the order `gradmesh train --help` shows them."""
+
+
+@dataclass
+class TrainConfig(
+    OutputConfig, OptimizerConfig, DataConfig, StrategyConfig, LayoutConfig, JobConfig
+):
+    """What to train, how, and on how many workers: every component's fields, flat (one TOML
+    table, one JSON object), each defined once in its component's dataclass."""
 
     def validate(self) -> None:
         """Raise a one-line `GradmeshError` for values no run can use."""
@@ -177,10 +239,40 @@ class TrainConfig:
         if self.lr <= 0 or self.timeout_s <= 0:
             raise GradmeshError("--lr and --timeout-s must be > 0")
         self._validate_ps()
+        self._validate_layout()
         if self.batch_size < self.workers:
             raise GradmeshError(
                 f"global batch {self.batch_size} is smaller than "
                 f"the number of workers {self.workers}"
+            )
+
+    def _validate_layout(self) -> None:
+        from gradmesh.axes import MeshShape
+        from gradmesh.train.strategies import SPLIT_LAYOUTS
+
+        shape = MeshShape.for_world(self.workers, self.tensor_parallel, self.pipeline_parallel)
+        split = shape.tp * shape.pp > 1
+        if split and self.strategy not in SPLIT_LAYOUTS:
+            raise GradmeshError(
+                f"strategy {self.strategy} needs the whole model on every worker; with "
+                f"--tensor-parallel/--pipeline-parallel use {' or '.join(sorted(SPLIT_LAYOUTS))}"
+            )
+        if split and self.checkpoint_dir:
+            raise GradmeshError(
+                "--checkpoint-dir saves a whole model; checkpoints of a split model "
+                "(tensor or pipeline parallel) are not written yet"
+            )
+        if self.stages and shape.pp == 1:
+            raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
+        if self.schedule not in ("gpipe", "1f1b"):
+            raise GradmeshError(f"unknown --schedule {self.schedule!r} (valid: 1f1b, gpipe)")
+        per_replica = self.batch_size // shape.dp
+        if self.microbatches > 1 and self.batch_size % (shape.dp * self.microbatches):
+            fits = [m for m in range(1, per_replica + 1) if per_replica % m == 0 and m <= 64]
+            raise GradmeshError(
+                f"global batch {self.batch_size} over {shape.dp} replicas cannot be cut into "
+                f"{self.microbatches} equal micro-batches; --microbatches that fit: "
+                f"{', '.join(map(str, fits))}"
             )
 
     def check_outputs(self) -> None:

@@ -13,6 +13,9 @@ import torch.distributed as dist
 from gradmesh.runtime import Runtime
 from gradmesh.train.config import TrainConfig
 
+KINDS = ("sync", "tensor_parallel", "pipeline", "metrics")
+"""What bytes were sent for (`CommStats.by_kind`)."""
+
 
 @dataclass(frozen=True)
 class RankStats:
@@ -21,11 +24,18 @@ class RankStats:
     comm_s: list[float]
     compute_s: list[float]
     bytes_sent: list[int]
+    layout: dict[str, list[float]] = field(default_factory=dict)
+    """Per-rank layout figures: parameter and optimizer bytes held, bytes sent per step by kind,
+    pipeline bubble."""
 
 
-def gather_rank_stats(rt: Runtime, compute_s: float) -> RankStats:
-    """All-gather (comm seconds, compute seconds, bytes sent) from every rank."""
-    mine = torch.tensor([rt.comm.comm_s, compute_s, float(rt.comm.bytes_sent)], dtype=torch.float64)
+def gather_rank_stats(
+    rt: Runtime, compute_s: float, layout: dict[str, float] | None = None
+) -> RankStats:
+    """All-gather (comm seconds, compute seconds, bytes sent, layout figures) from every rank."""
+    names = sorted(layout or {})
+    values = [rt.comm.comm_s, compute_s, float(rt.comm.bytes_sent)]
+    mine = torch.tensor(values + [float((layout or {})[n]) for n in names], dtype=torch.float64)
     rows = [torch.empty_like(mine) for _ in range(rt.size)]
     dist.all_gather(rows, mine.to(rt.device))
     table = torch.stack([r.cpu() for r in rows])
@@ -33,6 +43,7 @@ def gather_rank_stats(rt: Runtime, compute_s: float) -> RankStats:
         comm_s=table[:, 0].tolist(),
         compute_s=table[:, 1].tolist(),
         bytes_sent=[int(b) for b in table[:, 2].tolist()],
+        layout={n: table[:, 3 + i].tolist() for i, n in enumerate(names)},
     )
 
 
@@ -59,8 +70,11 @@ class RunReport:
     dataset: str
     batch_size: int
     loss_history: list[float]
-    per_rank: dict[str, list[Any]]
+    per_rank: dict[str, Any]
     strategy_info: dict[str, Any] = field(default_factory=dict)
+    layout: dict[str, Any] = field(default_factory=dict)
+    """dp, tp, pp, micro-batches, schedule; the per-rank means of parameter bytes held, bytes sent
+    per step by kind and (pipelines) the bubble; `per_rank["layout"]` has every rank's."""
 
     @classmethod
     def build(
@@ -73,6 +87,7 @@ class RunReport:
         wall_s: float,
         samples: int,
         stats: RankStats,
+        layout: dict[str, Any] | None = None,
     ) -> RunReport:
         return cls(
             test_accuracy=accuracy,
@@ -92,6 +107,7 @@ class RunReport:
             loss_history=losses,
             per_rank=dataclasses.asdict(stats),
             strategy_info=strategy_info,
+            layout={**(layout or {}), **{k: _mean(v) for k, v in stats.layout.items()}},
         )
 
     def to_json(self) -> str:
@@ -113,5 +129,23 @@ class RunReport:
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB",
+                *self._layout_lines(),
             ]
         )
+
+    def _layout_lines(self) -> list[str]:
+        lay = self.layout
+        if not lay or lay.get("tp", 1) * lay.get("pp", 1) == 1:
+            return []
+        split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"
+        if lay["pp"] > 1:
+            split += f", {lay['microbatches']} micro-batches {lay['schedule']}"
+            split += f", bubble {lay.get('bubble', 0.0):.2f}"
+        per_step = ", ".join(
+            f"{k} {lay.get(f'{k}_bytes_per_step', 0.0) / 1e3:.1f} kB" for k in KINDS[:3]
+        )
+        return [
+            split,
+            f"  per rank: parameters {lay.get('param_bytes', 0) / 1e6:.2f} MB; "
+            f"sent per step: {per_step}",
+        ]

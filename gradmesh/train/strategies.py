@@ -1,7 +1,10 @@
-"""Strategies by name: how a rank takes part in training; the loop itself exists once (trainer.py).
+"""Strategies by name: how replicas agree; the loop itself exists once (trainer.py).
 
-A strategy prepares the model and optimizer (broadcasts, wrappers) and adds what it knows to the
-report; the trainer does forward, backward and `optimizer.step()` the same way for all of them.
+A strategy prepares this rank's part of the model and the optimizer built over it (broadcasts,
+wrappers) and adds what it knows to the report; the trainer steps the same way for all of them.
+Replicas are the ranks of the mesh's `dp` axis: under tensor or pipeline parallelism a strategy
+averages each part of the model with the ranks holding the same part, never with the world.
+Strategies that need the whole model on every rank say so in `SPLIT_LAYOUTS`.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ class _Defaults:
     """What most strategies do: one data shard per rank, nothing to finish, rank 0 reports."""
 
     def shard(self, rt: Runtime) -> tuple[int, int]:
-        return rt.rank, rt.size
+        return rt.dp.index, rt.dp.size
 
     def finish(self, samples: int, wall_s: float) -> None:
         pass
@@ -63,6 +66,13 @@ class _Defaults:
 
 
 STRATEGIES: Registry[Callable[[TrainConfig], Strategy]] = Registry("strategy")
+SPLIT_LAYOUTS = {"allreduce", "local-sgd"}
+"""The strategies that carry a model split by tensor or pipeline parallelism."""
+
+
+def broadcast_replica(model: nn.Module, rt: Runtime) -> None:
+    """This part of the model as the first replica holds it, on every replica."""
+    broadcast_parameters(model.state_dict(), root_rank=rt.dp.rank_at(0), group=rt.dp.group)
 
 
 @STRATEGIES.register("allreduce")
@@ -74,7 +84,8 @@ class AllreduceStrategy(_Defaults):
         self.optimizer: Optimizer | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
-        broadcast_parameters(model.state_dict(), root_rank=0)
+        broadcast_replica(model, rt)
+        pipelined = self.config.pipeline_parallel > 1
         self.optimizer = DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
@@ -82,6 +93,8 @@ class AllreduceStrategy(_Defaults):
             fusion_mb=self.config.fusion_mb,
             compression=self.config.compression,
             on_nonfinite="skip" if self.config.on_nonfinite == "skip" else "error",
+            # a pipeline stage accumulates one backward per micro-batch before its step
+            backward_passes_per_step=self.config.microbatches if pipelined else 1,
         )
         return self.optimizer
 
@@ -103,7 +116,7 @@ class LocalSGDStrategy(_Defaults):
         self.averager: Averager | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
-        broadcast_parameters(model.state_dict(), root_rank=0)
+        broadcast_replica(model, rt)
         params = [p for p in model.parameters() if p.requires_grad]
         self.averager = Averager(
             params,

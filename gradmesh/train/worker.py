@@ -23,7 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig.from_mapping(json.loads(args.config), "--config")
     rank = "?"
     try:
-        rt = init(timeout_s=config.timeout_s)
+        rt = init(
+            timeout_s=config.timeout_s,
+            tensor_parallel=config.tensor_parallel,
+            pipeline_parallel=config.pipeline_parallel,
+        )
         rank = str(rt.rank)
         report, writes = train(config, rt)
         if writes:

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from gradmesh.axes import MeshShape
 from gradmesh.errors import GradmeshError
 from gradmesh.models import MODELS
 from gradmesh.registry import Registry
-from gradmesh.runtime import WorkerGrid
 from gradmesh.train.config import TrainConfig, parse_shape
 
 
@@ -75,14 +75,19 @@ def test_parse_shape() -> None:
         parse_shape("0x3")
 
 
-def test_worker_grid_checks_the_world() -> None:
-    grid = WorkerGrid(data=2, model=3)
-    grid.check(6)
-    assert grid.coords(4) == (1, 1)
-    with pytest.raises(GradmeshError, match="data=2 x model=3 = 6 does not match the world size 4"):
-        grid.check(4)
-    with pytest.raises(GradmeshError):
-        WorkerGrid(data=0)
+def test_mesh_shape_puts_tensor_parallel_ranks_innermost() -> None:
+    shape = MeshShape.for_world(8, tp=2, pp=2)
+    assert (shape.dp, shape.pp, shape.tp) == (2, 2, 2)
+    assert shape.coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert shape.lines("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert shape.lines("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert shape.lines("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(
+        GradmeshError, match=r"6 workers cannot hold .* = 4 ranks: .* \(1, 2, 3, 6\)"
+    ):
+        MeshShape.for_world(6, tp=4)
+    with pytest.raises(GradmeshError, match="must be >= 1"):
+        MeshShape.for_world(4, tp=0)
 
 
 @pytest.mark.parametrize("name", ["cnn", "mlp", "linear"])

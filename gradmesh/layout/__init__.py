@@ -1,0 +1,142 @@
+"""Layouts: how one replica of the model is split over the ranks of the mesh's `tp` and `pp` axes.
+
+`split_model` applies the layout in one order, the one DESIGN.md documents: tensor parallelism
+first (each layer of the model's plan becomes this rank's slice), then pipeline parallelism (this
+rank keeps its stage's layers). It returns this rank's part of the model and the step engine that
+runs it: `PlainEngine` (forward, backward) or `PipelineEngine` (a schedule over micro-batches).
+`check_layout` says, before any process starts, why a layout cannot split a model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.pipeline import (
+    SCHEDULES,
+    PipelineEngine,
+    cut_stages,
+    layers_of,
+    parse_stages,
+    sample_shapes,
+    stage_module,
+)
+from gradmesh.layout.tensor_parallel import check_plan, parallelize
+from gradmesh.models import TP_PLANS
+from gradmesh.runtime import Runtime
+
+
+class Engine(Protocol):
+    """What the training loop and evaluation call instead of `model(x)` / `backward()`."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of (x, y), the loss scaled by `scale` before backward; returns
+        the unscaled loss summed over the samples (zero on ranks that do not see it)."""
+        ...
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `x` (None on ranks that do not produce them)."""
+        ...
+
+
+class PlainEngine:
+    """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        loss = F.cross_entropy(self.module(x), y, reduction="sum")
+        (loss * scale).backward()  # type: ignore[no-untyped-call]
+        return loss.detach().double()
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        out: torch.Tensor = self.module(x)
+        return out
+
+
+def tp_plan(model_name: str) -> dict[str, str]:
+    if model_name not in TP_PLANS:
+        raise GradmeshError(
+            f"model {model_name} has no tensor-parallel plan (models with one: "
+            f"{', '.join(TP_PLANS.names())})"
+        )
+    return TP_PLANS.get(model_name)
+
+
+@dataclass
+class Split:
+    """This rank's part of the model and how to run it."""
+
+    module: nn.Module
+    engine: Engine
+    info: dict[str, Any]
+    """For the report: the layout, and the stage's layers under pipeline parallelism."""
+    owns_output: bool
+    """Whether this rank's loss and logits are the replica's (the last stage, tp index 0):
+    the others' are not counted, so that sums over the world count each replica once."""
+
+
+def check_layout(
+    model: nn.Module,
+    model_name: str,
+    tp: int,
+    pp: int,
+    microbatches: int,
+    schedule: str,
+    stages: str,
+) -> None:
+    """One line, before launch, unless this layout can split `model`."""
+    if schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown --schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    if microbatches < 1:
+        raise GradmeshError(f"--microbatches must be >= 1, got {microbatches}")
+    if microbatches > 1 and pp == 1:
+        raise GradmeshError(
+            "--microbatches streams a pipeline: use it with --pipeline-parallel > 1"
+        )
+    if tp > 1:
+        check_plan(model, tp_plan(model_name), tp, model_name)
+    if pp > 1:
+        parse_stages(stages, len(layers_of(model, model_name)), pp)
+    elif stages:
+        raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
+
+
+def split_model(
+    model: nn.Module,
+    model_name: str,
+    rt: Runtime,
+    microbatches: int,
+    schedule: str,
+    stages: str,
+    sample: torch.Tensor,
+) -> Split:
+    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut.
+    Collective over the world when stages are balanced (the layer times are averaged)."""
+    tp, pp = rt.mesh["tp"], rt.mesh["pp"]
+    info: dict[str, Any] = {
+        "dp": rt.mesh.shape.dp,
+        "tp": tp.size,
+        "pp": pp.size,
+        "microbatches": microbatches if pp.size > 1 else 1,
+        "schedule": schedule if pp.size > 1 else None,
+    }
+    starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
+    module = parallelize(model, tp_plan(model_name), tp.size, tp.index) if tp.size > 1 else model
+    owns = tp.index == 0 and pp.index == pp.size - 1
+    if starts is None:
+        return Split(module, PlainEngine(module), info, owns)
+    shapes = sample_shapes(layers_of(module, model_name), sample[:1])
+    stage = stage_module(module, starts, pp.index)
+    first = starts[pp.index]
+    last = first + len(stage)
+    info["stage_layers"] = [[s, (starts + [len(shapes) - 1])[i + 1]] for i, s in enumerate(starts)]
+    engine = PipelineEngine(rt, stage, [shapes[first], shapes[last]], microbatches, schedule)
+    return Split(stage, engine, info, owns)

@@ -1,0 +1,312 @@
+"""Pipeline parallelism: the model's layer sequence cut into stages along the mesh's `pp` axis,
+micro-batches streamed through them with the GPipe or the 1F1B schedule.
+
+Stage s holds a contiguous run of the model's layers (an `nn.Sequential`; parameter names are
+kept, so a stage's state_dict reads like the matching part of the whole model's). The cut is
+given by the user (`--stages 4,9`: the first layer of each stage after the first) or balanced on
+the layers' forward+backward times, measured on every rank and averaged over the world so that
+every rank cuts alike.
+
+Each replica's batch is split into m micro-batches. GPipe runs every micro-batch's forward, then
+every backward; 1F1B runs p - s - 1 forwards, then alternates one forward and one backward, then
+drains the backwards, so a stage holds at most p - s micro-batches' activations instead of m.
+Both leave each stage idle for (p - 1) / (m + p - 1) of the step when stages take equal time
+(the bubble), which `PipelineEngine` measures as the step's time outside computation.
+
+Activations and their gradients travel as raw tensors over tagged point-to-point messages
+(`Channel`, with the job's timeout): every rank knows each boundary's per-sample shape from a dry
+run of the whole model on one sample, and each micro-batch's size from the batch, so nothing is
+described on the wire. Why not `torch.distributed.pipelining`: its stages infer shapes by sending
+pickled metadata (`send_object_list`) unless every shape is given up front, its schedules want
+equal micro-batches (an epoch's last batch is smaller), it is not tested on Gloo upstream, and its
+sends bypass gradmesh's timeouts that name the peer stage.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradmesh.collectives import allreduce
+from gradmesh.collectives.channel import Channel
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime import Runtime
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def layers_of(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
+    """The model's layer sequence, or one line saying the model cannot be cut into stages."""
+    if not isinstance(model, nn.Sequential):
+        raise GradmeshError(
+            f"model {name} is not a sequence of layers (nn.Sequential); pipeline parallelism "
+            "cuts a layer sequence into stages"
+        )
+    return list(model.named_children())
+
+
+def parse_stages(text: str, layers: int, pp: int) -> list[int] | None:
+    """'4,9' -> [0, 4, 9]: each stage's first layer; None when `text` is empty (balance)."""
+    if pp > layers:
+        raise GradmeshError(
+            f"--pipeline-parallel {pp} asks for more stages than the model's {layers} layers; "
+            f"at most {layers} stages fit"
+        )
+    if not text:
+        return None
+    try:
+        starts = [0, *(int(part) for part in text.split(","))]
+    except ValueError:
+        raise GradmeshError(f"--stages {text!r}: expected layer indices like 4,9") from None
+    if (
+        len(starts) != pp
+        or any(b <= a for a, b in itertools.pairwise(starts))
+        or starts[-1] >= layers
+    ):
+        raise GradmeshError(
+            f"--stages {text!r} must give {pp - 1} increasing layer indices between 1 and "
+            f"{layers - 1} (the first layer of each stage after the first)"
+        )
+    return starts
+
+
+def balance(times: list[float], pp: int) -> list[int]:
+    """Each stage's first layer, cutting `times` into `pp` contiguous runs so that the slowest
+    run is as fast as it can be (exact, by dynamic programming)."""
+    n = len(times)
+    prefix = [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    inf = float("inf")
+    # best[k][i]: the slowest stage when the first i layers make k stages; cut[k][i]: last start
+    best = [[inf] * (n + 1) for _ in range(pp + 1)]
+    cut = [[0] * (n + 1) for _ in range(pp + 1)]
+    best[0][0] = 0.0
+    for k in range(1, pp + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(pp, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def layer_times(
+    layers: list[tuple[str, nn.Module]], sample: torch.Tensor, rounds: int = 3
+) -> list[float]:
+    """Seconds of forward + backward of each layer on `sample` (the median of `rounds`)."""
+    times = []
+    x = sample
+    for _, layer in layers:
+        runs = []
+        for _ in range(rounds):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            started = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            runs.append(time.perf_counter() - started)
+        times.append(sorted(runs)[len(runs) // 2])
+        x = out.detach()
+    layer_zero_grads(layers)
+    return times
+
+
+def layer_zero_grads(layers: list[tuple[str, nn.Module]]) -> None:
+    for _, layer in layers:
+        for p in layer.parameters():
+            p.grad = None
+
+
+def cut_stages(
+    model: nn.Module,
+    name: str,
+    pp: int,
+    stages: str,
+    sample: torch.Tensor,
+    rt: Runtime | None,
+) -> list[int]:
+    """Each stage's first layer: given by `stages`, or balanced on layer times measured on every
+    rank and averaged over the world (`rt`), so that every rank cuts alike."""
+    layers = layers_of(model, name)
+    given = parse_stages(stages, len(layers), pp)
+    if given is not None:
+        return given
+    times = torch.tensor(layer_times(layers, sample), dtype=torch.float64)
+    if rt is not None and rt.size > 1:
+        allreduce(times, op="average", kind="metrics")
+    return balance(times.tolist(), pp)
+
+
+def sample_shapes(layers: list[tuple[str, nn.Module]], sample: torch.Tensor) -> list[torch.Size]:
+    """The per-sample shape entering each layer, and finally the output's, from a dry run."""
+    shapes = [sample.shape[1:]]
+    x = sample
+    with torch.no_grad():
+        for _, layer in layers:
+            x = layer(x)
+            shapes.append(x.shape[1:])
+    return shapes
+
+
+def stage_module(model: nn.Module, starts: list[int], index: int) -> nn.Sequential:
+    """Stage `index`'s layers as an `nn.Sequential` that keeps the model's layer names."""
+    layers = list(model.named_children())
+    end = starts[index + 1] if index + 1 < len(starts) else len(layers)
+    return nn.Sequential(OrderedDict(layers[starts[index] : end]))
+
+
+def schedule_actions(kind: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
+    """The stage's ordered ('F' | 'B', micro-batch) actions for one step."""
+    if kind == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    warmup = min(stages - stage - 1, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", i) for i in range(m - warmup, m)]
+
+
+@dataclass
+class BubbleClock:
+    """A stage's time in steps and the part of it spent computing; the rest is the bubble
+    (waiting for a neighbour stage)."""
+
+    step_s: float = 0.0
+    busy_s: float = 0.0
+    steps: int = 0
+    samples: list[float] = field(default_factory=list)
+
+    def fraction(self) -> float:
+        return 1.0 - self.busy_s / self.step_s if self.step_s > 0 else 0.0
+
+
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, y, reduction="sum")
+
+
+class PipelineEngine:
+    """One stage of a pipeline: `step` runs the schedule over a replica's batch; only the last
+    stage sees the loss and the logits."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        module: nn.Module,
+        shapes: list[torch.Size],
+        microbatches: int,
+        schedule: str,
+        loss_fn: LossFn = _sum_cross_entropy,
+    ) -> None:
+        axis = rt.mesh["pp"]
+        self.rt, self.module, self.loss_fn = rt, module, loss_fn
+        self.stage, self.stages = axis.index, axis.size
+        self.group = axis.group
+        self.in_shape, self.out_shape = shapes[0], shapes[1]
+        """Per-sample shapes entering and leaving this stage."""
+        self.m, self.schedule = microbatches, schedule
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.clock = BubbleClock()
+        self.steps = 0
+
+    def _channel(self, what: str) -> Channel:
+        return Channel(
+            self.rt, self.group, f"pipeline stage {self.stage} {what} (step {self.steps})"
+        )
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch of (x, y); the loss (summed over samples,
+        times `scale`, before scaling) on the last stage, zero elsewhere."""
+        self.steps += 1
+        xs, ys = x.tensor_split(self.m), y.tensor_split(self.m)
+        sizes = [len(part) for part in ys]
+        inputs: dict[int, torch.Tensor] = {}
+        outputs: dict[int, torch.Tensor] = {}
+        losses = torch.zeros((), dtype=torch.float64)
+        sends: list[tuple[Channel, object, int]] = []
+        started, busy = time.perf_counter(), 0.0
+        ch = self._channel("forward/backward")
+        for action, i in schedule_actions(self.schedule, self.stage, self.stages, self.m):
+            if sizes[i] == 0:
+                continue
+            if action == "F":
+                if self.first:
+                    inp = xs[i]
+                else:
+                    inp = torch.empty((sizes[i], *self.in_shape))
+                    ch.recv(inp, self.stage - 1, tag=2 * i)
+                    inp.requires_grad_()
+                t0 = time.perf_counter()
+                out = self.module(inp)
+                if self.last:
+                    loss = self.loss_fn(out, ys[i])
+                    losses += loss.detach().double()
+                    out = loss * scale
+                busy += time.perf_counter() - t0
+                inputs[i], outputs[i] = inp, out
+                if not self.last:
+                    sends.append(
+                        (ch, ch.isend(out.detach(), self.stage + 1, tag=2 * i), self.stage + 1)
+                    )
+            else:
+                out = outputs.pop(i)
+                if self.last:
+                    t0 = time.perf_counter()
+                    out.backward()  # type: ignore[no-untyped-call]
+                else:
+                    grad = torch.empty_like(out)
+                    ch.recv(grad, self.stage + 1, tag=2 * i + 1)
+                    t0 = time.perf_counter()
+                    out.backward(grad)  # type: ignore[no-untyped-call]
+                busy += time.perf_counter() - t0
+                inp = inputs.pop(i)
+                if not self.first:
+                    assert inp.grad is not None
+                    sends.append(
+                        (ch, ch.isend(inp.grad, self.stage - 1, tag=2 * i + 1), self.stage - 1)
+                    )
+        for channel, work, peer in sends:
+            channel.wait(work, peer, "send to")  # type: ignore[arg-type]
+        self.clock.step_s += time.perf_counter() - started
+        self.clock.busy_s += busy
+        self.clock.steps += 1
+        self.rt.comm.add(ch.sent, 0.0, "pipeline")
+        return losses
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The logits of `x` on the last stage (None on the others), forward only."""
+        ch = self._channel("evaluation")
+        out = None
+        pending = []
+        for i, part in enumerate(x.tensor_split(self.m)):
+            if len(part) == 0:
+                continue
+            if self.first:
+                inp = part
+            else:
+                inp = torch.empty((len(part), *self.in_shape))
+                ch.recv(inp, self.stage - 1, tag=2 * i)
+            result = self.module(inp)
+            if self.last:
+                out = result if out is None else torch.cat([out, result])
+            else:
+                pending.append(ch.isend(result, self.stage + 1, tag=2 * i))
+        for work in pending:
+            ch.wait(work, self.stage + 1, "send to")
+        self.rt.comm.add(ch.sent, 0.0, "pipeline")
+        return out
