@@ -104,7 +104,7 @@ def check_layout(
     if tp > 1:
         check_plan(model, tp_plan(model_name), tp, model_name)
     if pp > 1:
-        parse_stages(stages, len(layers_of(model, model_name)), pp)
+        parse_stages(stages, layers_of(model, model_name), pp)
     elif stages:
         raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
 

@@ -52,12 +52,20 @@ def layers_of(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
     return list(model.named_children())
 
 
-def parse_stages(text: str, layers: int, pp: int) -> list[int] | None:
+def units(layers: list[tuple[str, nn.Module]]) -> list[int]:
+    """Where a stage may start: at each layer with weights, the layers without weights before it
+    joining it (a stage of ReLUs and reshapes alone would have nothing to train)."""
+    weighted = [i for i, (_, layer) in enumerate(layers) if any(True for _ in layer.parameters())]
+    return [0, *weighted[1:]] if weighted else []
+
+
+def parse_stages(text: str, layers: list[tuple[str, nn.Module]], pp: int) -> list[int] | None:
     """'4,9' -> [0, 4, 9]: each stage's first layer; None when `text` is empty (balance)."""
-    if pp > layers:
+    starts_ok = units(layers)
+    if pp > len(starts_ok):
         raise GradmeshError(
-            f"--pipeline-parallel {pp} asks for more stages than the model's {layers} layers; "
-            f"at most {layers} stages fit"
+            f"--pipeline-parallel {pp} asks for more stages than the model's {len(starts_ok)} "
+            f"layers with weights; at most {len(starts_ok)} stages fit"
         )
     if not text:
         return None
@@ -68,11 +76,12 @@ def parse_stages(text: str, layers: int, pp: int) -> list[int] | None:
     if (
         len(starts) != pp
         or any(b <= a for a, b in itertools.pairwise(starts))
-        or starts[-1] >= layers
+        or not set(starts) <= set(starts_ok)
     ):
         raise GradmeshError(
-            f"--stages {text!r} must give {pp - 1} increasing layer indices between 1 and "
-            f"{layers - 1} (the first layer of each stage after the first)"
+            f"--stages {text!r} must give {pp - 1} increasing indices of layers with weights "
+            f"(the first layer of each stage after the first; any of "
+            f"{', '.join(map(str, starts_ok[1:]))})"
         )
     return starts
 
@@ -140,13 +149,16 @@ def cut_stages(
     """Each stage's first layer: given by `stages`, or balanced on layer times measured on every
     rank and averaged over the world (`rt`), so that every rank cuts alike."""
     layers = layers_of(model, name)
-    given = parse_stages(stages, len(layers), pp)
+    given = parse_stages(stages, layers, pp)
     if given is not None:
         return given
     times = torch.tensor(layer_times(layers, sample), dtype=torch.float64)
     if rt is not None and rt.size > 1:
         allreduce(times, op="average", kind="metrics")
-    return balance(times.tolist(), pp)
+    starts = units(layers)
+    ends = [*starts[1:], len(layers)]
+    per_unit = [float(times[a:b].sum()) for a, b in zip(starts, ends, strict=True)]
+    return [starts[i] for i in balance(per_unit, pp)]
 
 
 def sample_shapes(layers: list[tuple[str, nn.Module]], sample: torch.Tensor) -> list[torch.Size]:
