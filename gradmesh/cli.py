@@ -94,6 +94,10 @@ BENCHES = {
         "parameter servers 1..S against ring allreduce, on emulated hosts",
         "gradmesh.bench.ps",
     ),
+    "layout": (
+        "one model data-parallel, tensor-parallel and pipelined over the same ranks",
+        "gradmesh.bench.layout",
+    ),
     "link": (
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",

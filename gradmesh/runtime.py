@@ -115,7 +115,7 @@ class Runtime:
                 mine = group
         assert mine is not None
         n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
-        self.group_names[id(mine)] = f"{kind} {n}" + (f" ({axis})" if axis else "")
+        self.group_names[id(mine)] = f"{kind} {n}"
         self.owned.append(mine)
         return mine
 

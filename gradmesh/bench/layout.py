@@ -1,0 +1,204 @@
+"""`gradmesh bench layout`: one model under every way of splitting it over the same ranks.
+
+Pure data parallelism, tp 2 x dp 2, pp 2 x dp 2, tp 4 and pp 4 (on `--world` 4), each a job of
+its own (a mesh is fixed when a job starts), interleaved round by round so that drift in the
+machine hits every layout alike. Each job takes `--warmup` steps, then measures `--steps`: the
+median step time (rank 0; steps are synchronous), bytes sent per step per rank by kind (gradient
+sync, tensor-parallel activations, pipeline activations), parameter bytes per rank, and under
+pipelines the bubble (the part of a stage's step spent waiting, mean over stages) next to the
+formula (p - 1) / (m + p - 1). A layout's figure is the median over rounds.
+
+The machine's idle CPU during the measured steps is recorded (from /proc/stat): when it is
+under 10 %, the layout is marked `"limit": "cpu"`: its time says more about the cores than
+about the link. `--emulate-hosts H --bandwidth R` puts the ranks on H emulated hosts joined by
+links of rate R (network namespaces, `tc tbf`), tensor-parallel groups spanning hosts when H
+exceeds the hosts a group fits in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from gradmesh.bench.common import emulated_cluster, median, run_workers, worker_main, write_json
+
+LAYOUTS = {
+    "dp": (1, 1),
+    "tp2": (2, 1),
+    "pp2": (1, 2),
+    "tp4": (4, 1),
+    "pp4": (1, 4),
+}
+"""name -> (tensor parallel, pipeline parallel); data parallel takes the rest of the world."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="alexnet", help="model (default: alexnet)")
+    parser.add_argument("--world", type=int, default=4, help="ranks (default: 4)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
+    parser.add_argument("--microbatches", type=int, default=8, help="pipeline (default: 8)")
+    parser.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b (default: 1f1b)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (default: 3)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which layouts")
+    parser.add_argument("--emulate-hosts", type=int, help="emulated hosts (default: loopback)")
+    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
+    parser.add_argument("--json", help="write the result here")
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(idle, total) CPU time of the whole machine so far, in jiffies."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def measure(config: dict[str, Any]) -> tuple[int, Any]:
+    """One layout's job, on one rank."""
+    import torch
+
+    from gradmesh.collectives import allreduce
+    from gradmesh.data import DataOptions
+    from gradmesh.data.synthetic import make_synthetic
+    from gradmesh.data_parallel.optimizer import DistributedOptimizer
+    from gradmesh.layout import split_model
+    from gradmesh.models import build_model
+    from gradmesh.runtime import init, shutdown
+
+    tp, pp = config["tp"], config["pp"]
+    rt = init(tensor_parallel=tp, pipeline_parallel=pp)
+    replicas = rt.dp
+    m = config["microbatches"] if pp > 1 else 1
+    data = make_synthetic(DataOptions(shape=(3, 32, 32), classes=10, samples=config["batch"] * 4))
+    torch.manual_seed(0)
+    model = build_model(config["model"], data)
+    split = split_model(model, config["model"], rt, m, config["schedule"], "", data.train.x[:1])
+    opt = DistributedOptimizer(
+        torch.optim.SGD(split.module.parameters(), lr=0.01, momentum=0.9),
+        named_parameters=split.module.named_parameters(),
+        backward_passes_per_step=m,
+    )
+    batch = config["batch"]
+    mine = torch.arange(batch).tensor_split(replicas.size)[replicas.index]
+    x, y = data.train.x[mine], data.train.y[mine]
+    times = []
+    for step in range(config["warmup"] + config["steps"]):
+        if step == config["warmup"]:
+            rt.comm.by_kind.clear()
+            clock = getattr(split.engine, "clock", None)
+            if clock is not None:
+                clock.step_s = clock.busy_s = 0.0
+            cpu_before = _cpu_jiffies()
+        started = time.perf_counter()
+        opt.zero_grad()
+        split.engine.step(x, y, replicas.size / batch)
+        opt.step()
+        times.append(time.perf_counter() - started)
+    idle, total = (a - b for a, b in zip(_cpu_jiffies(), cpu_before, strict=True))
+    steps = config["steps"]
+    kinds = ("sync", "tensor_parallel", "pipeline")
+    clock = getattr(split.engine, "clock", None)
+    mine_figures = [
+        *(rt.comm.by_kind.get(k, 0) / steps for k in kinds),
+        float(sum(p.numel() * p.element_size() for p in split.module.parameters())),
+        clock.fraction() if clock is not None else 0.0,
+    ]
+    figures = torch.tensor(mine_figures, dtype=torch.float64)
+    allreduce(figures, op="average", kind="metrics")
+    result = {
+        "step_s": median(times[config["warmup"] :]),
+        "bytes_per_step": dict(zip(kinds, figures[:3].tolist(), strict=True)),
+        "param_bytes_per_rank": float(figures[3]),
+        "bubble": float(figures[4]) if pp > 1 else None,  # every rank is a stage: their mean
+        "cpu_idle": idle / total if total else 0.0,
+    }
+    shutdown()
+    return rt.rank, result
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.errors import GradmeshError
+
+    names = [n for n in args.layouts.split(",") if n]
+    unknown = sorted(set(names) - set(LAYOUTS))
+    if unknown:
+        raise GradmeshError(f"unknown layout(s) {', '.join(unknown)} (valid: {', '.join(LAYOUTS)})")
+    for name in names:
+        tp, pp = LAYOUTS[name]
+        if args.world % (tp * pp):
+            raise GradmeshError(f"layout {name} needs a world that {tp * pp} divides")
+    rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
+        for _ in range(args.rounds):
+            for name in names:
+                tp, pp = LAYOUTS[name]
+                config = {
+                    "tp": tp,
+                    "pp": pp,
+                    "model": args.model,
+                    "batch": args.batch,
+                    "microbatches": args.microbatches,
+                    "schedule": args.schedule,
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                }
+                rounds[name].append(
+                    run_workers("gradmesh.bench.layout", args.world, config, 300.0, cluster)
+                )
+        notes = cluster.notes if cluster is not None else None
+    results = {}
+    for name, runs in rounds.items():
+        tp, pp = LAYOUTS[name]
+        m = args.microbatches if pp > 1 else 1
+        step = median([r["step_s"] for r in runs])
+        idle = median([r["cpu_idle"] for r in runs])
+        results[name] = {
+            "dp": args.world // (tp * pp),
+            "tp": tp,
+            "pp": pp,
+            "microbatches": m,
+            "step_s": step,
+            "bytes_per_step": runs[0]["bytes_per_step"],
+            "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
+            "bubble": median([r["bubble"] for r in runs]) if pp > 1 else None,
+            "bubble_formula": (pp - 1) / (m + pp - 1) if pp > 1 else None,
+            "cpu_idle": idle,
+            "limit": "cpu" if idle < 0.10 else ("link" if cluster is not None else "loopback"),
+        }
+    base = results.get("dp")
+    for r in results.values():
+        if base is not None:
+            r["speedup_vs_dp"] = base["step_s"] / r["step_s"]
+            r["param_fraction_vs_dp"] = r["param_bytes_per_rank"] / base["param_bytes_per_rank"]
+    payload = {
+        "model": args.model,
+        "world": args.world,
+        "batch": args.batch,
+        "schedule": args.schedule,
+        "emulated_hosts": args.emulate_hosts,
+        "bandwidth": args.bandwidth if args.emulate_hosts else None,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "notes": notes,
+        "layouts": results,
+    }
+    write_json(args.json, payload)
+    for name, r in results.items():
+        sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
+        bubble = (
+            f"  bubble {r['bubble']:.3f} (formula {r['bubble_formula']:.3f})"
+            if r["bubble"] is not None
+            else ""
+        )
+        print(
+            f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms  "
+            f"params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: {sent}"
+            f"{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    worker_main(measure)
