@@ -251,6 +251,9 @@ class EmulatedCluster:
         self.latency_s = parse_latency(self.latency) if self.latency else 0.0
         self._created: list[str] = []
         self.job_token = ""
+        self.jobs = 0
+        """Jobs started on this cluster: each gets its own master port, since the last job's
+        store port may still be held (TIME_WAIT) when the next one starts."""
         """The token of the job now started: one for every host's launcher."""
         self.tmpdir: str | None = None
         """Temporary files of the hosts' processes (TMPDIR): removed with the cluster, even
@@ -370,7 +373,7 @@ class EmulatedCluster:
             JOB_TOKEN_ENV: self.job_token,
             CLUSTER_ENV["nnodes"]: str(self.hosts),
             CLUSTER_ENV["node_rank"]: str(host),
-            CLUSTER_ENV["master"]: f"{self.address(0)}:{MASTER_PORT}",
+            CLUSTER_ENV["master"]: f"{self.address(0)}:{MASTER_PORT + self.jobs}",
             CLUSTER_ENV["iface"]: IFACE,
             CLUSTER_ENV["nproc"]: str(procs_per_host),
         }
@@ -382,6 +385,7 @@ class EmulatedCluster:
         if procs_per_host < 1:
             raise GradmeshError(f"--procs-per-host must be >= 1, got {procs_per_host}")
         self.job_token = secrets.token_hex(16)
+        self.jobs += 1
         gradmesh = [sys.executable, "-m", "gradmesh.cli"]
         argv = (
             gradmesh + command[1:]
