@@ -109,7 +109,10 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
             ["train", "--strategy", "nope"],
             "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd, ps)",
         ),
-        (["train", "--model", "vgg"], "unknown model 'vgg' (valid: alexnet, bag, cnn, linear, mlp)"),
+        (
+            ["train", "--model", "vgg"],
+            "unknown model 'vgg' (valid: alexnet, bag, cnn, linear, mlp)",
+        ),
         (
             ["train", "--dataset", "mnist"],
             "unknown dataset 'mnist' (valid: digits, docstrings, synthetic)",
