@@ -105,9 +105,8 @@ class Axis:
 class Mesh:
     """The world as dp x pp x tp; `mesh["dp"]` is this rank's data-parallel axis."""
 
-    def __init__(self, shape: MeshShape, rank: int, axes: dict[str, Axis]) -> None:
+    def __init__(self, shape: MeshShape, axes: dict[str, Axis]) -> None:
         self.shape = shape
-        self.rank = rank
         self.axes = axes
         self._device_mesh: DeviceMesh | None = None
 
@@ -141,19 +140,29 @@ class Mesh:
         return self._device_mesh
 
 
+def group_of_lines(lines: list[list[int]], rank: int, timeout: timedelta) -> dist.ProcessGroup:
+    """One group per line of ranks (every rank makes them all, in the same order: torch needs
+    every rank in every `new_group` call); returns the group of the line holding `rank`."""
+    mine: dist.ProcessGroup | None = None
+    for line in lines:
+        group: dist.ProcessGroup = dist.new_group(line, timeout=timeout)
+        if rank in line:
+            mine = group
+    assert mine is not None, f"rank {rank} is on no line"
+    return mine
+
+
 def build_mesh(
     shape: MeshShape, rank: int, timeout: timedelta, groups: list[dist.ProcessGroup]
 ) -> Mesh:
     """Make one group per axis (every rank calls this in the same order); each group made is
     appended to `groups`, whose owner frees them at shutdown."""
     axes = {}
+    coords = shape.coords(rank)
     for name in AXES:
-        mine = None
-        for line in shape.lines(name):
-            group = dist.new_group(line, timeout=timeout)
-            if rank in line:
-                mine, ranks = group, line
-                groups.append(group)
-        assert mine is not None
-        axes[name] = Axis(name, shape.size(name), shape.coords(rank)[name], ranks, mine)
-    return Mesh(shape, rank, axes)
+        lines = shape.lines(name)
+        group = group_of_lines(lines, rank, timeout)
+        groups.append(group)
+        ranks = next(line for line in lines if rank in line)
+        axes[name] = Axis(name, shape.size(name), coords[name], ranks, group)
+    return Mesh(shape, axes)

@@ -26,7 +26,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
-from gradmesh.axes import Axis, Mesh, MeshShape, build_mesh
+from gradmesh.axes import Axis, Mesh, MeshShape, build_mesh, group_of_lines
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
 
 DEFAULT_TIMEOUT_S = 60.0
@@ -108,12 +108,7 @@ class Runtime:
         job's timeout, named '<kind> <n>' in messages (n counts the groups of that kind). Every
         rank must call it, in the same order."""
         lines = [list(range(self.size))] if axis is None else self.mesh.shape.lines(axis)
-        mine: dist.ProcessGroup | None = None
-        for line in lines:
-            group = dist.new_group(line, timeout=self.timeout)
-            if self.rank in line:
-                mine = group
-        assert mine is not None
+        mine = group_of_lines(lines, self.rank, self.timeout)
         n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
         self.group_names[id(mine)] = f"{kind} {n}"
         self.owned.append(mine)

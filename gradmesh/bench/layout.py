@@ -56,62 +56,61 @@ def _cpu_jiffies() -> tuple[int, int]:
 
 
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
-    """One layout's job, on one rank."""
+    """One layout's job, on one rank: the trainer's own setup (split, optimizer, strategy),
+    steps on one fixed global batch, and the trainer's layout figures."""
     import torch
 
     from gradmesh.collectives import allreduce
-    from gradmesh.data import DataOptions
-    from gradmesh.data.synthetic import make_synthetic
-    from gradmesh.data_parallel.optimizer import DistributedOptimizer
-    from gradmesh.layout import split_model
-    from gradmesh.models import build_model
     from gradmesh.runtime import init, shutdown
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.trainer import attach, layout_figures, setup
 
     tp, pp = config["tp"], config["pp"]
-    rt = init(tensor_parallel=tp, pipeline_parallel=pp)
-    replicas = rt.dp
-    m = config["microbatches"] if pp > 1 else 1
-    data = make_synthetic(DataOptions(shape=(3, 32, 32), classes=10, samples=config["batch"] * 4))
-    torch.manual_seed(0)
-    model = build_model(config["model"], data)
-    split = split_model(model, config["model"], rt, m, config["schedule"], "", data.train.x[:1])
-    opt = DistributedOptimizer(
-        torch.optim.SGD(split.module.parameters(), lr=0.01, momentum=0.9),
-        named_parameters=split.module.named_parameters(),
-        backward_passes_per_step=m,
-    )
     batch = config["batch"]
-    mine = torch.arange(batch).tensor_split(replicas.size)[replicas.index]
-    x, y = data.train.x[mine], data.train.y[mine]
+    train = TrainConfig(
+        workers=config["world"],
+        model=config["model"],
+        dataset="synthetic",
+        synthetic_shape="3x32x32",
+        synthetic_samples=batch * 2,  # 80% of it for training: one global batch fits
+        batch_size=batch,
+        lr=0.01,
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        microbatches=config["microbatches"] if pp > 1 else 1,
+        schedule=config["schedule"],
+    )
+    rt = init(tensor_parallel=tp, pipeline_parallel=pp)
+    job = setup(train, rt)
+    attach(job)
+    engine = job.split.engine
+    mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
+    x, y = job.data.train.x[mine], job.data.train.y[mine]
     times = []
     for step in range(config["warmup"] + config["steps"]):
         if step == config["warmup"]:
             rt.comm.by_kind.clear()
-            clock = getattr(split.engine, "clock", None)
+            clock = getattr(engine, "clock", None)
             if clock is not None:
                 clock.step_s = clock.busy_s = 0.0
             cpu_before = _cpu_jiffies()
         started = time.perf_counter()
-        opt.zero_grad()
-        split.engine.step(x, y, replicas.size / batch)
-        opt.step()
+        job.optimizer.zero_grad()
+        engine.step(x, y, rt.dp.size / batch)
+        job.optimizer.step()
         times.append(time.perf_counter() - started)
     idle, total = (a - b for a, b in zip(_cpu_jiffies(), cpu_before, strict=True))
-    steps = config["steps"]
+    figures = layout_figures(job, config["steps"])
+    names = sorted(figures)
+    means = torch.tensor([figures[n] for n in names], dtype=torch.float64)
+    allreduce(means, op="average", kind="metrics")  # every rank of a pipeline is a stage
+    mean = dict(zip(names, means.tolist(), strict=True))
     kinds = ("sync", "tensor_parallel", "pipeline")
-    clock = getattr(split.engine, "clock", None)
-    mine_figures = [
-        *(rt.comm.by_kind.get(k, 0) / steps for k in kinds),
-        float(sum(p.numel() * p.element_size() for p in split.module.parameters())),
-        clock.fraction() if clock is not None else 0.0,
-    ]
-    figures = torch.tensor(mine_figures, dtype=torch.float64)
-    allreduce(figures, op="average", kind="metrics")
     result = {
         "step_s": median(times[config["warmup"] :]),
-        "bytes_per_step": dict(zip(kinds, figures[:3].tolist(), strict=True)),
-        "param_bytes_per_rank": float(figures[3]),
-        "bubble": float(figures[4]) if pp > 1 else None,  # every rank is a stage: their mean
+        "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in kinds},
+        "param_bytes_per_rank": mean["param_bytes"],
+        "bubble": mean["bubble"] if pp > 1 else None,
         "cpu_idle": idle / total if total else 0.0,
     }
     shutdown()
@@ -137,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
                 config = {
                     "tp": tp,
                     "pp": pp,
+                    "world": args.world,
                     "model": args.model,
                     "batch": args.batch,
                     "microbatches": args.microbatches,

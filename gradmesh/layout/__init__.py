@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gradmesh.errors import GradmeshError
@@ -25,6 +24,7 @@ from gradmesh.layout.pipeline import (
     parse_stages,
     sample_shapes,
     stage_module,
+    sum_cross_entropy,
 )
 from gradmesh.layout.tensor_parallel import check_plan, parallelize
 from gradmesh.models import TP_PLANS
@@ -51,7 +51,7 @@ class PlainEngine:
         self.module = module
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        loss = F.cross_entropy(self.module(x), y, reduction="sum")
+        loss = sum_cross_entropy(self.module(x), y)
         (loss * scale).backward()  # type: ignore[no-untyped-call]
         return loss.detach().double()
 
@@ -83,30 +83,13 @@ class Split:
     the others' are not counted, so that sums over the world count each replica once."""
 
 
-def check_layout(
-    model: nn.Module,
-    model_name: str,
-    tp: int,
-    pp: int,
-    microbatches: int,
-    schedule: str,
-    stages: str,
-) -> None:
-    """One line, before launch, unless this layout can split `model`."""
-    if schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown --schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    if microbatches < 1:
-        raise GradmeshError(f"--microbatches must be >= 1, got {microbatches}")
-    if microbatches > 1 and pp == 1:
-        raise GradmeshError(
-            "--microbatches streams a pipeline: use it with --pipeline-parallel > 1"
-        )
+def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: str) -> None:
+    """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
+    layers make `pp` stages (the flags alone are checked by `TrainConfig.validate`)."""
     if tp > 1:
         check_plan(model, tp_plan(model_name), tp, model_name)
     if pp > 1:
         parse_stages(stages, layers_of(model, model_name), pp)
-    elif stages:
-        raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
 
 
 def split_model(
@@ -128,8 +111,14 @@ def split_model(
         "microbatches": microbatches if pp.size > 1 else 1,
         "schedule": schedule if pp.size > 1 else None,
     }
+    if schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
-    module = parallelize(model, tp_plan(model_name), tp.size, tp.index) if tp.size > 1 else model
+    module = model
+    if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
+        plan = tp_plan(model_name)
+        check_plan(model, plan, tp.size, model_name)
+        module = parallelize(model, plan, tp.size, tp.index)
     owns = tp.index == 0 and pp.index == pp.size - 1
     if starts is None:
         return Split(module, PlainEngine(module), info, owns)

@@ -28,9 +28,10 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -197,8 +198,6 @@ class BubbleClock:
 
     step_s: float = 0.0
     busy_s: float = 0.0
-    steps: int = 0
-    samples: list[float] = field(default_factory=list)
 
     def fraction(self) -> float:
         return 1.0 - self.busy_s / self.step_s if self.step_s > 0 else 0.0
@@ -207,7 +206,8 @@ class BubbleClock:
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The training loss of every engine: cross-entropy summed over the samples."""
     return F.cross_entropy(out, y, reduction="sum")
 
 
@@ -222,14 +222,14 @@ class PipelineEngine:
         shapes: list[torch.Size],
         microbatches: int,
         schedule: str,
-        loss_fn: LossFn = _sum_cross_entropy,
+        loss_fn: LossFn = sum_cross_entropy,
     ) -> None:
         axis = rt.mesh["pp"]
         self.rt, self.module, self.loss_fn = rt, module, loss_fn
         self.stage, self.stages = axis.index, axis.size
         self.group = axis.group
-        self.in_shape, self.out_shape = shapes[0], shapes[1]
-        """Per-sample shapes entering and leaving this stage."""
+        self.in_shape = shapes[0]
+        """The per-sample shape entering this stage (a received activation's)."""
         self.m, self.schedule = microbatches, schedule
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.clock = BubbleClock()
@@ -249,7 +249,7 @@ class PipelineEngine:
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
         losses = torch.zeros((), dtype=torch.float64)
-        sends: list[tuple[Channel, object, int]] = []
+        sends: list[tuple[dist.Work, int]] = []  # waited for at the end of the step
         started, busy = time.perf_counter(), 0.0
         ch = self._channel("forward/backward")
         for action, i in schedule_actions(self.schedule, self.stage, self.stages, self.m):
@@ -259,7 +259,7 @@ class PipelineEngine:
                 if self.first:
                     inp = xs[i]
                 else:
-                    inp = torch.empty((sizes[i], *self.in_shape))
+                    inp = torch.empty((sizes[i], *self.in_shape), device=self.rt.device)
                     ch.recv(inp, self.stage - 1, tag=2 * i)
                     inp.requires_grad_()
                 t0 = time.perf_counter()
@@ -272,7 +272,7 @@ class PipelineEngine:
                 inputs[i], outputs[i] = inp, out
                 if not self.last:
                     sends.append(
-                        (ch, ch.isend(out.detach(), self.stage + 1, tag=2 * i), self.stage + 1)
+                        (ch.isend(out.detach(), self.stage + 1, tag=2 * i), self.stage + 1)
                     )
             else:
                 out = outputs.pop(i)
@@ -289,13 +289,12 @@ class PipelineEngine:
                 if not self.first:
                     assert inp.grad is not None
                     sends.append(
-                        (ch, ch.isend(inp.grad, self.stage - 1, tag=2 * i + 1), self.stage - 1)
+                        (ch.isend(inp.grad, self.stage - 1, tag=2 * i + 1), self.stage - 1)
                     )
-        for channel, work, peer in sends:
-            channel.wait(work, peer, "send to")  # type: ignore[arg-type]
+        for work, peer in sends:
+            ch.wait(work, peer, "send to")
         self.clock.step_s += time.perf_counter() - started
         self.clock.busy_s += busy
-        self.clock.steps += 1
         self.rt.comm.add(ch.sent, 0.0, "pipeline")
         return losses
 
@@ -311,7 +310,7 @@ class PipelineEngine:
             if self.first:
                 inp = part
             else:
-                inp = torch.empty((len(part), *self.in_shape))
+                inp = torch.empty((len(part), *self.in_shape), device=self.rt.device)
                 ch.recv(inp, self.stage - 1, tag=2 * i)
             result = self.module(inp)
             if self.last:

@@ -248,6 +248,7 @@ class TrainConfig(
 
     def _validate_layout(self) -> None:
         from gradmesh.axes import MeshShape
+        from gradmesh.layout.pipeline import SCHEDULES
         from gradmesh.train.strategies import SPLIT_LAYOUTS
 
         shape = MeshShape.for_world(self.workers, self.tensor_parallel, self.pipeline_parallel)
@@ -264,8 +265,16 @@ class TrainConfig(
             )
         if self.stages and shape.pp == 1:
             raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
-        if self.schedule not in ("gpipe", "1f1b"):
-            raise GradmeshError(f"unknown --schedule {self.schedule!r} (valid: 1f1b, gpipe)")
+        if self.microbatches < 1:
+            raise GradmeshError(f"--microbatches must be >= 1, got {self.microbatches}")
+        if self.microbatches > 1 and shape.pp == 1:
+            raise GradmeshError(
+                "--microbatches streams a pipeline: use it with --pipeline-parallel > 1"
+            )
+        if self.schedule not in SCHEDULES:
+            raise GradmeshError(
+                f"unknown --schedule {self.schedule!r} (valid: {', '.join(SCHEDULES)})"
+            )
         per_replica = self.batch_size // shape.dp
         if self.microbatches > 1 and self.batch_size % (shape.dp * self.microbatches):
             fits = [m for m in range(1, per_replica + 1) if per_replica % m == 0 and m <= 64]

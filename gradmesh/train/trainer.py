@@ -79,8 +79,6 @@ def check_layout(config: TrainConfig) -> None:
         config.model,
         config.tensor_parallel,
         config.pipeline_parallel,
-        config.microbatches,
-        config.schedule,
         config.stages,
     )
 
@@ -275,8 +273,9 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
     return clock, samples, time.perf_counter() - started
 
 
-def layout_figures(job: Job, clock: _Clock) -> dict[str, float]:
-    """What this rank holds and sent per step by kind, and its pipeline bubble."""
+def layout_figures(job: Job, steps: int) -> dict[str, float]:
+    """What this rank holds, what it sent per step by kind over `steps` steps, and its pipeline
+    bubble: the report's figures, and `gradmesh bench layout`'s."""
     rt, split = job.rt, job.split
     state = [
         v
@@ -284,7 +283,7 @@ def layout_figures(job: Job, clock: _Clock) -> dict[str, float]:
         for v in entry.values()
         if isinstance(v, torch.Tensor)
     ]
-    steps = max(clock.steps, 1)
+    steps = max(steps, 1)
     engine_clock = getattr(split.engine, "clock", None)
     return {
         "param_bytes": sum(p.numel() * p.element_size() for p in split.module.parameters()),
@@ -298,7 +297,7 @@ def finish(job: Job, clock: _Clock, samples: int, wall_s: float) -> tuple[RunRep
     """Bring the final model here (asynchronous strategies), evaluate, build the report."""
     job.strategy.finish(samples, wall_s)
     accuracy = evaluate(job.split, job.data.test, job.rt)
-    stats = gather_rank_stats(job.rt, clock.compute_s, layout_figures(job, clock))
+    stats = gather_rank_stats(job.rt, clock.compute_s, layout_figures(job, clock.steps))
     shape = job.rt.mesh.shape
     report = RunReport.build(
         job.config,
