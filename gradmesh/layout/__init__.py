@@ -29,6 +29,7 @@ from gradmesh.layout.pipeline import (
 from gradmesh.layout.tensor_parallel import check_plan, parallelize
 from gradmesh.models import TP_PLANS
 from gradmesh.runtime import Runtime
+from gradmesh.timeline import span
 
 
 class Engine(Protocol):
@@ -51,7 +52,8 @@ class PlainEngine:
         self.module = module
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        loss = sum_cross_entropy(self.module(x), y)
+        with span("forward"):
+            loss = sum_cross_entropy(self.module(x), y)
         (loss * scale).backward()  # type: ignore[no-untyped-call]
         return loss.detach().double()
 

@@ -39,6 +39,7 @@ from gradmesh.collectives import allreduce
 from gradmesh.collectives.channel import Channel
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import Runtime
+from gradmesh.timeline import span
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -263,11 +264,12 @@ class PipelineEngine:
                     ch.recv(inp, self.stage - 1, tag=2 * i)
                     inp.requires_grad_()
                 t0 = time.perf_counter()
-                out = self.module(inp)
-                if self.last:
-                    loss = self.loss_fn(out, ys[i])
-                    losses += loss.detach().double()
-                    out = loss * scale
+                with span("forward", microbatch=i):
+                    out = self.module(inp)
+                    if self.last:
+                        loss = self.loss_fn(out, ys[i])
+                        losses += loss.detach().double()
+                        out = loss * scale
                 busy += time.perf_counter() - t0
                 inputs[i], outputs[i] = inp, out
                 if not self.last:
