@@ -5,8 +5,9 @@ its own (a mesh is fixed when a job starts), interleaved round by round so that 
 machine hits every layout alike. Each job takes `--warmup` steps, then measures `--steps`: the
 median step time (rank 0; steps are synchronous), bytes sent per step per rank by kind (gradient
 sync, tensor-parallel activations, pipeline activations), parameter bytes per rank, and under
-pipelines the bubble (the part of a stage's step spent waiting, mean over stages) next to the
-formula (p - 1) / (m + p - 1). A layout's figure is the median over rounds.
+pipelines the bubble (the idle part of the step of the stage that computes longest,
+`gradmesh.layout.pipeline.bubble`) next to the formula (p - 1) / (m + p - 1), and every stage's
+idle part (bubble plus waiting for a slower stage). A layout's figure is the median over rounds.
 
 The machine's idle CPU during the measured steps is recorded (from /proc/stat): when it is
 under 10 %, the layout is marked `"limit": "cpu"`: its time says more about the cores than
@@ -60,9 +61,9 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     steps on one fixed global batch, and the trainer's layout figures."""
     import torch
 
-    from gradmesh.collectives import allreduce
     from gradmesh.runtime import init, shutdown
     from gradmesh.train.config import TrainConfig
+    from gradmesh.train.report import gather_rank_stats, summarize_layout
     from gradmesh.train.trainer import attach, layout_figures, setup
 
     tp, pp = config["tp"], config["pp"]
@@ -100,17 +101,15 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
         job.optimizer.step()
         times.append(time.perf_counter() - started)
     idle, total = (a - b for a, b in zip(_cpu_jiffies(), cpu_before, strict=True))
-    figures = layout_figures(job, config["steps"])
-    names = sorted(figures)
-    means = torch.tensor([figures[n] for n in names], dtype=torch.float64)
-    allreduce(means, op="average", kind="metrics")  # every rank of a pipeline is a stage
-    mean = dict(zip(names, means.tolist(), strict=True))
+    stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
+    mean = summarize_layout(stats.layout)
     kinds = ("sync", "tensor_parallel", "pipeline")
     result = {
         "step_s": median(times[config["warmup"] :]),
         "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in kinds},
         "param_bytes_per_rank": mean["param_bytes"],
         "bubble": mean["bubble"] if pp > 1 else None,
+        "stage_idle": stats.layout["stage_idle"] if pp > 1 else None,
         "cpu_idle": idle / total if total else 0.0,
     }
     shutdown()
@@ -163,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
             "bytes_per_step": runs[0]["bytes_per_step"],
             "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
             "bubble": median([r["bubble"] for r in runs]) if pp > 1 else None,
+            "stage_idle": [
+                median([r["stage_idle"][rank] for r in runs]) for rank in range(args.world)
+            ]
+            if pp > 1
+            else None,
             "bubble_formula": (pp - 1) / (m + pp - 1) if pp > 1 else None,
             "cpu_idle": idle,
             "limit": "cpu" if idle < 0.10 else ("link" if cluster is not None else "loopback"),
@@ -188,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
     for name, r in results.items():
         sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
         bubble = (
-            f"  bubble {r['bubble']:.3f} (formula {r['bubble_formula']:.3f})"
+            f"  bubble {r['bubble']:.3f} (formula {r['bubble_formula']:.3f}; idle per rank "
+            + " ".join(f"{v:.2f}" for v in r["stage_idle"])
+            + ")"
             if r["bubble"] is not None
             else ""
         )

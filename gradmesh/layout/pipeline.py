@@ -11,7 +11,8 @@ Each replica's batch is split into m micro-batches. GPipe runs every micro-batch
 every backward; 1F1B runs p - s - 1 forwards, then alternates one forward and one backward, then
 drains the backwards, so a stage holds at most p - s micro-batches' activations instead of m.
 Both leave each stage idle for (p - 1) / (m + p - 1) of the step when stages take equal time
-(the bubble), which `PipelineEngine` measures as the step's time outside computation.
+(the bubble). `PipelineEngine` measures each stage's time outside computation; `bubble` reads
+the pipeline's bubble off the stage that computes longest (the others also wait for it).
 
 Activations and their gradients travel as raw tensors over tagged point-to-point messages
 (`Channel`, with the job's timeout): every rank knows each boundary's per-sample shape from a dry
@@ -194,14 +195,23 @@ def schedule_actions(kind: str, stage: int, stages: int, m: int) -> list[tuple[s
 
 @dataclass
 class BubbleClock:
-    """A stage's time in steps and the part of it spent computing; the rest is the bubble
-    (waiting for a neighbour stage)."""
+    """A stage's time in steps and the part of it spent computing; the rest is idle (waiting
+    for a neighbour stage)."""
 
     step_s: float = 0.0
     busy_s: float = 0.0
 
-    def fraction(self) -> float:
+    def idle(self) -> float:
         return 1.0 - self.busy_s / self.step_s if self.step_s > 0 else 0.0
+
+
+def bubble(busy_s: list[float], idle: list[float]) -> float:
+    """The pipeline's bubble from every stage's busy seconds and idle fraction: the idle part of
+    the step of the stage that computes longest. That stage sets the pipeline's pace and waits
+    only while the pipeline fills and drains, which is what (p - 1) / (m + p - 1) counts for
+    equal stages; a faster stage also waits for the slower one (imbalance), which the mean idle
+    of all stages includes."""
+    return idle[max(range(len(busy_s)), key=busy_s.__getitem__)]
 
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -243,26 +253,43 @@ class PipelineEngine:
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch of (x, y); the loss (summed over samples,
-        times `scale`, before scaling) on the last stage, zero elsewhere."""
+        times `scale`, before scaling) on the last stage, zero elsewhere.
+
+        Receives are posted ahead of need (the next micro-batch's input while this one
+        computes; an output's gradient as soon as the output is sent): Gloo moves a message
+        only once its receive is posted, so a receive posted late puts a round trip between
+        neighbours on the pipeline's critical path at every hop."""
         self.steps += 1
         xs, ys = x.tensor_split(self.m), y.tensor_split(self.m)
         sizes = [len(part) for part in ys]
         inputs: dict[int, torch.Tensor] = {}
         outputs: dict[int, torch.Tensor] = {}
+        posted: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}
         losses = torch.zeros((), dtype=torch.float64)
         sends: list[tuple[dist.Work, int]] = []  # waited for at the end of the step
         started, busy = time.perf_counter(), 0.0
         ch = self._channel("forward/backward")
+
+        def post_input(i: int) -> None:
+            if not self.first and i < self.m and sizes[i] and ("F", i) not in posted:
+                buf = torch.empty((sizes[i], *self.in_shape), device=self.rt.device)
+                posted["F", i] = buf, ch.irecv(buf, self.stage - 1, tag=2 * i)
+
+        def received(key: tuple[str, int], peer: int) -> torch.Tensor:
+            buf, work = posted.pop(key)
+            ch.wait(work, peer, "receive from")
+            return buf
+
         for action, i in schedule_actions(self.schedule, self.stage, self.stages, self.m):
             if sizes[i] == 0:
                 continue
             if action == "F":
+                post_input(i)
+                post_input(i + 1)
                 if self.first:
                     inp = xs[i]
                 else:
-                    inp = torch.empty((sizes[i], *self.in_shape), device=self.rt.device)
-                    ch.recv(inp, self.stage - 1, tag=2 * i)
-                    inp.requires_grad_()
+                    inp = received(("F", i), self.stage - 1).requires_grad_()
                 t0 = time.perf_counter()
                 with span("forward", microbatch=i):
                     out = self.module(inp)
@@ -276,16 +303,13 @@ class PipelineEngine:
                     sends.append(
                         (ch.isend(out.detach(), self.stage + 1, tag=2 * i), self.stage + 1)
                     )
+                    buf = torch.empty_like(out)
+                    posted["B", i] = buf, ch.irecv(buf, self.stage + 1, tag=2 * i + 1)
             else:
                 out = outputs.pop(i)
-                if self.last:
-                    t0 = time.perf_counter()
-                    out.backward()  # type: ignore[no-untyped-call]
-                else:
-                    grad = torch.empty_like(out)
-                    ch.recv(grad, self.stage + 1, tag=2 * i + 1)
-                    t0 = time.perf_counter()
-                    out.backward(grad)  # type: ignore[no-untyped-call]
+                grad = None if self.last else received(("B", i), self.stage + 1)
+                t0 = time.perf_counter()
+                out.backward(grad)  # type: ignore[no-untyped-call]
                 busy += time.perf_counter() - t0
                 inp = inputs.pop(i)
                 if not self.first:
@@ -306,14 +330,18 @@ class PipelineEngine:
         ch = self._channel("evaluation")
         out = None
         pending = []
-        for i, part in enumerate(x.tensor_split(self.m)):
-            if len(part) == 0:
-                continue
+        parts = [(i, part) for i, part in enumerate(x.tensor_split(self.m)) if len(part)]
+        posted = {}  # every receive up front (see `step`)
+        if not self.first:
+            for i, part in parts:
+                buf = torch.empty((len(part), *self.in_shape), device=self.rt.device)
+                posted[i] = buf, ch.irecv(buf, self.stage - 1, tag=2 * i)
+        for i, part in parts:
             if self.first:
                 inp = part
             else:
-                inp = torch.empty((len(part), *self.in_shape), device=self.rt.device)
-                ch.recv(inp, self.stage - 1, tag=2 * i)
+                inp, work = posted.pop(i)
+                ch.wait(work, self.stage - 1, "receive from")
             result = self.module(inp)
             if self.last:
                 out = result if out is None else torch.cat([out, result])

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradmesh.layout.pipeline import bubble
 from gradmesh.runtime import Runtime
 from gradmesh.train.config import TrainConfig
 
@@ -26,7 +27,7 @@ class RankStats:
     bytes_sent: list[int]
     layout: dict[str, list[float]] = field(default_factory=dict)
     """Per-rank layout figures: parameter and optimizer bytes held, bytes sent per step by kind,
-    pipeline bubble."""
+    a pipeline stage's compute seconds per step and idle fraction."""
 
 
 def gather_rank_stats(
@@ -49,6 +50,15 @@ def gather_rank_stats(
 
 def _mean(values: list[float] | list[int]) -> float:
     return sum(values) / len(values)
+
+
+def summarize_layout(per_rank: dict[str, list[float]]) -> dict[str, float]:
+    """Every rank's layout figures as one: per-rank means (`stage_idle`: the mean over stages,
+    imbalance included) and, for a pipeline, its `bubble` (`gradmesh.layout.pipeline.bubble`)."""
+    summary = {k: _mean(v) for k, v in per_rank.items()}
+    if any(per_rank.get("stage_busy_s", [])):
+        summary["bubble"] = bubble(per_rank["stage_busy_s"], per_rank["stage_idle"])
+    return summary
 
 
 @dataclass(frozen=True)
@@ -74,7 +84,8 @@ class RunReport:
     strategy_info: dict[str, Any] = field(default_factory=dict)
     layout: dict[str, Any] = field(default_factory=dict)
     """dp, tp, pp, micro-batches, schedule; the per-rank means of parameter bytes held, bytes sent
-    per step by kind and (pipelines) the bubble; `per_rank["layout"]` has every rank's."""
+    per step by kind and stage idle, and (pipelines) the bubble; `per_rank["layout"]` has every
+    rank's."""
 
     @classmethod
     def build(
@@ -107,7 +118,7 @@ class RunReport:
             loss_history=losses,
             per_rank=dataclasses.asdict(stats),
             strategy_info=strategy_info,
-            layout={**(layout or {}), **{k: _mean(v) for k, v in stats.layout.items()}},
+            layout={**(layout or {}), **summarize_layout(stats.layout)},
         )
 
     def to_json(self) -> str:
@@ -140,7 +151,7 @@ class RunReport:
         split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"
         if lay["pp"] > 1:
             split += f", {lay['microbatches']} micro-batches {lay['schedule']}"
-            split += f", bubble {lay.get('bubble', 0.0):.2f}"
+            split += f", bubble {lay.get('bubble', 0.0):.2f} (stage idle {lay['stage_idle']:.2f})"
         per_step = ", ".join(
             f"{k} {lay.get(f'{k}_bytes_per_step', 0.0) / 1e3:.1f} kB" for k in KINDS[:3]
         )

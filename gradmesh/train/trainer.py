@@ -274,8 +274,9 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
 
 
 def layout_figures(job: Job, steps: int) -> dict[str, float]:
-    """What this rank holds, what it sent per step by kind over `steps` steps, and its pipeline
-    bubble: the report's figures, and `gradmesh bench layout`'s."""
+    """What this rank holds, what it sent per step by kind over `steps` steps, and as a pipeline
+    stage its compute seconds per step and idle fraction: the report's figures, and
+    `gradmesh bench layout`'s (`summarize_layout` makes them one)."""
     rt, split = job.rt, job.split
     state = [
         v
@@ -289,7 +290,8 @@ def layout_figures(job: Job, steps: int) -> dict[str, float]:
         "param_bytes": sum(p.numel() * p.element_size() for p in split.module.parameters()),
         "optimizer_bytes": sum(v.numel() * v.element_size() for v in state),
         **{f"{kind}_bytes_per_step": rt.comm.by_kind.get(kind, 0) / steps for kind in KINDS},
-        "bubble": engine_clock.fraction() if engine_clock is not None else 0.0,
+        "stage_busy_s": engine_clock.busy_s / steps if engine_clock is not None else 0.0,
+        "stage_idle": engine_clock.idle() if engine_clock is not None else 0.0,
     }
 
 
