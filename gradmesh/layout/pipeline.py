@@ -286,10 +286,8 @@ class PipelineEngine:
             if action == "F":
                 post_input(i)
                 post_input(i + 1)
-                if self.first:
-                    inp = xs[i]
-                else:
-                    inp = received(("F", i), self.stage - 1).requires_grad_()
+                inp = xs[i] if self.first else received(("F", i), self.stage - 1)
+                inp.requires_grad_(not self.first)
                 t0 = time.perf_counter()
                 with span("forward", microbatch=i):
                     out = self.module(inp)
