@@ -75,6 +75,9 @@ class Runtime:
     local_group: dist.ProcessGroup | None
     cross_group: dist.ProcessGroup | None
     mesh: Mesh
+    widest_host: int = 1
+    """The most ranks any host holds: the same on every rank (unlike `local_size` when hosts
+    hold different numbers of ranks), so choices made from it agree across the world."""
     """The world as dp x pp x tp (`gradmesh.mesh()`): `tensor_parallel` x `pipeline_parallel`
     adjacent ranks hold one replica of the model, the rest of the world is data-parallel."""
     comm: CommStats = field(default_factory=CommStats)
@@ -222,8 +225,9 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
 
 def _host_groups(
     rank: int, size: int, local_rank: int, device: torch.device, timeout: timedelta
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int]:
-    """Intra-host and cross-host groups; hosts are found by all-gathering each rank's node id."""
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int, int]:
+    """Intra-host and cross-host groups, this rank's cross rank and size, and the most ranks
+    any host holds; hosts are found by all-gathering each rank's node id."""
     node = _env_int("GROUP_RANK", -1)
     mine = torch.tensor([node, local_rank], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(size)]
@@ -238,12 +242,13 @@ def _host_groups(
     by_local = [[r for r, (_, lr) in enumerate(pairs) if lr == want] for want in local_ranks]
     my_node, my_local = pairs[rank]
     if size == 1:
-        return None, None, 0, 1
+        return None, None, 0, 1, 1
     # every group gets the job's timeout: without it torch gives subgroups its 30-minute default
     local_group, _ = dist.new_subgroups_by_enumeration(by_node, timeout=timeout)  # type: ignore[no-untyped-call]
     cross_group, _ = dist.new_subgroups_by_enumeration(by_local, timeout=timeout)  # type: ignore[no-untyped-call]
     cross_members = by_local[local_ranks.index(my_local)]
-    return local_group, cross_group, cross_members.index(rank), len(cross_members)
+    widest = max(len(ranks) for ranks in by_node)
+    return local_group, cross_group, cross_members.index(rank), len(cross_members), widest
 
 
 def init(
@@ -280,7 +285,7 @@ def init(
     bind_to_launcher(rank)
     chosen, device = _pick_backend(local_size, backend)
     _connect(chosen, rank, size, timeout)
-    local_group, cross_group, cross_rank, cross_size = _host_groups(
+    local_group, cross_group, cross_rank, cross_size, widest = _host_groups(
         rank, size, local_rank, device, timeout
     )
     if local_group is not None:
@@ -303,6 +308,7 @@ def init(
         local_group=local_group,
         cross_group=cross_group,
         mesh=build_mesh(shape, rank, timeout, owned),
+        widest_host=widest,
         async_group=async_group,
         owned=owned,
     )

@@ -27,6 +27,7 @@ def auto_cost(p: int, nbytes: int, c: CostParams, local_size: int = 1) -> float:
 @algorithm("auto", cost=auto_cost)
 def auto_allreduce(flat: torch.Tensor, ch: Channel) -> None:
     whole_world = ch.size == ch.rt.size
-    local = ch.rt.local_size if whole_world else 1
+    # the widest host, not this rank's own: every rank must choose alike on uneven hosts
+    local = ch.rt.widest_host if whole_world else 1
     name = choose(ch.size, flat.numel() * flat.element_size(), DEFAULT_PARAMS, local)
     ALGORITHMS.get(name)(flat, ch)
