@@ -22,7 +22,8 @@ from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 from gradmesh.runtime import get_runtime
 
-Op = Literal["sum", "average"]
+Op = Literal["sum", "average", "min", "max", "product"]
+OPS = ("average", "sum", "min", "max", "product")
 
 AllreduceFn = Callable[[torch.Tensor, Channel], None]
 """An algorithm sums a flat contiguous tensor in place over the channel's group."""
@@ -48,6 +49,7 @@ def run_collective(
     name: str | None = None,
     check: Check | None = None,
     kind: str = "sync",
+    reduce: str = "sum",
 ) -> torch.Tensor:
     """Run `body` on a flat contiguous view of `tensor` with accounting; copy back if needed.
 
@@ -61,7 +63,7 @@ def run_collective(
     check = check or PendingCheck.post(rt, pg, operation, tensor, name)
     check.wait()
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
-    channel = Channel(rt, pg, check.label)
+    channel = Channel(rt, pg, check.label, reduce)
     started = time.perf_counter()
     body(work.view(-1), channel)
     rt.comm.add(channel.sent, time.perf_counter() - started, kind)
@@ -81,14 +83,18 @@ def allreduce(
 ) -> torch.Tensor:
     """Reduce `tensor` in place over `group` (default: the whole world) and return it.
 
-    `op="average"` divides the sum by the group size (floor division for integer tensors).
+    `op="average"` divides the sum by the group size (floor division for integer tensors);
+    "min", "max" and "product" reduce elementwise with every algorithm.
     `name`, if given, must be the same on every rank (a different name is a mismatch);
     `check` replaces the signature exchange where the caller checks agreement its own way.
     """
-    if op not in ("sum", "average"):
-        raise GradmeshError(f"unknown reduction op {op!r} (valid: average, sum)")
+    if op not in OPS:
+        raise GradmeshError(f"unknown reduction op {op!r} (valid: {', '.join(OPS)})")
     body = ALGORITHMS.get(algorithm)
-    run_collective(tensor, f"{algorithm} allreduce", body, group, name, check, kind)
+    reduce = "sum" if op == "average" else op
+    # the op is part of the call's signature, so ranks that disagree on it fail the check
+    operation = f"{algorithm} allreduce" + ("" if reduce == "sum" else f" ({reduce})")
+    run_collective(tensor, operation, body, group, name, check, kind, reduce)
     if op == "average":
         p = dist.get_world_size(resolve_group(group))
         if tensor.is_floating_point() or tensor.is_complex():

@@ -49,7 +49,7 @@ def _recursive_doubling(flat: torch.Tensor, ch: Channel, me: int, q: int, real: 
     while mask < q:
         partner = real[me ^ mask]
         ch.exchange(flat, partner, incoming, partner)
-        flat.add_(incoming)
+        ch.combine(flat, incoming)
         mask <<= 1
 
 
@@ -64,7 +64,7 @@ def _halving_doubling(flat: torch.Tensor, ch: Channel, me: int, q: int, real: li
         keep, give = ((lo, mid), (mid, hi)) if me & mask == 0 else ((mid, hi), (lo, mid))
         kept.append((partner, lo, hi))
         ch.exchange(flat[give[0] : give[1]], partner, incoming[: keep[1] - keep[0]], partner)
-        flat[keep[0] : keep[1]].add_(incoming[: keep[1] - keep[0]])
+        ch.combine(flat[keep[0] : keep[1]], incoming[: keep[1] - keep[0]])
         lo, hi = keep
         mask >>= 1
     for partner, parent_lo, parent_hi in reversed(kept):
@@ -87,7 +87,7 @@ def butterfly_allreduce(
             return
         incoming = ch.scratch(flat, flat.numel())
         ch.recv(incoming, idx - 1)
-        flat.add_(incoming)
+        ch.combine(flat, incoming)
         me = idx // 2
     else:
         me = idx - extra

@@ -32,6 +32,8 @@ class Channel:
     group: dist.ProcessGroup
     operation: str
     """What is running, for error messages: 'ring allreduce #3 on world', ..."""
+    reduce: str = "sum"
+    """The reduction an allreduce on this channel applies: sum, min, max or product."""
     sent: int = 0
     """Bytes this rank has sent on this channel."""
     ranks: list[int] = field(default_factory=list)
@@ -74,6 +76,17 @@ class Channel:
                 f"rank {self.rt.rank}: {self.operation}: waiting for rank(s) {others} failed: "
                 f"{first_line(exc)}"
             ) from None
+
+    def combine(self, into: torch.Tensor, incoming: torch.Tensor) -> None:
+        """`into` = `into` (reduce) `incoming`, in place: every algorithm's reduction step."""
+        if self.reduce == "sum":
+            into.add_(incoming)
+        elif self.reduce == "product":
+            into.mul_(incoming)
+        elif self.reduce == "min":
+            torch.minimum(into, incoming, out=into)
+        else:
+            torch.maximum(into, incoming, out=into)
 
     def exchange(
         self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0

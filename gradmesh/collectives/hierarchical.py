@@ -35,12 +35,14 @@ def hierarchical_allreduce_with(flat: torch.Tensor, ch: Channel, inner: str) -> 
         raise GradmeshError(f"rank {rt.rank}: hierarchical allreduce runs on the whole world only")
     run_inner = ALGORITHMS.get(inner)
     local = (
-        Channel(rt, rt.local_group, ch.operation) if rt.local_size > 1 and rt.local_group else None
+        Channel(rt, rt.local_group, ch.operation, ch.reduce)
+        if rt.local_size > 1 and rt.local_group
+        else None
     )
     if local is not None:
         tree_reduce(flat, local)
     if rt.local_rank == 0 and rt.cross_size > 1 and rt.cross_group is not None:
-        leaders = Channel(rt, rt.cross_group, ch.operation)
+        leaders = Channel(rt, rt.cross_group, ch.operation, ch.reduce)
         run_inner(flat, leaders)
         ch.sent += leaders.sent
     if local is not None:

@@ -17,7 +17,16 @@ def modelled_bytes_sent(p: int, nbytes: int) -> int:
     return 2 * (p - 1) * nbytes // p
 
 
+REDUCE_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "min": dist.ReduceOp.MIN,
+    "max": dist.ReduceOp.MAX,
+    "product": dist.ReduceOp.PRODUCT,
+}
+
+
 @algorithm("native", cost=ring_cost)
 def native_allreduce(flat: torch.Tensor, ch: Channel) -> None:
-    ch.backend_collective(lambda: dist.all_reduce(flat, group=ch.group, async_op=True))
+    op = REDUCE_OPS[ch.reduce]
+    ch.backend_collective(lambda: dist.all_reduce(flat, op=op, group=ch.group, async_op=True))
     ch.sent += modelled_bytes_sent(ch.size, flat.numel() * flat.element_size())

@@ -94,7 +94,7 @@ def ring_pass(flat: torch.Tensor, ch: Channel, reduce: bool, gather: bool) -> No
             if work is not None:
                 ch.wait(work, left, "receive from")
             if added:
-                piece(segment, j).add_(target)
+                ch.combine(piece(segment, j), target)
             if step + 1 < len(steps):
                 upcoming.append(post_receive(step + 1, j))
                 send(segment, j, step + 1)

@@ -34,7 +34,7 @@ def star_allreduce(flat: torch.Tensor, ch: Channel) -> None:
         ch.wait(pending, peer, "receive from")
         if peer + 1 < ch.size:
             pending = ch.irecv(slots[(peer + 1) % 2], peer + 1)
-        flat.add_(slots[peer % 2])
+        ch.combine(flat, slots[peer % 2])
     sends = [(ch.isend(flat, peer), peer) for peer in range(1, ch.size)]
     for work, peer in sends:
         ch.wait(work, peer, "send to")

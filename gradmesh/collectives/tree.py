@@ -40,7 +40,7 @@ def tree_reduce(flat: torch.Tensor, ch: Channel, root: int = 0) -> None:
             return
         if me + mask < p:
             ch.recv(incoming, (me + mask + root) % p)
-            flat.add_(incoming)
+            ch.combine(flat, incoming)
         mask <<= 1
 
 

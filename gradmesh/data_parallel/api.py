@@ -45,15 +45,17 @@ def _reduce_copy(
     algorithm: str,
     compression: Codec | str | None,
     name: str | None,
+    prescale: float,
+    postscale: float,
 ) -> torch.Tensor:
-    return compressed_allreduce(
-        tensor.detach().clone(),
-        resolve(compression),
-        op,
-        algorithm,
-        get_runtime().async_group,
-        name,
-    )
+    copy = tensor.detach().clone()
+    if prescale != 1.0:
+        copy.mul_(prescale)
+    if get_runtime().size > 1:
+        copy = compressed_allreduce(
+            copy, resolve(compression), op, algorithm, get_runtime().async_group, name
+        )
+    return copy.mul_(postscale) if postscale != 1.0 else copy
 
 
 def allreduce_async(
@@ -62,15 +64,19 @@ def allreduce_async(
     algorithm: str = "native",
     compression: Codec | str | None = None,
     name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> Handle:
-    """Start reducing a copy of `tensor`; `synchronize(handle)` returns the result. `name`, if
-    given, must be the same on every rank for the same call."""
+    """Start reducing a copy of `tensor` (times `prescale_factor` before, `postscale_factor`
+    after, as Horovod does); `synchronize(handle)` returns the result. `name`, if given, must
+    be the same on every rank for the same call."""
     rt = get_runtime()
+    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor)
     if rt.size == 1:
         done: Handle = Future()
-        done.set_result(tensor.detach().clone())
+        done.set_result(_reduce_copy(*args))
         return done
-    return rt.comm_executor().submit(_reduce_copy, tensor, op, algorithm, compression, name)
+    return rt.comm_executor().submit(_reduce_copy, *args)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:

@@ -43,6 +43,9 @@ from gradmesh.wrapping import wrap_optimizer
 
 Average: Op = "average"
 Sum: Op = "sum"
+Min: Op = "min"
+Max: Op = "max"
+Product: Op = "product"
 Adasum = "adasum"
 OnNonfinite = Literal["error", "skip"]
 

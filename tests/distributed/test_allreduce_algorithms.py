@@ -140,3 +140,33 @@ def test_bytes_sent_are_what_each_algorithm_puts_on_the_wire() -> None:
     assert all(r["ring"] == 2 * 3 * n // 4 for r in per_rank)  # 2(p-1) segments of n/p
     assert per_rank[0]["star"] == 3 * n and per_rank[1]["star"] == n  # the root sends p-1 copies
     assert sum(r["tree"] for r in per_rank) == 2 * 3 * n  # p-1 edges, up and down
+
+
+def reduce_ops() -> dict[str, dict[str, list[float]]]:
+    """Every algorithm with min, max and product on float and integer tensors."""
+    r = gradmesh.rank()
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in ALGORITHMS:
+        out[name] = {}
+        for op in ("min", "max", "product"):
+            for dtype in (torch.float64, torch.int64):
+                t = torch.tensor([r + 1, -(r + 1), 2 * (r % 2) - 1, 5, 0], dtype=dtype)
+                out[name][f"{op}-{dtype}"] = allreduce(t, op=op, algorithm=name).tolist()
+    return out
+
+
+@pytest.mark.parametrize(("world", "local_size"), [(2, None), (3, 2)])
+def test_min_max_product_on_every_algorithm(world: int, local_size: int | None) -> None:
+    per_rank = run_ranks(reduce_ops, world, local_size=local_size, timeout=120)
+    inputs = torch.tensor(
+        [[r + 1, -(r + 1), 2 * (r % 2) - 1, 5, 0] for r in range(world)], dtype=torch.float64
+    )
+    want = {
+        "min": inputs.min(0).values.tolist(),
+        "max": inputs.max(0).values.tolist(),
+        "product": inputs.prod(0).tolist(),
+    }
+    for out in per_rank:
+        for name in ALGORITHMS:
+            for key, got in out[name].items():
+                assert got == want[key.split("-")[0]], (name, key)
