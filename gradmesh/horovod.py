@@ -1,18 +1,23 @@
 """The Horovod PyTorch API on gradmesh: change `import horovod.torch as hvd` to
 `import gradmesh.horovod as hvd` and run the script under `gradmesh run` (or torchrun).
 
-Differences, all deliberate: `broadcast_object` sends JSON, not pickle; `Adasum` raises
-NotImplementedError; `allgather` concatenates along dimension 0 like Horovod's.
+Differences, all deliberate: `broadcast_object` and `allgather_object` send plain values
+(None, bool, 64-bit int, float, str, bytes and lists, tuples and dicts of them, int keys kept)
+as MessagePack, never pickle, and refuse other types in one line; `Adasum` raises
+NotImplementedError; `allgather` concatenates along dimension 0 like Horovod's. The build
+functions (`mpi_built`, `nccl_built`, ...) describe this torch build: no MPI, Gloo always.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from gradmesh.collectives import allgather_object, broadcast_object
 from gradmesh.collectives import broadcast as _broadcast_in_place
-from gradmesh.collectives import broadcast_object
 from gradmesh.compression import FP16Compression, NoCompression
 from gradmesh.data_parallel.api import (
     Handle,
@@ -28,11 +33,15 @@ from gradmesh.data_parallel.optimizer import (
     Adasum,
     Average,
     DistributedOptimizer,
+    Max,
+    Min,
+    Product,
     Sum,
     broadcast_parameters,
 )
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import (
+    barrier,
     cross_rank,
     cross_size,
     get_runtime,
@@ -50,25 +59,41 @@ __all__ = [
     "Average",
     "Compression",
     "DistributedOptimizer",
+    "Max",
+    "Min",
+    "Product",
     "Sum",
     "allgather",
+    "allgather_object",
     "allreduce",
     "allreduce_",
     "allreduce_async",
+    "allreduce_async_",
+    "barrier",
     "broadcast",
     "broadcast_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
+    "gloo_built",
+    "gloo_enabled",
     "init",
     "is_initialized",
     "join",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "nccl_built",
     "poll",
     "rank",
+    "rocm_built",
     "shutdown",
     "size",
     "synchronize",
@@ -102,9 +127,18 @@ def allreduce_async(
     average: bool | None = None,
     name: str | None = None,
     op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
     compression: Any = Compression.none,
 ) -> Handle:
-    return _allreduce_async(tensor, op=_op(average, op), compression=compression, name=name)  # type: ignore[arg-type]
+    return _allreduce_async(
+        tensor,
+        op=_op(average, op),  # type: ignore[arg-type]
+        compression=compression,
+        name=name,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+    )
 
 
 def allreduce(
@@ -113,9 +147,35 @@ def allreduce(
     name: str | None = None,
     compression: Any = Compression.none,
     op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """The reduced value of `tensor` (a new tensor; the argument is left as it was)."""
-    return synchronize(allreduce_async(tensor, average, name, op, compression))
+    return synchronize(
+        allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor, compression)
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Handle:
+    """In-place `allreduce_async`: `synchronize` writes the result into `tensor` and returns it."""
+    reduced = allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor)
+    done: Handle = Future()
+
+    def write_back(handle: Handle) -> None:
+        try:
+            done.set_result(tensor.copy_(handle.result()))
+        except BaseException as exc:  # the reduction's own error, raised at synchronize
+            done.set_exception(exc)
+
+    reduced.add_done_callback(write_back)
+    return done
 
 
 def allreduce_(
@@ -123,9 +183,13 @@ def allreduce_(
     average: bool | None = None,
     name: str | None = None,
     op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
 ) -> torch.Tensor:
     """In-place `allreduce`."""
-    return tensor.copy_(allreduce(tensor, average, name, op=op))
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor)
+    )
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
@@ -146,3 +210,45 @@ def join(device: int = -1) -> int:
     if joinable is not None:
         joinable()
     return -1
+
+
+def mpi_built() -> bool:
+    """gradmesh runs on torch.distributed, never on MPI."""
+    return False
+
+
+def mpi_enabled() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    return False
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def gloo_built() -> bool:
+    return dist.is_gloo_available()
+
+
+def gloo_enabled() -> bool:
+    """Whether the job runs on Gloo (before `init()`: whether it can)."""
+    return get_runtime().backend == "gloo" if is_initialized() else gloo_built()
+
+
+def nccl_built() -> bool:
+    return dist.is_nccl_available()
+
+
+def cuda_built() -> bool:
+    return torch.version.cuda is not None
+
+
+def rocm_built() -> bool:
+    return torch.version.hip is not None

@@ -10,17 +10,12 @@ Cost: 2 ceil(log2 p) (alpha + n beta) + ceil(log2 p) n gamma.
 
 from __future__ import annotations
 
-import json
-from typing import Any
-
 import torch
 import torch.distributed as dist
 
 from gradmesh.collectives.api import algorithm, run_collective
 from gradmesh.collectives.channel import Channel
 from gradmesh.collectives.cost import CostParams, log2ceil
-from gradmesh.errors import GradmeshError
-from gradmesh.runtime import get_runtime
 
 
 def tree_cost(p: int, nbytes: int, c: CostParams, local_size: int = 1) -> float:
@@ -80,28 +75,3 @@ def broadcast(
         tree_broadcast(view, ch, ch.ranks.index(root))
 
     return run_collective(tensor, "tree broadcast", body, group)
-
-
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """Root's JSON-serialisable object (dicts, lists, numbers, strings) on every rank."""
-    rt = get_runtime()
-    if rt.size == 1:
-        return obj
-    data, problem = b"", ""
-    if rt.rank == root_rank:
-        try:
-            data = json.dumps(obj).encode()
-        except TypeError as exc:
-            problem = str(exc)
-    length = torch.tensor([-1 if problem else len(data)], dtype=torch.int64)
-    broadcast(length, root=root_rank)  # -1 tells every rank that the root could not send
-    if int(length) < 0:
-        why = f": {problem}" if problem else f" on rank {root_rank}"
-        raise GradmeshError(
-            f"broadcast_object sends JSON, not pickle, and the object is not JSON{why}"
-        )
-    buf = torch.zeros(int(length), dtype=torch.uint8)
-    if rt.rank == root_rank:
-        buf.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-    broadcast(buf, root=root_rank)
-    return json.loads(bytes(buf.tolist()).decode())

@@ -165,13 +165,20 @@ def horovod_api() -> dict[str, object]:
         "bcast": hvd.broadcast(t, root_rank=1).tolist(),
         "object": hvd.broadcast_object({"epoch": 3, "name": f"rank{r}"}, root_rank=0),
     }
+    out["scaled"] = hvd.allreduce(t, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5).tolist()
+    out["min"] = hvd.allreduce(t, op=hvd.Min).tolist()
+    out["product"] = hvd.allreduce(t, op=hvd.Product).tolist()
+    u = t.clone()
+    in_place = hvd.allreduce_async_(u, op=hvd.Max)
+    out["in_place"] = [hvd.synchronize(in_place) is u, u.tolist()]
     handle = hvd.allreduce_async(t, op=hvd.Sum)
     out["async"] = hvd.synchronize(handle).tolist()
     out["polled"] = hvd.poll(handle)
     with pytest.raises(NotImplementedError):
         hvd.allreduce(t, op=hvd.Adasum)
-    with pytest.raises(GradmeshError, match="JSON, not pickle"):
+    with pytest.raises(GradmeshError, match="cannot send type Tensor .*never pickle"):
         hvd.broadcast_object({"t": torch.ones(1)} if r == 0 else None)
+    hvd.barrier()
     out["meta"] = [
         hvd.size(),
         hvd.local_rank(),
@@ -180,6 +187,7 @@ def horovod_api() -> dict[str, object]:
         hvd.cross_size(),
         hvd.is_initialized(),
     ]
+    out["build"] = [hvd.mpi_built(), hvd.mpi_enabled(), hvd.gloo_built(), hvd.gloo_enabled()]
     return out
 
 
@@ -193,6 +201,10 @@ def test_horovod_api_surface() -> None:
     assert a["object"] == b["object"] == {"epoch": 3, "name": "rank0"}
     assert a["async"] == [3.0, 6.0] and a["polled"] is True
     assert a["meta"] == [2, 0, 2, 0, 1, True]
+    assert a["build"] == [False, False, True, True]
+    assert a["scaled"] == b["scaled"] == [4.5, 9.0]  # (1 + 2) * 3 * 0.5, Horovod's order
+    assert a["min"] == [1.0, 2.0] and a["product"] == [2.0, 8.0]
+    assert a["in_place"] == b["in_place"] == [True, [2.0, 4.0]]
 
 
 def optimizer_state() -> list[float]:
