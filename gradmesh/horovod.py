@@ -32,13 +32,13 @@ from gradmesh.data_parallel.api import (
 from gradmesh.data_parallel.optimizer import (
     Adasum,
     Average,
-    DistributedOptimizer,
     Max,
     Min,
     Product,
     Sum,
     broadcast_parameters,
 )
+from gradmesh.data_parallel.optimizer import DistributedOptimizer as _DistributedOptimizer
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import (
     barrier,
@@ -110,6 +110,35 @@ class Compression:
 def init(*_args: Any, **_kwargs: Any) -> None:
     """Join the job (Horovod's init takes optional communicators; gradmesh ignores them)."""
     _init()
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Any = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: str = Average,
+    gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
+    process_set: Any = None,
+) -> torch.optim.Optimizer:
+    """Horovod's DistributedOptimizer, in Horovod's argument order and with its behaviour:
+    non-finite gradients reach the optimizer as in plain torch (gradmesh's own API stops on
+    them by default). Sparse gradients are always reduced dense (`sparse_as_dense`'s result);
+    `num_groups` / `groups` are accepted, the fusion buffers being sized by bytes instead."""
+    if process_set is not None:
+        raise NotImplementedError("process sets are not implemented in gradmesh yet")
+    return _DistributedOptimizer(
+        optimizer,
+        named_parameters,
+        compression=compression,
+        backward_passes_per_step=backward_passes_per_step,
+        op=op,
+        on_nonfinite="pass",
+        gradient_predivide_factor=gradient_predivide_factor,
+    )
 
 
 def _op(average: bool | None, op: str | None) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+import warnings
 import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -47,7 +48,7 @@ Min: Op = "min"
 Max: Op = "max"
 Product: Op = "product"
 Adasum = "adasum"
-OnNonfinite = Literal["error", "skip"]
+OnNonfinite = Literal["error", "skip", "pass"]
 
 
 def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
@@ -143,8 +144,11 @@ class GradientReducer:
         compression: Codec,
         backward_passes_per_step: int,
         on_nonfinite: OnNonfinite,
+        predivide: float = 1.0,
     ) -> None:
         self.rt = get_runtime()
+        self.predivide = predivide
+        """Gradients are divided by this before the sum and the average's divisor after it."""
         self.replicas = self.rt.dp.size
         """Ranks on the data-parallel axis: the replicas this optimizer averages over."""
         self.params = params
@@ -229,6 +233,8 @@ class GradientReducer:
             bucket = self.buckets[self.next_launch]
             with span("pack", "comm", bucket=bucket.index):
                 bucket.pack(active)
+                if self.predivide != 1.0:
+                    bucket.buffer[: bucket.grad_numel].div_(self.predivide)
             self.futures[bucket.index] = self._submit(bucket)
             self.next_launch += 1
 
@@ -310,7 +316,7 @@ class GradientReducer:
         return float(self.buckets[-1].buffer[-1])
 
     def unpack_all(self, active: float) -> None:
-        divisor = max(active, 1.0) if self.op == "average" else 1.0
+        divisor = max(active, 1.0) / self.predivide if self.op == "average" else 1.0
         for bucket in self.buckets:
             with span("unpack", "comm", bucket=bucket.index):
                 bucket.unpack(divisor)
@@ -339,7 +345,7 @@ class _DistributedMixin:
         """Run the wrapped optimizer on the reduced gradients, unless they are not finite."""
         gm = self._gm
         gm.steps += 1
-        if (name := gm.nonfinite_parameter()) is not None:
+        if gm.on_nonfinite != "pass" and (name := gm.nonfinite_parameter()) is not None:
             if gm.on_nonfinite == "error":
                 raise GradmeshError(
                     f"rank {gm.rt.rank}: step {gm.steps}: non-finite gradient in parameter "
@@ -353,6 +359,13 @@ class _DistributedMixin:
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         gm = self._gm
         try:
+            if gm.synced and not gm.skip_sync:
+                warnings.warn(
+                    "step() after synchronize() outside skip_synchronize(): the gradients "
+                    "synchronize() reduced are used; wrap step() in "
+                    "optimizer.skip_synchronize() to say so",
+                    stacklevel=2,
+                )
             if not gm.skip_sync or not gm.synced:
                 gm.synchronize()
             return self._apply(closure)
@@ -381,11 +394,15 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     backward_passes_per_step: int = 1,
     op: Op | str = Average,
     on_nonfinite: OnNonfinite = "error",
+    gradient_predivide_factor: float = 1.0,
 ) -> Optimizer:
     """Wrap `optimizer` so gradients are averaged over all ranks, overlapped with backward.
 
-    `named_parameters` names the parameters (the same on every rank); by default the optimizer's
-    own order is used with generated names.
+    `named_parameters` names the parameters (the same on every rank; each of the optimizer's
+    parameters once); by default the optimizer's own order is used with generated names.
+    `on_nonfinite`: "error" stops at a NaN or Inf in a reduced gradient, "skip" skips that step
+    on every rank, "pass" steps on it as plain torch would. `gradient_predivide_factor` f
+    (average only): gradients are divided by f before the sum and by size / f after it.
     """
     ALGORITHMS.get(allreduce)  # fail early on an unknown algorithm name
     if op == Adasum:
@@ -396,13 +413,20 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         raise GradmeshError(
             f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}"
         )
-    if on_nonfinite not in ("error", "skip"):
-        raise GradmeshError(f"unknown on_nonfinite {on_nonfinite!r} (valid: error, skip)")
-    if named_parameters is None:
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        named = [(f"param.{i}", p) for i, p in enumerate(params)]
-    else:
-        named = list(named_parameters)
+    if on_nonfinite not in ("error", "skip", "pass"):
+        raise GradmeshError(f"unknown on_nonfinite {on_nonfinite!r} (valid: error, skip, pass)")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise GradmeshError("gradient_predivide_factor needs op=Average")
+    if not gradient_predivide_factor > 0:
+        raise GradmeshError(
+            f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    named = (
+        [(f"param.{i}", p) for i, p in enumerate(params)]
+        if named_parameters is None
+        else _check_named(list(named_parameters), params)
+    )
     trainable = [(n, p) for n, p in named if p.requires_grad]
     reducer = GradientReducer(
         trainable,
@@ -412,10 +436,32 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         resolve(compression),
         backward_passes_per_step,
         on_nonfinite,
+        gradient_predivide_factor,
     )
     wrapped = wrap_optimizer(optimizer, _DistributedMixin, _gm=reducer)
+    wrapped._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]  # Horovod's
     reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins
     return wrapped
+
+
+def _check_named(
+    named: list[tuple[str, torch.nn.Parameter]], params: list[torch.nn.Parameter]
+) -> list[tuple[str, torch.nn.Parameter]]:
+    """The named parameters the optimizer updates, or one line: a repeated name, or an
+    optimizer parameter it does not name (its gradient would never be averaged)."""
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        again = sorted({n for n in names if names.count(n) > 1})
+        raise GradmeshError(f"named_parameters repeats the name(s) {', '.join(again)}")
+    given = {id(p) for _, p in named}
+    missing = sum(1 for p in params if id(p) not in given)
+    if missing:
+        raise GradmeshError(
+            f"named_parameters does not name {missing} of the optimizer's {len(params)} "
+            "parameters; give every parameter the optimizer updates a name"
+        )
+    mine = {id(p) for p in params}
+    return [(n, p) for n, p in named if id(p) in mine]  # only what the optimizer steps
 
 
 def broadcast_parameters(

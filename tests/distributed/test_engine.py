@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,58 @@ def test_ddp_comm_hook_equals_one_process() -> None:
     for params in run_ranks(ddp_steps, 2, "ring"):
         for got, want in zip(params, model.parameters(), strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def horovod_optimizer() -> dict[str, object]:
+    import warnings
+
+    r = hvd.rank()
+    out: dict[str, object] = {}
+    model = _model()
+    x, y = torch.randn(8, 20) * (r + 1), torch.randint(0, 5, (8,))
+    # Horovod's positional order: (optimizer, named_parameters, compression, ...)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        model.named_parameters(),
+        hvd.Compression.none,
+        1,
+        hvd.Average,
+        4.0,  # gradient_predivide_factor
+    )
+    out["names"] = sorted(opt._parameter_names.values())  # type: ignore[attr-defined]
+    opt.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    opt.synchronize()
+    out["predivided"] = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()  # after synchronize(), outside skip_synchronize(): Horovod warns
+    out["warned"] = [str(w.message) for w in caught]
+    # the same gradients averaged without the factor
+    plain = _model()
+    ref = gradmesh.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1))
+    ref.zero_grad()
+    F.cross_entropy(plain(x), y).backward()
+    ref.synchronize()
+    out["plain"] = [p.grad.clone() for p in plain.parameters()]  # type: ignore[union-attr]
+    # a non-finite gradient reaches the optimizer, as in plain torch and Horovod
+    opt.zero_grad()
+    (model(x).sum() * float("inf")).backward()
+    opt.step()
+    out["stepped_on_inf"] = not all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    for named, message in (
+        ([("a", p) for p in model.parameters()], "repeats the name(s) a"),
+        (list(model.named_parameters())[:-1], "does not name 1 of the optimizer's 6"),
+    ):
+        with pytest.raises(GradmeshError, match=re.escape(message)):
+            hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named)
+    return out
+
+
+def test_horovod_distributed_optimizer_behaves_as_horovod_documents() -> None:
+    for out in run_ranks(horovod_optimizer, 2):
+        assert out["names"] == sorted(n for n, _ in _model().named_parameters())
+        for got, want in zip(out["predivided"], out["plain"], strict=True):  # type: ignore[call-overload]
+            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        assert len(out["warned"]) == 1 and "skip_synchronize" in out["warned"][0]  # type: ignore[arg-type,index]
+        assert out["stepped_on_inf"] is True
