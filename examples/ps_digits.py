@@ -13,7 +13,7 @@ from torch import nn
 from gradmesh import parameter_server as ps
 
 SERVERS = 1
-role = ps.join(servers=SERVERS, mode="ssp", max_staleness=2, lr=0.05, momentum=0.9)  ###
+role = ps.join(servers=SERVERS, mode="ssp", max_staleness=2, lr=0.1, momentum=0.5)  ###
 
 digits = load_digits()
 x = torch.tensor(digits.data, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
