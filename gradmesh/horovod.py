@@ -242,24 +242,11 @@ def join(device: int = -1) -> int:
 
 
 def mpi_built() -> bool:
-    """gradmesh runs on torch.distributed, never on MPI."""
+    """gradmesh runs on torch.distributed: no MPI, DDL or oneCCL, ever."""
     return False
 
 
-def mpi_enabled() -> bool:
-    return False
-
-
-def mpi_threads_supported() -> bool:
-    return False
-
-
-def ddl_built() -> bool:
-    return False
-
-
-def ccl_built() -> bool:
-    return False
+mpi_enabled = mpi_threads_supported = ddl_built = ccl_built = mpi_built
 
 
 def gloo_built() -> bool:

@@ -251,6 +251,18 @@ class PipelineEngine:
             self.rt, self.group, f"pipeline stage {self.stage} {what} (step {self.steps})"
         )
 
+    def _irecv(
+        self,
+        ch: Channel,
+        shape: tuple[int, ...] | torch.Size,
+        peer: int,
+        tag: int,
+        dtype: torch.dtype | None = None,
+    ) -> tuple[torch.Tensor, dist.Work]:
+        """A fresh buffer of `shape` and the receive into it, posted now."""
+        buf = torch.empty(shape, dtype=dtype, device=self.rt.device)
+        return buf, ch.irecv(buf, peer, tag=tag)
+
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch of (x, y); the loss (summed over samples,
         times `scale`, before scaling) on the last stage, zero elsewhere.
@@ -272,8 +284,7 @@ class PipelineEngine:
 
         def post_input(i: int) -> None:
             if not self.first and i < self.m and sizes[i] and ("F", i) not in posted:
-                buf = torch.empty((sizes[i], *self.in_shape), device=self.rt.device)
-                posted["F", i] = buf, ch.irecv(buf, self.stage - 1, tag=2 * i)
+                posted["F", i] = self._irecv(ch, (sizes[i], *self.in_shape), self.stage - 1, 2 * i)
 
         def received(key: tuple[str, int], peer: int) -> torch.Tensor:
             buf, work = posted.pop(key)
@@ -301,8 +312,9 @@ class PipelineEngine:
                     sends.append(
                         (ch.isend(out.detach(), self.stage + 1, tag=2 * i), self.stage + 1)
                     )
-                    buf = torch.empty_like(out)
-                    posted["B", i] = buf, ch.irecv(buf, self.stage + 1, tag=2 * i + 1)
+                    posted["B", i] = self._irecv(
+                        ch, out.shape, self.stage + 1, 2 * i + 1, out.dtype
+                    )
             else:
                 out = outputs.pop(i)
                 grad = None if self.last else received(("B", i), self.stage + 1)
@@ -332,8 +344,7 @@ class PipelineEngine:
         posted = {}  # every receive up front (see `step`)
         if not self.first:
             for i, part in parts:
-                buf = torch.empty((len(part), *self.in_shape), device=self.rt.device)
-                posted[i] = buf, ch.irecv(buf, self.stage - 1, tag=2 * i)
+                posted[i] = self._irecv(ch, (len(part), *self.in_shape), self.stage - 1, 2 * i)
         for i, part in parts:
             if self.first:
                 inp = part
