@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from gradmesh.collectives import allgather_object, broadcast_object
 from gradmesh.collectives import broadcast as _broadcast_in_place
-from gradmesh.compression import FP16Compression, NoCompression
+from gradmesh.compression import make
 from gradmesh.data_parallel.api import (
     Handle,
     broadcast_optimizer_state,
@@ -101,10 +101,16 @@ __all__ = [
 
 
 class Compression:
-    """`hvd.Compression.none` / `hvd.Compression.fp16`."""
+    """`hvd.Compression.none` / `hvd.Compression.fp16`, and gradmesh's other compressors
+    (`bf16`, `int8`, `topk`, `sign`, `powersgd`, with error feedback where they need it)."""
 
-    none = NoCompression()
-    fp16 = FP16Compression()
+    none = make("none")
+    fp16 = make("fp16")
+    bf16 = make("bf16")
+    int8 = make("int8")
+    topk = make("topk")
+    sign = make("sign")
+    powersgd = make("powersgd")
 
 
 def init(*_args: Any, **_kwargs: Any) -> None:

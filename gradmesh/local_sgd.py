@@ -4,12 +4,15 @@ Communication falls K-fold. With K = 1 and plain SGD it is synchronous data para
 (averaging w - lr * g_i over the workers is w - lr * mean(g)). Post-local SGD (Lin et al. 2020):
 the first T steps average gradients as synchronous training does, then training turns local.
 Only parameters are averaged; optimizer state (momentum) stays local, as in the papers.
+With a compressor, what travels is the change since the last average (the same on every rank),
+so a lossy message loses part of a step, never part of the model; error feedback keeps the rest
+for the next round.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -18,6 +21,7 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.collectives.flat import flat_buffers, unpack
+from gradmesh.compression import Compressor, Link, NoCompression, State, reduce
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import get_runtime
 from gradmesh.wrapping import wrap_optimizer
@@ -38,29 +42,56 @@ class Averager:
         if self.sync_every < 1 or self.warmup_sync_steps < 0:
             raise GradmeshError("--sync-every must be >= 1 and --warmup-sync-steps >= 0")
 
-    def _average(self, tensors: list[torch.Tensor]) -> None:
+    compressor: Compressor = field(default_factory=NoCompression)
+    states: dict[tuple[str, int], State] = field(default_factory=dict)
+    """A compressor state per (what is averaged, flat buffer)."""
+    anchors: list[torch.Tensor] = field(default_factory=list)
+    """With compression: the parameters as last averaged (the same on every rank)."""
+
+    def _average(self, tensors: list[torch.Tensor], what: str) -> None:
         replicas = get_runtime().dp  # the ranks holding the same part of the model
         if replicas.size == 1 or not tensors:
             return
+        link = Link(replicas.group, self.algorithm)
+        compress = not isinstance(self.compressor, NoCompression)
         with torch.no_grad():
-            for flat, members in flat_buffers(tensors):
-                allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
+            for i, (flat, members) in enumerate(flat_buffers(tensors)):
+                if not compress:
+                    allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
+                    unpack(flat, members)
+                    continue
+                state = self.states.get((what, i))
+                if state is None:
+                    shapes = [tuple(t.shape) for t in members]
+                    state = self.states[(what, i)] = self.compressor.new_state(flat.numel(), shapes)
+                if what == "parameters":  # the change since the last average travels
+                    flat.sub_(self.anchors[i])
+                reduce(flat, self.compressor, state, link)
+                flat.div_(link.size)
+                if what == "parameters":
+                    flat.add_(self.anchors[i])
+                    self.anchors[i].copy_(flat)
                 unpack(flat, members)
 
     def before_step(self) -> None:
         """During the synchronous warm-up, average gradients (missing ones count as zero)."""
+        if not self.anchors and not isinstance(self.compressor, NoCompression):
+            # the starting parameters, the same on every rank: the first change is from them
+            self.anchors = [
+                flat.detach().clone() for flat, _ in flat_buffers([p.detach() for p in self.params])
+            ]
         if self.steps < self.warmup_sync_steps:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-            self._average([cast(torch.Tensor, p.grad) for p in self.params])
+            self._average([cast(torch.Tensor, p.grad) for p in self.params], "gradients")
 
     def after_step(self) -> None:
         """Every `sync_every` local steps after the warm-up, average the parameters."""
         self.steps += 1
         local = self.steps - self.warmup_sync_steps
         if local > 0 and local % self.sync_every == 0:
-            self._average([p.data for p in self.params])
+            self._average([p.data for p in self.params], "parameters")
             self.averaging_rounds += 1
 
 

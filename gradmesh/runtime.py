@@ -58,6 +58,14 @@ class CommStats:
         self.calls += 1
         self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
 
+    compressed: dict[str, list[int]] = field(default_factory=dict)
+    """By kind: [bytes given to a compressor, bytes of the messages it sent for them]."""
+
+    def add_compressed(self, kind: str, given: int, payload: int) -> None:
+        totals = self.compressed.setdefault(kind, [0, 0])
+        totals[0] += given
+        totals[1] += payload
+
 
 @dataclass
 class Runtime:

@@ -17,8 +17,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from gradmesh.collectives.agreement import Check
 from gradmesh.collectives.api import algorithm, run_collective
-from gradmesh.collectives.channel import Channel
+from gradmesh.collectives.channel import Channel, resolve_group
 from gradmesh.collectives.cost import CostParams
 
 PIECE_BYTES = 2 << 20
@@ -125,17 +126,31 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
     return box[0]
 
 
-def allgather(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Concatenate every rank's `tensor` (same shape everywhere) along a new first dimension."""
-    from gradmesh.collectives.channel import resolve_group
-
+def allgather(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    check: Check | None = None,
+    kind: str = "sync",
+    backend: bool = False,
+) -> torch.Tensor:
+    """Concatenate every rank's `tensor` (same shape everywhere) along a new first dimension:
+    around gradmesh's ring, or with `backend` the backend's own all-gather."""
     p = dist.get_world_size(resolve_group(group))
     ranks = dist.get_process_group_ranks(resolve_group(group))
     out = torch.empty((p, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-    out[ranks.index(dist.get_rank())].copy_(tensor)
+    mine = out[ranks.index(dist.get_rank())]
+    mine.copy_(tensor)
 
-    def body(view: torch.Tensor, ch: Channel) -> None:
+    def ring(view: torch.Tensor, ch: Channel) -> None:
         ring_pass(view, ch, reduce=False, gather=True)
 
-    run_collective(out, "ring allgather", body, group)
+    def native(view: torch.Tensor, ch: Channel) -> None:
+        own = tensor.detach().reshape(-1).contiguous()  # not a view of the output
+        ch.backend_collective(
+            lambda: dist.all_gather_single(view, own, group=ch.group, async_op=True)
+        )
+        ch.sent += (p - 1) * own.numel() * own.element_size()  # modelled: a ring's bytes
+
+    operation = "native allgather" if backend else "ring allgather"
+    run_collective(out, operation, native if backend else ring, group, check=check, kind=kind)
     return out

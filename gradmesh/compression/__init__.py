@@ -1,52 +1,115 @@
-"""Gradient compression codecs, Horovod's shape: `compress(t) -> (payload, ctx)`,
-`decompress(payload, ctx) -> tensor`. The payload must still be summable by an allreduce."""
+"""Gradient compression: one set of stateful compressors, with error feedback, for every path
+(allreduce with any algorithm, the DDP hook, local SGD's averaging, the parameter server's push).
+
+    compressor = make("topk", ratio=0.01)          # error feedback on: topk is biased
+    state = compressor.new_state(bucket.numel())   # one per tensor, kept between calls
+    reduce(bucket, compressor, state, Link(group, algorithm="ring"))   # summed in place
+
+See docs/compression.md for each compressor's cost and when it helps.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from gradmesh.compression.base import (
+    CodecAdapter,
+    Compressor,
+    Encoded,
+    ErrorFeedback,
+    Link,
+    NoCompression,
+    State,
+)
+from gradmesh.compression.powersgd import PowerSGD
+from gradmesh.compression.quantize import Cast, Int8, Sign
+from gradmesh.compression.topk import TopK
+from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
+from gradmesh.runtime import get_runtime, is_initialized
+
+Factory = Callable[[float, int], Compressor]
+"""factory(ratio, rank) -> a compressor with those settings (each uses what applies to it)."""
+
+COMPRESSORS: Registry[Factory] = Registry("compressor")
+COMPRESSORS.register("none")(lambda ratio, rank: NoCompression())
+COMPRESSORS.register("fp16")(lambda ratio, rank: Cast("fp16", torch.float16, 1))
+COMPRESSORS.register("bf16")(lambda ratio, rank: Cast("bf16", torch.bfloat16, 2))
+COMPRESSORS.register("int8")(lambda ratio, rank: Int8())
+COMPRESSORS.register("topk")(lambda ratio, rank: TopK(ratio))
+COMPRESSORS.register("sign")(lambda ratio, rank: Sign())
+COMPRESSORS.register("powersgd")(lambda ratio, rank: PowerSGD(rank))
+
+ERROR_FEEDBACK = ("auto", "on", "off")
 
 
-class Codec(Protocol):
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]: ...
-
-    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor: ...
-
-
-CODECS: Registry[Codec] = Registry("compression")
-
-
-class NoCompression:
-    """The identity: gradients travel in their own dtype."""
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        return tensor, None
-
-    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return payload
-
-
-class FP16Compression:
-    """Floating-point gradients travel as float16 (half the bytes), summed in float16."""
-
-    def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        if not tensor.is_floating_point() or tensor.dtype == torch.float16:
-            return tensor, None
-        return tensor.to(torch.float16), tensor.dtype
-
-    def decompress(self, payload: torch.Tensor, ctx: Any) -> torch.Tensor:
-        return payload if ctx is None else payload.to(ctx)
+def make(
+    name: str, ratio: float = 0.01, rank: int = 1, error_feedback: str | bool = "auto"
+) -> Compressor:
+    """The compressor called `name` with these settings; error feedback "auto" turns it on for
+    the biased ones (int8, topk, sign, powersgd)."""
+    if not 0 < ratio <= 1:
+        raise GradmeshError(f"--compression-ratio must be in (0, 1], got {ratio}")
+    if isinstance(error_feedback, bool):
+        error_feedback = "on" if error_feedback else "off"
+    if error_feedback not in ERROR_FEEDBACK:
+        raise GradmeshError(
+            f"unknown --error-feedback {error_feedback!r} (valid: {', '.join(ERROR_FEEDBACK)})"
+        )
+    compressor = COMPRESSORS.get(name)(ratio, rank)
+    wanted = compressor.biased if error_feedback == "auto" else error_feedback == "on"
+    return ErrorFeedback(compressor) if wanted and name != "none" else compressor
 
 
-CODECS.register("none")(NoCompression())
-CODECS.register("fp16")(FP16Compression())
+def resolve(spec: Compressor | str | Any | None) -> Compressor:
+    """A compressor from a name, a compressor, a Horovod-style codec, or None (no compression)."""
+    if spec is None:
+        return NoCompression()
+    if isinstance(spec, str):
+        return make(spec)
+    if isinstance(spec, Compressor):
+        return spec
+    if hasattr(spec, "compress") and hasattr(spec, "decompress"):
+        return CodecAdapter(spec)
+    raise GradmeshError(f"not a compressor: {spec!r} (valid: {', '.join(COMPRESSORS.names())})")
 
 
-def resolve(codec: Codec | str | None) -> Codec:
-    """A codec from a name, an object, or None (no compression)."""
-    if codec is None:
-        return CODECS.get("none")
-    return CODECS.get(codec) if isinstance(codec, str) else codec
+def reduce(
+    x: torch.Tensor,
+    compressor: Compressor,
+    state: State,
+    link: Link,
+    sent: torch.Tensor | None = None,
+) -> None:
+    """`compressor.reduce` with accounting: the bytes given and the bytes of the messages sent
+    are added to the runtime's `CommStats.compressed` under the link's kind."""
+    before = link.payload_bytes
+    compressor.reduce(x, state, link, sent)
+    if is_initialized():
+        get_runtime().comm.add_compressed(
+            link.kind, x.numel() * x.element_size(), link.payload_bytes - before
+        )
+
+
+DECODERS: dict[int, Compressor] = {
+    c.wire_id: c for c in (COMPRESSORS.get(n)(0.01, 1) for n in COMPRESSORS.names())
+}
+"""Wire id -> a compressor that can decode that method's messages (decode needs no settings)."""
+
+__all__ = [
+    "COMPRESSORS",
+    "DECODERS",
+    "CodecAdapter",
+    "Compressor",
+    "Encoded",
+    "ErrorFeedback",
+    "Link",
+    "NoCompression",
+    "State",
+    "make",
+    "reduce",
+    "resolve",
+]

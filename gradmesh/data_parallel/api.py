@@ -16,8 +16,8 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
-from gradmesh.collectives.agreement import Check
-from gradmesh.compression import Codec, resolve
+from gradmesh.compression import Compressor, Link, NoCompression, reduce, resolve
+from gradmesh.errors import GradmeshError
 from gradmesh.runtime import get_runtime
 
 Handle = Future[torch.Tensor]
@@ -25,25 +25,33 @@ Handle = Future[torch.Tensor]
 
 def compressed_allreduce(
     tensor: torch.Tensor,
-    codec: Codec,
+    compressor: Compressor,
     op: Op,
     algorithm: str,
     group: dist.ProcessGroup | None,
     name: str | None = None,
-    check: Check | None = None,
 ) -> torch.Tensor:
-    """Compress, reduce the payload (in place), decompress: the reduced value in `tensor`'s
-    dtype. With no compression the result is `tensor` itself."""
-    payload, ctx = codec.compress(tensor)
-    allreduce(payload, op=op, algorithm=algorithm, group=group, name=name, check=check)
-    return codec.decompress(payload, ctx)
+    """Reduce `tensor` in place through `compressor` (a fresh state: no error feedback carries
+    over between calls). Integer tensors and min/max/product travel uncompressed."""
+    if isinstance(compressor, NoCompression) or not tensor.is_floating_point():
+        return allreduce(tensor, op=op, algorithm=algorithm, group=group, name=name)
+    if op not in ("sum", "average"):
+        raise GradmeshError(f"compression {compressor.name} sums; it cannot reduce with {op}")
+    flat = tensor.detach().reshape(-1)  # a copy when `tensor` is not contiguous
+    link = Link(group, algorithm, name=name)
+    reduce(flat, compressor, compressor.new_state(flat.numel()), link)
+    if op == "average":
+        flat.div_(link.size)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
 
 
 def _reduce_copy(
     tensor: torch.Tensor,
     op: Op,
     algorithm: str,
-    compression: Codec | str | None,
+    compression: Compressor | str | None,
     name: str | None,
     prescale: float,
     postscale: float,
@@ -62,7 +70,7 @@ def allreduce_async(
     tensor: torch.Tensor,
     op: Op = "average",
     algorithm: str = "native",
-    compression: Codec | str | None = None,
+    compression: Compressor | str | None = None,
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,

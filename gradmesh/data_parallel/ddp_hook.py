@@ -4,7 +4,9 @@
 
 DDP hands over each gradient bucket as it becomes ready; the hook reduces it on gradmesh's
 communication thread (over the runtime's second process group, so DDP's own collectives never
-interleave with it) and completes DDP's future with the average.
+interleave with it) and completes DDP's future with the average. A compressor keeps one state
+per DDP bucket (its error-feedback residual, PowerSGD's Q), made when the bucket first comes,
+with the bucket's parameter shapes (PowerSGD compresses each matrix on its own).
 """
 
 from __future__ import annotations
@@ -15,27 +17,31 @@ from typing import Any
 import torch
 
 from gradmesh.collectives import ALGORITHMS
-from gradmesh.compression import Codec, resolve
-from gradmesh.data_parallel.api import compressed_allreduce
+from gradmesh.compression import Compressor, Link, State, reduce, resolve
 from gradmesh.runtime import get_runtime
 
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]
 """hook(state, bucket: torch.distributed.GradBucket) -> Future[Tensor]"""
 
 
-def ddp_comm_hook(allreduce: str = "native", compression: Codec | str | None = None) -> Hook:
-    """A DDP comm hook averaging each bucket with the named algorithm and codec."""
-    name = allreduce
-    ALGORITHMS.get(name)
-    codec = resolve(compression)
+def ddp_comm_hook(allreduce: str = "native", compression: Compressor | str | None = None) -> Hook:
+    """A DDP comm hook averaging each bucket with the named algorithm and compressor."""
+    ALGORITHMS.get(allreduce)
+    compressor = resolve(compression)
     rt = get_runtime()
+    link = Link(rt.async_group, allreduce)
+    states: dict[int, State] = {}
 
-    def reduce(buffer: torch.Tensor) -> torch.Tensor:
-        return compressed_allreduce(buffer, codec, "average", name, rt.async_group)
+    def average(index: int, buffer: torch.Tensor, shapes: list[tuple[int, ...]]) -> torch.Tensor:
+        if index not in states or states[index].numel != buffer.numel():  # DDP rebuilds buckets
+            states[index] = compressor.new_state(buffer.numel(), shapes)
+        reduce(buffer, compressor, states[index], link)
+        return buffer.div_(link.size)
 
     def hook(_state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
         future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-        job = rt.comm_executor().submit(reduce, bucket.buffer())
+        shapes = [tuple(g.shape) for g in bucket.gradients()]
+        job = rt.comm_executor().submit(average, bucket.index(), bucket.buffer(), shapes)
 
         def done(finished: Any) -> None:
             try:

@@ -30,12 +30,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.collectives import ALGORITHMS, Op, broadcast
+from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.collectives.native import modelled_bytes_sent
-from gradmesh.compression import Codec, resolve
-from gradmesh.data_parallel.api import compressed_allreduce
+from gradmesh.compression import Compressor, Link, NoCompression, State, reduce, resolve
 from gradmesh.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime import Runtime, get_runtime
@@ -98,17 +97,14 @@ class NativeWork:
     """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
     on the optimizer's group (as torch DDP does): no thread handoff on the hot path."""
 
-    def __init__(
-        self, rt: Runtime, bucket: Bucket, codec: Codec, label: str, group: dist.ProcessGroup
-    ) -> None:
-        self.rt, self.bucket, self.codec, self.label = rt, bucket, codec, label
-        self.payload, self.ctx = codec.compress(bucket.buffer)
+    def __init__(self, rt: Runtime, bucket: Bucket, label: str, group: dist.ProcessGroup) -> None:
+        self.rt, self.bucket, self.label = rt, bucket, label
         self.started = time.perf_counter()
         try:
-            self.work = dist.all_reduce(self.payload, group=group, async_op=True)
+            self.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
         except RuntimeError as exc:
             raise self._error(exc) from None
-        nbytes = self.payload.numel() * self.payload.element_size()
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
         rt.comm.add(modelled_bytes_sent(dist.get_world_size(group), nbytes), 0.0)
 
     def _error(self, exc: BaseException) -> PeerFailure:
@@ -127,9 +123,6 @@ class NativeWork:
         self.rt.comm.add(0, done - waited)
         if self.rt.timeline is not None:
             self.rt.timeline.add("reduce", "comm", self.started, done, bucket=self.bucket.index)
-        result = self.codec.decompress(self.payload, self.ctx)
-        if result is not self.bucket.buffer:
-            self.bucket.buffer.copy_(result)
 
 
 class GradientReducer:
@@ -141,7 +134,7 @@ class GradientReducer:
         algorithm: str,
         op: Op,
         fusion_mb: float,
-        compression: Codec,
+        compression: Compressor,
         backward_passes_per_step: int,
         on_nonfinite: OnNonfinite,
         predivide: float = 1.0,
@@ -154,12 +147,19 @@ class GradientReducer:
         self.params = params
         self.algorithm = algorithm
         self.op = op
-        self.codec = compression
+        self.compressor = None if isinstance(compression, NoCompression) else compression
+        """None: buckets travel as they are (the backend's async allreduce for native)."""
         self.passes_per_step = backward_passes_per_step
         self.on_nonfinite = on_nonfinite
         self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
         own = self._own_group()
         self._group = weakref.ref(own) if own is not None else None  # the runtime owns it
+        self.link = Link(own, algorithm, "sync", fixed=True)
+        self.states: list[State] = [
+            compression.new_state(b.grad_numel, [tuple(p.shape) for _, p in b.params])
+            for b in self.buckets
+        ]
+        """Each bucket's compressor state (error-feedback residual, PowerSGD's Q)."""
         self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
@@ -243,30 +243,27 @@ class GradientReducer:
             done: Future[None] = Future()
             done.set_result(None)
             return done
-        # numbered here, in bucket order on the training thread, on every rank alike
         assert self.group is not None
+        if self.compressor is not None:  # every algorithm, native too, through the compressor
+            return self.rt.comm_executor().submit(self._reduce_compressed, bucket, self.compressor)
+        # numbered here, in bucket order on the training thread, on every rank alike
         check = FixedLayout.post(self.rt, self.group, f"{self.algorithm} allreduce")
         if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
-            return NativeWork(self.rt, bucket, self.codec, check.label, self.group)
+            return NativeWork(self.rt, bucket, check.label, self.group)
         return self.rt.comm_executor().submit(self._reduce, bucket, check)
 
     def _reduce(self, bucket: Bucket, check: FixedLayout) -> None:
-        with span(
-            "reduce",
-            "comm",
-            bucket=bucket.index,
-            bytes=bucket.buffer.numel() * bucket.buffer.element_size(),
-        ):
-            result = compressed_allreduce(
-                bucket.buffer,
-                self.codec,
-                "sum",
-                self.algorithm,
-                self.group,
-                check=check,
-            )
-            if result is not bucket.buffer:
-                bucket.buffer.copy_(result)
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        with span("reduce", "comm", bucket=bucket.index, bytes=nbytes):
+            allreduce(bucket.buffer, "sum", self.algorithm, self.group, check=check)
+
+    def _reduce_compressed(self, bucket: Bucket, compressor: Compressor) -> None:
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        with span("reduce", "comm", bucket=bucket.index, bytes=nbytes):
+            grads = bucket.buffer[: bucket.grad_numel]
+            reduce(grads, compressor, self.states[bucket.index], self.link)
+            if bucket.has_flag:  # the count of ranks still training is summed exactly
+                self.link.allreduce(bucket.buffer[bucket.grad_numel :])
 
     # -- at step ----------------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -390,7 +387,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     allreduce: str = "native",
     fusion_mb: float = 64.0,
-    compression: Codec | str | None = None,
+    compression: Compressor | str | None = None,
     backward_passes_per_step: int = 1,
     op: Op | str = Average,
     on_nonfinite: OnNonfinite = "error",

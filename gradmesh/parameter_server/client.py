@@ -13,8 +13,11 @@ from typing import Any
 import torch
 import zmq
 
+from gradmesh.compression import Compressor, NoCompression
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.protocol import Kind, Message, WireError, decode, encode
+from gradmesh.runtime import get_runtime, is_initialized
+from gradmesh.timeline import span
 
 FINISH_PATIENCE = 10
 """finish waits for the slowest worker: this many times the request timeout."""
@@ -36,7 +39,13 @@ class Client:
     """Requests of worker `worker` to every server, each answered before the next."""
 
     def __init__(
-        self, endpoints: list[str], token: bytes, worker: int, numel: int, timeout_s: float
+        self,
+        endpoints: list[str],
+        token: bytes,
+        worker: int,
+        numel: int,
+        timeout_s: float,
+        compressor: Compressor | None = None,
     ) -> None:
         self.token = token
         self.worker = worker
@@ -52,6 +61,9 @@ class Client:
         self.clock = 0
         self.staleness = 0
         self.bytes_sent = 0
+        self.compressor = None if isinstance(compressor, NoCompression) else compressor
+        """Pushes travel compressed (a state per shard); pulls and init travel as they are."""
+        self.states = [self.compressor.new_state(b - a) for a, b in self.ranges if self.compressor]
 
     def close(self) -> None:
         for sock in self.socks:
@@ -82,10 +94,29 @@ class Client:
         return replies
 
     def _per_shard(self, kind: Kind, flat: torch.Tensor) -> list[list[bytes | memoryview]]:
-        return [
-            encode(kind, self.token, self.worker, clock=self.clock, tensor=flat[a:b])
-            for a, b in self.ranges
-        ]
+        if kind is not Kind.PUSH or self.compressor is None:
+            return [
+                encode(kind, self.token, self.worker, clock=self.clock, tensor=flat[a:b])
+                for a, b in self.ranges
+            ]
+        frames = []
+        for (a, b), state in zip(self.ranges, self.states, strict=True):
+            with span("compress", "comm", compressor=self.compressor.name):
+                payload, ctx = self.compressor.encode(flat[a:b], state)
+            if is_initialized():
+                get_runtime().comm.add_compressed("sync", (b - a) * 4, payload.numel())
+            frames.append(
+                encode(
+                    kind,
+                    self.token,
+                    self.worker,
+                    clock=self.clock,
+                    tensor=payload,
+                    codec=self.compressor.wire_id,
+                    ctx=ctx,
+                )
+            )
+        return frames
 
     def init(self, flat: torch.Tensor) -> None:
         """Offer the initial values (the servers keep the first they get)."""

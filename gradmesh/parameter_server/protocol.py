@@ -1,4 +1,4 @@
-"""The parameter-server wire format: a fixed 80-byte header frame, then at most one frame of raw
+"""The parameter-server wire format: a fixed 91-byte header frame, then at most one frame of raw
 tensor bytes. No pickle; the tensor frame is sent without a copy and read as a view.
 
 Header (little-endian):
@@ -8,6 +8,10 @@ Header (little-endian):
     token    16s job token         clock    Q   worker's push count  seen   Q  server version read
     staleness I  clock gap of the read      shape 4I                 offset Q  element offset
     nbytes   Q   length of the tensor frame
+    codec    B   compressor's wire id (0: none)   ctx 3I  its context (meaning set by the codec)
+
+A compressed push carries its message as a uint8 tensor; the server decodes it with the codec's
+own `decode`, which checks the context against the shard and the payload's length (`server`).
 
 `decode` checks every field against the frames it came with and the receiver's limits and raises
 `WireError` (never anything else) for a message that fails: wrong magic, version, kind or token,
@@ -29,13 +33,18 @@ import torch
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 MAGIC = b"GMPS"
-WIRE_VERSION = 1
+WIRE_VERSION = 2
 MAX_DIMS = 4
 TOKEN_BYTES = 16
-HEADER = struct.Struct("<4sBBBBH16sQQI4IQQ")
+HEADER = struct.Struct("<4sBBBBH16sQQI4IQQB3I")
 HEADER_BYTES = HEADER.size
 
-DTYPES: dict[int, torch.dtype] = {1: torch.float32, 2: torch.float16, 3: torch.int64}
+DTYPES: dict[int, torch.dtype] = {
+    1: torch.float32,
+    2: torch.float16,
+    3: torch.int64,
+    4: torch.uint8,
+}
 CODES = {dtype: code for code, dtype in DTYPES.items()}
 
 
@@ -68,6 +77,8 @@ class Message:
     """A 1-d or shaped view of the tensor frame (no copy), or None."""
     raw: bytes | memoryview | None = None
     """The tensor frame as bytes, for JSON payloads (uint8)."""
+    codec: int = 0
+    ctx: tuple[int, int, int] = (0, 0, 0)
 
 
 def encode(
@@ -81,6 +92,8 @@ def encode(
     offset: int = 0,
     tensor: torch.Tensor | None = None,
     data: bytes | None = None,
+    codec: int = 0,
+    ctx: tuple[int, int, int] = (0, 0, 0),
 ) -> list[bytes | memoryview]:
     """The frames of one message: the header, then the tensor's bytes (no copy) or `data`."""
     if tensor is not None:
@@ -105,6 +118,8 @@ def encode(
         *shape,
         offset,
         len(body),
+        codec,
+        *ctx,
     )
     return [header, body] if len(body) else [header]
 
@@ -118,6 +133,7 @@ def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> 
         raise WireError(f"header is {head.nbytes} bytes, expected {HEADER_BYTES}")
     (magic, version, kind, code, ndim, worker, tok, clock, seen, stale, *rest) = HEADER.unpack(head)
     shape, offset, nbytes = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
+    codec, ctx = rest[MAX_DIMS + 2], tuple(rest[MAX_DIMS + 3 :])
     if magic != MAGIC or version != WIRE_VERSION:
         raise WireError("not a gradmesh parameter-server message (magic or version)")
     if not hmac.compare_digest(tok, token):
@@ -134,6 +150,8 @@ def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> 
     if code == 0:  # plain bytes (JSON) or nothing
         if ndim != 0 or any(shape):
             raise WireError("a byte payload has no shape")
+        if codec or any(ctx):
+            raise WireError("a byte payload has no codec")
         return Message(kind, worker, clock, seen, stale, offset, None, body if nbytes else None)
     dtype = DTYPES.get(code)
     if dtype is None:
@@ -147,7 +165,10 @@ def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> 
     itemsize = torch.empty((), dtype=dtype).element_size()
     if count * itemsize != nbytes:
         raise WireError(f"shape {dims} of {dtype} is not {nbytes} bytes")
+    if codec and (dtype != torch.uint8 or ndim != 1):
+        raise WireError("a compressed payload is 1-d uint8")
+    fields = (kind, worker, clock, seen, stale, offset)
     if nbytes == 0:
-        return Message(kind, worker, clock, seen, stale, offset, torch.empty(dims, dtype=dtype))
+        return Message(*fields, torch.empty(dims, dtype=dtype), None, codec, ctx)
     tensor = torch.frombuffer(body, dtype=dtype).view(dims)
-    return Message(kind, worker, clock, seen, stale, offset, tensor)
+    return Message(*fields, tensor, None, codec, ctx)

@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import zmq
 from torch import nn
 
+from gradmesh.compression import DECODERS
 from gradmesh.parameter_server.optimizers import make_optimizer
 from gradmesh.parameter_server.protocol import (
     HEADER_BYTES,
@@ -65,6 +66,7 @@ class ServerStats:
     bytes_in: int = 0
     bytes_out: int = 0
     dropped: int = 0
+    decoded: int = 0
     depth_max: int = 0
     depth_sum: int = 0
     wakeups: int = 0
@@ -82,6 +84,7 @@ class ServerStats:
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "dropped_messages": self.dropped,
+            "decompressed_pushes": self.decoded,
             "queue_depth_max": self.depth_max,
             "queue_depth_mean": self.depth_sum / max(self.wakeups, 1),
             "staleness": {
@@ -179,8 +182,7 @@ class Server:
             return
         ident = frames[0].bytes
         try:
-            msg = decode([f.buffer for f in frames[1:]], self.token, self.max_payload)
-            self._check(msg)
+            msg = self._check(decode([f.buffer for f in frames[1:]], self.token, self.max_payload))
         except WireError:
             self.stats.dropped += 1
             return
@@ -207,10 +209,15 @@ class Server:
         elif msg.kind is Kind.CLOSE:
             self.closed = self.done_at is not None
 
-    def _check(self, msg: Message) -> None:
-        """What decode cannot know: worker index, shard size, dtype, a JSON payload's text."""
+    def _check(self, msg: Message) -> Message:
+        """What decode cannot know: worker index, shard size, dtype, a JSON payload's text; a
+        compressed push comes back decoded to a dense shard."""
         if not 0 <= msg.worker < self.cfg.workers:
             raise WireError(f"no worker {msg.worker}")
+        if msg.codec:
+            if msg.kind is not Kind.PUSH:
+                raise WireError(f"{msg.kind.name} carries no codec")
+            msg = replace(msg, payload=self._decompress(msg))
         if msg.kind in (Kind.INIT, Kind.PUSH):
             p = msg.payload
             if p is None or p.dtype != torch.float32 or p.numel() != self.cfg.numel:
@@ -224,6 +231,20 @@ class Server:
                 raise WireError("finish stats are not JSON") from None
         elif msg.kind not in (Kind.PULL, Kind.CLOSE):
             raise WireError(f"a server does not take {msg.kind.name}")
+        return msg
+
+    def _decompress(self, msg: Message) -> torch.Tensor:
+        """The dense shard a compressed push stands for; WireError if it does not parse."""
+        decoder = DECODERS.get(msg.codec)
+        if decoder is None or msg.payload is None:
+            raise WireError(f"unknown codec {msg.codec}")
+        dense = torch.zeros(self.cfg.numel)
+        try:
+            decoder.decode(msg.payload, msg.ctx, dense)
+        except (ValueError, RuntimeError) as exc:
+            raise WireError(f"codec {decoder.name}: {exc}") from None
+        self.stats.decoded += 1
+        return dense
 
     # -- the modes --------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from gradmesh.compression import Compressor
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.client import Client
 from gradmesh.parameter_server.roles import KEY, WorkerRole, connect_store, job_token
@@ -23,9 +24,16 @@ class PSWorker:
     """Long-lived state of one worker: the flat parameters, the gradient accumulator, counters."""
 
     def __init__(
-        self, role: WorkerRole, servers: int, push_every: int, pull_every: int, timeout_s: float
+        self,
+        role: WorkerRole,
+        servers: int,
+        push_every: int,
+        pull_every: int,
+        timeout_s: float,
+        compressor: Compressor | None = None,
     ) -> None:
         self.role = role
+        self.compressor = compressor
         self.servers = servers
         self.push_every = push_every
         self.pull_every = pull_every
@@ -54,7 +62,9 @@ class PSWorker:
             store.set(KEY + "numel", str(self.flat.numel()))
         endpoints = [store.get(KEY + f"server{i}").decode() for i in range(self.servers)]
         token = job_token(store, creator=False)
-        self.client = Client(endpoints, token, self.role.index, self.flat.numel(), self.timeout_s)
+        self.client = Client(
+            endpoints, token, self.role.index, self.flat.numel(), self.timeout_s, self.compressor
+        )
         if self.role.index == 0:
             self.client.init(self.flat)
         self.client.pull(self.flat)

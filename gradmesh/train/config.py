@@ -129,7 +129,16 @@ class StrategyConfig:
     strategy: str = option("allreduce", "how workers cooperate (a registered strategy)")
     allreduce: str = option("native", "allreduce algorithm for gradient averaging")
     fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
-    compression: str = option("none", "gradient compression codec (none, fp16)")
+    compression: str = option(
+        "none", "gradient compression: none, fp16, bf16, int8, topk, sign, powersgd"
+    )
+    compression_ratio: float = option(0.01, "topk: fraction of the elements sent, in (0, 1]")
+    compression_rank: int = option(1, "powersgd: rank of the low-rank approximation")
+    error_feedback: str = option(
+        "auto",
+        "keep what compression left out for the next step: auto (on for the biased "
+        "int8, topk, sign, powersgd), on, off",
+    )
     on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step")
     sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
     averaging_algorithm: str = option("native", "local-sgd: allreduce algorithm for averaging")
@@ -201,6 +210,16 @@ class TrainConfig(
     """What to train, how, and on how many workers: every component's fields, flat (one TOML
     table, one JSON object), each defined once in its component's dataclass."""
 
+    def compressor(self) -> Any:
+        """The `Compressor` these settings ask for (a one-line error for bad ones)."""
+        from gradmesh.compression import make
+
+        if self.compression_rank < 1:
+            raise GradmeshError(f"--compression-rank must be >= 1, got {self.compression_rank}")
+        return make(
+            self.compression, self.compression_ratio, self.compression_rank, self.error_feedback
+        )
+
     def validate(self) -> None:
         """Raise a one-line `GradmeshError` for values no run can use."""
         from gradmesh.collectives import ALGORITHMS
@@ -223,9 +242,9 @@ class TrainConfig(
                 raise GradmeshError(
                     f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}"
                 )
-        from gradmesh.compression import CODECS
-
-        CODECS.get(self.compression)
+        self.compressor()
+        if self.compression != "none" and self.strategy == "hogwild":
+            raise GradmeshError("hogwild shares memory: it sends nothing to compress")
         if self.lr_scaling not in ("none", "linear"):
             raise GradmeshError(f"unknown lr scaling {self.lr_scaling!r} (valid: linear, none)")
         if self.on_nonfinite not in ("error", "skip"):

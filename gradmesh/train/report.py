@@ -82,6 +82,9 @@ class RunReport:
     loss_history: list[float]
     per_rank: dict[str, Any]
     strategy_info: dict[str, Any] = field(default_factory=dict)
+    compression: dict[str, float] = field(default_factory=dict)
+    """Gradient bytes per step and worker given to the compressor and sent by it (its messages),
+    and their ratio: empty without compression."""
     layout: dict[str, Any] = field(default_factory=dict)
     """dp, tp, pp, micro-batches, schedule; the per-rank means of parameter bytes held, bytes sent
     per step by kind and stage idle, and (pipelines) the bubble; `per_rank["layout"]` has every
@@ -100,6 +103,14 @@ class RunReport:
         stats: RankStats,
         layout: dict[str, Any] | None = None,
     ) -> RunReport:
+        figures = summarize_layout(stats.layout)
+        given = figures.pop("compression_given_bytes_per_step", 0.0)
+        sent = figures.pop("compression_sent_bytes_per_step", 0.0)
+        compression = (
+            {"given_bytes_per_step": given, "sent_bytes_per_step": sent, "ratio": sent / given}
+            if given
+            else {}
+        )
         return cls(
             test_accuracy=accuracy,
             final_loss=losses[-1] if losses else None,
@@ -118,7 +129,8 @@ class RunReport:
             loss_history=losses,
             per_rank=dataclasses.asdict(stats),
             strategy_info=strategy_info,
-            layout={**(layout or {}), **summarize_layout(stats.layout)},
+            compression=compression,
+            layout={**(layout or {}), **figures},
         )
 
     def to_json(self) -> str:
@@ -139,9 +151,18 @@ class RunReport:
                 f"  test accuracy {self.test_accuracy:.4f}   final loss {loss}",
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
-                f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB",
+                f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
                 *self._layout_lines(),
             ]
+        )
+
+    def _compressed(self) -> str:
+        if not self.compression:
+            return ""
+        c = self.compression
+        return (
+            f"   compressed {c['given_bytes_per_step'] / 1e3:.1f} kB -> "
+            f"{c['sent_bytes_per_step'] / 1e3:.1f} kB per step (ratio {c['ratio']:.3f})"
         )
 
     def _layout_lines(self) -> list[str]:

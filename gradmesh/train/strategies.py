@@ -91,7 +91,7 @@ class AllreduceStrategy(_Defaults):
             named_parameters=model.named_parameters(),
             allreduce=self.config.allreduce,
             fusion_mb=self.config.fusion_mb,
-            compression=self.config.compression,
+            compression=self.config.compressor(),
             on_nonfinite="skip" if self.config.on_nonfinite == "skip" else "error",
             # a pipeline stage accumulates one backward per micro-batch before its step
             backward_passes_per_step=self.config.microbatches if pipelined else 1,
@@ -102,7 +102,7 @@ class AllreduceStrategy(_Defaults):
         skipped = self.optimizer._gm.skipped_steps if self.optimizer is not None else 0  # type: ignore[attr-defined]
         return {
             "allreduce": self.config.allreduce,
-            "compression": self.config.compression,
+            "compression": self.config.compressor().describe(),
             "skipped_steps": skipped,
         }
 
@@ -123,6 +123,7 @@ class LocalSGDStrategy(_Defaults):
             self.config.sync_every,
             self.config.warmup_sync_steps,
             self.config.averaging_algorithm,
+            compressor=self.config.compressor(),
         )
         return LocalSGDOptimizer(optimizer, self.averager)
 
@@ -133,6 +134,7 @@ class LocalSGDStrategy(_Defaults):
             "warmup_sync_steps": self.config.warmup_sync_steps,
             "averaging_algorithm": self.config.averaging_algorithm,
             "averaging_rounds": rounds,
+            "compression": self.config.compressor().describe(),
         }
 
 
@@ -180,6 +182,7 @@ class ParameterServerStrategy:
             self.config.push_every,
             self.config.pull_every,
             self.config.timeout_s,
+            self.config.compressor(),
         )
         return self.worker.attach(model, optimizer)
 
@@ -201,5 +204,6 @@ class ParameterServerStrategy:
             "max_staleness": self.config.max_staleness,
             "staleness_lr": self.config.staleness_lr,
             "server_optimizer": self.config.server_optimizer,
+            "compression": self.config.compressor().describe(),
             **self.worker.report(),
         }

@@ -290,6 +290,8 @@ def layout_figures(job: Job, steps: int) -> dict[str, float]:
         "param_bytes": sum(p.numel() * p.element_size() for p in split.module.parameters()),
         "optimizer_bytes": sum(v.numel() * v.element_size() for v in state),
         **{f"{kind}_bytes_per_step": rt.comm.by_kind.get(kind, 0) / steps for kind in KINDS},
+        "compression_given_bytes_per_step": rt.comm.compressed.get("sync", [0, 0])[0] / steps,
+        "compression_sent_bytes_per_step": rt.comm.compressed.get("sync", [0, 0])[1] / steps,
         "stage_busy_s": engine_clock.busy_s / steps if engine_clock is not None else 0.0,
         "stage_idle": engine_clock.idle() if engine_clock is not None else 0.0,
     }

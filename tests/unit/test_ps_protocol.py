@@ -48,6 +48,10 @@ def header(**fields: int | bytes) -> bytes:
         "d3": 0,
         "offset": 0,
         "nbytes": 16,
+        "codec": 0,
+        "c0": 0,
+        "c1": 0,
+        "c2": 0,
     }
     values.update(fields)
     return HEADER.pack(*values.values())
