@@ -108,9 +108,9 @@ class PowerSGD(Compressor):
     def _power_step(
         self, mats: list[torch.Tensor], qs: list[torch.Tensor], p_flat: torch.Tensor, link: Link
     ) -> list[torch.Tensor]:
-        """P = M Q for every matrix (into `p_flat`, which is then summed), orthogonalized; then
-        Q = M^T P in place."""
-        ps = _views(p_flat, [(m.shape[0], self.rank) for m in mats])
+        """P = M Q for every matrix (into the start of `p_flat`, which is then summed whole),
+        orthogonalized; then Q = M^T P in place."""
+        ps = _views(p_flat, [(m.shape[0], self.rank) for m in mats])  # exact tensors follow
         with span("compress", "comm", compressor=self.name):
             for m, q, p in zip(mats, qs, ps, strict=True):
                 torch.matmul(m, q, out=p)
@@ -136,7 +136,7 @@ class PowerSGD(Compressor):
             if sent is not None:
                 sent[a:b] += flat[a:b]
             at += b - a
-        ps = self._power_step(mats, qs, message[:p_numel] if exact else message, link)
+        ps = self._power_step(mats, qs, message, link)
         if exact:
             link_exact = message[p_numel:]
             at = 0
