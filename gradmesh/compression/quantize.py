@@ -9,8 +9,8 @@
   Error: at most half a step, scale / (2 * (127 // W)), per element; biased (round to nearest),
   so error feedback is on by default.
 - `sign` (EF-SignSGD, Karimireddy et al. 2019): one bit per element and, per chunk of
-  SIGN_CHUNK, the mean magnitude, so a chunk keeps its L1 norm: 0.19 bytes per element. Signs cannot be summed on the wire: messages are
-  allgathered. Biased: error feedback on by default.
+  SIGN_CHUNK, the mean magnitude, so a chunk keeps its L1 norm: 0.19 bytes per element. Signs
+  cannot be summed on the wire: messages are allgathered. Biased: error feedback on by default.
 """
 
 from __future__ import annotations

@@ -117,6 +117,18 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
             ["train", "--dataset", "mnist"],
             "unknown dataset 'mnist' (valid: digits, docstrings, synthetic)",
         ),
+        (
+            ["train", "--compression", "zip"],
+            "unknown compressor 'zip' (valid: bf16, fp16, int8, none, powersgd, sign, topk)",
+        ),
+        (
+            ["train", "--compression", "topk", "--compression-ratio", "1.5"],
+            "--compression-ratio must be in (0, 1], got 1.5",
+        ),
+        (
+            ["train", "--strategy", "hogwild", "--compression", "int8"],
+            "hogwild shares memory: it sends nothing to compress",
+        ),
         (["train", "--workers", "0"], "--workers must be >= 1"),
         (["train", "--workers", "4", "--batch-size", "2"], "global batch 2 is smaller"),
         (["train", "--epochs", "many"], "--epochs must be an integer, got 'many'"),
@@ -377,7 +389,7 @@ def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
         "--fusion-mb",
         "0.05",
         "--compression",
-        "fp16",
+        "int8",
         "--timeline",
         str(tmp_path / "t.json"),
         "--json",
@@ -389,8 +401,11 @@ def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
         assert {"forward", "backward", "pack", "reduce", "unpack", "step"} <= {
             e["name"] for e in events
         }
+        assert {"compress", "decompress"} <= {e["name"] for e in events}
     report = json.loads((tmp_path / "r.json").read_text())
-    assert report["strategy_info"]["compression"] == "fp16"
+    assert report["strategy_info"]["compression"] == "int8 with error feedback"
+    # one byte per element and a float32 scale per 512 elements: 0.252 of the bytes given
+    assert 0.25 < report["compression"]["ratio"] < 0.26
     assert report["final_loss"] < 1.0
 
 

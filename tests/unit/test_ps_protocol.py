@@ -12,6 +12,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from gradmesh.compression import make
 from gradmesh.parameter_server.client import Client, shard_ranges
 from gradmesh.parameter_server.optimizers import AdaRevision
 from gradmesh.parameter_server.protocol import (
@@ -96,6 +97,10 @@ fields = st.fixed_dictionaries(
         "d0": st.sampled_from([0, 1, 4, 2**31, 2**32 - 1]),
         "d1": st.sampled_from([0, 1, 3, 2**32 - 1]),
         "nbytes": st.sampled_from([0, 4, 16, 2**40, 2**64 - 1]),
+        "codec": st.integers(0, 255),
+        "c0": st.sampled_from([0, 1, 4, 64, 2**32 - 1]),
+        "c1": st.sampled_from([0, 1, 512, 2**32 - 1]),
+        "c2": st.sampled_from([0, 1, 2**32 - 1]),
     }
 )
 
@@ -122,6 +127,7 @@ def test_the_decoder_survives_10000_fuzzed_messages(
 
 def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
     numel = 64
+    topk_out_of_range = struct.pack("<fi", 1.0, numel)
     server = Server(ServerConfig(index=0, workers=1, numel=numel, timeout_s=20), TOKEN, "127.0.0.1")
     stats: list[dict[str, object]] = []
     thread = threading.Thread(target=lambda: stats.append(server.serve()), daemon=True)
@@ -138,6 +144,12 @@ def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
         [header(worker=7), bytes(16)],  # no such worker
         [header(d0=4), bytes(16)],  # the wrong shard size
         [struct.pack("<Q", 2**63)],
+        # compressed pushes (uint8 payload) that do not parse: unknown codec, a context that does
+        # not fit the shard, a top-k index outside it, a codec on a byte payload
+        [header(dtype=4, d0=16, codec=77, c0=numel), bytes(16)],
+        [header(dtype=4, d0=16, codec=3, c0=numel + 1, c1=512), bytes(16)],
+        [header(dtype=4, d0=8, codec=4, c0=numel, c1=1), topk_out_of_range],
+        [header(dtype=0, ndim=0, d0=0, codec=1, nbytes=4), bytes(4)],
     ]
     for frames in garbage * 20:
         attacker.send_multipart(frames)
@@ -149,6 +161,15 @@ def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
     out = torch.zeros(numel)
     honest.pull(out)
     assert torch.equal(out, values)
+    # an honest compressed push is decoded and applied: top-k keeps the 2 largest of 64
+    honest.compressor = make("topk", ratio=2 / numel, error_feedback="off")
+    honest.states = [honest.compressor.new_state(numel)]
+    grad = torch.zeros(numel)
+    grad[[5, 9]] = torch.tensor([1.0, -2.0])
+    honest.pull(out, push=grad)
+    expected = values.clone()
+    expected[[5, 9]] -= 0.05 * torch.tensor([1.0, -2.0])  # the server's SGD, lr 0.05
+    assert torch.allclose(out, expected)
     honest.finish({"samples": 1, "wall_s": 1.0})
     honest.close_servers()
     honest.close()
@@ -157,6 +178,7 @@ def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert stats[0]["dropped_messages"] == len(garbage) * 20
+    assert stats[0]["decompressed_pushes"] == 1
 
 
 def test_shards_are_balanced_and_cover_everything() -> None:
