@@ -154,7 +154,6 @@ class GradientReducer:
         self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
         own = self._own_group()
         self._group = weakref.ref(own) if own is not None else None  # the runtime owns it
-        self.link = Link(own, algorithm, "sync", fixed=True)
         self.states: list[State] = [
             compression.new_state(b.grad_numel, [tuple(p.shape) for _, p in b.params])
             for b in self.buckets
@@ -259,11 +258,13 @@ class GradientReducer:
 
     def _reduce_compressed(self, bucket: Bucket, compressor: Compressor) -> None:
         nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        # a link per call: the optimizer holds its group only weakly (see `group`)
+        link = Link(self.group, self.algorithm, "sync", fixed=True)
         with span("reduce", "comm", bucket=bucket.index, bytes=nbytes):
             grads = bucket.buffer[: bucket.grad_numel]
-            reduce(grads, compressor, self.states[bucket.index], self.link)
+            reduce(grads, compressor, self.states[bucket.index], link)
             if bucket.has_flag:  # the count of ranks still training is summed exactly
-                self.link.allreduce(bucket.buffer[bucket.grad_numel :])
+                link.allreduce(bucket.buffer[bucket.grad_numel :])
 
     # -- at step ----------------------------------------------------------------------------
     def synchronize(self) -> None:
