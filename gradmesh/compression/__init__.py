@@ -95,7 +95,7 @@ def reduce(
 
 
 DECODERS: dict[int, Compressor] = {
-    c.wire_id: c for c in (COMPRESSORS.get(n)(0.01, 1) for n in COMPRESSORS.names())
+    c.wire_id: c for c in (COMPRESSORS.get(n)(0.01, 1) for n in COMPRESSORS.names()) if c.wire_id
 }
 """Wire id -> a compressor that can decode that method's messages (decode needs no settings)."""
 

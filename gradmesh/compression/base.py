@@ -197,15 +197,8 @@ class Compressor:
 
 
 class NoCompression(Compressor):
-    """The identity: the tensor is summed as it is."""
-
-    def encode(self, x: torch.Tensor, state: State) -> Encoded:
-        return Encoded(as_bytes(x.float()), (x.numel(), 0, 0))
-
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
-        _expect(ctx[0] == out.numel(), "element count")
-        (values,) = split_bytes(payload, (torch.float32, out.numel()))
-        out.add_(values)
+    """The identity: the tensor is summed as it is (no message form: uncompressed parameter-
+    server pushes travel as plain float32 shards)."""
 
     def reduce(
         self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None

@@ -137,12 +137,10 @@ class PowerSGD(Compressor):
                 sent[a:b] += flat[a:b]
             at += b - a
         ps = self._power_step(mats, qs, message, link)
-        if exact:
-            link_exact = message[p_numel:]
-            at = 0
-            for a, b in state.exact:
-                flat[a:b] = link_exact[at : at + b - a]
-                at += b - a
+        at = p_numel
+        for a, b in state.exact:  # their sums, back in place
+            flat[a:b] = message[at : at + b - a]
+            at += b - a
         if sent is not None:
             for m, p, q in zip(state.matrices, ps, qs, strict=True):
                 sent[m.start : m.start + m.numel] += (p @ q.t()).view(-1)[: m.numel]
