@@ -98,6 +98,10 @@ BENCHES = {
         "one model data-parallel, tensor-parallel and pipelined over the same ranks",
         "gradmesh.bench.layout",
     ),
+    "compression": (
+        "every compressor over a slow link: bytes, step time, time to accuracy, torch's hook",
+        "gradmesh.bench.compression",
+    ),
     "link": (
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",

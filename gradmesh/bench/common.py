@@ -61,6 +61,17 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
+CPU_BOUND_IDLE = 0.10
+"""A run during which the machine's cores were idle less than this fraction is CPU-bound."""
+
+
+def cpu_jiffies() -> tuple[int, int]:
+    """(idle, total) CPU time of the whole machine so far, in jiffies, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

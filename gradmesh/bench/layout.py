@@ -22,7 +22,15 @@ import argparse
 import time
 from typing import Any
 
-from gradmesh.bench.common import emulated_cluster, median, run_workers, worker_main, write_json
+from gradmesh.bench.common import (
+    CPU_BOUND_IDLE,
+    cpu_jiffies,
+    emulated_cluster,
+    median,
+    run_workers,
+    worker_main,
+    write_json,
+)
 
 LAYOUTS = {
     "dp": (1, 1),
@@ -47,13 +55,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-hosts", type=int, help="emulated hosts (default: loopback)")
     parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
     parser.add_argument("--json", help="write the result here")
-
-
-def _cpu_jiffies() -> tuple[int, int]:
-    """(idle, total) CPU time of the whole machine so far, in jiffies."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return fields[3] + fields[4], sum(fields)
 
 
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
@@ -94,13 +95,13 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
             clock = getattr(engine, "clock", None)
             if clock is not None:
                 clock.step_s = clock.busy_s = 0.0
-            cpu_before = _cpu_jiffies()
+            cpu_before = cpu_jiffies()
         started = time.perf_counter()
         job.optimizer.zero_grad()
         engine.step(x, y, rt.dp.size / batch)
         job.optimizer.step()
         times.append(time.perf_counter() - started)
-    idle, total = (a - b for a, b in zip(_cpu_jiffies(), cpu_before, strict=True))
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
     stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
     mean = summarize_layout(stats.layout)
     kinds = ("sync", "tensor_parallel", "pipeline")
@@ -169,7 +170,9 @@ def run(args: argparse.Namespace) -> int:
             else None,
             "bubble_formula": (pp - 1) / (m + pp - 1) if pp > 1 else None,
             "cpu_idle": idle,
-            "limit": "cpu" if idle < 0.10 else ("link" if cluster is not None else "loopback"),
+            "limit": "cpu"
+            if idle < CPU_BOUND_IDLE
+            else ("link" if cluster is not None else "loopback"),
         }
     base = results.get("dp")
     for r in results.values():

@@ -82,12 +82,12 @@ def reduce(
     compressor: Compressor,
     state: State,
     link: Link,
-    sent: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
 ) -> None:
     """`compressor.reduce` with accounting: the bytes given and the bytes of the messages sent
     are added to the runtime's `CommStats.compressed` under the link's kind."""
     before = link.payload_bytes
-    compressor.reduce(x, state, link, sent)
+    compressor.reduce(x, state, link, keep)
     if is_initialized():
         get_runtime().comm.add_compressed(
             link.kind, x.numel() * x.element_size(), link.payload_bytes - before

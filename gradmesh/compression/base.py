@@ -5,13 +5,14 @@ The shape is torch's DDP communication hooks: a `Compressor` holds only its sett
 serves any number of tensors); `new_state` makes the state of one tensor (the error-feedback
 residual, PowerSGD's Q), which is checkpointable. Two forms, so every path uses the same code:
 
-- `reduce(x, state, link, sent)`: sum `x` in place over the link's group (allreduce with any
-  algorithm, the DDP hook, local SGD's averaging). With `sent`, this rank's own contribution, as
-  the group decoded it, is added into `sent` (what error feedback keeps the rest of).
-- `encode(x, state)` -> `Encoded` and `decode(payload, ctx, out)`: one rank's message on its
-  own (the parameter server's push): bytes plus three integers of context. `decode` adds the
-  message into `out` and raises `ValueError` for a payload that does not match its context, so
-  a receiver can drop a bad message instead of trusting it.
+- `reduce(x, state, link, keep)`: sum `x` in place over the link's group (allreduce with any
+  algorithm, the DDP hook, local SGD's averaging). With `keep`, this rank's own contribution, as
+  the group decoded it, is subtracted from `keep` (error feedback passes its residual, which is
+  then what was not sent, with no scratch tensor).
+- `encode(x, state)` -> `Encoded` and `decode(payload, ctx, out, alpha)`: one rank's message on
+  its own (the parameter server's push): bytes plus three integers of context. `decode` adds
+  alpha times the message into `out` and raises `ValueError` for a payload that does not match
+  its context, so a receiver can drop a bad message instead of trusting it.
 
 `Compressor.reduce` by default allgathers every rank's encoded message and sums the decodings
 (top-k, sign: their payloads cannot be summed on the wire); compressors whose payload an
@@ -174,19 +175,21 @@ class Compressor:
     def encode(self, x: torch.Tensor, state: State) -> Encoded:
         raise NotImplementedError
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
         raise NotImplementedError
 
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
         """Allgather every rank's message and sum the decodings into `x`."""
         with span("compress", "comm", compressor=self.name):
             payload, ctx = self.encode(x, state)
         everyone = link.allgather(payload)
         with span("decompress", "comm", compressor=self.name):
-            if sent is not None:
-                self.decode(payload, ctx, sent)
+            if keep is not None:
+                self.decode(payload, ctx, keep, alpha=-1)
             x.zero_()
             for row in everyone:
                 self.decode(row, ctx, x)
@@ -201,10 +204,10 @@ class NoCompression(Compressor):
     server pushes travel as plain float32 shards)."""
 
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
-        if sent is not None:
-            sent.add_(x)
+        if keep is not None:
+            keep.sub_(x)
         link.allreduce(x)
         state.steps += 1
 
@@ -212,7 +215,8 @@ class NoCompression(Compressor):
 class ErrorFeedback(Compressor):
     """Any compressor with error feedback: the part of a tensor a message did not carry is kept
     and added to the next tensor given (Seide et al. 2014; Karimireddy et al. 2019), so that
-    over time everything is sent: sent + residual == given + previous residual."""
+    over time everything is sent: sent + residual == given + previous residual. The residual
+    is the corrected tensor until the inner compressor subtracts what it sent (`keep`)."""
 
     error_feedback = True
 
@@ -225,32 +229,26 @@ class ErrorFeedback(Compressor):
         state.buffer("residual")
         return state
 
-    def _correct(self, x: torch.Tensor, state: State) -> tuple[torch.Tensor, torch.Tensor]:
-        residual = state.buffer("residual")
-        residual.add_(x)  # now the corrected tensor; what is sent is subtracted below
-        scratch = state.buffer("sent")
-        scratch.zero_()
-        return residual, scratch
-
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
-        residual, own = self._correct(x, state)
+        residual = state.buffer("residual").add_(x)  # the corrected tensor
+        corrected = residual.clone() if keep is not None else None
         x.copy_(residual)
-        self.inner.reduce(x, state, link, own)
-        residual.sub_(own)
-        if sent is not None:
-            sent.add_(own)
+        self.inner.reduce(x, state, link, residual)  # leaves what was not sent
+        if corrected is not None and keep is not None:
+            keep.sub_(corrected.sub_(residual))
 
     def encode(self, x: torch.Tensor, state: State) -> Encoded:
-        residual, own = self._correct(x, state)
+        residual = state.buffer("residual").add_(x)
         message = self.inner.encode(residual, state)
-        self.inner.decode(message.payload, message.ctx, own)
-        residual.sub_(own)
+        self.inner.decode(message.payload, message.ctx, residual, alpha=-1)
         return message
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
-        self.inner.decode(payload, ctx, out)
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
+        self.inner.decode(payload, ctx, out, alpha)
 
     def describe(self) -> str:
         return f"{self.inner.describe()} with error feedback"
@@ -265,11 +263,11 @@ class CodecAdapter(Compressor):
         self.name = type(codec).__name__
 
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
         payload, ctx = self.codec.compress(x)
-        if sent is not None:
-            sent.add_(self.codec.decompress(payload.clone(), ctx))
+        if keep is not None:
+            keep.sub_(self.codec.decompress(payload.clone(), ctx))
         link.allreduce(payload)
         result = self.codec.decompress(payload, ctx)
         if result is not x:

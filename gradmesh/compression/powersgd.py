@@ -122,7 +122,7 @@ class PowerSGD(Compressor):
         return ps
 
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
         assert isinstance(state, PowerState)
         flat = x.view(-1)
@@ -133,22 +133,22 @@ class PowerSGD(Compressor):
         at = p_numel
         for a, b in state.exact:  # exact tensors ride in P's message
             message[at : at + b - a] = flat[a:b]
-            if sent is not None:
-                sent[a:b] += flat[a:b]
+            if keep is not None:
+                keep[a:b] -= flat[a:b]
             at += b - a
         ps = self._power_step(mats, qs, message, link)
         at = p_numel
         for a, b in state.exact:  # their sums, back in place
             flat[a:b] = message[at : at + b - a]
             at += b - a
-        if sent is not None:
+        if keep is not None:  # this rank's part: P times its own Q, before Q is summed
             for m, p, q in zip(state.matrices, ps, qs, strict=True):
-                sent[m.start : m.start + m.numel] += (p @ q.t()).view(-1)[: m.numel]
+                _product(p, q, keep[m.start : m.start + m.numel], alpha=-1)
         if state.matrices:
             link.allreduce(state.tensors["q"])
         with span("decompress", "comm", compressor=self.name):
             for m, p, q in zip(state.matrices, ps, qs, strict=True):
-                flat[m.start : m.start + m.numel] = (p @ q.t()).view(-1)[: m.numel]
+                _product(p, q, flat[m.start : m.start + m.numel])
         state.steps += 1
 
     def encode(self, x: torch.Tensor, state: State) -> Encoded:
@@ -163,22 +163,37 @@ class PowerSGD(Compressor):
         state.steps += 1
         return Encoded(as_bytes(p, qs[0]), (m.rows, m.cols, self.rank))
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
         rows, cols, rank = ctx
         n = out.numel()
         if rank == 0:  # sent exactly
             _expect((rows, cols) == (n, 1), "context")
             (values,) = split_bytes(payload, (torch.float32, n))
-            out.view(-1).add_(values)
+            out.view(-1).add_(values, alpha=alpha)
             return
         _expect(rows >= 1 and cols >= 1 and rows * cols >= n > (rows - 1) * cols, "shape")
         _expect(rank <= min(rows, cols), "rank")
         p, q = split_bytes(payload, (torch.float32, rows * rank), (torch.float32, cols * rank))
         product = p.view(rows, rank) @ q.view(cols, rank).t()
-        out.view(-1).add_(product.view(-1)[:n])
+        out.view(-1).add_(product.view(-1)[:n], alpha=alpha)
 
     def describe(self) -> str:
         return f"powersgd rank {self.rank}"
+
+
+def _product(p: torch.Tensor, q: torch.Tensor, out: torch.Tensor, alpha: float = 0) -> None:
+    """out (flat: the first numel elements of P Q^T) = P Q^T, or += alpha P Q^T when alpha is
+    not 0, without a temporary where the matrix is not padded."""
+    rows, cols = p.shape[0], q.shape[0]
+    if out.numel() != rows * cols:
+        product = (p @ q.t()).view(-1)[: out.numel()]
+        out.add_(product, alpha=alpha) if alpha else out.copy_(product)
+    elif alpha:
+        out.view(rows, cols).addmm_(p, q.t(), alpha=alpha)
+    else:
+        torch.mm(p, q.t(), out=out.view(rows, cols))
 
 
 def _views(flat: torch.Tensor, shapes: list[tuple[int, int]]) -> list[torch.Tensor]:

@@ -47,18 +47,20 @@ class Cast(Compressor):
     def encode(self, x: torch.Tensor, state: State) -> Encoded:
         return Encoded(as_bytes(x.to(self.dtype)), (x.numel(), 0, 0))
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
         _expect(ctx == (out.numel(), 0, 0), "context")
         (values,) = split_bytes(payload, (self.dtype, out.numel()))
-        out.add_(values)
+        out.add_(values, alpha=alpha)
 
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
         with span("compress", "comm", compressor=self.name):
             low = x.to(self.dtype)
-        if sent is not None:
-            sent.add_(low)
+        if keep is not None:
+            keep.sub_(low)
         link.allreduce(low)
         with span("decompress", "comm", compressor=self.name):
             x.copy_(low)
@@ -100,15 +102,17 @@ class Int8(Compressor):
         q, _ = self._quantize(x, scale, 127)
         return Encoded(as_bytes(scale, q), (x.numel(), CHUNK, 0))
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
         rows = _check_chunking(ctx, out.numel())
         scale, q = split_bytes(payload, (torch.float32, rows), (torch.int8, rows * ctx[1]))
         _expect(bool(torch.isfinite(scale).all()) and bool((scale >= 0).all()), "scale")
         values = q.view(rows, ctx[1]).float() * (scale / 127).unsqueeze(1)
-        out.add_(values.view(-1)[: out.numel()])
+        out.add_(values.view(-1)[: out.numel()], alpha=alpha)
 
     def reduce(
-        self, x: torch.Tensor, state: State, link: Link, sent: torch.Tensor | None = None
+        self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
         levels = 127 // link.size
         if levels < 1:
@@ -118,8 +122,8 @@ class Int8(Compressor):
         link.allreduce(scale, "max")  # one grid for every rank
         with span("compress", "comm", compressor=self.name):
             q, step = self._quantize(x, scale, levels)
-            if sent is not None:
-                sent.add_((q.float() * step).view(-1)[: x.numel()])
+            if keep is not None:
+                keep.sub_((q.float() * step).view(-1)[: x.numel()])
         link.allreduce(q)  # |q| <= 127 // W on every rank: the int8 sum cannot overflow
         with span("decompress", "comm", compressor=self.name):
             x.copy_((q.float() * step).view(-1)[: x.numel()])
@@ -142,11 +146,13 @@ class Sign(Compressor):
         bits = (rows >= 0).view(-1, 8).to(torch.uint8).mul_(BIT_WEIGHTS).sum(1, dtype=torch.uint8)
         return Encoded(as_bytes(scale, bits), (x.numel(), SIGN_CHUNK, 0))
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
         rows = _check_chunking(ctx, out.numel())
         _expect(ctx[1] % 8 == 0, "chunk")
         scale, bits = split_bytes(payload, (torch.float32, rows), (torch.uint8, rows * ctx[1] // 8))
         _expect(bool(torch.isfinite(scale).all()), "scale")
         signs = bits.unsqueeze(1).bitwise_and(BIT_WEIGHTS).ne(0).view(rows, ctx[1]).float()
         values = signs.mul_(2).sub_(1).mul_(scale.unsqueeze(1))
-        out.add_(values.view(-1)[: out.numel()])
+        out.add_(values.view(-1)[: out.numel()], alpha=alpha)

@@ -36,12 +36,14 @@ class TopK(Compressor):
         index = flat.abs().topk(k, sorted=False).indices
         return Encoded(as_bytes(flat[index], index.to(torch.int32)), (x.numel(), k, 0))
 
-    def decode(self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor) -> None:
+    def decode(
+        self, payload: torch.Tensor, ctx: tuple[int, int, int], out: torch.Tensor, alpha: float = 1
+    ) -> None:
         n, k, extra = ctx
         _expect(n == out.numel() and 1 <= k <= n and extra == 0, "context")
         values, index = split_bytes(payload, (torch.float32, k), (torch.int32, k))
         _expect(int(index.min()) >= 0 and int(index.max()) < n, "index")
-        out.view(-1).index_add_(0, index.long(), values)
+        out.view(-1).index_add_(0, index.long(), values, alpha=alpha)
 
     def describe(self) -> str:
         return f"topk {self.count}" if self.count is not None else f"topk {self.ratio:g}"

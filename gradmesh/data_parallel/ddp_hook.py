@@ -6,7 +6,8 @@ DDP hands over each gradient bucket as it becomes ready; the hook reduces it on 
 communication thread (over the runtime's second process group, so DDP's own collectives never
 interleave with it) and completes DDP's future with the average. A compressor keeps one state
 per DDP bucket (its error-feedback residual, PowerSGD's Q), made when the bucket first comes,
-with the bucket's parameter shapes (PowerSGD compresses each matrix on its own).
+with the bucket's parameter shapes (PowerSGD compresses each matrix on its own), and made again
+when DDP rebuilds its buckets: the same size in another order is another layout.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def ddp_comm_hook(allreduce: str = "native", compression: Compressor | str | Non
     states: dict[int, State] = {}
 
     def average(index: int, buffer: torch.Tensor, shapes: list[tuple[int, ...]]) -> torch.Tensor:
-        if index not in states or states[index].numel != buffer.numel():  # DDP rebuilds buckets
-            states[index] = compressor.new_state(buffer.numel(), shapes)
+        known = states.get(index)
+        if known is None or known.shapes != shapes:  # DDP rebuilds its buckets after step one,
+            states[index] = compressor.new_state(buffer.numel(), shapes)  # in a new order
         reduce(buffer, compressor, states[index], link)
         return buffer.div_(link.size)
 

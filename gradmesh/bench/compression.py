@@ -1,0 +1,354 @@
+"""`gradmesh bench compression`: every compressor on one model over a slow link, interleaved.
+
+Each engine trains its own copy of the model (same initial weights, same batches of real digits)
+in the same worker processes: gradmesh's DistributedOptimizer with each compressor, plus two DDP
+engines with PowerSGD at the same rank, torch's own hook (`powerSGD_hook`, error feedback and
+warm start on, compression from its second step) and gradmesh's compressor as a DDP hook. Rounds
+give every engine a turn of `--chunk` steps, in an order rotated each round; a turn's time is
+the slowest rank's, after a barrier. An engine trains until its test accuracy (evaluated after
+each turn, off the clock) reaches `--target` and it has had `--min-rounds` timed turns, or until
+`--max-epochs`.
+
+Reported per engine: step time (median over turns after the first, which warms up), bytes per
+step and worker as the emulated host's interface counted them (every byte on the wire, headers
+included; none on loopback) and as gradmesh's collectives counted their messages, time and steps
+to the target (training time only, at the resolution of one turn), the machine's idle CPU
+during the engine's turns (below 10 %: labelled `"limit": "cpu"`), and ratios against no
+compression and against torch's hook, all from the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradmesh.bench.common import (
+    CPU_BOUND_IDLE,
+    cpu_jiffies,
+    emulated_cluster,
+    median,
+    parse_list,
+    run_workers,
+    worker_main,
+    write_json,
+)
+from gradmesh.errors import GradmeshError
+
+TORCH_HOOK = "torch-powersgd"
+"""DDP with torch's PowerSGD hook."""
+OUR_HOOK = "powersgd-ddp-hook"
+"""DDP with gradmesh's powersgd compressor as its hook."""
+REFERENCE = "none"
+FUSION_MB = 64.0
+"""Every engine's bucket size (gradmesh's default; given to DDP explicitly, which also drops its
+1 MB first bucket: with two buckets torch's PowerSGD hook chains collectives from two threads
+and hangs on gloo)."""
+
+
+def engines() -> list[str]:
+    from gradmesh.compression import COMPRESSORS
+
+    return [*COMPRESSORS.names(), OUR_HOOK, TORCH_HOOK]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
+    parser.add_argument("--engines", help="comma-separated (default: all compressors and hooks)")
+    parser.add_argument("--model", default="alexnet", help="a registered model (default: alexnet)")
+    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
+    parser.add_argument("--ratio", type=float, default=0.01, help="topk's fraction (0.01)")
+    parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (default: 4)")
+    parser.add_argument("--allreduce", default="native", help="gradmesh's allreduce algorithm")
+    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
+    parser.add_argument("--chunk", type=int, default=10, help="steps per turn (default: 10)")
+    parser.add_argument("--min-rounds", type=int, default=5, help="timed turns at least")
+    parser.add_argument("--max-epochs", type=int, default=15, help="give up after (default: 15)")
+    parser.add_argument("--emulate-hosts", type=int, help="spread the workers over H hosts")
+    parser.add_argument("--bandwidth", default="100mbit", help="emulated link rate (100mbit)")
+    parser.add_argument("--json", help="write the result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.collectives import ALGORITHMS
+    from gradmesh.compression import make
+    from gradmesh.models import MODELS, check_pairing
+
+    MODELS.get(args.model)
+    check_pairing(args.model, "digits")
+    ALGORITHMS.get(args.allreduce)
+    make("powersgd", args.ratio, args.rank)  # checks the ratio and the rank
+    chosen = parse_list(args.engines, "engine") if args.engines else engines()
+    unknown = [e for e in chosen if e not in engines()]
+    if unknown:
+        raise GradmeshError(f"unknown engine {unknown[0]!r} (valid: {', '.join(engines())})")
+    if args.world < 2 or args.chunk < 1 or args.min_rounds < 1 or args.max_epochs < 1:
+        raise GradmeshError("need --world >= 2, --chunk >= 1, --min-rounds >= 1, --max-epochs >= 1")
+    if args.batch_size % args.world:
+        raise GradmeshError(f"--batch-size {args.batch_size} must split evenly over {args.world}")
+    keys = ("model", "batch_size", "lr", "momentum", "ratio", "rank", "allreduce", "target")
+    config = {k: getattr(args, k) for k in keys}
+    config.update(
+        engines=chosen, chunk=args.chunk, min_rounds=args.min_rounds, max_epochs=args.max_epochs
+    )
+    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
+        result = run_workers("gradmesh.bench.compression", args.world, config, 1800.0, cluster)
+        result["network"] = (
+            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
+            if cluster
+            else "loopback, one machine"
+        )
+    if cluster is None:
+        for r in result["engines"].values():
+            r["limit"] = "cpu" if r["limit"] == "cpu" else "loopback"
+    compare(result)
+    write_json(args.json, result)
+    print(f"model {result['model']}, world {result['world']}, {result['network']}:")
+    for name, r in result["engines"].items():
+        wire = r["wire_bytes_per_step"]
+        reached = (
+            f"{r['time_to_target_s']:.1f} s ({r['steps_to_target']} steps)"
+            if r["time_to_target_s"] is not None
+            else f"not reached (best {r['best_accuracy']:.3f})"
+        )
+        print(
+            f"  {name:18s} {r['step_s'] * 1e3:8.1f} ms/step  "
+            + (f"{wire / 1e6:7.3f} MB/step on the wire  " if wire is not None else "")
+            + f"to {result['target']}: {reached}  ({r['limit']})"
+        )
+    for line in result["summary"]:
+        print("  " + line)
+    return 0
+
+
+def compare(result: dict[str, Any]) -> None:
+    """Ratios against no compression and torch's hook, and the issue's targets where the run
+    holds the engines they compare."""
+    runs = result["engines"]
+    ref = runs.get(REFERENCE)
+    for r in runs.values():
+        bytes_key = "wire_bytes_per_step" if r["wire_bytes_per_step"] is not None else None
+        r["bytes_ratio"] = (
+            r[bytes_key] / ref[bytes_key]
+            if ref is not None and bytes_key and ref[bytes_key]
+            else None
+        )
+        r["speedup"] = ref["step_s"] / r["step_s"] if ref is not None else None
+        reached = ref is not None and None not in (r["time_to_target_s"], ref["time_to_target_s"])
+        r["time_to_target_ratio"] = (
+            r["time_to_target_s"] / ref["time_to_target_s"] if reached else None
+        )
+    summary, targets = [], {}
+    if "int8" in runs and ref is not None:
+        int8 = runs["int8"]
+        if int8["bytes_ratio"] is not None:
+            targets["int8_bytes_ratio<=0.27"] = int8["bytes_ratio"] <= 0.27
+        targets["int8_speedup>=2.5"] = int8["speedup"] >= 2.5
+        summary.append(
+            f"int8: {_fmt(int8['bytes_ratio'])} of the bytes, step {int8['speedup']:.2f}x faster"
+        )
+    if "topk" in runs and ref is not None:
+        ratio = runs["topk"]["time_to_target_ratio"]
+        targets["topk_time_to_target_ratio<=0.5"] = ratio is not None and ratio <= 0.5
+        summary.append(f"topk: time to {result['target']} {_fmt(ratio)} of no compression's")
+    for ours in ("powersgd", OUR_HOOK):
+        if ours in runs and TORCH_HOOK in runs:
+            ratio = runs[ours]["step_s"] / runs[TORCH_HOOK]["step_s"]
+            result[f"{ours}_vs_torch_step_ratio"] = ratio
+            if ours == "powersgd":
+                targets["powersgd_step_vs_torch<=1.05"] = ratio <= 1.05
+            summary.append(
+                f"{ours}: step {ratio:.3f}x torch's PowerSGD hook at rank {result['rank']}"
+            )
+    result["targets"] = targets
+    result["summary"] = summary
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _wire_bytes() -> int | None:
+    """Bytes this process's network namespace has sent on the emulated host's interface; None
+    outside an emulated cluster."""
+    import os
+
+    from gradmesh.launch.emulate import CLUSTER_ENV
+
+    iface = os.environ.get(CLUSTER_ENV["iface"])
+    with open("/proc/net/dev") as f:  # the reading process's own namespace
+        for line in f:
+            name, _, counters = line.partition(":")
+            if iface and name.strip() == iface:
+                return int(counters.split()[8])
+    return None
+
+
+@dataclass
+class Engine:
+    """One engine's model, its step, and what was measured of it."""
+
+    name: str
+    model: Any
+    """The model itself (inside DDP for the hooks: evaluating through DDP would communicate)."""
+    step: Callable[[Any, Any], None]
+    steps: int = 0
+    train_s: float = 0.0
+    turns: list[float] = field(default_factory=list)
+    """Seconds per step of each timed turn."""
+    wire: list[int] = field(default_factory=list)
+    counted: list[int] = field(default_factory=list)
+    idle: list[int] = field(default_factory=lambda: [0, 0])
+    best: float = 0.0
+    reached: tuple[float, int] | None = None
+
+
+def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch import nn
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    from gradmesh.compression import make
+    from gradmesh.data import DATASETS, DataOptions
+    from gradmesh.data_parallel.ddp_hook import ddp_comm_hook
+    from gradmesh.data_parallel.optimizer import DistributedOptimizer
+    from gradmesh.models import MODELS
+    from gradmesh.runtime import init, shutdown
+
+    rt = init()
+    spec = DATASETS.get("digits")(DataOptions())
+    batch, per_rank = config["batch_size"], config["batch_size"] // rt.size
+    per_epoch = len(spec.train) // batch
+    max_steps = per_epoch * config["max_epochs"]
+
+    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        epoch, k = divmod(step, per_epoch)
+        order = torch.randperm(len(spec.train), generator=torch.Generator().manual_seed(epoch))
+        rows = order[k * batch + rt.rank * per_rank : k * batch + (rt.rank + 1) * per_rank]
+        return spec.train.x[rows], spec.train.y[rows]
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return MODELS.get(config["model"])(spec.input_shape, spec.num_classes)
+
+    def sgd(model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["momentum"])
+
+    def stepper(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], None]:
+        def step(x: Any, y: Any) -> None:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            opt.step()
+
+        return step
+
+    def make_engine(name: str) -> Engine:
+        model = build()
+        if name in (OUR_HOOK, TORCH_HOOK):
+            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=FUSION_MB)
+            if name == TORCH_HOOK:
+                state = powerSGD_hook.PowerSGDState(
+                    process_group=None,
+                    matrix_approximation_rank=config["rank"],
+                    start_powerSGD_iter=2,
+                    random_seed=0,
+                )
+                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            else:
+                hook = ddp_comm_hook(config["allreduce"], make("powersgd", rank=config["rank"]))
+                ddp.register_comm_hook(None, hook)
+            return Engine(name, model, stepper(ddp, sgd(ddp)))
+        opt = DistributedOptimizer(
+            sgd(model),
+            named_parameters=model.named_parameters(),
+            allreduce=config["allreduce"],
+            compression=make(name, config["ratio"], config["rank"]),
+            fusion_mb=FUSION_MB,
+        )
+        return Engine(name, model, stepper(model, opt))
+
+    def accuracy(model: nn.Module) -> float:
+        with torch.no_grad():
+            right = (model(spec.test.x).argmax(1) == spec.test.y).sum()
+        return float(right) / len(spec.test)
+
+    runs = [make_engine(name) for name in config["engines"]]
+    slowest = torch.zeros(2, dtype=torch.float64)
+    for round_ in range(10**6):
+        active = [
+            e
+            for e in runs
+            if e.steps < max_steps and (e.reached is None or len(e.turns) < config["min_rounds"])
+        ]
+        if not active:
+            break
+        shift = round_ % len(active)
+        for e in active[shift:] + active[:shift]:
+            chunk = min(config["chunk"], max_steps - e.steps)
+            batches = [batch_at(e.steps + i) for i in range(chunk)]
+            dist.barrier()
+            wire, counted, cpu = _wire_bytes(), rt.comm.bytes_sent, cpu_jiffies()
+            started = time.perf_counter()
+            for x, y in batches:
+                e.step(x, y)
+            elapsed = time.perf_counter() - started
+            idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu, strict=True))
+            e.steps += chunk
+            slowest[0] = elapsed
+            e.model.eval()
+            slowest[1] = accuracy(e.model) if rt.rank == 0 else 0.0
+            e.model.train()
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            e.train_s += float(slowest[0])
+            e.best = max(e.best, float(slowest[1]))
+            if e.reached is None and slowest[1] >= config["target"]:
+                e.reached = (e.train_s, e.steps)
+            if round_ and chunk == config["chunk"]:  # the first turn warms up
+                e.turns.append(float(slowest[0]) / chunk)
+                if wire is not None:
+                    e.wire.append(((_wire_bytes() or 0) - wire) // chunk)
+                e.counted.append((rt.comm.bytes_sent - counted) // chunk)
+                e.idle[0] += idle
+                e.idle[1] += total
+    if any(not e.turns for e in runs):
+        raise GradmeshError("an engine had no timed turn: raise --max-epochs or lower --chunk")
+    wires = torch.tensor([median(e.wire) if e.wire else -1.0 for e in runs], dtype=torch.float64)
+    dist.all_reduce(wires)  # the mean over workers
+    result: dict[str, Any] = {
+        "world": rt.size,
+        "steps_per_epoch": per_epoch,
+        **{k: v for k, v in config.items() if k != "engines"},
+        "engines": {},
+    }
+    for e, wire_sum in zip(runs, wires.tolist(), strict=True):
+        idle = e.idle[0] / e.idle[1] if e.idle[1] else 0.0
+        counted = median(e.counted)
+        result["engines"][e.name] = {
+            "step_s": median(e.turns),
+            "timed_turns": len(e.turns),
+            "wire_bytes_per_step": wire_sum / rt.size if wire_sum >= 0 else None,
+            "counted_bytes_per_step": counted if e.name != TORCH_HOOK else None,
+            "time_to_target_s": e.reached[0] if e.reached else None,
+            "steps_to_target": e.reached[1] if e.reached else None,
+            "best_accuracy": e.best,
+            "steps": e.steps,
+            "cpu_idle": idle,
+            "limit": "cpu" if idle < CPU_BOUND_IDLE else "link",
+        }
+    rank = rt.rank
+    del runs  # DDP's reducers must go before their process group
+    gc.collect()
+    dist.barrier()
+    shutdown()
+    return rank, result
+
+
+if __name__ == "__main__":
+    worker_main(_measure)
