@@ -8,7 +8,7 @@ import re
 import statistics
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -72,7 +72,7 @@ def cpu_jiffies() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields)
 
 
-def median(values: list[float]) -> float:
+def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 

@@ -328,19 +328,18 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         "engines": {},
     }
     for e, wire_sum in zip(runs, wires.tolist(), strict=True):
-        idle = e.idle[0] / e.idle[1] if e.idle[1] else 0.0
-        counted = median(e.counted)
+        cpu_idle = e.idle[0] / e.idle[1] if e.idle[1] else 0.0
         result["engines"][e.name] = {
             "step_s": median(e.turns),
             "timed_turns": len(e.turns),
             "wire_bytes_per_step": wire_sum / rt.size if wire_sum >= 0 else None,
-            "counted_bytes_per_step": counted if e.name != TORCH_HOOK else None,
+            "counted_bytes_per_step": median(e.counted) if e.name != TORCH_HOOK else None,
             "time_to_target_s": e.reached[0] if e.reached else None,
             "steps_to_target": e.reached[1] if e.reached else None,
             "best_accuracy": e.best,
             "steps": e.steps,
-            "cpu_idle": idle,
-            "limit": "cpu" if idle < CPU_BOUND_IDLE else "link",
+            "cpu_idle": cpu_idle,
+            "limit": "cpu" if cpu_idle < CPU_BOUND_IDLE else "link",
         }
     rank = rt.rank
     del runs  # DDP's reducers must go before their process group
