@@ -13,8 +13,10 @@ Reported per engine: step time (median over turns after the first, which warms u
 step and worker as the emulated host's interface counted them (every byte on the wire, headers
 included; none on loopback) and as gradmesh's collectives counted their messages, time and steps
 to the target (training time only, at the resolution of one turn), the machine's idle CPU
-during the engine's turns (below 10 %: labelled `"limit": "cpu"`), and ratios against no
-compression and against torch's hook, all from the same run.
+during the engine's turns and the fraction of the link's rate its bytes used (the limit: `cpu`
+when the cores were idle under 10 % of the time, `link` when the bytes filled half the link or
+more, otherwise `compute`), and ratios against no compression and against torch's hook, all
+from the same run.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ and hangs on gloo)."""
 def engines() -> list[str]:
     from gradmesh.compression import COMPRESSORS
 
-    return [*COMPRESSORS.names(), OUR_HOOK, TORCH_HOOK]
+    return [REFERENCE, *(n for n in COMPRESSORS.names() if n != REFERENCE), OUR_HOOK, TORCH_HOOK]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -103,9 +105,8 @@ def run(args: argparse.Namespace) -> int:
             if cluster
             else "loopback, one machine"
         )
-    if cluster is None:
-        for r in result["engines"].values():
-            r["limit"] = "cpu" if r["limit"] == "cpu" else "loopback"
+    for r in result["engines"].values():
+        label(r, cluster.bandwidth_bps if cluster else None)
     compare(result)
     write_json(args.json, result)
     print(f"model {result['model']}, world {result['world']}, {result['network']}:")
@@ -124,6 +125,26 @@ def run(args: argparse.Namespace) -> int:
     for line in result["summary"]:
         print("  " + line)
     return 0
+
+
+LINK_BOUND = 0.5
+"""An engine whose bytes fill at least this fraction of the link's rate is labelled link-bound."""
+
+
+def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
+    """What limited an engine's step: `cpu` (the machine's cores were busy), `link` (its bytes
+    filled the link), `compute` (neither: the step's own work and each message's latency),
+    `loopback` (no emulated link)."""
+    wire = r["wire_bytes_per_step"]
+    r["link_utilization"] = (
+        wire * 8 / r["step_s"] / bandwidth_bps if wire is not None and bandwidth_bps else None
+    )
+    if r["cpu_idle"] < CPU_BOUND_IDLE:
+        r["limit"] = "cpu"
+    elif r["link_utilization"] is None:
+        r["limit"] = "loopback"
+    else:
+        r["limit"] = "link" if r["link_utilization"] >= LINK_BOUND else "compute"
 
 
 def compare(result: dict[str, Any]) -> None:
@@ -339,7 +360,6 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             "best_accuracy": e.best,
             "steps": e.steps,
             "cpu_idle": cpu_idle,
-            "limit": "cpu" if cpu_idle < CPU_BOUND_IDLE else "link",
         }
     rank = rt.rank
     del runs  # DDP's reducers must go before their process group

@@ -83,10 +83,13 @@ class Link:
     group), whose layout was checked once: no per-call signature exchange."""
     payload_bytes: int = 0
     """Bytes of the messages handed to collectives so far (after compression)."""
+    local: bool = False
+    """A group of one whatever the process world: a message made on its own (a parameter-server
+    push) is rounded as in a reduction but never sent by a collective."""
 
     @property
     def size(self) -> int:
-        if not dist.is_initialized():
+        if self.local or not dist.is_initialized():
             return 1
         return dist.get_world_size(resolve_group(self.group))
 

@@ -159,7 +159,7 @@ class PowerSGD(Compressor):
             raise GradmeshError("powersgd encodes a tensor of unknown structure only")
         (m,) = state.matrices
         mats, qs = self._views_of(x, state), self._start_q(state)
-        (p,) = self._power_step(mats, qs, torch.empty(m.rows * self.rank), Link())
+        (p,) = self._power_step(mats, qs, torch.empty(m.rows * self.rank), Link(local=True))
         state.steps += 1
         return Encoded(as_bytes(p, qs[0]), (m.rows, m.cols, self.rank))
 

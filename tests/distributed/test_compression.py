@@ -160,3 +160,20 @@ def test_error_feedback_is_what_makes_biased_compressors_train(name: str) -> Non
     (accuracy_on, loss_on), (accuracy_off, loss_off) = result["on"], result["off"]
     assert loss_off > 1.5 * loss_on, result  # without it, training stalls well above
     assert accuracy_on > accuracy_off, result
+
+
+def encode_on_rank_zero_only() -> bool:
+    compressor = make("powersgd", rank=2)
+    state = compressor.new_state(900)
+    if gradmesh.rank() == 0:  # a push is one rank's message: no collective may run inside it
+        payload, ctx = compressor.encode(torch.randn(900), state)
+        out = torch.zeros(900)
+        compressor.decode(payload, ctx, out)
+        return bool(out.abs().sum() > 0)
+    return True
+
+
+def test_a_parameter_server_message_is_made_without_the_other_ranks() -> None:
+    # PowerSGD's power step on a push once ran an allreduce over the world: it hung any rank
+    # that pushed when its peers did not (async mode)
+    assert run_ranks(encode_on_rank_zero_only, 2, timeout=30) == [True, True]

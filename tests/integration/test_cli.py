@@ -435,6 +435,38 @@ def test_bench_dataparallel_compares_with_ddp(tmp_path: Path) -> None:
     assert got["ratio"] == pytest.approx(got["gradmesh_step_s"] / got["ddp_step_s"])
 
 
+def test_bench_compression_measures_each_engine_against_none_and_torch(tmp_path: Path) -> None:
+    engines = "none,int8,powersgd,torch-powersgd"
+    out = gradmesh(
+        "bench",
+        "compression",
+        "--model=mlp",
+        f"--engines={engines}",
+        "--max-epochs=1",
+        "--min-rounds=1",
+        "--chunk=5",
+        "--json",
+        str(tmp_path / "c.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    got = json.loads((tmp_path / "c.json").read_text())
+    runs = got["engines"]
+    assert list(runs) == engines.split(",")
+    for r in runs.values():
+        assert r["wire_bytes_per_step"] is None and r["limit"] in ("loopback", "cpu")
+        assert r["steps"] == got["steps_per_epoch"] and r["timed_turns"] >= 1
+    # gradmesh's own byte counts: int8 sends a byte per element and a scale per 512
+    int8 = runs["int8"]["counted_bytes_per_step"] / runs["none"]["counted_bytes_per_step"]
+    assert 0.24 < int8 < 0.27
+    assert runs["int8"]["speedup"] == pytest.approx(runs["none"]["step_s"] / runs["int8"]["step_s"])
+    ratio = runs["powersgd"]["step_s"] / runs["torch-powersgd"]["step_s"]
+    assert got["powersgd_vs_torch_step_ratio"] == pytest.approx(ratio)
+    assert set(got["targets"]) >= {"int8_speedup>=2.5", "powersgd_step_vs_torch<=1.05"}
+    assert "unknown engine 'zip' (valid: none, " in one_line_error(
+        gradmesh("bench", "compression", "--engines=none,zip")
+    )
+
+
 def test_local_sgd_sends_an_eighth_of_the_bytes_and_still_learns(tmp_path: Path) -> None:
     local = gradmesh(
         "train",
