@@ -19,6 +19,7 @@ import torch.distributed as dist
 from gradmesh.collectives import allgather_object, broadcast_object
 from gradmesh.collectives import broadcast as _broadcast_in_place
 from gradmesh.compression import make
+from gradmesh.data_parallel import api as _api
 from gradmesh.data_parallel.api import (
     Handle,
     broadcast_optimizer_state,
@@ -26,9 +27,6 @@ from gradmesh.data_parallel.api import (
     synchronize,
 )
 from gradmesh.data_parallel.api import allgather_tensor as allgather
-from gradmesh.data_parallel.api import (
-    allreduce_async as _allreduce_async,
-)
 from gradmesh.data_parallel.optimizer import (
     Adasum,
     Average,
@@ -64,7 +62,10 @@ __all__ = [
     "Product",
     "Sum",
     "allgather",
+    "allgather_async",
     "allgather_object",
+    "alltoall",
+    "alltoall_async",
     "allreduce",
     "allreduce_",
     "allreduce_async",
@@ -72,6 +73,8 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
@@ -81,6 +84,10 @@ __all__ = [
     "cuda_built",
     "ddl_built",
     "gloo_built",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
     "gloo_enabled",
     "init",
     "is_initialized",
@@ -93,6 +100,8 @@ __all__ = [
     "nccl_built",
     "poll",
     "rank",
+    "reducescatter",
+    "reducescatter_async",
     "rocm_built",
     "shutdown",
     "size",
@@ -134,8 +143,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     non-finite gradients reach the optimizer as in plain torch (gradmesh's own API stops on
     them by default). Sparse gradients are always reduced dense (`sparse_as_dense`'s result);
     `num_groups` / `groups` are accepted, the fusion buffers being sized by bytes instead."""
-    if process_set is not None:
-        raise NotImplementedError("process sets are not implemented in gradmesh yet")
+    _global_set_only(process_set)
     return _DistributedOptimizer(
         optimizer,
         named_parameters,
@@ -166,7 +174,7 @@ def allreduce_async(
     postscale_factor: float = 1.0,
     compression: Any = Compression.none,
 ) -> Handle:
-    return _allreduce_async(
+    return _api.allreduce_async(
         tensor,
         op=_op(average, op),  # type: ignore[arg-type]
         compression=compression,
@@ -225,6 +233,177 @@ def allreduce_(
     return synchronize(
         allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor)
     )
+
+
+def _write_back(source: Future[Any], into: list[torch.Tensor]) -> Future[Any]:
+    """A handle that, when `source` is done, copies its result(s) into `into` and returns them
+    as Horovod's in-place forms do (one tensor, or the list)."""
+    done: Future[Any] = Future()
+
+    def copy(finished: Future[Any]) -> None:
+        try:
+            result = finished.result()
+            results = result if isinstance(result, list) else [result]
+            for target, value in zip(into, results, strict=True):
+                target.data.copy_(value)
+            done.set_result(into if isinstance(result, list) else into[0])
+        except BaseException as exc:  # the operation's own error, raised at synchronize
+            done.set_exception(exc)
+
+    source.add_done_callback(copy)
+    return done
+
+
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+    compression: Any = Compression.none,
+) -> Future[list[torch.Tensor]]:
+    """Reduce the tensors as one operation; `synchronize` returns the list of new tensors."""
+    _global_set_only(process_set)
+    return _api.grouped_allreduce_async(
+        tensors,
+        op=_op(average, op),  # type: ignore[arg-type]
+        compression=compression,
+        name=name,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+    )
+
+
+def grouped_allreduce(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
+    handle = grouped_allreduce_async(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set, compression
+    )
+    return handle.result()  # Horovod's synchronize, typed
+
+
+def grouped_allreduce_async_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> Future[list[torch.Tensor]]:
+    """In place: `synchronize` writes each result into its tensor and returns the tensors."""
+    handle = grouped_allreduce_async(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _write_back(handle, list(tensors))
+
+
+def grouped_allreduce_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return handle.result()  # Horovod's synchronize, typed
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+) -> Handle:
+    _global_set_only(process_set)
+    return _api.allgather_async(tensor)
+
+
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> Handle:
+    """Root's value of `tensor` as a new tensor; the argument is left as it was."""
+    _global_set_only(process_set)
+    return _api.broadcast_async(tensor, root_rank)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> Handle:
+    """Root's value written into `tensor`."""
+    _global_set_only(process_set)
+    return _api.broadcast_async(tensor, root_rank, in_place=True)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Any = Compression.none,
+) -> Handle:
+    _global_set_only(process_set)
+    return _api.reducescatter_async(
+        tensor,
+        op=_op(None, op),  # type: ignore[arg-type]
+        compression=compression,
+        name=name,
+        prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor,
+    )
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: str = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """The reduction (Average or Sum) of every rank's `tensor`, this rank's block of rows:
+    n // size rows each, one more for the first n % size ranks."""
+    return synchronize(
+        reducescatter_async(
+            tensor, name, op, process_set, prescale_factor, postscale_factor, compression
+        )
+    )
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
+) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+    """`synchronize` returns (rows received, int32 counts received from each rank)."""
+    _global_set_only(process_set)
+    return _api.alltoall_async(tensor, splits)
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
+) -> Any:
+    """Rows of `tensor` sent to each rank (`splits`, or equal parts) and theirs received, in rank
+    order; with `splits`, also the counts received from each rank (as Horovod returns)."""
+    output, received = alltoall_async(tensor, splits, name, process_set).result()
+    return output if splits is None else (output, received)
+
+
+def _global_set_only(process_set: Any) -> None:
+    if process_set is not None:
+        raise NotImplementedError("process sets are not implemented in gradmesh yet")
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
