@@ -165,6 +165,27 @@ def _op(average: bool | None, op: str | None) -> str:
     return op
 
 
+def _reduction(
+    start: Any,
+    tensors: Any,
+    average: bool | None,
+    op: str | None,
+    name: str | None,
+    prescale: float,
+    postscale: float,
+    compression: Any,
+) -> Any:
+    """Start one of gradmesh's reductions with Horovod's reduction arguments."""
+    return start(
+        tensors,
+        op=_op(average, op),
+        compression=compression,
+        name=name,
+        prescale_factor=prescale,
+        postscale_factor=postscale,
+    )
+
+
 def allreduce_async(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -174,13 +195,15 @@ def allreduce_async(
     postscale_factor: float = 1.0,
     compression: Any = Compression.none,
 ) -> Handle:
-    return _api.allreduce_async(
+    return _reduction(  # type: ignore[no-any-return]
+        _api.allreduce_async,
         tensor,
-        op=_op(average, op),  # type: ignore[arg-type]
-        compression=compression,
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
+        average,
+        op,
+        name,
+        prescale_factor,
+        postscale_factor,
+        compression,
     )
 
 
@@ -266,13 +289,15 @@ def grouped_allreduce_async(
 ) -> Future[list[torch.Tensor]]:
     """Reduce the tensors as one operation; `synchronize` returns the list of new tensors."""
     _global_set_only(process_set)
-    return _api.grouped_allreduce_async(
+    return _reduction(  # type: ignore[no-any-return]
+        _api.grouped_allreduce_async,
         tensors,
-        op=_op(average, op),  # type: ignore[arg-type]
-        compression=compression,
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
+        average,
+        op,
+        name,
+        prescale_factor,
+        postscale_factor,
+        compression,
     )
 
 
@@ -356,13 +381,15 @@ def reducescatter_async(
     compression: Any = Compression.none,
 ) -> Handle:
     _global_set_only(process_set)
-    return _api.reducescatter_async(
+    return _reduction(  # type: ignore[no-any-return]
+        _api.reducescatter_async,
         tensor,
-        op=_op(None, op),  # type: ignore[arg-type]
-        compression=compression,
-        name=name,
-        prescale_factor=prescale_factor,
-        postscale_factor=postscale_factor,
+        None,
+        op,
+        name,
+        prescale_factor,
+        postscale_factor,
+        compression,
     )
 
 
