@@ -232,16 +232,7 @@ def allreduce_async_(
 ) -> Handle:
     """In-place `allreduce_async`: `synchronize` writes the result into `tensor` and returns it."""
     reduced = allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor)
-    done: Handle = Future()
-
-    def write_back(handle: Handle) -> None:
-        try:
-            done.set_result(tensor.copy_(handle.result()))
-        except BaseException as exc:  # the reduction's own error, raised at synchronize
-            done.set_exception(exc)
-
-    reduced.add_done_callback(write_back)
-    return done
+    return _write_back(reduced, [tensor])
 
 
 def allreduce_(

@@ -120,6 +120,20 @@ def emulated_cluster(
     return EmulatedCluster(hosts=hosts, bandwidth=bandwidth)
 
 
+def shutdown_after_ddp() -> None:
+    """End a benchmark worker that used DDP: the caller has dropped its DDP objects (their C++
+    reducers must go before the process group, or the process may terminate at exit)."""
+    import gc
+
+    import torch.distributed as dist
+
+    from gradmesh.runtime import shutdown
+
+    gc.collect()
+    dist.barrier()
+    shutdown()
+
+
 def worker_main(measure: Callable[[dict[str, Any]], tuple[int, Any]]) -> NoReturn:
     """The `__main__` of a benchmark's worker module: read --config, run `measure` on this rank,
     and have rank 0 write the result to --out for `run_workers` to read."""

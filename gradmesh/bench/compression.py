@@ -22,7 +22,6 @@ from the same run.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from gradmesh.bench.common import (
     median,
     parse_list,
     run_workers,
+    shutdown_after_ddp,
     worker_main,
     write_json,
 )
@@ -241,7 +241,7 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from gradmesh.data_parallel.ddp_hook import ddp_comm_hook
     from gradmesh.data_parallel.optimizer import DistributedOptimizer
     from gradmesh.models import MODELS
-    from gradmesh.runtime import init, shutdown
+    from gradmesh.runtime import init
 
     rt = init()
     spec = DATASETS.get("digits")(DataOptions())
@@ -362,10 +362,8 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             "cpu_idle": cpu_idle,
         }
     rank = rt.rank
-    del runs  # DDP's reducers must go before their process group
-    gc.collect()
-    dist.barrier()
-    shutdown()
+    del runs
+    shutdown_after_ddp()
     return rank, result
 
 

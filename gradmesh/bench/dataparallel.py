@@ -10,11 +10,17 @@ its default.
 from __future__ import annotations
 
 import argparse
-import gc
 import time
 from typing import Any
 
-from gradmesh.bench.common import emulated_cluster, median, run_workers, worker_main, write_json
+from gradmesh.bench.common import (
+    emulated_cluster,
+    median,
+    run_workers,
+    shutdown_after_ddp,
+    worker_main,
+    write_json,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +77,7 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from gradmesh.data import DATASETS, DataOptions
     from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
     from gradmesh.models import MODELS
-    from gradmesh.runtime import init, shutdown
+    from gradmesh.runtime import init
 
     rt = init()
     spec = DATASETS.get(config["dataset"])(DataOptions())
@@ -123,11 +129,8 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         "steps_per_round": config["steps"],
     }
     rank = rt.rank
-    # DDP's reducer must go before its process group, or C++ may terminate at exit
     del engines, ddp_model, theirs
-    gc.collect()
-    dist.barrier()
-    shutdown()
+    shutdown_after_ddp()
     return rank, result
 
 
