@@ -25,6 +25,8 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
 
 from gradmesh.axes import Axis, Mesh, MeshShape, build_mesh, group_of_lines
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
@@ -119,11 +121,26 @@ class Runtime:
         job's timeout, named '<kind> <n>' in messages (n counts the groups of that kind). Every
         rank must call it, in the same order."""
         lines = [list(range(self.size))] if axis is None else self.mesh.shape.lines(axis)
-        mine = group_of_lines(lines, self.rank, self.timeout)
+        return self._own(kind, group_of_lines(lines, self.rank, self.timeout))
+
+    def group_over(self, kind: str, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A group over the global `ranks`, made and named as `new_group`'s are; None on a rank
+        outside it. Every rank of the world calls it, in the same order."""
+        group = dist.new_group(ranks, timeout=self.timeout)
+        return self._own(kind, group) if self.rank in ranks else None
+
+    def _own(self, kind: str, group: dist.ProcessGroup) -> dist.ProcessGroup:
         n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
-        self.group_names[id(mine)] = f"{kind} {n}"
-        self.owned.append(mine)
-        return mine
+        self.group_names[id(group)] = f"{kind} {n}"
+        self.owned.append(group)
+        return group
+
+    def free_group(self, group: dist.ProcessGroup) -> None:
+        """Destroy a group `new_group` or `group_over` made, before shutdown."""
+        self.owned = [g for g in self.owned if g is not group]
+        self.group_names.pop(id(group), None)
+        self.sequence.pop(id(group), None)
+        dist.destroy_process_group(group)
 
     @property
     def dp(self) -> Axis:
@@ -202,6 +219,10 @@ def _pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.de
     return backend, torch.device("cpu")
 
 
+_joins = 0
+"""How many times this process has joined a job of more than one rank (see `_connect`)."""
+
+
 def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
     # torch.distributed.nn.functional takes `group=group.WORLD` as a default argument: imported
     # after init (torch._dynamo pulls it in lazily), it would hold the world group forever and
@@ -215,10 +236,22 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
     addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     port = os.environ.setdefault("MASTER_PORT", "29500")
     started = time.monotonic()
+    global _joins
     try:  # env:// also reuses the torchrun agent's store when the launcher offers it
+        store, _, _ = next(rendezvous("env://", rank, size, timeout=timeout))
+        store.set_timeout(timeout)
+        # each join of this process after a shutdown() gets keys of its own in the store: the
+        # agent's store outlives the job's groups, and Gloo reading the addresses the previous
+        # join published there connected to ports long closed (Horovod's init, shutdown, init)
+        prefix = "default_pg" if _joins == 0 else f"gradmesh-join-{_joins}/default_pg"
         dist.init_process_group(
-            backend, init_method="env://", rank=rank, world_size=size, timeout=timeout
+            backend,
+            store=PrefixStore(prefix, store),
+            rank=rank,
+            world_size=size,
+            timeout=timeout,
         )
+        _joins += 1
     except (
         RuntimeError,
         ValueError,

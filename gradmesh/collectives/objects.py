@@ -15,6 +15,7 @@ from typing import Any
 
 import msgpack
 import torch
+import torch.distributed as dist
 
 from gradmesh.collectives.ring import allgather
 from gradmesh.collectives.tree import broadcast
@@ -94,33 +95,38 @@ def _gathered(rows: torch.Tensor, sizes: list[int], what: str) -> list[Any]:
     return [decode(row[:n].numpy().tobytes(), what) for row, n in zip(rows, sizes, strict=True)]
 
 
-def broadcast_object(obj: Any, root_rank: int = 0) -> Any:
-    """Root's object on every rank (plain values only, see the module docstring); an object
-    that cannot travel is the same one-line error on every rank."""
+def _size(group: dist.ProcessGroup | None) -> int:
+    return get_runtime().size if group is None else dist.get_world_size(group)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, group: dist.ProcessGroup | None = None) -> Any:
+    """Root's (a global rank's) object on every rank of the world or `group` (plain values
+    only, see the module docstring); an object that cannot travel is the same one-line error
+    on every rank."""
     rt = get_runtime()
-    if rt.size == 1:
+    if _size(group) == 1:
         encode(obj, "broadcast_object")  # the same refusal as in a larger world
         return obj
     data, length = _payload(obj, "broadcast_object") if rt.rank == root_rank else (b"", 0)
     size = torch.tensor([length], dtype=torch.int64)
-    broadcast(size, root=root_rank)
+    broadcast(size, root=root_rank, group=group)
     n = int(size)
     buf = (
         _as_tensor(data) if rt.rank == root_rank else torch.zeros(max(n, -1 - n), dtype=torch.uint8)
     )
-    broadcast(buf, root=root_rank)
+    broadcast(buf, root=root_rank, group=group)
     return _gathered(buf.unsqueeze(0), [n], "broadcast_object")[0]
 
 
-def allgather_object(obj: Any) -> list[Any]:
-    """Every rank's object, in rank order, on every rank (plain values only); an object that
-    cannot travel is a one-line error on every rank, naming the rank."""
-    rt = get_runtime()
-    if rt.size == 1:
+def allgather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's object, in rank order, on every rank of the world or `group` (plain values
+    only); an object that cannot travel is a one-line error on every rank, naming the rank."""
+    if _size(group) == 1:
         encode(obj, "allgather_object")
         return [obj]
     data, length = _payload(obj, "allgather_object")
-    sizes = [int(n) for n in allgather(torch.tensor([length], dtype=torch.int64)).reshape(-1)]
+    lengths = allgather(torch.tensor([length], dtype=torch.int64), group)
+    sizes = [int(n) for n in lengths.reshape(-1)]
     padded = torch.zeros(max(max(max(n, -1 - n) for n in sizes), 1), dtype=torch.uint8)
     padded[: len(data)] = _as_tensor(data)
-    return _gathered(allgather(padded), sizes, "allgather_object")
+    return _gathered(allgather(padded, group), sizes, "allgather_object")

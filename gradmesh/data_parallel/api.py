@@ -24,6 +24,15 @@ from gradmesh.runtime import get_runtime
 Handle = Future[torch.Tensor]
 
 
+def members(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(the group an operation runs on, this rank's place in it, its size): `group` itself, or
+    for None the world as the communication thread's group."""
+    rt = get_runtime()
+    if group is None:
+        return rt.async_group, rt.rank, rt.size
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
 def compressed_allreduce(
     tensor: torch.Tensor,
     compressor: Compressor,
@@ -56,14 +65,14 @@ def _reduce_copy(
     name: str | None,
     prescale: float,
     postscale: float,
+    group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
     copy = tensor.detach().clone()
     if prescale != 1.0:
         copy.mul_(prescale)
-    if get_runtime().size > 1:
-        copy = compressed_allreduce(
-            copy, resolve(compression), op, algorithm, get_runtime().async_group, name
-        )
+    on, _, size = members(group)
+    if size > 1:
+        copy = compressed_allreduce(copy, resolve(compression), op, algorithm, on, name)
     return copy.mul_(postscale) if postscale != 1.0 else copy
 
 
@@ -86,11 +95,12 @@ def allreduce_async(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> Handle:
     """Start reducing a copy of `tensor` (times `prescale_factor` before, `postscale_factor`
-    after, as Horovod does); `synchronize(handle)` returns the result. `name`, if given, must
-    be the same on every rank for the same call."""
-    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor)
+    after, as Horovod does) over the world or `group`; `synchronize(handle)` returns the
+    result. `name`, if given, must be the same on every rank for the same call."""
+    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor, group)
     return submit(_reduce_copy, *args)
 
 
@@ -102,6 +112,7 @@ def _reduce_group(
     name: str | None,
     prescale: float,
     postscale: float,
+    group: dist.ProcessGroup | None,
 ) -> list[torch.Tensor]:
     """The tensors of each dtype fused into one flat buffer, reduced in one operation, split."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
@@ -109,7 +120,7 @@ def _reduce_group(
         members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
         label = None if name is None else f"{name}.{str(dtype).removeprefix('torch.')}"
-        reduced = _reduce_copy(flat, op, algorithm, compression, label, prescale, postscale)
+        reduced = _reduce_copy(flat, op, algorithm, compression, label, prescale, postscale, group)
         for i, part in zip(
             members, torch.split(reduced, [tensors[i].numel() for i in members]), strict=True
         ):
@@ -125,12 +136,13 @@ def grouped_allreduce_async(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> Future[list[torch.Tensor]]:
     """Reduce several tensors as one operation (one fused buffer per dtype); `synchronize`
     returns the list of results in the order given."""
     if not tensors:
         raise GradmeshError("grouped allreduce needs at least one tensor")
-    args = (op, algorithm, compression, name, prescale_factor, postscale_factor)
+    args = (op, algorithm, compression, name, prescale_factor, postscale_factor, group)
     return submit(_reduce_group, list(tensors), *args)
 
 
@@ -142,23 +154,24 @@ def reducescatter_async(
     name: str | None = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> Handle:
-    """Reduce `tensor` over every rank and give each rank its block of rows: with n rows over
-    W ranks, rank r gets n // W rows, plus one for the first n % W ranks (Horovod's split). The
-    sum is computed whole (an allreduce), then sliced: simple, and twice the bytes a ring
-    reduce-scatter would send."""
+    """Reduce `tensor` over every rank (of `group`) and give each rank its block of rows: with
+    n rows over W ranks, rank r gets n // W rows, plus one for the first n % W ranks (Horovod's
+    split). The sum is computed whole (an allreduce), then sliced: simple, and twice the bytes
+    a ring reduce-scatter would send."""
     if op not in ("average", "sum"):
         raise GradmeshError(f"reducescatter reduces with average or sum, not {op}")
     if tensor.dim() == 0:
         raise GradmeshError("reducescatter needs a tensor with a first dimension to split")
-    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor)
+    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor, group)
 
     def scatter() -> torch.Tensor:
         reduced = _reduce_copy(*args)
-        rt = get_runtime()
-        base, extra = divmod(reduced.shape[0], rt.size)
-        start = rt.rank * base + min(rt.rank, extra)
-        return reduced[start : start + base + (rt.rank < extra)].clone()
+        _, me, size = members(group)
+        base, extra = divmod(reduced.shape[0], size)
+        start = me * base + min(me, extra)
+        return reduced[start : start + base + (me < extra)].clone()
 
     return submit(scatter)
 
@@ -170,8 +183,7 @@ MAX_DIMS = 8
 def _alltoall(
     tensor: torch.Tensor, splits: list[int] | None, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    rt = get_runtime()
-    world, me = rt.size, rt.rank
+    group, me, world = members(group)
     rows = tensor.shape[0] if tensor.dim() else 0
     sends = [rows // world] * world if splits is None else list(splits)
     problem = ""
@@ -214,14 +226,16 @@ def _alltoall(
 
 
 def alltoall_async(
-    tensor: torch.Tensor, splits: torch.Tensor | list[int] | None = None
+    tensor: torch.Tensor,
+    splits: torch.Tensor | list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
 ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """Send rows of `tensor` to every rank (`splits[r]` rows to rank r, in order; without
     splits, equal parts) and receive theirs, concatenated in rank order; `synchronize` returns
     (rows received, how many came from each rank). Every rank's splits are checked first, so
     bad ones are one error on every rank, not a hang."""
     wanted = None if splits is None else [int(s) for s in torch.as_tensor(splits).reshape(-1)]
-    return submit(_alltoall, tensor, wanted, get_runtime().async_group)
+    return submit(_alltoall, tensor, wanted, group)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
@@ -237,8 +251,7 @@ def poll(handle: Handle) -> bool:
 
 def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Concatenate every rank's tensor along dimension 0; first dimensions may differ."""
-    rt = get_runtime()
-    if rt.size == 1:
+    if members(group)[2] == 1:
         return tensor.detach().clone()
     rows = gather_equal(torch.tensor([tensor.shape[0] if tensor.dim() else 1]), group)
     lengths = [int(n) for n in rows.reshape(-1)]
@@ -250,16 +263,24 @@ def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     return torch.cat([everyone[r, :n] for r, n in enumerate(lengths)])
 
 
-def allgather_async(tensor: torch.Tensor) -> Handle:
+def allgather_async(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
     """`allgather_tensor` of a copy of `tensor`, on the communication thread."""
-    return submit(allgather_tensor, tensor.detach().clone(), get_runtime().async_group)
+    return submit(allgather_tensor, tensor.detach().clone(), members(group)[0])
 
 
-def broadcast_async(tensor: torch.Tensor, root_rank: int, in_place: bool = False) -> Handle:
-    """Root's value of `tensor`: written into `tensor` itself with `in_place`, else into a copy
-    (the argument left as it was)."""
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    in_place: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> Handle:
+    """Root's (a global rank's) value of `tensor`: written into `tensor` itself with
+    `in_place`, else into a copy (the argument left as it was)."""
     target = tensor.data if in_place else tensor.detach().clone()
-    return submit(broadcast, target, root_rank, get_runtime().async_group)
+    on, _, size = members(group)
+    if size == 1:
+        return submit(lambda: target)
+    return submit(broadcast, target, root_rank, on)
 
 
 def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:

@@ -138,12 +138,13 @@ class GradientReducer:
         backward_passes_per_step: int,
         on_nonfinite: OnNonfinite,
         predivide: float = 1.0,
+        group: dist.ProcessGroup | None = None,
     ) -> None:
         self.rt = get_runtime()
         self.predivide = predivide
         """Gradients are divided by this before the sum and the average's divisor after it."""
-        self.replicas = self.rt.dp.size
-        """Ranks on the data-parallel axis: the replicas this optimizer averages over."""
+        self.replicas = self.rt.dp.size if group is None else dist.get_world_size(group)
+        """The replicas this optimizer averages over: the data-parallel axis, or `group`'s."""
         self.params = params
         self.algorithm = algorithm
         self.op = op
@@ -152,7 +153,7 @@ class GradientReducer:
         self.passes_per_step = backward_passes_per_step
         self.on_nonfinite = on_nonfinite
         self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
-        own = self._own_group()
+        own = self._own_group() if group is None else group
         self._group = weakref.ref(own) if own is not None else None  # the runtime owns it
         self.states: list[State] = [
             compression.new_state(b.grad_numel, [tuple(p.shape) for _, p in b.params])
@@ -393,6 +394,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     op: Op | str = Average,
     on_nonfinite: OnNonfinite = "error",
     gradient_predivide_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
 ) -> Optimizer:
     """Wrap `optimizer` so gradients are averaged over all ranks, overlapped with backward.
 
@@ -401,6 +403,8 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     `on_nonfinite`: "error" stops at a NaN or Inf in a reduced gradient, "skip" skips that step
     on every rank, "pass" steps on it as plain torch would. `gradient_predivide_factor` f
     (average only): gradients are divided by f before the sum and by size / f after it.
+    `group`: average over this group's ranks (one the runtime made, such as a Horovod process
+    set's, used by this optimizer alone) instead of the data-parallel axis.
     """
     ALGORITHMS.get(allreduce)  # fail early on an unknown algorithm name
     if op == Adasum:
@@ -435,6 +439,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         backward_passes_per_step,
         on_nonfinite,
         gradient_predivide_factor,
+        group,
     )
     wrapped = wrap_optimizer(optimizer, _DistributedMixin, _gm=reducer)
     wrapped._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]  # Horovod's

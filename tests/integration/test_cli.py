@@ -416,6 +416,23 @@ def test_horovod_script_runs_with_only_its_import_changed() -> None:
     assert accuracy >= 0.9
 
 
+def test_horovod_scripts_with_sets_objects_join_and_elastic_state_run_unchanged() -> None:
+    """Three Horovod-style scripts beyond the plain one, each under `gradmesh run -np 2`."""
+    outputs = {}
+    for script in ("horovod_process_sets.py", "horovod_uneven.py", "horovod_elastic.py"):
+        out = gradmesh("run", "-np", "2", "--", "python", str(ROOT / "examples" / script))
+        assert out.returncode == 0, out.stderr
+        outputs[script] = out.stdout
+    sets = outputs["horovod_process_sets.py"]
+    assert "wide (ranks [0]) test accuracy" in sets and "deep (ranks [1]) test accuracy" in sets
+    uneven = outputs["horovod_uneven.py"]
+    # rank 1 holds twice rank 0's data: rank 0 joined early and kept stepping with rank 1
+    assert "rank 0: 479 samples, 60 steps" in uneven and "rank 1: 958 samples, 120 steps" in uneven
+    assert "digits (8x8): replicas identical True" in uneven
+    elastic = outputs["horovod_elastic.py"]
+    assert float(elastic.split("test accuracy")[1].split()[0]) >= 0.9
+
+
 def test_bench_dataparallel_compares_with_ddp(tmp_path: Path) -> None:
     out = gradmesh(
         "bench",
