@@ -86,6 +86,10 @@ BENCHES = {
         "gradmesh's DistributedOptimizer against torch DDP, interleaved",
         "gradmesh.bench.dataparallel",
     ),
+    "horovod-synthetic": (
+        "Horovod's synthetic benchmark: the drop-in against gradmesh's API and DDP, img/s",
+        "gradmesh.bench.horovod_synthetic",
+    ),
     "hogwild": (
         "Hogwild! samples/s and accuracy, 1..N workers, lock-free and locked",
         "gradmesh.bench.hogwild",

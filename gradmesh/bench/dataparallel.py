@@ -14,6 +14,8 @@ import time
 from typing import Any
 
 from gradmesh.bench.common import (
+    CPU_BOUND_IDLE,
+    cpu_jiffies,
     emulated_cluster,
     median,
     run_workers,
@@ -80,7 +82,8 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from gradmesh.runtime import init
 
     rt = init()
-    spec = DATASETS.get(config["dataset"])(DataOptions())
+    shape = tuple(config.get("shape", DataOptions.shape))
+    spec = DATASETS.get(config["dataset"])(DataOptions(shape=shape, samples=64))
     per_rank = config["batch_size"] // rt.size
     g = torch.Generator().manual_seed(rt.rank)
     x = torch.randn((per_rank, *spec.input_shape), generator=g)
@@ -90,23 +93,29 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         torch.manual_seed(0)
         return MODELS.get(config["model"])(spec.input_shape, spec.num_classes)
 
-    ours_model = build()
-    broadcast_parameters(ours_model.state_dict())
-    ours = DistributedOptimizer(
-        torch.optim.SGD(ours_model.parameters(), lr=0.01),
-        named_parameters=ours_model.named_parameters(),
-        allreduce=config["allreduce"],
-    )
-    ddp_model = nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=25)
-    theirs = torch.optim.SGD(ddp_model.parameters(), lr=0.01)
-    engines = {"gradmesh": (ours_model, ours), "ddp": (ddp_model, theirs)}
+    def engine(name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = build()
+        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+        if name == "ddp":
+            return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25), sgd
+        broadcast_parameters(model.state_dict())
+        if name == "horovod":  # the drop-in, called as a Horovod script calls it
+            import gradmesh.horovod as hvd
+
+            return model, hvd.DistributedOptimizer(sgd, model.named_parameters())
+        named = model.named_parameters()
+        return model, DistributedOptimizer(sgd, named, allreduce=config["allreduce"])
+
+    names = config.get("engines", ["gradmesh", "ddp"])
+    engines = {name: engine(name) for name in names}
     slowest = torch.zeros(1, dtype=torch.float64)
-    times: dict[str, list[float]] = {"gradmesh": [], "ddp": []}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    idle = {name: [0, 0] for name in names}
     for round_ in range(config["rounds"] + 1):  # round 0 warms up
-        order = ["gradmesh", "ddp"] if round_ % 2 else ["ddp", "gradmesh"]
-        for name in order:
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # rotated
             model, opt = engines[name]
             dist.barrier()
+            cpu = cpu_jiffies()
             started = time.perf_counter()
             for _ in range(config["steps"]):
                 opt.zero_grad()
@@ -116,20 +125,28 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if round_:
                 times[name].append(float(slowest[0]))
-    ours_s, ddp_s = median(times["gradmesh"]), median(times["ddp"])
-    result = {
+                for i, (now, then) in enumerate(zip(cpu_jiffies(), cpu, strict=True)):
+                    idle[name][i] += now - then
+    step_s = {name: median(times[name]) for name in names}
+    cpu_idle = {name: idle[name][0] / max(idle[name][1], 1) for name in names}
+    result: dict[str, Any] = {
         "world": rt.size,
         "model": config["model"],
-        "gradmesh_step_s": ours_s,
-        "ddp_step_s": ddp_s,
-        "ratio": ours_s / ddp_s,
+        "input_shape": list(spec.input_shape),
+        "gradient_bytes": sum(p.numel() * p.element_size() for p in build().parameters()),
+        "step_s": step_s,
+        "cpu_idle": cpu_idle,
+        "limit": {n: "cpu" if cpu_idle[n] < CPU_BOUND_IDLE else "not cpu" for n in names},
         "batch_size": config["batch_size"],
         "allreduce": config["allreduce"],
         "rounds": config["rounds"],
         "steps_per_round": config["steps"],
     }
+    if {"gradmesh", "ddp"} <= step_s.keys():
+        result["gradmesh_step_s"], result["ddp_step_s"] = step_s["gradmesh"], step_s["ddp"]
+        result["ratio"] = step_s["gradmesh"] / step_s["ddp"]
     rank = rt.rank
-    del engines, ddp_model, theirs
+    del engines
     shutdown_after_ddp()
     return rank, result
 

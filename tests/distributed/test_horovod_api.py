@@ -240,6 +240,20 @@ def names_and_cycles() -> dict[str, Any]:
         clash = str(exc)
     out: dict[str, Any] = {"clash": clash, "fast": time.monotonic() - started < 5}
     out["first"] = hvd.synchronize(first).tolist()
+    mismatched = []
+    for attempt in (
+        lambda: hvd.allreduce(torch.ones(2 + r)),  # shapes differ across ranks
+        lambda: hvd.grouped_allreduce(
+            [torch.ones(2), torch.ones(1, dtype=torch.float32 if r else torch.float64)]
+        ),
+        lambda: hvd.broadcast(torch.ones(2, 1 + r), root_rank=0),
+    ):
+        try:
+            attempt()
+            mismatched.append("no error")
+        except hvd.GradmeshError as exc:
+            mismatched.append(str(exc))
+    out["mismatched"] = mismatched
     out["reused"] = hvd.allreduce(x, name="loss", op=hvd.Sum).tolist()
     cycles = []
     for _ in range(3):  # Horovod's shutdown / init cycle, then a collective on the new world
@@ -257,6 +271,8 @@ def test_names_in_flight_are_unique_and_init_shutdown_cycles_work() -> None:
             "synchronize it before starting another of that name"
         )
         assert got["fast"]
+        for said in got["mismatched"]:  # on every rank, naming both ranks' tensors
+            assert said.startswith(f"rank {r}: ") and "ranks disagree: rank 0 has" in said
         assert got["first"] == got["reused"] == [2.0, 2.0]
         assert got["cycles"] == [False, 1.0] * 3
 

@@ -433,6 +433,40 @@ def test_horovod_scripts_with_sets_objects_join_and_elastic_state_run_unchanged(
     assert float(elastic.split("test accuracy")[1].split()[0]) >= 0.9
 
 
+def test_bench_horovod_synthetic_times_the_drop_in_against_gradmesh_and_ddp(
+    tmp_path: Path,
+) -> None:
+    out = gradmesh(
+        "bench",
+        "horovod-synthetic",
+        "--model",
+        "cnn",
+        "--image-size",
+        "16",
+        "--batch-size",
+        "8",
+        "--rounds",
+        "2",
+        "--batches-per-round",
+        "2",
+        "--json",
+        str(tmp_path / "h.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "h.json").read_text())
+    images = result["images_per_s"]
+    assert set(images) == set(result["step_s"]) == {"horovod", "gradmesh", "ddp"}
+    for name, step_s in result["step_s"].items():
+        assert images[name] == pytest.approx(16 / step_s)  # 2 workers x 8 images
+        assert 0.0 <= result["cpu_idle"][name] <= 1.0
+        assert result["limit"][name] in ("cpu", "loopback")
+    assert result["horovod_over_gradmesh"] == pytest.approx(images["horovod"] / images["gradmesh"])
+    assert result["target_met"] == (result["horovod_over_gradmesh"] >= 0.95)
+    assert "drop-in / gradmesh" in out.stdout
+    line = one_line_error(gradmesh("bench", "horovod-synthetic", "--image-size", "12"))
+    assert "--image-size must be a multiple of 8" in line
+
+
 def test_bench_dataparallel_compares_with_ddp(tmp_path: Path) -> None:
     out = gradmesh(
         "bench",

@@ -1,0 +1,93 @@
+"""`gradmesh bench horovod-synthetic`: Horovod's synthetic benchmark through the drop-in, next to
+the same model under gradmesh's own API and under torch DDP.
+
+Horovod's `pytorch_synthetic_benchmark.py` trains a model on random images of a fixed batch per
+worker and reports images/s. Here the three engines (the `gradmesh.horovod` drop-in, gradmesh's
+`DistributedOptimizer` with its defaults, DDP with its 25 MB buckets) train their own copies from
+the same weights on the same random batch, in the same worker processes: rounds of
+`--batches-per-round` steps each, the engines' order rotated every round, the first round a
+warm-up; images/s = world x batch per worker / median step time (the slowest rank's). The drop-in
+adds only argument handling in front of gradmesh's optimizer, so its target is 0.95x or more of
+gradmesh's own images/s. The machine's idle CPU during each engine's rounds is recorded, and
+each engine's `limit` is `cpu` (idle below 10 %), `link` (a ring allreduce's modelled bytes per
+step fill half the emulated link or more), `compute` or `loopback` (no emulated link).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from gradmesh.bench.common import emulated_cluster, run_workers, write_json
+from gradmesh.bench.compression import label
+
+ENGINES = ["horovod", "gradmesh", "ddp"]
+TARGET = 0.95
+"""The drop-in's images/s over gradmesh's own API's, at least."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
+    parser.add_argument("--model", default="alexnet", help="a registered model (default: alexnet)")
+    parser.add_argument("--image-size", type=int, default=32, help="square RGB images (default 32)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per worker (default 32)")
+    parser.add_argument("--batches-per-round", type=int, default=10, help="steps per timed round")
+    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per engine")
+    parser.add_argument("--emulate-hosts", type=int, help="spread the workers over H hosts")
+    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate")
+    parser.add_argument("--json", help="write the result here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.errors import GradmeshError
+    from gradmesh.models import MODELS
+
+    MODELS.get(args.model)
+    if args.world < 2 or args.batches_per_round < 1 or args.rounds < 1 or args.batch_size < 1:
+        raise GradmeshError("need --world >= 2, --batches-per-round >= 1, --rounds >= 1")
+    if args.image_size < 8 or args.image_size % 8:
+        raise GradmeshError(f"--image-size must be a multiple of 8, got {args.image_size}")
+    config = {
+        "model": args.model,
+        "dataset": "synthetic",
+        "shape": [3, args.image_size, args.image_size],
+        "batch_size": args.batch_size * args.world,
+        "steps": args.batches_per_round,
+        "rounds": args.rounds,
+        "allreduce": "native",
+        "engines": ENGINES,
+    }
+    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
+        measured = run_workers("gradmesh.bench.dataparallel", args.world, config, 600.0, cluster)
+        network = (
+            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
+            if cluster
+            else "loopback, one machine"
+        )
+    images = {n: config["batch_size"] / s for n, s in measured["step_s"].items()}
+    # what limited each engine: the ring's modelled bytes per step against the emulated link
+    ring_bytes = 2 * (args.world - 1) / args.world * measured["gradient_bytes"]
+    measured["limit"] = {}
+    for name, step_s in measured["step_s"].items():
+        engine = {"wire_bytes_per_step": ring_bytes, "step_s": step_s}
+        engine["cpu_idle"] = measured["cpu_idle"][name]
+        label(engine, cluster.bandwidth_bps if cluster else None)
+        measured["limit"][name] = engine["limit"]
+    ratio = images["horovod"] / images["gradmesh"]
+    result = {
+        **measured,
+        "network": network,
+        "batch_per_worker": args.batch_size,
+        "images_per_s": images,
+        "horovod_over_gradmesh": ratio,
+        "horovod_over_ddp": images["horovod"] / images["ddp"],
+        "target_met": ratio >= TARGET,
+    }
+    write_json(args.json, result)
+    for name in ENGINES:
+        print(f"{name:9s} {images[name]:8.1f} img/s (limit: {measured['limit'][name]})")
+    print(
+        f"drop-in / gradmesh {ratio:.3f} (target >= {TARGET}), drop-in / DDP "
+        f"{result['horovod_over_ddp']:.3f}; {args.model} on {args.image_size}x{args.image_size} "
+        f"images, {args.world} workers ({network})"
+    )
+    return 0
