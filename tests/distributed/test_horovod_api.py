@@ -317,3 +317,35 @@ def test_elastic_state_syncs_commits_and_restores_with_its_sampler() -> None:
     assert results[0]["mine"] == [0, 2, 4, 6, 8] and results[1]["mine"] == [1, 3, 5, 7, 9]
     # both ranks' first batch (0, 2 and 1, 3) is done: the rest is shared out again
     assert results[0]["left"] == [4, 6, 8] and results[1]["left"] == [5, 7, 9]
+
+
+def elastic_failure() -> list[Any]:
+    from gradmesh.errors import PeerFailure
+
+    hvd.init()
+    model = torch.nn.Linear(2, 1)
+    state = hvd.elastic.TorchState(model, None, batch=0)
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        state.batch = 5
+        state.commit()
+        committed = model.weight.detach().clone()
+        state.batch = 9
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        state.committed = committed
+        raise PeerFailure("rank 0: native allreduce #3 on world: rank 1 left")
+
+    try:
+        train(state)
+    except PeerFailure as exc:
+        return [str(exc), state.batch, torch.equal(model.weight, state.committed)]
+    return ["no error"]
+
+
+def test_a_lost_worker_in_elastic_run_restores_the_commit_and_says_what_is_missing() -> None:
+    (said, batch, restored), *_ = run_ranks(elastic_failure, 1)
+    assert said.startswith("rank 0: native allreduce #3 on world: rank 1 left (recovering")
+    assert "issue 15" in said and "the last commit was restored" in said
+    assert batch == 5 and restored
