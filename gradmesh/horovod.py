@@ -711,9 +711,7 @@ def broadcast_async(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Root's value of `tensor` as a new tensor; the argument is left as it was."""
-    group = _group(process_set, "broadcast")
-    root = _root(root_rank, group, "broadcast")
-    return _named(name, lambda: _api.broadcast_async(tensor, root, group=group))
+    return _broadcast_async(tensor, root_rank, name, process_set, in_place=False)
 
 
 def broadcast_async_(
@@ -723,9 +721,15 @@ def broadcast_async_(
     process_set: Any = global_process_set,
 ) -> Handle:
     """Root's value written into `tensor`."""
+    return _broadcast_async(tensor, root_rank, name, process_set, in_place=True)
+
+
+def _broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any, in_place: bool
+) -> Handle:
     group = _group(process_set, "broadcast")
     root = _root(root_rank, group, "broadcast")
-    return _named(name, lambda: _api.broadcast_async(tensor, root, in_place=True, group=group))
+    return _named(name, lambda: _api.broadcast_async(tensor, root, in_place, group))
 
 
 class _Broadcast(torch.autograd.Function):
