@@ -5,12 +5,14 @@ every rank involved and within the timeout."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
 import pytest
 import torch
 
+import gradmesh.data_parallel.api
 import gradmesh.horovod as hvd
 from tests.harness import run_ranks
 
@@ -231,6 +233,8 @@ def names_and_cycles() -> dict[str, Any]:
     hvd.init()  # a second call changes nothing
     r = hvd.rank()
     x = torch.ones(2)
+    hold = threading.Event()  # keeps the communication thread busy: "loss" stays in flight
+    gradmesh.data_parallel.api.submit(hold.wait, 30)
     first = hvd.allreduce_async(x, name="loss", op=hvd.Sum)
     started = time.monotonic()
     try:
@@ -239,6 +243,7 @@ def names_and_cycles() -> dict[str, Any]:
     except hvd.GradmeshError as exc:
         clash = str(exc)
     out: dict[str, Any] = {"clash": clash, "fast": time.monotonic() - started < 5}
+    hold.set()
     out["first"] = hvd.synchronize(first).tolist()
     mismatched = []
     for attempt in (
@@ -265,16 +270,17 @@ def names_and_cycles() -> dict[str, Any]:
     return out
 
 
-def test_names_in_flight_are_unique_and_init_shutdown_cycles_work() -> None:
-    for r, got in enumerate(run_ranks(names_and_cycles, 2)):
+@pytest.mark.parametrize("world", WORLDS)
+def test_names_in_flight_are_unique_and_init_shutdown_cycles_work(world: int) -> None:
+    for r, got in enumerate(run_ranks(names_and_cycles, world)):
         assert got["clash"] == f"rank {r}: an operation named 'loss' is still in flight; " + (
             "synchronize it before starting another of that name"
         )
         assert got["fast"]
         for said in got["mismatched"]:  # on every rank, naming both ranks' tensors
             assert said.startswith(f"rank {r}: ") and "ranks disagree: rank 0 has" in said
-        assert got["first"] == got["reused"] == [2.0, 2.0]
-        assert got["cycles"] == [False, 1.0] * 3
+        assert got["first"] == got["reused"] == [float(world)] * 2
+        assert got["cycles"] == [False, float(sum(range(world)))] * 3
 
 
 def elastic_state() -> dict[str, Any]:
