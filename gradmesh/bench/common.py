@@ -65,6 +65,26 @@ CPU_BOUND_IDLE = 0.10
 """A run during which the machine's cores were idle less than this fraction is CPU-bound."""
 
 
+LINK_BOUND = 0.5
+"""An engine whose bytes fill at least this fraction of the link's rate is labelled link-bound."""
+
+
+def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
+    """What limited an engine's step: `cpu` (the machine's cores were busy), `link` (its bytes
+    filled the link), `compute` (neither: the step's own work and each message's latency),
+    `loopback` (no emulated link)."""
+    wire = r["wire_bytes_per_step"]
+    r["link_utilization"] = (
+        wire * 8 / r["step_s"] / bandwidth_bps if wire is not None and bandwidth_bps else None
+    )
+    if r["cpu_idle"] < CPU_BOUND_IDLE:
+        r["limit"] = "cpu"
+    elif r["link_utilization"] is None:
+        r["limit"] = "loopback"
+    else:
+        r["limit"] = "link" if r["link_utilization"] >= LINK_BOUND else "compute"
+
+
 def cpu_jiffies() -> tuple[int, int]:
     """(idle, total) CPU time of the whole machine so far, in jiffies, from /proc/stat."""
     with open("/proc/stat") as f:

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmesh.bench.common import (
-    CPU_BOUND_IDLE,
     cpu_jiffies,
     emulated_cluster,
+    label,
     median,
     parse_list,
     run_workers,
@@ -125,26 +125,6 @@ def run(args: argparse.Namespace) -> int:
     for line in result["summary"]:
         print("  " + line)
     return 0
-
-
-LINK_BOUND = 0.5
-"""An engine whose bytes fill at least this fraction of the link's rate is labelled link-bound."""
-
-
-def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
-    """What limited an engine's step: `cpu` (the machine's cores were busy), `link` (its bytes
-    filled the link), `compute` (neither: the step's own work and each message's latency),
-    `loopback` (no emulated link)."""
-    wire = r["wire_bytes_per_step"]
-    r["link_utilization"] = (
-        wire * 8 / r["step_s"] / bandwidth_bps if wire is not None and bandwidth_bps else None
-    )
-    if r["cpu_idle"] < CPU_BOUND_IDLE:
-        r["limit"] = "cpu"
-    elif r["link_utilization"] is None:
-        r["limit"] = "loopback"
-    else:
-        r["limit"] = "link" if r["link_utilization"] >= LINK_BOUND else "compute"
 
 
 def compare(result: dict[str, Any]) -> None:

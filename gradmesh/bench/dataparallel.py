@@ -14,9 +14,9 @@ import time
 from typing import Any
 
 from gradmesh.bench.common import (
-    CPU_BOUND_IDLE,
     cpu_jiffies,
     emulated_cluster,
+    label,
     median,
     run_workers,
     shutdown_after_ddp,
@@ -54,13 +54,7 @@ def run(args: argparse.Namespace) -> int:
         k: getattr(args, k)
         for k in ("model", "dataset", "batch_size", "steps", "rounds", "allreduce")
     }
-    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
-        result = run_workers("gradmesh.bench.dataparallel", args.world, config, 300.0, cluster)
-        result["network"] = (
-            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
-            if cluster
-            else "loopback, one machine"
-        )
+    result = measure(config, args.world, args.emulate_hosts, args.bandwidth, 300.0)
     write_json(args.json, result)
     print(
         f"world {result['world']}, model {result['model']}: gradmesh "
@@ -68,6 +62,35 @@ def run(args: argparse.Namespace) -> int:
         f"ms/step, ratio {result['ratio']:.3f} ({result['network']})"
     )
     return 0
+
+
+def measure(
+    config: dict[str, Any],
+    world: int,
+    hosts: int | None,
+    bandwidth: str,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Run the engines of `config` on `world` workers (over `hosts` emulated hosts, or loopback)
+    and label what limited each: `limit` from its idle CPU and a ring allreduce's modelled
+    bytes per step against the emulated link (see `label`)."""
+    with emulated_cluster(hosts, bandwidth) as cluster:
+        result: dict[str, Any] = run_workers(
+            "gradmesh.bench.dataparallel", world, config, timeout_s, cluster
+        )
+        result["network"] = (
+            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
+            if cluster
+            else "loopback, one machine"
+        )
+    ring_bytes = 2 * (world - 1) / world * result["gradient_bytes"]
+    result["limit"] = {}
+    for name, step_s in result["step_s"].items():
+        engine = {"wire_bytes_per_step": ring_bytes, "step_s": step_s}
+        engine["cpu_idle"] = result["cpu_idle"][name]
+        label(engine, cluster.bandwidth_bps if cluster else None)
+        result["limit"][name] = engine["limit"]
+    return result
 
 
 def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -136,7 +159,6 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         "gradient_bytes": sum(p.numel() * p.element_size() for p in build().parameters()),
         "step_s": step_s,
         "cpu_idle": cpu_idle,
-        "limit": {n: "cpu" if cpu_idle[n] < CPU_BOUND_IDLE else "not cpu" for n in names},
         "batch_size": config["batch_size"],
         "allreduce": config["allreduce"],
         "rounds": config["rounds"],

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-from gradmesh.bench.common import emulated_cluster, run_workers, write_json
-from gradmesh.bench.compression import label
+from gradmesh.bench.common import write_json
+from gradmesh.bench.dataparallel import measure
 
 ENGINES = ["horovod", "gradmesh", "ddp"]
 TARGET = 0.95
@@ -56,22 +56,9 @@ def run(args: argparse.Namespace) -> int:
         "allreduce": "native",
         "engines": ENGINES,
     }
-    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
-        measured = run_workers("gradmesh.bench.dataparallel", args.world, config, 600.0, cluster)
-        network = (
-            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
-            if cluster
-            else "loopback, one machine"
-        )
+    measured = measure(config, args.world, args.emulate_hosts, args.bandwidth, 600.0)
+    network = measured["network"]
     images = {n: config["batch_size"] / s for n, s in measured["step_s"].items()}
-    # what limited each engine: the ring's modelled bytes per step against the emulated link
-    ring_bytes = 2 * (args.world - 1) / args.world * measured["gradient_bytes"]
-    measured["limit"] = {}
-    for name, step_s in measured["step_s"].items():
-        engine = {"wire_bytes_per_step": ring_bytes, "step_s": step_s}
-        engine["cpu_idle"] = measured["cpu_idle"][name]
-        label(engine, cluster.bandwidth_bps if cluster else None)
-        measured["limit"][name] = engine["limit"]
     ratio = images["horovod"] / images["gradmesh"]
     result = {
         **measured,
