@@ -73,7 +73,12 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
         module, nproc = "gradmesh.parameter_server.node", config.servers + config.workers
     worker = [sys.executable, "-m", module, "--config", config.to_json()]
     where = {"nproc": nproc, **cluster_defaults()}
-    spec = LaunchSpec(**where, timeout_s=config.timeout_s, passthrough_rank0=True)
+    spec = LaunchSpec(
+        **where,
+        timeout_s=config.timeout_s,
+        passthrough_rank0=True,
+        max_restarts=config.max_restarts,
+    )
     return launch(spec, worker)
 
 
@@ -140,6 +145,7 @@ def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
         master=args.master,
         iface=args.iface,
         timeout_s=args.timeout,
+        max_restarts=args.max_restarts,
     )
     return launch(spec, command)
 
@@ -168,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=default_timeout_s(),
         help="rendezvous and collective timeout, s (default: GRADMESH_TIMEOUT_S or 60)",
+    )
+    run.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="restart every worker up to N times after a failure (default: 0)",
     )
     run.set_defaults(handler=_cmd_run, **{k: v for k, v in on_cluster.items() if k != "nproc"})
     train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")

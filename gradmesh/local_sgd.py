@@ -21,7 +21,15 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.collectives.flat import flat_buffers, unpack
-from gradmesh.compression import Compressor, Link, NoCompression, State, reduce
+from gradmesh.compression import (
+    Compressor,
+    Link,
+    NoCompression,
+    State,
+    load_states,
+    reduce,
+    save_states,
+)
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime import get_runtime
 from gradmesh.wrapping import wrap_optimizer
@@ -60,10 +68,7 @@ class Averager:
                     allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
                     unpack(flat, members)
                     continue
-                state = self.states.get((what, i))
-                if state is None:
-                    shapes = [tuple(t.shape) for t in members]
-                    state = self.states[(what, i)] = self.compressor.new_state(flat.numel(), shapes)
+                state = self._state(what, i, flat, members)
                 if what == "parameters":  # the change since the last average travels
                     flat.sub_(self.anchors[i])
                 reduce(flat, self.compressor, state, link)
@@ -72,6 +77,42 @@ class Averager:
                     flat.add_(self.anchors[i])
                     self.anchors[i].copy_(flat)
                 unpack(flat, members)
+
+    def _state(self, what: str, i: int, flat: torch.Tensor, members: list[torch.Tensor]) -> State:
+        """The compressor state of flat buffer `i` of `what`, made when first needed."""
+        state = self.states.get((what, i))
+        if state is None:
+            shapes = [tuple(t.shape) for t in members]
+            state = self.states[(what, i)] = self.compressor.new_state(flat.numel(), shapes)
+        return state
+
+    def state_dict(self) -> dict[str, Any]:
+        """Counters, the last average (with compression) and the compressor states."""
+        return {
+            "steps": self.steps,
+            "averaging_rounds": self.averaging_rounds,
+            "anchors": [a.clone() for a in self.anchors],
+            "compressor": save_states({f"{w}/{i}": s for (w, i), s in self.states.items()}),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        buffers = flat_buffers([p.detach() for p in self.params])
+        anchors = saved["anchors"]
+        if not isinstance(anchors, list) or (
+            anchors and [tuple(a.shape) for a in anchors] != [tuple(f.shape) for f, _ in buffers]
+        ):
+            raise GradmeshError("local SGD's saved anchors do not match this model's parameters")
+        self.anchors = [a.clone() for a in anchors]
+        names = saved["compressor"] if isinstance(saved["compressor"], dict) else {}
+        for name in names:
+            what, _, index = name.partition("/")
+            if what not in ("gradients", "parameters") or not index.isdigit():
+                raise GradmeshError(f"local SGD has no compressor state named {name!r}")
+            if int(index) >= len(buffers):
+                raise GradmeshError(f"local SGD's compressor state {name!r} has no buffer")
+            self._state(what, int(index), *buffers[int(index)])
+        load_states({f"{w}/{i}": s for (w, i), s in self.states.items()}, saved["compressor"])
+        self.steps, self.averaging_rounds = int(saved["steps"]), int(saved["averaging_rounds"])
 
     def before_step(self) -> None:
         """During the synchronous warm-up, average gradients (missing ones count as zero)."""

@@ -243,7 +243,10 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
         # each join of this process after a shutdown() gets keys of its own in the store: the
         # agent's store outlives the job's groups, and Gloo reading the addresses the previous
         # join published there connected to ports long closed (Horovod's init, shutdown, init)
-        prefix = "default_pg" if _joins == 0 else f"gradmesh-join-{_joins}/default_pg"
+        # and so does each attempt of a job the launcher restarted (--max-restarts)
+        attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        joined = f"gradmesh-attempt-{attempt}-join-{_joins}/" if attempt or _joins else ""
+        prefix = joined + "default_pg"
         dist.init_process_group(
             backend,
             store=PrefixStore(prefix, store),

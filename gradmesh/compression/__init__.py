@@ -23,6 +23,8 @@ from gradmesh.compression.base import (
     Link,
     NoCompression,
     State,
+    load_states,
+    save_states,
 )
 from gradmesh.compression.powersgd import PowerSGD
 from gradmesh.compression.quantize import Cast, Int8, Sign
@@ -109,7 +111,9 @@ __all__ = [
     "Link",
     "NoCompression",
     "State",
+    "load_states",
     "make",
     "reduce",
     "resolve",
+    "save_states",
 ]

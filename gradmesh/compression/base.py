@@ -160,6 +160,24 @@ class State:
         return self.tensors[key]
 
 
+def save_states(states: dict[str, State]) -> dict[str, Any]:
+    """Named compressor states as one checkpointable mapping."""
+    return {name: state.state_dict() for name, state in states.items()}
+
+
+def load_states(states: dict[str, State], saved: Any) -> None:
+    """Restore `save_states`' output into the states of the same names; one line when the
+    saved states are not this run's (another compressor, another model)."""
+    if not isinstance(saved, dict) or set(saved) != set(states):
+        found = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+        raise GradmeshError(f"compressor states {found} are not this run's {sorted(states)}")
+    for name, state in states.items():
+        entry = saved[name]
+        if not isinstance(entry, dict) or not isinstance(entry.get("tensors"), dict):
+            raise GradmeshError(f"compressor state {name!r} is not a mapping with 'tensors'")
+        state.load_state_dict(entry)
+
+
 class Compressor:
     """Settings of one compression method; see the module docstring for the two forms."""
 

@@ -34,7 +34,16 @@ from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.collectives.native import modelled_bytes_sent
-from gradmesh.compression import Compressor, Link, NoCompression, State, reduce, resolve
+from gradmesh.compression import (
+    Compressor,
+    Link,
+    NoCompression,
+    State,
+    load_states,
+    reduce,
+    resolve,
+    save_states,
+)
 from gradmesh.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime import Runtime, get_runtime
@@ -175,6 +184,18 @@ class GradientReducer:
         self.synced = False
         for _, p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counters and each bucket's compressor state (residuals), for a checkpoint."""
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "compressor": save_states({str(i): s for i, s in enumerate(self.states)}),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        load_states({str(i): s for i, s in enumerate(self.states)}, saved["compressor"])
+        self.steps, self.skipped_steps = int(saved["steps"]), int(saved["skipped_steps"])
 
     @property
     def group(self) -> dist.ProcessGroup | None:

@@ -54,6 +54,8 @@ class LaunchSpec:
     """Give global rank 0 the terminal itself (unprefixed), for a live progress bar."""
     env: dict[str, str] = field(default_factory=dict)
     """Extra environment variables for the workers."""
+    max_restarts: int = 0
+    """Times the elastic agent restarts every worker of this host after a failure."""
 
 
 def cluster_defaults() -> dict[str, Any]:
@@ -149,6 +151,8 @@ def _check(spec: LaunchSpec) -> None:
         raise GradmeshError(f"--node-rank {spec.node_rank} is not in 0..{spec.nnodes - 1}")
     if spec.timeout_s <= 0:
         raise GradmeshError(f"--timeout must be > 0, got {spec.timeout_s}")
+    if spec.max_restarts < 0:
+        raise GradmeshError(f"--max-restarts must be >= 0, got {spec.max_restarts}")
 
 
 def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
@@ -196,7 +200,7 @@ def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     return rank, failures[rank]
 
 
-def _failure_message(exc: BaseException) -> tuple[str, int]:
+def _failure_message(exc: BaseException, max_restarts: int = 0) -> tuple[str, int]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     assert isinstance(exc, ChildFailedError)
@@ -214,7 +218,9 @@ def _failure_message(exc: BaseException) -> tuple[str, int]:
     # add nothing to what is said already
     told = detail.startswith(("To enable traceback", "Signal "))
     reason = f": {detail}" if detail and not told else ""
-    return f"rank {rank} {how}{reason}; the job was stopped", code or 1
+    # the agent raises only once every restart is spent
+    restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
+    return f"rank {rank} {how}{reason}; the job was stopped{restarts}", code or 1
 
 
 def launch(spec: LaunchSpec, command: list[str]) -> int:
@@ -247,7 +253,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         rdzv_backend=register(),
         rdzv_endpoint=f"{host}:{port}",
         rdzv_configs={"rank": spec.node_rank, "timeout": int(max(1, spec.timeout_s))},
-        max_restarts=0,
+        max_restarts=spec.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         log_line_prefix_template="[${rank}] ",
@@ -258,7 +264,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         elastic_launch(config, command[0])(*command[1:])
         return 0
     except ChildFailedError as exc:
-        message, code = _failure_message(exc)
+        message, code = _failure_message(exc, spec.max_restarts)
         print(f"gradmesh run: {message}", file=sys.stderr, flush=True)
         return code
     except SignalException as exc:

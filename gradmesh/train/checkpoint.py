@@ -1,76 +1,178 @@
-"""Per-epoch checkpoints: written atomically by rank 0, read by every rank with weights_only=True.
+"""Step checkpoints of every piece of a run's state, written atomically, loaded without pickle.
 
-The checkpoint directory must be visible to every rank (one host, or a shared filesystem).
-A checkpoint records which run wrote it; resuming a different run from it is an error.
+A checkpoint is a folder `DIR/step-NNNNNNNN/` holding one file per rank (`rank-RRRRR.pt`: that
+rank's model part, optimizer state, strategy state such as compressor residuals and local SGD's
+counters, RNG state, its partial epoch loss) and `meta.json`, written last by rank 0 once every
+rank's file is in place: the position (step, epoch, step within it), the loss history, the
+run's identity, the world and the files. Without `meta.json` a folder is never chosen, so a
+job killed mid-write resumes from the previous complete checkpoint. Each file is written to a
+temporary name, flushed to disk and renamed. The newest `keep` complete checkpoints are kept.
+
+Rank files load with `torch.load(weights_only=True)`, the metadata is JSON: nothing a
+checkpoint holds can run code. We do not use torch.distributed.checkpoint for this: its
+FileSystemReader reads `.metadata` with `pickle.load` (torch 2.13), which would run whatever
+a crafted file holds. Its idea of an asynchronous save is kept: `asynchronous=True` copies the
+state on the training thread (the stall) and writes it on a background thread.
+
+The folder must be visible to every rank (one host, or a shared filesystem): rank 0 waits for
+the other ranks' files there before it writes the metadata.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
+import struct
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
 
 from gradmesh.errors import GradmeshError, first_line
 
-_NAME = re.compile(r"^epoch-(\d+)\.pt$")
+FORMAT = 2
+META = "meta.json"
+_STEP = re.compile(r"^step-(\d{8})$")
+_OLD = re.compile(r"^epoch-\d+\.pt$")
+RANK_KEYS: dict[str, type] = {
+    "model": dict,
+    "optimizer": dict,
+    "strategy": dict,
+    "rng": dict,
+    "progress": dict,
+}
+META_KEYS: dict[str, type] = {
+    "format": int,
+    "step": int,
+    "epoch": int,
+    "offset": int,
+    "world": int,
+    "identity": dict,
+    "losses": list,
+    "samples": int,
+    "files": list,
+}
+_NAMES = {int: "an integer", dict: "a mapping", list: "a list"}
 
 
-def _path(directory: str, epoch: int) -> Path:
-    return Path(directory) / f"epoch-{epoch:05d}.pt"
+class ForeignCheckpoint(GradmeshError):
+    """A checkpoint written by another run (model, layout, strategy...): never fallen back from."""
 
 
-def save(
-    directory: str,
-    epoch: int,
-    model: nn.Module,
-    optimizer: Optimizer,
-    identity: dict[str, Any],
-    losses: list[float],
-) -> Path:
-    """Write the state after `epoch` epochs (and the per-epoch losses) to DIR/epoch-NNNNN.pt."""
-    os.makedirs(directory, exist_ok=True)
-    final = _path(directory, epoch)
-    tmp = final.with_suffix(".tmp")
-    state = {
-        "epoch": epoch,
-        "identity": identity,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "losses": list(losses),
-    }
-    torch.save(state, tmp)
-    os.replace(tmp, final)
-    return final
+def folder(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
 
 
-def latest(directory: str) -> Path | None:
-    """The newest complete checkpoint in `directory`, if any."""
-    if not os.path.isdir(directory):
-        return None
-    epochs = [int(m.group(1)) for name in os.listdir(directory) if (m := _NAME.match(name))]
-    return _path(directory, max(epochs)) if epochs else None
+def rank_file(checkpoint: Path, rank: int) -> Path:
+    return checkpoint / f"rank-{rank:05d}.pt"
 
 
-def _problem(state: Any, model: nn.Module) -> str | None:
-    """The first way `state` is not a checkpoint of `model`, or None."""
-    if not isinstance(state, dict):
-        return f"expected a dict of checkpoint fields, found {type(state).__name__}"
-    kinds = {"epoch": int, "identity": dict, "model": dict, "optimizer": dict, "losses": list}
-    names = {int: "an integer", dict: "a dict", list: "a list"}
+@dataclass(frozen=True)
+class Meta:
+    """What `meta.json` says: where the run stood and who wrote it."""
+
+    path: Path
+    step: int
+    epoch: int
+    offset: int
+    world: int
+    identity: dict[str, Any]
+    losses: list[float]
+    samples: int
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.path.parent
+
+
+def _kind_problem(values: dict[str, Any], kinds: dict[str, type]) -> str | None:
     for key, kind in kinds.items():
-        if key not in state:
+        if key not in values:
             return f"no {key!r} entry"
-        if not isinstance(state[key], kind) or isinstance(state[key], bool):
-            return f"{key!r} is a {type(state[key]).__name__}, not {names[kind]}"
-    if state["epoch"] < 0 or not all(isinstance(v, int | float) for v in state["losses"]):
-        return "'epoch' must be >= 0 and 'losses' a list of numbers"
+        value = values[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            return f"{key!r} is a {type(value).__name__}, not {_NAMES[kind]}"
+    return None
+
+
+def read_meta(checkpoint: Path) -> Meta:
+    """The metadata of `checkpoint`, or one line naming the file and what is wrong with it."""
+    path = checkpoint / META
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GradmeshError(f"cannot read checkpoint metadata {path}: {first_line(exc)}") from None
+    if not isinstance(values, dict):
+        problem: str | None = f"expected a mapping, found {type(values).__name__}"
+    else:
+        problem = _kind_problem(values, META_KEYS)
+    if problem is None and values["format"] != FORMAT:
+        problem = f"format {values['format']}, this gradmesh reads format {FORMAT}"
+    if problem is None and (min(values["step"], values["epoch"], values["offset"]) < 0):
+        problem = "'step', 'epoch' and 'offset' must be >= 0"
+    if problem is None and not all(isinstance(v, int | float) for v in values["losses"]):
+        problem = "'losses' must be a list of numbers"
+    if problem is None:
+        expected = [rank_file(checkpoint, r).name for r in range(max(values["world"], 0))]
+        if values["world"] < 1 or values["files"] != expected:
+            problem = f"'files' must name one file per rank of {values['world']}"
+    if problem is not None:
+        raise GradmeshError(f"checkpoint metadata {path} is malformed: {problem}")
+    return Meta(
+        path,
+        values["step"],
+        values["epoch"],
+        values["offset"],
+        values["world"],
+        values["identity"],
+        [float(v) for v in values["losses"]],
+        values["samples"],
+    )
+
+
+def complete(directory: str | Path) -> list[Path]:
+    """The checkpoints in `directory` that have their metadata, newest first."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if _STEP.match(p.name) and (p / META).is_file()]
+    return sorted(found, key=lambda p: p.name, reverse=True)
+
+
+def check_identity(meta: Meta, identity: dict[str, Any]) -> None:
+    """One line naming what differs when `meta` was written by another run."""
+    saved = meta.identity
+    differing = sorted(k for k in identity if saved.get(k) != identity[k])
+    if differing:
+        diffs = ", ".join(f"{k}={saved.get(k)!r} (now {identity[k]!r})" for k in differing)
+        raise ForeignCheckpoint(f"checkpoint {meta.checkpoint} belongs to another run: {diffs}")
+
+
+def refuse_old_format(directory: str | Path) -> None:
+    """Checkpoints of gradmesh before step checkpoints (epoch-NNNNN.pt) are not resumed from
+    silently: the run would start again from scratch."""
+    root = Path(directory)
+    if root.is_dir() and not complete(root):
+        old = sorted(p.name for p in root.iterdir() if _OLD.match(p.name))
+        if old:
+            raise GradmeshError(
+                f"checkpoint folder {root} holds checkpoints of an older gradmesh ({old[-1]}), "
+                "which this version cannot resume: move them away to start afresh"
+            )
+
+
+def model_problem(saved: dict[str, Any], model: nn.Module) -> str | None:
+    """The first way `saved` is not a state dict of `model`, or None."""
     expected = model.state_dict()
-    saved = state["model"]
     for name in sorted(set(expected) ^ set(saved)):
         side = "the model has no" if name in saved else "missing model entry"
         return f"{side} {name!r}"
@@ -86,27 +188,261 @@ def _problem(state: Any, model: nn.Module) -> str | None:
     return None
 
 
-def load(
-    path: Path, model: nn.Module, optimizer: Optimizer, identity: dict[str, Any]
-) -> tuple[int, list[float]]:
-    """Restore model and optimizer from `path`; return (epochs already done, their losses).
-    Anything wrong with the file is one line naming it and the first problem found."""
+def read_rank(checkpoint: Path, rank: int, model: nn.Module | None = None) -> dict[str, Any]:
+    """This rank's part of `checkpoint`, checked (against `model` when given), or one line
+    naming the file and the first problem found."""
+    path = rank_file(checkpoint, rank)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:  # a torn or foreign file: say which and why, in one line
+        with warnings.catch_warnings():  # torch's notes on foreign pickles: the line says it
+            warnings.simplefilter("ignore")
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a torn, missing or foreign file: say which and why, in one line
         raise GradmeshError(f"cannot load checkpoint {path}: {first_line(exc)}") from None
-    if (problem := _problem(state, model)) is not None:
+    problem: str | None
+    if not isinstance(state, dict):
+        problem = f"expected a mapping of checkpoint fields, found {type(state).__name__}"
+    else:
+        problem = _kind_problem(state, RANK_KEYS)
+    if problem is None and model is not None:
+        problem = model_problem(state["model"], model)
+    if problem is None and not isinstance(state["rng"].get("torch"), torch.Tensor):
+        problem = "'rng' has no 'torch' generator state"
+    if problem is not None:
         raise GradmeshError(f"checkpoint {path} does not fit this run: {problem}")
-    saved = state["identity"]
-    differing = sorted(k for k in identity if saved.get(k) != identity[k])
-    if differing:
-        diffs = ", ".join(f"{k}={saved.get(k)!r} (now {identity[k]!r})" for k in differing)
-        raise GradmeshError(f"checkpoint {path} belongs to another run: {diffs}")
-    model.load_state_dict(state["model"])
+    return cast(dict[str, Any], state)
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if torch.cuda.is_available() and isinstance(rng.get("cuda"), list):
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _copy(value: Any) -> Any:
+    """A snapshot of nested state: tensors copied to the CPU, containers rebuilt."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+def _write_atomically(path: Path, write: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
     try:
-        optimizer.load_state_dict(state["optimizer"])
-    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
-        raise GradmeshError(
-            f"checkpoint {path} does not fit this run: optimizer state: {first_line(exc)}"
-        ) from None
-    return int(state["epoch"]), [float(v) for v in state["losses"]]
+        with open(tmp, "wb") as out:
+            write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+@dataclass
+class SaveStats:
+    """What checkpointing cost this rank: the training thread's stall per save, the bytes."""
+
+    stalls_s: list[float] = field(default_factory=list)
+    bytes: int = 0
+    """Size of this rank's last file."""
+
+    def summary(self) -> dict[str, float]:
+        ordered = sorted(self.stalls_s)
+        median = ordered[len(ordered) // 2] if ordered else 0.0
+        return {"saves": len(ordered), "stall_s_median": median, "rank_file_bytes": self.bytes}
+
+
+class Checkpointer:
+    """Writes this rank's part of each checkpoint; rank 0 also waits for the others' parts,
+    writes the metadata and drops checkpoints beyond the newest `keep`."""
+
+    def __init__(
+        self,
+        directory: str,
+        rank: int,
+        world: int,
+        identity: dict[str, Any],
+        keep: int,
+        asynchronous: bool,
+        timeout_s: float,
+    ) -> None:
+        self.directory = Path(directory)
+        self.rank, self.world, self.identity = rank, world, identity
+        self.keep, self.asynchronous, self.timeout_s = keep, asynchronous, timeout_s
+        self.stats = SaveStats()
+        self._writer = ThreadPoolExecutor(1, "gradmesh-checkpoint") if asynchronous else None
+        self._pending: Future[None] | None = None
+
+    def save(
+        self,
+        step: int,
+        epoch: int,
+        offset: int,
+        losses: list[float],
+        samples: int,
+        state: dict[str, Any],
+    ) -> None:
+        """Checkpoint after `step` steps (`offset` of them into `epoch`); `state` is this rank's
+        part (see RANK_KEYS); `losses` and `samples` are the run's, reduced over the world."""
+        started = time.perf_counter()
+        self.wait()
+        meta = {
+            "format": FORMAT,
+            "step": step,
+            "epoch": epoch,
+            "offset": offset,
+            "world": self.world,
+            "identity": self.identity,
+            "losses": list(losses),
+            "samples": samples,
+            "files": [rank_file(folder(self.directory, step), r).name for r in range(self.world)],
+        }
+        if self._writer is None:
+            self._write(step, state, meta)
+        else:
+            self._pending = self._writer.submit(self._write, step, _copy(state), meta)
+        self.stats.stalls_s.append(time.perf_counter() - started)
+
+    def wait(self) -> None:
+        """Finish the write in flight; its failure is raised here, on the training thread."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+
+    def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
+        target = folder(self.directory, step)
+        path = rank_file(target, self.rank)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            _write_atomically(path, lambda out: torch.save(state, out))
+            self.stats.bytes = path.stat().st_size
+            if self.rank == 0:
+                self._await_parts(target)
+                text = json.dumps(meta, indent=1).encode()
+                _write_atomically(target / META, lambda out: out.write(text))
+                self._prune()
+        except OSError as exc:
+            raise GradmeshError(
+                f"rank {self.rank}: cannot write checkpoint {path}: {exc.strerror or exc}"
+            ) from None
+        except RuntimeError as exc:  # torch's stream writer: a full disk, a vanished folder
+            raise GradmeshError(
+                f"rank {self.rank}: cannot write checkpoint {path}: {first_line(exc)}"
+            ) from None
+
+    def _await_parts(self, target: Path) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            missing = [r for r in range(self.world) if not rank_file(target, r).is_file()]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise GradmeshError(
+                    f"checkpoint {target}: rank(s) {', '.join(map(str, missing))} did not write "
+                    f"their part within {self.timeout_s:g} s (the folder must be shared by "
+                    "every rank)"
+                )
+            time.sleep(0.005)
+
+    def _prune(self) -> None:
+        """Drop complete checkpoints beyond the newest `keep`, and torn ones older than the
+        newest complete one (a newer folder without metadata may still be being written)."""
+        kept = complete(self.directory)
+        newest = kept[0].name
+        for old in kept[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+        for torn in self.directory.iterdir():
+            if _STEP.match(torn.name) and torn.name < newest and not (torn / META).exists():
+                shutil.rmtree(torn, ignore_errors=True)
+
+
+def choose(
+    directory: str | Path,
+    identity: dict[str, Any],
+    usable: Callable[[Meta], Any],
+    agree: Callable[[bool], bool] = lambda ok: ok,
+) -> tuple[Meta, Any] | None:
+    """The newest complete checkpoint whose metadata reads, that belongs to this run and that
+    `usable(meta)` accepts (it returns what it loaded, or raises a GradmeshError saying why
+    not) on every rank (`agree(ok)` is True when every rank's `ok` is: a collective in a job);
+    each one passed over is a warning. None when the folder has no checkpoint at all; one line
+    naming the last problem when none is usable."""
+    refuse_old_format(directory)
+    candidates = complete(directory)
+    for i, checkpoint in enumerate(candidates):
+        problem = None
+        try:
+            meta = read_meta(checkpoint)
+            check_identity(meta, identity)
+            loaded = usable(meta)
+        except ForeignCheckpoint:
+            raise
+        except GradmeshError as exc:
+            problem = str(exc)
+        if agree(problem is None):
+            return meta, loaded
+        if i + 1 == len(candidates):
+            problem = problem or f"another rank could not use checkpoint {checkpoint}"
+            raise GradmeshError(f"{problem}; no earlier complete checkpoint to fall back to")
+        if problem is not None:
+            _warn(f"warning: {problem}; falling back to {candidates[i + 1].name}")
+    return None
+
+
+def _warn(line: str) -> None:
+    print(f"gradmesh: {line}", file=sys.stderr, flush=True)
+
+
+class Progress:
+    """The furthest step a run reached, kept in DIR/progress by rank 0 (two int64 written in
+    place each step: no allocation, no rename), so a resumed run can say how many steps it
+    redoes. Not part of any checkpoint: losing it loses only that figure."""
+
+    _FORMAT = struct.Struct("<qq")
+
+    def __init__(self, directory: str) -> None:
+        self.path = Path(directory) / "progress"
+        self.furthest, self.redone = 0, 0
+        try:
+            raw = self.path.read_bytes()
+            if len(raw) == self._FORMAT.size:
+                self.furthest, self.redone = self._FORMAT.unpack(raw)
+        except OSError:
+            pass
+        self._fd: int | None = None
+
+    def resumed_at(self, step: int) -> int:
+        """Count the steps between `step` (where this run resumes) and the furthest reached;
+        returns the run's total so far."""
+        self.redone += max(0, self.furthest - step)
+        self.furthest = step
+        return self.redone
+
+    def reached(self, step: int) -> None:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.furthest = max(self.furthest, step)
+        os.pwrite(self._fd, self._FORMAT.pack(self.furthest, self.redone), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

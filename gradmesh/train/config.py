@@ -186,10 +186,26 @@ class OutputConfig:
     """Output: what the run writes."""
 
     timeline: str | None = option(None, "write a Chrome trace per rank to this path")
-    checkpoint_dir: str | None = option(
-        None, "save a checkpoint here after every epoch and resume from the newest one"
-    )
     json: str | None = option(None, "write the run report as JSON to this path")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints and restarts: what survives a failure (docs/fault_tolerance.md)."""
+
+    checkpoint_dir: str | None = option(
+        None, "save checkpoints of every rank's state here; resume from the newest complete one"
+    )
+    checkpoint_every: int | None = option(
+        None, "checkpoint every N steps (default: after every epoch)"
+    )
+    keep_checkpoints: int = option(3, "complete checkpoints kept, the newest")
+    checkpoint_async: bool = option(
+        False, "write checkpoints on a background thread: training stops only to copy its state"
+    )
+    max_restarts: int = option(
+        0, "restart every worker up to N times after a failure, from the newest checkpoint"
+    )
 
 
 COMPONENTS: tuple[tuple[str, type], ...] = (
@@ -199,13 +215,20 @@ COMPONENTS: tuple[tuple[str, type], ...] = (
     ("model and data", DataConfig),
     ("optimizer", OptimizerConfig),
     ("output", OutputConfig),
+    ("checkpoints and restarts", CheckpointConfig),
 )
 """Each component's own config, in the order `gradmesh train --help` shows them."""
 
 
 @dataclass
 class TrainConfig(
-    OutputConfig, OptimizerConfig, DataConfig, StrategyConfig, LayoutConfig, JobConfig
+    CheckpointConfig,
+    OutputConfig,
+    OptimizerConfig,
+    DataConfig,
+    StrategyConfig,
+    LayoutConfig,
+    JobConfig,
 ):
     """What to train, how, and on how many workers: every component's fields, flat (one TOML
     table, one JSON object), each defined once in its component's dataclass."""
@@ -259,6 +282,7 @@ class TrainConfig(
             raise GradmeshError("--lr and --timeout-s must be > 0")
         self._validate_ps()
         self._validate_layout()
+        self._validate_checkpoints()
         if self.batch_size < self.workers:
             raise GradmeshError(
                 f"global batch {self.batch_size} is smaller than "
@@ -276,11 +300,6 @@ class TrainConfig(
             raise GradmeshError(
                 f"strategy {self.strategy} needs the whole model on every worker; with "
                 f"--tensor-parallel/--pipeline-parallel use {' or '.join(sorted(SPLIT_LAYOUTS))}"
-            )
-        if split and self.checkpoint_dir:
-            raise GradmeshError(
-                "--checkpoint-dir saves a whole model; checkpoints of a split model "
-                "(tensor or pipeline parallel) are not written yet"
             )
         if self.stages and shape.pp == 1:
             raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
@@ -301,6 +320,22 @@ class TrainConfig(
                 f"global batch {self.batch_size} over {shape.dp} replicas cannot be cut into "
                 f"{self.microbatches} equal micro-batches; --microbatches that fit: "
                 f"{', '.join(map(str, fits))}"
+            )
+
+    def _validate_checkpoints(self) -> None:
+        every = self.checkpoint_every
+        if every is not None and every < 1:
+            raise GradmeshError(f"--checkpoint-every must be >= 1 step, got {every}")
+        if every is not None and not self.checkpoint_dir:
+            raise GradmeshError("--checkpoint-every needs --checkpoint-dir to write to")
+        if self.keep_checkpoints < 1:
+            raise GradmeshError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
+        if self.max_restarts < 0:
+            raise GradmeshError(f"--max-restarts must be >= 0, got {self.max_restarts}")
+        if self.strategy == "ps" and (self.checkpoint_dir or self.max_restarts):
+            raise GradmeshError(
+                "checkpoints and restarts of a ps job need the servers' shards saved, "
+                "which gradmesh does not do yet (issue 15)"
             )
 
     def check_outputs(self) -> None:

@@ -89,6 +89,9 @@ class RunReport:
     """dp, tp, pp, micro-batches, schedule; the per-rank means of parameter bytes held, bytes sent
     per step by kind and stage idle, and (pipelines) the bubble; `per_rank["layout"]` has every
     rank's."""
+    faults: dict[str, Any] = field(default_factory=dict)
+    """With checkpoints or restarts: restarts, steps redone, the step resumed from, and the
+    reporting rank's checkpoint saves, their median stall and its file's bytes."""
 
     @classmethod
     def build(
@@ -102,6 +105,7 @@ class RunReport:
         samples: int,
         stats: RankStats,
         layout: dict[str, Any] | None = None,
+        faults: dict[str, Any] | None = None,
     ) -> RunReport:
         figures = summarize_layout(stats.layout)
         given = figures.pop("compression_given_bytes_per_step", 0.0)
@@ -131,6 +135,7 @@ class RunReport:
             strategy_info=strategy_info,
             compression=compression,
             layout={**(layout or {}), **figures},
+            faults=faults or {},
         )
 
     def to_json(self) -> str:
@@ -153,8 +158,21 @@ class RunReport:
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
                 *self._layout_lines(),
+                *self._fault_lines(),
             ]
         )
+
+    def _fault_lines(self) -> list[str]:
+        f = self.faults
+        if not f:
+            return []
+        return [
+            f"  checkpoints {f.get('checkpoint_saves', 0)} saved, median stall "
+            f"{f.get('checkpoint_stall_s_median', 0.0) * 1e3:.1f} ms, "
+            f"{f.get('checkpoint_rank_file_bytes', 0) / 1e6:.2f} MB per rank   "
+            f"restarts {f['restarts']}, steps redone {f['steps_redone']}, "
+            f"resumed from step {f['resumed_from_step']}"
+        ]
 
     def _compressed(self) -> str:
         if not self.compression:

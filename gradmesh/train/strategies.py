@@ -51,6 +51,15 @@ class Strategy(Protocol):
         """Strategy-specific entries for the run report."""
         ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What this rank's strategy keeps between steps (compressor residuals, counters), for
+        a checkpoint: tensors, numbers, strings and containers of them only."""
+        ...
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output (after `prepare`); a GradmeshError if it does not fit."""
+        ...
+
 
 class _Defaults:
     """What most strategies do: one data shard per rank, nothing to finish, rank 0 reports."""
@@ -63,6 +72,12 @@ class _Defaults:
 
     def writes_report(self, rt: Runtime) -> bool:
         return rt.rank == 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        pass
 
 
 STRATEGIES: Registry[Callable[[TrainConfig], Strategy]] = Registry("strategy")
@@ -98,6 +113,14 @@ class AllreduceStrategy(_Defaults):
         )
         return self.optimizer
 
+    def state_dict(self) -> dict[str, Any]:
+        assert self.optimizer is not None
+        return self.optimizer._gm.state_dict()  # type: ignore[attr-defined,no-any-return]
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        assert self.optimizer is not None
+        self.optimizer._gm.load_state_dict(saved)  # type: ignore[attr-defined]
+
     def report(self) -> dict[str, Any]:
         skipped = self.optimizer._gm.skipped_steps if self.optimizer is not None else 0  # type: ignore[attr-defined]
         return {
@@ -126,6 +149,14 @@ class LocalSGDStrategy(_Defaults):
             compressor=self.config.compressor(),
         )
         return LocalSGDOptimizer(optimizer, self.averager)
+
+    def state_dict(self) -> dict[str, Any]:
+        assert self.averager is not None
+        return self.averager.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        assert self.averager is not None
+        self.averager.load_state_dict(saved)
 
     def report(self) -> dict[str, Any]:
         rounds = self.averager.averaging_rounds if self.averager else 0
@@ -196,6 +227,12 @@ class ParameterServerStrategy:
 
     def writes_report(self, rt: Runtime) -> bool:
         return self.worker is not None and self.worker.reporter
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}  # the servers hold the model: checkpoints of a ps job are refused (config)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        pass
 
     def report(self) -> dict[str, Any]:
         assert self.worker is not None

@@ -1,8 +1,10 @@
 """The one training loop every strategy and layout runs in, on every rank.
 
-`train` is four parts: `setup` (data, the model split by the layout, the optimizer over this
-rank's parameters, the strategy's wrapping, in that order), `resume` (the newest checkpoint),
-`loop` (epochs of `engine.step`), `finish` (evaluation through the same engine, the report).
+`train` is five parts: `setup` (data, the model split by the layout, the optimizer over this
+rank's parameters), `attach` (the strategy's wrapping, the data shard), `resume` (every rank's
+part of the newest complete checkpoint: model, optimizer, strategy state, RNG, position),
+`loop` (steps of `engine.step`, checkpoints every N steps or epoch), `finish` (evaluation
+through the same engine, the report).
 
 Per step each replica computes the summed loss of its slice of the global batch, scaled by
 replicas / global batch size: after gradient averaging over the `dp` axis this is exactly the
@@ -22,6 +24,7 @@ from tqdm import tqdm
 
 from gradmesh.collectives import allreduce
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
+from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
 from gradmesh.models import build_model
@@ -29,6 +32,7 @@ from gradmesh.runtime import Runtime
 from gradmesh.timeline import start_timeline
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
+from gradmesh.train.faults import injected_fault, restarts
 from gradmesh.train.optimizers import build_optimizer
 from gradmesh.train.report import KINDS, RunReport, gather_rank_stats
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
@@ -56,18 +60,53 @@ def load_data(config: TrainConfig) -> DataSpec:
     return DATASETS.get(config.dataset)(options)
 
 
+IDENTITY = (
+    "model",
+    "dataset",
+    "batch_size",
+    "seed",
+    "strategy",
+    "synthetic_shape",
+    "optimizer",
+    "workers",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "compression",
+)
+"""The settings a checkpoint must share with the run that resumes from it."""
+
+
 def _identity(config: TrainConfig) -> dict[str, object]:
-    keys = ("model", "dataset", "batch_size", "seed", "strategy", "synthetic_shape", "optimizer")
-    return {k: getattr(config, k) for k in keys}
+    return {k: getattr(config, k) for k in IDENTITY}
+
+
+def _load_optimizer(optimizer: Optimizer, saved: dict[str, object], path: object) -> None:
+    try:
+        optimizer.load_state_dict(saved)
+    except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+        raise GradmeshError(
+            f"checkpoint {path} does not fit this run: optimizer state: {first_line(exc)}"
+        ) from None
 
 
 def check_resume(config: TrainConfig) -> None:
-    """Before launch: the checkpoint a run would resume from loads into this run's model and
-    optimizer, or one line says why not."""
-    if config.checkpoint_dir and (found := checkpoint.latest(config.checkpoint_dir)):
-        model = build_model(config.model, load_data(config))
-        optimizer = build_optimizer(config, model.parameters(), config.lr)
-        checkpoint.load(found, model, optimizer, _identity(config))
+    """Before launch: the checkpoint a run would resume from belongs to this run and its rank
+    files load (into this run's model and optimizer, for a model every rank holds whole), or
+    one line says why not; a broken newest checkpoint falls back to the one before it."""
+    if not config.checkpoint_dir:
+        return
+    whole = config.tensor_parallel * config.pipeline_parallel == 1
+    model = build_model(config.model, load_data(config))
+    optimizer = build_optimizer(config, model.parameters(), config.lr)
+
+    def usable(meta: checkpoint.Meta) -> None:
+        for rank in range(meta.world):
+            state = checkpoint.read_rank(meta.checkpoint, rank, model if whole else None)
+            if whole and rank == 0:
+                path = checkpoint.rank_file(meta.checkpoint, rank)
+                _load_optimizer(optimizer, state["optimizer"], path)
+
+    checkpoint.choose(config.checkpoint_dir, _identity(config), usable)
 
 
 def check_layout(config: TrainConfig) -> None:
@@ -164,8 +203,15 @@ class Job:
     replicas: int = 1
     """The data-parallel replicas this rank's batch slice is one of (set by `attach`)."""
     warmup: LRScheduler | None = None
-    first_epoch: int = 0
+    start_step: int = 0
+    """Steps done before this run started (from the checkpoint it resumed from)."""
     losses: list[float] = field(default_factory=list)
+    loss_sum: torch.Tensor | None = None
+    """This rank's (loss sum, count) of the epoch under way at the checkpoint."""
+    checkpointer: checkpoint.Checkpointer | None = None
+    progress: checkpoint.Progress | None = None
+    """Rank 0's record of the furthest step reached, for the steps a restart redoes."""
+    redone: int = 0
 
 
 def setup(config: TrainConfig, rt: Runtime) -> Job:
@@ -193,16 +239,6 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     return Job(config, rt, data, split, optimizer, strategy, lr)
 
 
-def resume(job: Job) -> None:
-    """Load the newest checkpoint, if the run has a checkpoint folder with one (before the
-    strategy wraps the optimizer: every replica then starts from the first one's state)."""
-    config = job.config
-    if config.checkpoint_dir and (found := checkpoint.latest(config.checkpoint_dir)):
-        job.first_epoch, job.losses = checkpoint.load(
-            found, job.split.module, job.optimizer, _identity(config)
-        )
-
-
 def attach(job: Job) -> None:
     """The strategy's wrapping, this replica's data shard, the learning-rate warm-up."""
     config = job.config
@@ -214,27 +250,115 @@ def attach(job: Job) -> None:
     steps = job.sharder.steps_per_epoch()
     factor = job.lr / config.lr
     job.warmup = gradual_warmup(job.optimizer, round(config.warmup_epochs * steps), factor)
+
+
+def _restore(job: Job, meta: checkpoint.Meta) -> torch.Tensor:
+    """Load this rank's part of `meta`'s checkpoint into the model, optimizer and strategy (a
+    GradmeshError naming the file when it does not fit); returns the epoch's loss sum so far."""
+    path = checkpoint.rank_file(meta.checkpoint, job.rt.rank)
+    state = checkpoint.read_rank(meta.checkpoint, job.rt.rank, job.split.module)
+    loss_sum = state["progress"].get("loss_sum")
+    if not isinstance(loss_sum, torch.Tensor) or loss_sum.shape != (2,):
+        raise GradmeshError(f"checkpoint {path} does not fit this run: no epoch loss sum")
+    job.split.module.load_state_dict(state["model"])
+    _load_optimizer(job.optimizer, state["optimizer"], path)
+    try:
+        job.strategy.load_state_dict(state["strategy"])
+        checkpoint.restore_rng(state["rng"])
+    except GradmeshError as exc:
+        raise GradmeshError(f"checkpoint {path} does not fit this run: {exc}") from None
+    except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
+        raise GradmeshError(
+            f"checkpoint {path} does not fit this run: strategy state: {first_line(exc)}"
+        ) from None
+    return loss_sum.to(torch.float64)
+
+
+def _agree(ok: bool) -> bool:
+    """Whether every rank's `ok` is True (a collective)."""
+    failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+    allreduce(failed, op="sum", kind="metrics")
+    return bool(failed[0] == 0)
+
+
+def resume(job: Job) -> None:
+    """Every rank loads its part of the newest checkpoint that every rank can use (after the
+    strategy's wrapping: its state, compressor residuals included, is part of it), and the
+    run continues at the step after it; the learning-rate warm-up is replayed to there."""
+    config, rt = job.config, job.rt
+    if config.checkpoint_dir:
+        chosen = checkpoint.choose(
+            config.checkpoint_dir, _identity(config), lambda m: _restore(job, m), _agree
+        )
+        if chosen is not None:
+            meta, job.loss_sum = chosen
+            job.start_step, job.losses = meta.step, list(meta.losses)
+        if rt.rank == 0:
+            job.progress = checkpoint.Progress(config.checkpoint_dir)
+            job.redone = job.progress.resumed_at(job.start_step)
+        job.checkpointer = checkpoint.Checkpointer(
+            config.checkpoint_dir,
+            rt.rank,
+            rt.size,
+            _identity(config),
+            config.keep_checkpoints,
+            config.checkpoint_async,
+            config.timeout_s,
+        )
     if job.warmup is not None:  # a resumed run continues its warm-up where it was
-        for _ in range(job.first_epoch * steps):
+        for _ in range(job.start_step):
             job.warmup.step()
 
 
+def _checkpoint(
+    job: Job, clock: _Clock, pending: list[torch.Tensor], step: int, loss_sum: torch.Tensor
+) -> None:
+    """Save every piece of this rank's state after `step` steps (every rank at the same step;
+    the pending epoch losses are reduced first, so the history saved is the world's)."""
+    assert job.checkpointer is not None and job.sharder is not None
+    _reduce_losses(pending, clock)
+    epoch, offset = divmod(step, job.sharder.steps_per_epoch())
+    state = {
+        "model": job.split.module.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "strategy": job.strategy.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "progress": {"loss_sum": loss_sum.clone()},
+    }
+    job.checkpointer.save(step, epoch, offset, clock.losses, clock.samples, state)
+
+
+def _due(config: TrainConfig, step: int, end_of_epoch: bool, last: int) -> bool:
+    """Whether a checkpoint is written after `step`: every N steps, or after every epoch, and
+    after the last step."""
+    if not config.checkpoint_dir:
+        return False
+    every = config.checkpoint_every
+    return step == last or (step % every == 0 if every else end_of_epoch)
+
+
 def loop(job: Job) -> tuple[_Clock, int, float]:
-    """Train the remaining epochs; returns the clock, the samples this replica trained on, and
-    the wall time."""
+    """Train from the step after the checkpoint to the last; returns the clock, the samples
+    this replica trained on, and the wall time."""
     config, rt, split, sharder = job.config, job.rt, job.split, job.sharder
     assert sharder is not None, "attach(job) first"
     steps = sharder.steps_per_epoch()
+    last = config.epochs * steps
     bar = _progress(config, steps, rt)
     if bar is not None:
-        bar.update(job.first_epoch * steps)
+        bar.update(min(job.start_step, last))
     clock = _Clock(losses=job.losses)
+    fault = injected_fault()
     started = time.perf_counter()
-    samples = 0
+    samples, step = 0, job.start_step
     pending: list[torch.Tensor] = []  # per-epoch (loss sum, count) not yet summed over ranks
-    for epoch in range(job.first_epoch, config.epochs):
-        loss_sum = torch.zeros(2, dtype=torch.float64)
-        for indices, global_count in sharder.batches(epoch):
+    first_epoch, skip = divmod(job.start_step, steps)
+    for epoch in range(first_epoch, config.epochs):
+        fresh = torch.zeros(2, dtype=torch.float64)
+        loss_sum = job.loss_sum if skip and job.loss_sum is not None else fresh
+        for k, (indices, global_count) in enumerate(sharder.batches(epoch)):
+            if k < skip:  # done before the checkpoint this run resumed from
+                continue
             comm_before = rt.comm.comm_s
             step_started = time.perf_counter()
             x = job.data.train.x[indices].to(rt.device)
@@ -248,26 +372,30 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
                 job.warmup.step()
             clock.compute_s += time.perf_counter() - step_started - (rt.comm.comm_s - comm_before)
             clock.steps += 1
+            step += 1
             if split.owns_output:
                 loss_sum += torch.tensor([float(loss), float(len(indices))], dtype=torch.float64)
             samples += len(indices)
             if bar is not None:
                 bar.update(1)
-        pending.append(loss_sum)
-        own_loss = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] else None
-        _report_epoch(epoch, config, own_loss, samples * job.replicas, started, bar, rt)
-        if config.checkpoint_dir:
-            _reduce_losses(pending, clock)
-            if rt.rank == 0:
-                checkpoint.save(
-                    config.checkpoint_dir,
-                    epoch + 1,
-                    split.module,
-                    job.optimizer,
-                    _identity(config),
-                    clock.losses,
-                )
+            if job.progress is not None:
+                job.progress.reached(step)
+            if fault is not None:
+                fault.check(rt.rank, step)
+            end_of_epoch = k == steps - 1
+            if end_of_epoch:
+                pending.append(loss_sum)
+                own_loss = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] else None
+                _report_epoch(epoch, config, own_loss, samples * job.replicas, started, bar, rt)
+                loss_sum = torch.zeros(2, dtype=torch.float64)
+            if _due(config, step, end_of_epoch, last):
+                _checkpoint(job, clock, pending, step, loss_sum)
+        skip = 0
     _reduce_losses(pending, clock)
+    if job.checkpointer is not None:
+        job.checkpointer.close()  # the last write, if it was asynchronous
+    if job.progress is not None:
+        job.progress.close()
     if bar is not None:
         bar.close()
     return clock, samples, time.perf_counter() - started
@@ -313,15 +441,30 @@ def finish(job: Job, clock: _Clock, samples: int, wall_s: float) -> tuple[RunRep
         clock.samples,
         stats,
         job.split.info,
+        _faults(job),
     )
     return report, job.strategy.writes_report(job.rt)
+
+
+def _faults(job: Job) -> dict[str, object]:
+    """Restarts, the steps they redid, and what this rank's checkpoints cost."""
+    if not job.config.checkpoint_dir and not job.config.max_restarts:
+        return {}
+    saves = job.checkpointer.stats.summary() if job.checkpointer is not None else {}
+    return {
+        "restarts": restarts(),
+        "steps_redone": job.redone,
+        "resumed_from_step": job.start_step,
+        "checkpoint_async": job.config.checkpoint_async,
+        **{f"checkpoint_{k}": v for k, v in saves.items()},
+    }
 
 
 def train(config: TrainConfig, rt: Runtime) -> tuple[RunReport, bool]:
     """Train `config` on this rank of `rt`; return the report (the same on every rank of a
     synchronous job) and whether this process is the one that prints and writes it."""
     job = setup(config, rt)
-    resume(job)
     attach(job)
+    resume(job)
     clock, samples, wall_s = loop(job)
     return finish(job, clock, samples, wall_s)

@@ -78,7 +78,8 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
     assert (
         gradmesh("train", *common, "--epochs", "2", "--checkpoint-dir", str(ckpt)).returncode == 0
     )
-    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch-00001.pt", "epoch-00002.pt"]
+    # 400 samples, 320 to train on, 64 a step: 5 steps an epoch, one checkpoint after each
+    assert sorted(p.name for p in ckpt.iterdir()) == ["progress", "step-00000005", "step-00000010"]
     resumed = gradmesh(
         "train",
         *common,
@@ -167,38 +168,49 @@ def test_a_config_of_wrong_types_is_one_line_before_launch(
 
 
 def bad_checkpoint(folder: Path, kind: str) -> Path:
-    """A checkpoint that torch loads safely but that does not fit the default cnn run."""
+    """A checkpoint of the default run (2 workers, cnn on digits) whose rank 1 file torch loads
+    safely but that does not fit the run."""
     import torch
 
     from gradmesh.data import DATASETS, DataOptions
     from gradmesh.models import build_model
+    from gradmesh.train import checkpoint
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.trainer import _identity
 
-    folder.mkdir()
     model = build_model("cnn", DATASETS.get("digits")(DataOptions()))
-    state: object = {
-        "epoch": 1,
-        "identity": {},
+    state: dict[str, object] = {
         "model": model.state_dict(),
-        "optimizer": {"state": {}, "param_groups": []},
-        "losses": [0.5],
+        "optimizer": torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9).state_dict(),
+        "strategy": {},
+        "rng": checkpoint.rng_state(),
+        "progress": {"loss_sum": torch.zeros(2, dtype=torch.float64)},
     }
+    identity = _identity(TrainConfig())
+    for rank in (1, 0):
+        writer = checkpoint.Checkpointer(str(folder), rank, 2, identity, 3, False, 5)
+        writer.save(23, 1, 0, [0.5], 1437, state)
+    path = checkpoint.rank_file(checkpoint.folder(folder, 23), 1)
     if kind == "list":
-        state = [1, 2, 3]
+        torch.save([1, 2, 3], path)
     elif kind == "no model":
-        del state["model"]  # type: ignore[attr-defined]
+        torch.save({k: v for k, v in state.items() if k != "model"}, path)
     elif kind == "shapes":
         name = next(iter(model.state_dict()))
-        state["model"][name] = torch.zeros(3, 3)  # type: ignore[index]
-    torch.save(state, folder / "epoch-00001.pt")
-    return folder / "epoch-00001.pt"
+        torch.save({**state, "model": {**model.state_dict(), name: torch.zeros(3, 3)}}, path)
+    elif kind == "optimizer":
+        path = checkpoint.rank_file(checkpoint.folder(folder, 23), 0)
+        torch.save({**state, "optimizer": {"state": {}, "param_groups": []}}, path)
+    return path
 
 
 @pytest.mark.parametrize(
     ("kind", "message"),
     [
-        ("list", "expected a dict of checkpoint fields, found list"),
+        ("list", "expected a mapping of checkpoint fields, found list"),
         ("no model", "no 'model' entry"),
         ("shapes", "is [3, 3] torch.float32, the model needs"),
+        ("optimizer", "optimizer state: "),
     ],
 )
 def test_a_checkpoint_of_the_wrong_structure_is_one_line_before_launch(
@@ -209,7 +221,7 @@ def test_a_checkpoint_of_the_wrong_structure_is_one_line_before_launch(
     assert out.returncode == 2 and out.stdout == ""
     line = one_line_error(out)
     assert line.startswith(f"gradmesh train: error: checkpoint {path} does not fit this run: ")
-    assert message in line
+    assert message in line and line.endswith("no earlier complete checkpoint to fall back to")
 
 
 @pytest.mark.parametrize("flag", ["--json", "--timeline", "--checkpoint-dir"])
