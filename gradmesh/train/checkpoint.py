@@ -236,13 +236,39 @@ def _copy(value: Any) -> Any:
     return value
 
 
+class _File:
+    """A file torch writes into that keeps the operating system's error: torch turns it into
+    "unexpected pos 175872 vs 175760", which does not say the disk is full."""
+
+    def __init__(self, out: Any) -> None:
+        self.out = out
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.out.write(data))
+        except OSError as exc:
+            self.error = exc
+            raise
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
 def _write_atomically(path: Path, write: Any) -> None:
+    """`write(file)` into a temporary file, flushed to disk, then renamed to `path`."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as out:
-            write(out)
-            out.flush()
-            os.fsync(out.fileno())
+        with open(tmp, "wb") as raw:
+            out = _File(raw)
+            try:
+                write(out)
+            except RuntimeError:
+                if out.error is not None:
+                    raise out.error from None
+                raise
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

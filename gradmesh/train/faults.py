@@ -1,12 +1,14 @@
-"""A fault on demand, for tests and demonstrations of recovery: `GRADMESH_FAULT=kill:R:S` makes
+"""Faults on demand, for tests and demonstrations of recovery. `GRADMESH_FAULT=kill:R:S` makes
 rank R end itself with SIGKILL right after its step S, in the job's first attempt only (a
 restarted job runs clean), the way a lost machine or an OOM kill ends a worker: no handler, no
-cleanup, no last message."""
+cleanup, no last message. `GRADMESH_FAULT=slow:R:MS` makes rank R a straggler: MS milliseconds
+of extra computation every step."""
 
 from __future__ import annotations
 
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from gradmesh.errors import GradmeshError
@@ -23,11 +25,17 @@ def restarts() -> int:
 
 @dataclass(frozen=True)
 class Fault:
+    kind: str
     rank: int
-    step: int
+    amount: int
+    """kill: the step after which; slow: milliseconds per step."""
 
     def check(self, rank: int, step: int) -> None:
-        if rank == self.rank and step == self.step and restarts() == 0:
+        if rank != self.rank:
+            return
+        if self.kind == "slow":
+            time.sleep(self.amount / 1000)
+        elif step == self.amount and restarts() == 0:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -37,7 +45,9 @@ def injected_fault() -> Fault | None:
     if not raw:
         return None
     kind, _, rest = raw.partition(":")
-    rank, _, step = rest.partition(":")
-    if kind != "kill" or not rank.isdigit() or not step.isdigit():
-        raise GradmeshError(f"{FAULT_ENV}={raw!r}: expected kill:RANK:STEP, like kill:1:7")
-    return Fault(int(rank), int(step))
+    rank, _, amount = rest.partition(":")
+    if kind not in ("kill", "slow") or not rank.isdigit() or not amount.isdigit():
+        raise GradmeshError(
+            f"{FAULT_ENV}={raw!r}: expected kill:RANK:STEP or slow:RANK:MS, like kill:1:7"
+        )
+    return Fault(kind, int(rank), int(amount))

@@ -61,6 +61,18 @@ def summarize_layout(per_rank: dict[str, list[float]]) -> dict[str, float]:
     return summary
 
 
+def _slowest(compute_s: list[float]) -> dict[str, Any]:
+    ordered = sorted(compute_s)
+    median = ordered[len(ordered) // 2]
+    rank = max(range(len(compute_s)), key=lambda r: compute_s[r])
+    ratio = compute_s[rank] / median if median > 0 else 1.0
+    return {"rank": rank, "compute_s": compute_s[rank], "ratio_to_median": ratio}
+
+
+STRAGGLER = 1.5
+"""A rank computing this many times the median rank's time is named in the summary."""
+
+
 @dataclass(frozen=True)
 class RunReport:
     """The outcome of one training run; `comm_s`, `compute_s`, `bytes_sent` are per-worker means."""
@@ -89,6 +101,9 @@ class RunReport:
     """dp, tp, pp, micro-batches, schedule; the per-rank means of parameter bytes held, bytes sent
     per step by kind and stage idle, and (pipelines) the bubble; `per_rank["layout"]` has every
     rank's."""
+    slowest: dict[str, Any] = field(default_factory=dict)
+    """The rank with the most computation (a straggler holds the others up in synchronous
+    training): its rank, compute seconds, and their ratio to the median rank's."""
     faults: dict[str, Any] = field(default_factory=dict)
     """With checkpoints or restarts: restarts, steps redone, the step resumed from, and the
     reporting rank's checkpoint saves, their median stall and its file's bytes."""
@@ -135,6 +150,7 @@ class RunReport:
             strategy_info=strategy_info,
             compression=compression,
             layout={**(layout or {}), **figures},
+            slowest=_slowest(stats.compute_s),
             faults=faults or {},
         )
 
@@ -159,8 +175,18 @@ class RunReport:
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
                 *self._layout_lines(),
                 *self._fault_lines(),
+                *self._straggler_line(),
             ]
         )
+
+    def _straggler_line(self) -> list[str]:
+        s = self.slowest
+        if not s or s["ratio_to_median"] < STRAGGLER:
+            return []
+        return [
+            f"  straggler: rank {s['rank']} computed {s['compute_s']:.2f} s, "
+            f"{s['ratio_to_median']:.1f}x the median rank"
+        ]
 
     def _fault_lines(self) -> list[str]:
         f = self.faults

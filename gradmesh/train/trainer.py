@@ -367,6 +367,8 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
             loss = split.engine.step(x, y, job.replicas / global_count)
             if config.emulate_compute_ms:
                 time.sleep(config.emulate_compute_ms / 1000)  # labelled emulation (benchmarks)
+            if fault is not None and fault.kind == "slow":
+                fault.check(rt.rank, step)
             job.optimizer.step()
             if job.warmup is not None:
                 job.warmup.step()
@@ -380,7 +382,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
                 bar.update(1)
             if job.progress is not None:
                 job.progress.reached(step)
-            if fault is not None:
+            if fault is not None and fault.kind == "kill":
                 fault.check(rt.rank, step)
             end_of_epoch = k == steps - 1
             if end_of_epoch:

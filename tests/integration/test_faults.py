@@ -114,3 +114,54 @@ def test_restarts_spent_end_the_job_with_one_line(tmp_path: Path) -> None:
 def test_bad_fault_options_are_one_line(flags: list[str], message: str) -> None:
     line = one_line_error(train(*flags))
     assert line.startswith("gradmesh train: error: ") and message in line
+
+
+def test_a_torn_newest_checkpoint_falls_back_and_another_runs_is_refused(tmp_path: Path) -> None:
+    first = train(*SMALL, "--checkpoint-dir", str(tmp_path))
+    assert first.returncode == 0, first.stderr
+    newest, previous = sorted(p for p in tmp_path.iterdir() if p.name.startswith("step-"))[::-1]
+    torn = newest / "rank-00001.pt"
+    torn.write_bytes(torn.read_bytes()[:100])
+    more = ["--epochs", "3", "--checkpoint-every", "4", "--keep-checkpoints", "2"]
+    again = train(*more, "--checkpoint-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
+    assert again.returncode == 0, again.stderr
+    warning = f"warning: cannot load checkpoint {torn}: "
+    assert warning in again.stderr and f"falling back to {previous.name}" in again.stderr
+    resumed = json.loads((tmp_path / "r.json").read_text())["faults"]["resumed_from_step"]
+    assert resumed == int(previous.name.split("-")[1])
+    other = one_line_error(train(*SMALL, "--workers", "3", "--checkpoint-dir", str(tmp_path)))
+    assert other.endswith("belongs to another run: workers=2 (now 3)")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_a_full_disk_ends_the_job_naming_the_file_and_leaves_no_checkpoint(
+    tmp_path: Path,
+) -> None:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(disk)], check=True)
+    try:
+        out = train(*SMALL, "--checkpoint-dir", str(disk / "ck"))
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert f"cannot write checkpoint {disk}/ck/step-00000004/rank-0000" in out.stderr
+        assert "No space left on device" in out.stderr
+        assert not list((disk / "ck").glob("step-*/meta.json"))
+        assert not list((disk / "ck").rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_a_straggler_is_named_in_the_report(tmp_path: Path) -> None:
+    out = train(
+        "--epochs",
+        "1",
+        "--workers",
+        "3",
+        "--json",
+        str(tmp_path / "r.json"),
+        env={"GRADMESH_FAULT": "slow:2:15"},
+    )
+    assert out.returncode == 0, out.stderr
+    slowest = json.loads((tmp_path / "r.json").read_text())["slowest"]
+    assert slowest["rank"] == 2 and slowest["ratio_to_median"] > 2
+    assert f"straggler: rank 2 computed {slowest['compute_s']:.2f} s" in out.stdout
