@@ -111,6 +111,10 @@ BENCHES = {
         "every compressor over a slow link: bytes, step time, time to accuracy, torch's hook",
         "gradmesh.bench.compression",
     ),
+    "checkpoint": (
+        "checkpoint size, training stall (sync and async) and restart-to-first-step time",
+        "gradmesh.bench.checkpoint",
+    ),
     "link": (
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",

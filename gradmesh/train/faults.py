@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,12 @@ class Fault:
         if self.kind == "slow":
             time.sleep(self.amount / 1000)
         elif step == self.amount and restarts() == 0:
+            print(
+                f"gradmesh: rank {rank}: {FAULT_ENV}: killed after step {step} "
+                f"at unix time {time.time():.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
             os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -212,6 +212,8 @@ class Job:
     progress: checkpoint.Progress | None = None
     """Rank 0's record of the furthest step reached, for the steps a restart redoes."""
     redone: int = 0
+    first_step_at: float = 0.0
+    """Unix time at which this run's first step ended (a restart's first step)."""
 
 
 def setup(config: TrainConfig, rt: Runtime) -> Job:
@@ -375,6 +377,8 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
             clock.compute_s += time.perf_counter() - step_started - (rt.comm.comm_s - comm_before)
             clock.steps += 1
             step += 1
+            if clock.steps == 1:
+                job.first_step_at = time.time()
             if split.owns_output:
                 loss_sum += torch.tensor([float(loss), float(len(indices))], dtype=torch.float64)
             samples += len(indices)
@@ -457,6 +461,7 @@ def _faults(job: Job) -> dict[str, object]:
         "restarts": restarts(),
         "steps_redone": job.redone,
         "resumed_from_step": job.start_step,
+        "first_step_unix_s": job.first_step_at,
         "checkpoint_async": job.config.checkpoint_async,
         **{f"checkpoint_{k}": v for k, v in saves.items()},
     }
