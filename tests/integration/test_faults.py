@@ -165,3 +165,23 @@ def test_a_straggler_is_named_in_the_report(tmp_path: Path) -> None:
     slowest = json.loads((tmp_path / "r.json").read_text())["slowest"]
     assert slowest["rank"] == 2 and slowest["ratio_to_median"] > 2
     assert f"straggler: rank 2 computed {slowest['compute_s']:.2f} s" in out.stdout
+
+
+def test_bench_checkpoint_measures_sizes_stalls_and_a_restart(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*GRADMESH, "bench", "checkpoint", "--model", "cnn", "--rounds", "1", "--epochs", "1"]
+        + ["--json", str(tmp_path / "b.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["restart_ok"] and result["restart_to_first_step_s"] > 0
+    assert result["checkpoint_bytes"] == 2 * result["rank_file_bytes"] > 0
+    for mode in ("sync", "async"):
+        entry = result["modes"][mode]
+        assert entry["saves"] == 5 and entry["stall_s_median"] > 0
+        assert entry["limit"] in ("cpu", "disk-or-compute")
+    assert "restart to first step" in out.stdout
