@@ -87,10 +87,10 @@ def run(args: argparse.Namespace) -> int:
             mode = MODES[(i + round_) % len(MODES)]
             with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
                 runs[mode].append(_train(args, Path(tmp), mode, None))
+        done = runs["sync"][-1]  # its steps: the kill comes half-way
+        steps = round(done["samples_per_s"] * done["wall_s"] / done["batch_size"])
         with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
-            first = _train(args, Path(tmp), "sync", None)  # steps in the run, for the kill
-            steps = round(first["samples_per_s"] * first["wall_s"] / first["batch_size"])
-            runs["restart"].append(_train(args, Path(tmp) / "r", "sync", max(1, steps // 2)))
+            runs["restart"].append(_train(args, Path(tmp), "sync", max(1, steps // 2)))
     result = summarize(args, runs)
     write_json(args.json, result)
     print(format_summary(result))

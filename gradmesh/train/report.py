@@ -61,12 +61,21 @@ def summarize_layout(per_rank: dict[str, list[float]]) -> dict[str, float]:
     return summary
 
 
-def _slowest(compute_s: list[float]) -> dict[str, Any]:
-    ordered = sorted(compute_s)
-    median = ordered[len(ordered) // 2]
-    rank = max(range(len(compute_s)), key=lambda r: compute_s[r])
-    ratio = compute_s[rank] / median if median > 0 else 1.0
-    return {"rank": rank, "compute_s": compute_s[rank], "ratio_to_median": ratio}
+def _slowest(compute_s: list[float], part_ranks: int) -> dict[str, Any]:
+    """The rank computing longest against the median of the ranks doing the same work (those
+    holding the same part of the model: ranks equal modulo tp x pp); empty without replicas."""
+    worst: dict[str, Any] = {}
+    for part in range(part_ranks):
+        ranks = list(range(part, len(compute_s), part_ranks))
+        if len(ranks) < 2:
+            continue
+        ordered = sorted(compute_s[r] for r in ranks)
+        median = ordered[len(ordered) // 2]
+        rank = max(ranks, key=lambda r: compute_s[r])
+        ratio = compute_s[rank] / median if median > 0 else 1.0
+        if not worst or ratio > worst["ratio_to_median"]:
+            worst = {"rank": rank, "compute_s": compute_s[rank], "ratio_to_median": ratio}
+    return worst
 
 
 STRAGGLER = 1.5
@@ -102,8 +111,9 @@ class RunReport:
     per step by kind and stage idle, and (pipelines) the bubble; `per_rank["layout"]` has every
     rank's."""
     slowest: dict[str, Any] = field(default_factory=dict)
-    """The rank with the most computation (a straggler holds the others up in synchronous
-    training): its rank, compute seconds, and their ratio to the median rank's."""
+    """The rank with the most computation against the ranks doing the same work (a straggler
+    holds the others up in synchronous training): its rank, compute seconds, and their ratio to
+    those ranks' median."""
     faults: dict[str, Any] = field(default_factory=dict)
     """With checkpoints or restarts: restarts, steps redone, the step resumed from, and the
     reporting rank's checkpoint saves, their median stall and its file's bytes."""
@@ -150,7 +160,7 @@ class RunReport:
             strategy_info=strategy_info,
             compression=compression,
             layout={**(layout or {}), **figures},
-            slowest=_slowest(stats.compute_s),
+            slowest=_slowest(stats.compute_s, config.tensor_parallel * config.pipeline_parallel),
             faults=faults or {},
         )
 

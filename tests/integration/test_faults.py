@@ -45,15 +45,16 @@ def final_state(folder: Path, workers: int) -> list[dict[str, torch.Tensor]]:
     [
         ["--compression", "int8", "--checkpoint-async"],
         ["--strategy", "local-sgd", "--sync-every", "3", "--compression", "topk"],
-        ["--tensor-parallel", "2", "--model", "mlp"],
-        ["--pipeline-parallel", "2", "--microbatches", "2", "--model", "mlp"],
+        ["--workers", "4", "--tensor-parallel", "2", "--pipeline-parallel", "2", "--model", "mlp"]
+        + ["--microbatches", "2"],
     ],
-    ids=["allreduce-int8-async", "local-sgd-topk", "tensor-parallel", "pipeline"],
+    ids=["allreduce-int8-async", "local-sgd-topk", "tensor-and-pipeline-parallel"],
 )
 def test_a_worker_killed_at_a_random_step_recovers_bit_identically(
     case: list[str], tmp_path: Path
 ) -> None:
-    rank, step = random.randrange(2), random.randrange(1, STEPS)
+    workers = 4 if "4" in case else 2
+    rank, step = random.randrange(workers), random.randrange(1, STEPS)
     fault = f"kill:{rank}:{step}"
     clean = train(
         *SMALL, *case, "--checkpoint-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json")
@@ -76,8 +77,10 @@ def test_a_worker_killed_at_a_random_step_recovers_bit_identically(
     assert b["faults"]["restarts"] == 1, fault
     resumed = b["faults"]["resumed_from_step"]
     # the newest complete checkpoint: at most 4 steps back, 8 when the latest asynchronous
-    # write was still in flight
-    assert 0 < step - resumed <= 8 and b["faults"]["steps_redone"] == step - resumed, fault
+    # write was still in flight; rank 0 may have run up to 3 steps further (local SGD's
+    # ranks meet every 3 steps), and the steps redone count from the furthest it reached
+    assert 0 < step - resumed <= 8, fault
+    assert 0 <= b["faults"]["steps_redone"] - (step - resumed) <= 3, fault
     assert b["loss_history"] == a["loss_history"], fault
     assert b["test_accuracy"] == a["test_accuracy"], fault
     for mine, theirs in zip(
@@ -87,18 +90,6 @@ def test_a_worker_killed_at_a_random_step_recovers_bit_identically(
         for name in mine:
             assert torch.equal(mine[name], theirs[name]), f"{fault}: {name}"
     assert len([p for p in (tmp_path / "b").iterdir() if p.name.startswith("step-")]) == 2
-
-
-def test_restarts_spent_end_the_job_with_one_line(tmp_path: Path) -> None:
-    """Without restarts a killed worker ends the job, naming it; the checkpoint it leaves is
-    resumed by the same command."""
-    out = train(*SMALL, "--checkpoint-dir", str(tmp_path), env={"GRADMESH_FAULT": "kill:1:10"})
-    assert out.returncode == 137
-    assert "gradmesh run: rank 1 was killed by signal SIGKILL; the job was stopped" in out.stderr
-    again = train(*SMALL, "--checkpoint-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
-    assert again.returncode == 0, again.stderr
-    faults = json.loads((tmp_path / "r.json").read_text())["faults"]
-    assert (faults["resumed_from_step"], faults["steps_redone"], faults["restarts"]) == (8, 2, 0)
 
 
 @pytest.mark.parametrize(
@@ -116,17 +107,25 @@ def test_bad_fault_options_are_one_line(flags: list[str], message: str) -> None:
     assert line.startswith("gradmesh train: error: ") and message in line
 
 
-def test_a_torn_newest_checkpoint_falls_back_and_another_runs_is_refused(tmp_path: Path) -> None:
-    first = train(*SMALL, "--checkpoint-dir", str(tmp_path))
-    assert first.returncode == 0, first.stderr
+def test_spent_restarts_a_rerun_a_torn_checkpoint_and_another_run(tmp_path: Path) -> None:
+    """Without restarts a killed worker ends the job, naming it; the same command resumes from
+    the checkpoint it left; a torn newest checkpoint falls back to the one before it; another
+    run's checkpoints are refused."""
+    out = train(*SMALL, "--checkpoint-dir", str(tmp_path), env={"GRADMESH_FAULT": "kill:1:10"})
+    assert out.returncode == 137
+    assert "gradmesh run: rank 1 was killed by signal SIGKILL; the job was stopped" in out.stderr
+    again = train(*SMALL, "--checkpoint-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
+    assert again.returncode == 0, again.stderr
+    faults = json.loads((tmp_path / "r.json").read_text())["faults"]
+    assert (faults["resumed_from_step"], faults["steps_redone"], faults["restarts"]) == (8, 2, 0)
     newest, previous = sorted(p for p in tmp_path.iterdir() if p.name.startswith("step-"))[::-1]
     torn = newest / "rank-00001.pt"
     torn.write_bytes(torn.read_bytes()[:100])
     more = ["--epochs", "3", "--checkpoint-every", "4", "--keep-checkpoints", "2"]
-    again = train(*more, "--checkpoint-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
-    assert again.returncode == 0, again.stderr
+    third = train(*more, "--checkpoint-dir", str(tmp_path), "--json", str(tmp_path / "r.json"))
+    assert third.returncode == 0, third.stderr
     warning = f"warning: cannot load checkpoint {torn}: "
-    assert warning in again.stderr and f"falling back to {previous.name}" in again.stderr
+    assert warning in third.stderr and f"falling back to {previous.name}" in third.stderr
     resumed = json.loads((tmp_path / "r.json").read_text())["faults"]["resumed_from_step"]
     assert resumed == int(previous.name.split("-")[1])
     other = one_line_error(train(*SMALL, "--workers", "3", "--checkpoint-dir", str(tmp_path)))
@@ -147,6 +146,22 @@ def test_a_full_disk_ends_the_job_naming_the_file_and_leaves_no_checkpoint(
         assert "No space left on device" in out.stderr
         assert not list((disk / "ck").glob("step-*/meta.json"))
         assert not list((disk / "ck").rglob("*.tmp"))
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_an_unwritable_folder_is_refused_before_launch(tmp_path: Path) -> None:
+    """As root every folder passes os.access: a read-only mount is what root cannot write."""
+    disk = tmp_path / "ro"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)], check=True)
+    try:
+        line = one_line_error(train("--checkpoint-dir", str(disk / "ck")))
+        assert line == (
+            f"gradmesh train: error: --checkpoint-dir {disk}/ck cannot be created: "
+            "Read-only file system"
+        )
     finally:
         subprocess.run(["umount", str(disk)], check=True)
 
