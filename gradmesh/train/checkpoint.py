@@ -24,6 +24,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import struct
 import sys
 import time
@@ -284,9 +285,12 @@ class SaveStats:
     """Size of this rank's last file."""
 
     def summary(self) -> dict[str, float]:
-        ordered = sorted(self.stalls_s)
-        median = ordered[len(ordered) // 2] if ordered else 0.0
-        return {"saves": len(ordered), "stall_s_median": median, "rank_file_bytes": self.bytes}
+        median = statistics.median(self.stalls_s) if self.stalls_s else 0.0
+        return {
+            "saves": len(self.stalls_s),
+            "stall_s_median": median,
+            "rank_file_bytes": self.bytes,
+        }
 
 
 class Checkpointer:

@@ -53,7 +53,7 @@ def final_state(folder: Path, workers: int) -> list[dict[str, torch.Tensor]]:
 def test_a_worker_killed_at_a_random_step_recovers_bit_identically(
     case: list[str], tmp_path: Path
 ) -> None:
-    workers = 4 if "4" in case else 2
+    workers = int(case[case.index("--workers") + 1]) if "--workers" in case else 2
     rank, step = random.randrange(workers), random.randrange(1, STEPS)
     fault = f"kill:{rank}:{step}"
     clean = train(
