@@ -59,6 +59,9 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
 
     config = _train_config(args)
     config.validate()
+    where = cluster_defaults()
+    if where.get("min_nodes") is not None:
+        config.check_elastic()
     config.check_outputs()
     if config.tensor_parallel * config.pipeline_parallel > 1 or config.microbatches > 1:
         from gradmesh.train.trainer import check_layout
@@ -72,9 +75,8 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
     if config.strategy == "ps":  # servers and workers, all through the same launcher
         module, nproc = "gradmesh.parameter_server.node", config.servers + config.workers
     worker = [sys.executable, "-m", module, "--config", config.to_json()]
-    where = {"nproc": nproc, **cluster_defaults()}
     spec = LaunchSpec(
-        **where,
+        **{"nproc": nproc, **where},
         timeout_s=config.timeout_s,
         passthrough_rank0=True,
         max_restarts=config.max_restarts,
@@ -135,16 +137,25 @@ def _cmd_emulate(args: argparse.Namespace, command: list[str]) -> int:
     from gradmesh.launch.emulate import EmulatedCluster
 
     signal.signal(signal.SIGTERM, _interrupt)  # tear the namespaces down on SIGTERM too
+    from gradmesh.launch.run import parse_nnodes
+
+    min_hosts, hosts = parse_nnodes(args.nnodes) if args.nnodes else (None, args.hosts)
+    if hosts != args.hosts:
+        raise GradmeshError(f"--nnodes {args.nnodes}: MAX must be --hosts ({args.hosts})")
     with EmulatedCluster(hosts=args.hosts, bandwidth=args.bandwidth, latency=args.latency) as c:
-        return c.run(command, procs_per_host=args.procs_per_host, timeout=args.timeout)
+        return c.run(
+            command, procs_per_host=args.procs_per_host, timeout=args.timeout, min_hosts=min_hosts
+        )
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
-    from gradmesh.launch.run import LaunchSpec, launch
+    from gradmesh.launch.run import LaunchSpec, launch, parse_nnodes
 
+    min_nodes, nnodes = parse_nnodes(args.nnodes)
     spec = LaunchSpec(
         nproc=args.np,
-        nnodes=args.nnodes,
+        nnodes=nnodes,
+        min_nodes=min_nodes if min_nodes is not None else getattr(args, "min_nodes", None),
         node_rank=args.node_rank,
         master=args.master,
         iface=args.iface,
@@ -169,7 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=on_cluster.get("nproc"),
         help="worker processes on this host",
     )
-    run.add_argument("--nnodes", type=int, default=1, help="hosts in the job (default: 1)")
+    run.add_argument(
+        "--nnodes",
+        default="1",
+        help="hosts in the job: N, or MIN:MAX for an elastic job that goes on with fewer "
+        "hosts after one is lost (default: 1)",
+    )
     run.add_argument("--node-rank", type=int, default=0, help="index of this host (default: 0)")
     run.add_argument("--master", help="HOST[:PORT] of host 0 (default: a free loopback port)")
     run.add_argument("--iface", help="network interface for Gloo/NCCL traffic (multi-host)")
@@ -197,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument("--bandwidth", default="1gbit", help="link rate per host (default: 1gbit)")
     emulate.add_argument("--latency", help="added one-way latency, like 1ms (needs netem)")
     emulate.add_argument("--timeout", type=float, default=600.0, help="end the job after S seconds")
+    emulate.add_argument(
+        "--nnodes", help="MIN:MAX (MAX = --hosts): an elastic job that goes on with MIN hosts"
+    )
     emulate.set_defaults(handler=_cmd_emulate)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)

@@ -34,6 +34,10 @@ from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
 BACKEND_ENV = "GRADMESH_BACKEND"
+ROUND_ENV = "GRADMESH_RDZV_ROUND"
+"""Set by an elastic job's agent: the rendezvous round its workers were started in."""
+MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
+"""Set by `gradmesh run --nnodes MIN:MAX` to the most workers the elastic job can have."""
 LAUNCHER_PID_ENV = "GRADMESH_LAUNCHER_PID"
 """Set by `gradmesh run` (and a ps worker's supervisor) to its own pid: the process a worker
 must not outlive."""
@@ -243,9 +247,13 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
         # each join of this process after a shutdown() gets keys of its own in the store: the
         # agent's store outlives the job's groups, and Gloo reading the addresses the previous
         # join published there connected to ports long closed (Horovod's init, shutdown, init)
-        # and so does each attempt of a job the launcher restarted (--max-restarts)
+        # and so does each attempt of a job the launcher restarted (--max-restarts), or each
+        # round of an elastic job's rendezvous (there the attempt counts differ between hosts)
         attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
-        joined = f"gradmesh-attempt-{attempt}-join-{_joins}/" if attempt or _joins else ""
+        round_ = os.environ.get(ROUND_ENV)
+        generation = f"round-{round_}" if round_ is not None else f"attempt-{attempt}"
+        fresh = attempt or _joins or round_ is not None
+        joined = f"gradmesh-{generation}-join-{_joins}/" if fresh else ""
         prefix = joined + "default_pg"
         dist.init_process_group(
             backend,

@@ -177,18 +177,26 @@ class HostJob:
 
     procs: list[subprocess.Popen[str]]
     threads: list[threading.Thread] = field(default_factory=list)
+    elastic: bool = False
+    """Whether the job goes on when a host is lost (`--nnodes MIN:MAX`)."""
+
+    def _lost(self, code: int) -> bool:
+        """A host whose launcher was killed by a signal (kill_host, a power cut) is lost; an
+        elastic job goes on without it."""
+        return self.elastic and code < 0
 
     def wait(self, timeout: float) -> int:
-        """The job's exit code: the failing host's (named on stderr), 0 when all succeed, 124 on
-        timeout. A host whose ranks only stopped because of another host's failure
-        (PEER_FAILED_EXIT) is named only when no host failed by itself."""
+        """The job's exit code: the failing host's (named on stderr), 0 when all succeed (an
+        elastic job: all that were not lost), 124 on timeout. A host whose ranks only stopped
+        because of another host's failure (PEER_FAILED_EXIT) is named only when no host failed
+        by itself."""
         deadline = time.monotonic() + timeout
         codes: dict[int, int] = {}
         while len(codes) < len(self.procs):
             for i, proc in enumerate(self.procs):
                 if i not in codes and proc.poll() is not None:
                     codes[i] = proc.returncode
-            failed = [c for c in codes.values() if c != 0]
+            failed = [c for c in codes.values() if c != 0 and not self._lost(c)]
             if failed or len(codes) == len(self.procs):
                 break
             if time.monotonic() > deadline:
@@ -199,7 +207,7 @@ class HostJob:
                 )
                 return 124
             time.sleep(0.05)
-        if [c for c in codes.values() if c != 0]:
+        if [c for c in codes.values() if c != 0 and not self._lost(c)]:
             grace = time.monotonic() + 10  # the other hosts see the failure and stop on their own
             while any(p.poll() is None for p in self.procs) and time.monotonic() < grace:
                 time.sleep(0.05)
@@ -209,7 +217,7 @@ class HostJob:
             ranked = [
                 (c == PEER_FAILED_EXIT, order, host, c)
                 for order, (host, c) in enumerate(codes.items())
-                if c != 0
+                if c != 0 and not self._lost(c)
             ]
             _, _, host, code = min(ranked)
             for t in self.threads:  # the hosts' own last lines come before ours
@@ -222,6 +230,14 @@ class HostJob:
             return code
         for t in self.threads:
             t.join(timeout=5)
+        for host, code in sorted(codes.items()):
+            if self._lost(code):
+                print(
+                    f"gradmesh emulate: host {host} was lost (killed by "
+                    f"{signal.Signals(-code).name}); the job went on without it",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return 0
 
 
@@ -368,18 +384,24 @@ class EmulatedCluster:
             self.tmpdir = None
 
     # -- jobs ------------------------------------------------------------------------------
-    def host_env(self, host: int, procs_per_host: int) -> dict[str, str]:
+    def host_env(
+        self, host: int, procs_per_host: int, min_hosts: int | None = None
+    ) -> dict[str, str]:
+        nnodes = str(self.hosts) if min_hosts is None else f"{min_hosts}:{self.hosts}"
         return {
             JOB_TOKEN_ENV: self.job_token,
-            CLUSTER_ENV["nnodes"]: str(self.hosts),
+            CLUSTER_ENV["nnodes"]: nnodes,
             CLUSTER_ENV["node_rank"]: str(host),
             CLUSTER_ENV["master"]: f"{self.address(0)}:{MASTER_PORT + self.jobs}",
             CLUSTER_ENV["iface"]: IFACE,
             CLUSTER_ENV["nproc"]: str(procs_per_host),
         }
 
-    def start(self, command: list[str], procs_per_host: int = 1) -> HostJob:
-        """Start `command` on every host (a gradmesh command, or any program under gradmesh run)."""
+    def start(
+        self, command: list[str], procs_per_host: int = 1, min_hosts: int | None = None
+    ) -> HostJob:
+        """Start `command` on every host (a gradmesh command, or any program under gradmesh run);
+        with `min_hosts`, as an elastic job that goes on while that many hosts remain."""
         if not command:
             raise GradmeshError("no command to run: put it after --, like: -- gradmesh train")
         if procs_per_host < 1:
@@ -394,7 +416,7 @@ class EmulatedCluster:
         )
         procs, threads = [], []
         for host in range(self.hosts):
-            env = {**os.environ, **self.host_env(host, procs_per_host)}
+            env = {**os.environ, **self.host_env(host, procs_per_host, min_hosts)}
             if self.tmpdir is not None:
                 env["TMPDIR"] = self.tmpdir
             # every emulated host shares this machine's cores: do not let each think it has all
@@ -414,11 +436,17 @@ class EmulatedCluster:
                 t = threading.Thread(target=_pump, args=(stream, f"[h{host}] ", sink), daemon=True)
                 t.start()
                 threads.append(t)
-        return HostJob(procs, threads)
+        return HostJob(procs, threads, elastic=min_hosts is not None)
 
-    def run(self, command: list[str], procs_per_host: int = 1, timeout: float = 600.0) -> int:
+    def run(
+        self,
+        command: list[str],
+        procs_per_host: int = 1,
+        timeout: float = 600.0,
+        min_hosts: int | None = None,
+    ) -> int:
         """Run `command` on every host to the end; return the job's exit code."""
-        return self.start(command, procs_per_host).wait(timeout)
+        return self.start(command, procs_per_host, min_hosts).wait(timeout)
 
     # -- faults and counters -----------------------------------------------------------------
     def set_link(self, host: int, up: bool) -> None:

@@ -28,7 +28,7 @@ from typing import Any
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
-from gradmesh.runtime import LAUNCHER_PID_ENV, TIMEOUT_ENV
+from gradmesh.runtime import LAUNCHER_PID_ENV, MAX_WORLD_ENV, TIMEOUT_ENV
 
 DEFAULT_PORT = 29500
 PYTHON_NAMES = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")
@@ -56,6 +56,28 @@ class LaunchSpec:
     """Extra environment variables for the workers."""
     max_restarts: int = 0
     """Times the elastic agent restarts every worker of this host after a failure."""
+    min_nodes: int | None = None
+    """Elastic (`--nnodes MIN:MAX`): the fewest hosts the job runs on, `nnodes` being the most;
+    hosts are then ranked by the rendezvous, and `node_rank` 0 only says who serves its store.
+    None: exactly `nnodes` hosts, ranked by `node_rank`."""
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes is not None
+
+
+def parse_nnodes(text: str) -> tuple[int | None, int]:
+    """`--nnodes N` (a fixed number of hosts) or `MIN:MAX` (elastic): (MIN or None, MAX)."""
+    low, colon, high = str(text).partition(":")
+    try:
+        values = [int(low), int(high)] if colon else [int(low)]
+    except ValueError:
+        raise GradmeshError(f"bad --nnodes {text!r}: expected N or MIN:MAX") from None
+    if min(values) < 1:
+        raise GradmeshError(f"bad --nnodes {text!r}: host counts must be >= 1")
+    if colon and values[0] > values[1]:
+        raise GradmeshError(f"bad --nnodes {text!r}: MIN {values[0]} is more than MAX {values[1]}")
+    return (values[0] if colon else None), values[-1]
 
 
 def cluster_defaults() -> dict[str, Any]:
@@ -66,7 +88,9 @@ def cluster_defaults() -> dict[str, Any]:
     found: dict[str, Any] = {}
     for key, var in CLUSTER_ENV.items():
         raw = os.environ.get(var)
-        if raw:
+        if raw and key == "nnodes":
+            found["min_nodes"], found["nnodes"] = parse_nnodes(raw)
+        elif raw:
             try:
                 found[key] = raw if key in ("master", "iface") else int(raw)
             except ValueError:
@@ -153,6 +177,8 @@ def _check(spec: LaunchSpec) -> None:
         raise GradmeshError(f"--timeout must be > 0, got {spec.timeout_s}")
     if spec.max_restarts < 0:
         raise GradmeshError(f"--max-restarts must be >= 0, got {spec.max_restarts}")
+    if spec.min_nodes is not None and not 1 <= spec.min_nodes <= spec.nnodes:
+        raise GradmeshError(f"--nnodes {spec.min_nodes}:{spec.nnodes}: MIN must be in 1..MAX")
 
 
 def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
@@ -166,6 +192,8 @@ def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
         **spec.env,
     }
     env.setdefault(JOB_TOKEN_ENV, os.environ.get(JOB_TOKEN_ENV) or secrets.token_hex(16))
+    if spec.elastic:
+        env[MAX_WORLD_ENV] = str(spec.nproc * spec.nnodes)
     threads = max(1, (os.cpu_count() or 1) // spec.nproc)
     env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", str(threads)))
     iface = spec.iface or ("lo" if host in ("127.0.0.1", "localhost") else None)
@@ -173,6 +201,15 @@ def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
         env["GLOO_SOCKET_IFNAME"] = iface
         env["NCCL_SOCKET_IFNAME"] = iface
     return env
+
+
+def own_address(master: str, port: int) -> str:
+    """This host's address on the route to the master (no packet is sent): how the hosts of an
+    elastic job name themselves to each other."""
+    family = socket.getaddrinfo(master, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family[0], socket.SOCK_DGRAM) as s:
+        s.connect(family[4])
+        return str(s.getsockname()[0])
 
 
 def _quiet_agent() -> None:
@@ -232,6 +269,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     from gradmesh.launch.rendezvous import register
 
     _check(spec)
+    if spec.elastic and spec.nnodes == 1:
+        raise GradmeshError("--nnodes MIN:MAX is for jobs over several hosts: MAX must be > 1")
     command = resolve_command(command)
     host, port = parse_master(spec.master, spec.nnodes)
     if spec.node_rank == 0:
@@ -245,20 +284,27 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     redirects: Std | dict[int, Std] = shown
     if spec.passthrough_rank0 and spec.node_rank == 0:
         redirects = {i: (Std.NONE if i == 0 else Std.ALL) for i in range(spec.nproc)}
+    rdzv_configs: dict[str, Any] = {"timeout": int(max(1, spec.timeout_s))}
+    if spec.elastic:  # ranks come from the rendezvous; host 0 serves its store
+        rdzv_configs["is_host"] = spec.node_rank == 0
+        local_addr: str | None = own_address(host, port)
+    else:
+        rdzv_configs["rank"] = spec.node_rank
+        local_addr = host if spec.nnodes == 1 else None
     config = LaunchConfig(
-        min_nodes=spec.nnodes,
+        min_nodes=spec.min_nodes or spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
         run_id=f"gradmesh-{port}",
-        rdzv_backend=register(),
+        rdzv_backend=register(spec.elastic),
         rdzv_endpoint=f"{host}:{port}",
-        rdzv_configs={"rank": spec.node_rank, "timeout": int(max(1, spec.timeout_s))},
+        rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
         log_line_prefix_template="[${rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=redirects, tee=redirects),
-        local_addr=host if spec.nnodes == 1 else None,
+        local_addr=local_addr,
     )
     try:
         elastic_launch(config, command[0])(*command[1:])

@@ -46,16 +46,22 @@ class Engine(Protocol):
 
 
 class PlainEngine:
-    """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward."""
+    """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward
+    per micro-batch (more than one: an elastic job's gradient accumulation)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, microbatches: int = 1) -> None:
         self.module = module
+        self.microbatches = microbatches
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        with span("forward"):
-            loss = sum_cross_entropy(self.module(x), y)
-        (loss * scale).backward()  # type: ignore[no-untyped-call]
-        return loss.detach().double()
+        total = torch.zeros((), dtype=torch.float64)
+        m = self.microbatches
+        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+            with span("forward"):
+                loss = sum_cross_entropy(self.module(xs), ys)
+            (loss * scale).backward()  # type: ignore[no-untyped-call]
+            total += loss.detach().double()
+        return total
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor | None:
@@ -123,7 +129,9 @@ def split_model(
         module = parallelize(model, plan, tp.size, tp.index)
     owns = tp.index == 0 and pp.index == pp.size - 1
     if starts is None:
-        return Split(module, PlainEngine(module), info, owns)
+        if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
+            info["accumulation"] = microbatches
+        return Split(module, PlainEngine(module, microbatches), info, owns)
     shapes = sample_shapes(layers_of(module, model_name), sample[:1])
     stage = stage_module(module, starts, pp.index)
     first = starts[pp.index]

@@ -89,6 +89,11 @@ class Meta:
     identity: dict[str, Any]
     losses: list[float]
     samples: int
+    epoch_loss: list[float] | None = None
+    """Elastic jobs: the world's (loss sum, count) of the epoch under way, for a world of
+    another size (each rank file holds only its own rank's)."""
+    membership: list[list[int]] = field(default_factory=list)
+    """Elastic jobs: [step, workers] each time the number of workers changed."""
 
     @property
     def checkpoint(self) -> Path:
@@ -123,6 +128,8 @@ def read_meta(checkpoint: Path) -> Meta:
     if problem is None and not all(isinstance(v, int | float) for v in values["losses"]):
         problem = "'losses' must be a list of numbers"
     if problem is None:
+        problem = _elastic_problem(values)
+    if problem is None:
         expected = [rank_file(checkpoint, r).name for r in range(max(values["world"], 0))]
         if values["world"] < 1 or values["files"] != expected:
             problem = f"'files' must name one file per rank of {values['world']}"
@@ -137,7 +144,24 @@ def read_meta(checkpoint: Path) -> Meta:
         values["identity"],
         [float(v) for v in values["losses"]],
         values["samples"],
+        values.get("epoch_loss"),
+        values.get("membership", []),
     )
+
+
+def _elastic_problem(values: dict[str, Any]) -> str | None:
+    """What is wrong with an elastic job's optional entries, if anything."""
+    loss = values.get("epoch_loss")
+    if loss is not None and not (
+        isinstance(loss, list) and len(loss) == 2 and all(isinstance(v, int | float) for v in loss)
+    ):
+        return "'epoch_loss' must be two numbers"
+    changes = values.get("membership", [])
+    if not isinstance(changes, list) or not all(
+        isinstance(c, list) and len(c) == 2 and all(type(v) is int for v in c) for c in changes
+    ):
+        return "'membership' must be a list of [step, workers] pairs"
+    return None
 
 
 def complete(directory: str | Path) -> list[Path]:
@@ -322,9 +346,11 @@ class Checkpointer:
         losses: list[float],
         samples: int,
         state: dict[str, Any],
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """Checkpoint after `step` steps (`offset` of them into `epoch`); `state` is this rank's
-        part (see RANK_KEYS); `losses` and `samples` are the run's, reduced over the world."""
+        part (see RANK_KEYS); `losses` and `samples` are the run's, reduced over the world;
+        `extra`: an elastic job's entries (epoch_loss, membership)."""
         started = time.perf_counter()
         self.wait()
         meta = {
@@ -337,6 +363,7 @@ class Checkpointer:
             "losses": list(losses),
             "samples": samples,
             "files": [rank_file(folder(self.directory, step), r).name for r in range(self.world)],
+            **(extra or {}),
         }
         if self._writer is None:
             self._write(step, state, meta)

@@ -338,6 +338,26 @@ class TrainConfig(
                 "which gradmesh does not do yet (issue 15)"
             )
 
+    def check_elastic(self) -> None:
+        """An elastic job (`--nnodes MIN:MAX`) resumes its replicas from a checkpoint with
+        another replica count: every replica must hold the same state, so that any rank's part
+        serves any rank."""
+        if self.strategy != "allreduce" or self.compression != "none":
+            raise GradmeshError(
+                "an elastic job (--nnodes MIN:MAX) needs --strategy allreduce without "
+                "compression: its replicas must hold the same state at every step"
+            )
+        if self.tensor_parallel * self.pipeline_parallel > 1:
+            raise GradmeshError(
+                "an elastic job (--nnodes MIN:MAX) changes data-parallel replicas only: "
+                "tensor and pipeline parallelism are not supported in it"
+            )
+        if not self.checkpoint_dir or self.max_restarts < 1:
+            raise GradmeshError(
+                "an elastic job (--nnodes MIN:MAX) resumes from its checkpoints after a host "
+                "is lost: give it --checkpoint-dir and --max-restarts >= 1"
+            )
+
     def check_outputs(self) -> None:
         """Raise one line unless every output path can be written (before anything runs)."""
         if self.json:

@@ -202,13 +202,15 @@ class RunReport:
         f = self.faults
         if not f:
             return []
+        changes = f.get("membership", [])
+        members = ", ".join(f"{w} from step {s}" for s, w in changes)
         return [
             f"  checkpoints {f.get('checkpoint_saves', 0)} saved, median stall "
             f"{f.get('checkpoint_stall_s_median', 0.0) * 1e3:.1f} ms, "
             f"{f.get('checkpoint_rank_file_bytes', 0) / 1e6:.2f} MB per rank   "
             f"restarts {f['restarts']}, steps redone {f['steps_redone']}, "
             f"resumed from step {f['resumed_from_step']}"
-        ]
+        ] + ([f"  workers (elastic): {members}"] if len(changes) > 1 else [])
 
     def _compressed(self) -> str:
         if not self.compression:

@@ -100,7 +100,6 @@ class AllreduceStrategy(_Defaults):
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
         broadcast_replica(model, rt)
-        pipelined = self.config.pipeline_parallel > 1
         self.optimizer = DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
@@ -108,8 +107,9 @@ class AllreduceStrategy(_Defaults):
             fusion_mb=self.config.fusion_mb,
             compression=self.config.compressor(),
             on_nonfinite="skip" if self.config.on_nonfinite == "skip" else "error",
-            # a pipeline stage accumulates one backward per micro-batch before its step
-            backward_passes_per_step=self.config.microbatches if pipelined else 1,
+            # one backward per micro-batch before the step: a pipeline stage's, or an elastic
+            # job's gradient accumulation when it has fewer replicas than it started with
+            backward_passes_per_step=self.config.microbatches,
         )
         return self.optimizer
 

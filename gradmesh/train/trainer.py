@@ -13,9 +13,11 @@ mean loss over the global batch, so the job takes the step one worker with the w
 
 from __future__ import annotations
 
+import math
+import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch.optim import Optimizer
@@ -28,7 +30,7 @@ from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
 from gradmesh.models import build_model
-from gradmesh.runtime import Runtime
+from gradmesh.runtime import MAX_WORLD_ENV, Runtime
 from gradmesh.timeline import start_timeline
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
@@ -107,6 +109,19 @@ def check_resume(config: TrainConfig) -> None:
                 _load_optimizer(optimizer, state["optimizer"], path)
 
     checkpoint.choose(config.checkpoint_dir, _identity(config), usable)
+
+
+def elastic_world() -> int | None:
+    """The most workers an elastic job (`--nnodes MIN:MAX`) can have; None for a fixed job."""
+    raw = os.environ.get(MAX_WORLD_ENV)
+    return int(raw) if raw else None
+
+
+def accumulation(global_batch: int, replicas: int, most: int) -> int:
+    """Micro-batches per step for each of `replicas` so that none computes on more samples at
+    once than with `most` replicas: an elastic job keeps its global batch, and its memory, when
+    replicas are lost."""
+    return math.ceil(math.ceil(global_batch / replicas) / math.ceil(global_batch / most))
 
 
 def check_layout(config: TrainConfig) -> None:
@@ -212,6 +227,8 @@ class Job:
     progress: checkpoint.Progress | None = None
     """Rank 0's record of the furthest step reached, for the steps a restart redoes."""
     redone: int = 0
+    membership: list[list[int]] = field(default_factory=list)
+    """An elastic job's [step, workers] each time its number of workers changed."""
     first_step_at: float = 0.0
     """Unix time at which this run's first step ended (a restart's first step)."""
 
@@ -220,6 +237,9 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     """Data, the model split by the layout (tensor, then pipeline), the optimizer over this
     rank's own parameters, the strategy's wrapping: in that order, on every rank."""
     torch.manual_seed(config.seed)
+    most = elastic_world()
+    if most is not None and rt.dp.size < most:  # fewer replicas, the same global batch
+        config = replace(config, microbatches=accumulation(config.batch_size, rt.dp.size, most))
     if config.timeline:
         start_timeline(config.timeline)
     data = load_data(config)
@@ -233,8 +253,12 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.stages,
         data.train.x[:1].to(rt.device),
     )
-    lr = scaled_lr(
-        config.lr, config.lr_scaling, rt.dp.size, config.batch_size, config.reference_batch or None
+    lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
+        config.lr,
+        config.lr_scaling,
+        most or rt.dp.size,
+        config.batch_size,
+        config.reference_batch or None,
     )
     optimizer = build_optimizer(config, split.module.parameters(), lr)
     strategy = STRATEGIES.get(config.strategy)(config)
@@ -256,10 +280,23 @@ def attach(job: Job) -> None:
 
 def _restore(job: Job, meta: checkpoint.Meta) -> torch.Tensor:
     """Load this rank's part of `meta`'s checkpoint into the model, optimizer and strategy (a
-    GradmeshError naming the file when it does not fit); returns the epoch's loss sum so far."""
-    path = checkpoint.rank_file(meta.checkpoint, job.rt.rank)
-    state = checkpoint.read_rank(meta.checkpoint, job.rt.rank, job.split.module)
+    GradmeshError naming the file when it does not fit); returns the epoch's loss sum so far.
+
+    An elastic job resumes with another number of replicas, all holding the same state (see
+    `TrainConfig.check_elastic`): rank r loads rank (r mod the old world)'s part, and its RNG;
+    rank 0 carries the world's epoch loss sum."""
+    rank, world = job.rt.rank, job.rt.size
+    if meta.world != world and elastic_world() is None:
+        raise checkpoint.ForeignCheckpoint(
+            f"checkpoint {meta.checkpoint} belongs to another run: world={meta.world} (now {world})"
+        )
+    source = rank % meta.world
+    path = checkpoint.rank_file(meta.checkpoint, source)
+    state = checkpoint.read_rank(meta.checkpoint, source, job.split.module)
     loss_sum = state["progress"].get("loss_sum")
+    if meta.world != world:
+        total = meta.epoch_loss if rank == 0 else [0.0, 0.0]
+        loss_sum = None if total is None else torch.tensor(total, dtype=torch.float64)
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.shape != (2,):
         raise GradmeshError(f"checkpoint {path} does not fit this run: no epoch loss sum")
     job.split.module.load_state_dict(state["model"])
@@ -295,6 +332,10 @@ def resume(job: Job) -> None:
         if chosen is not None:
             meta, job.loss_sum = chosen
             job.start_step, job.losses = meta.step, list(meta.losses)
+            job.membership = [list(change) for change in meta.membership]
+        changed = not job.membership or job.membership[-1][1] != rt.size
+        if elastic_world() is not None and changed:
+            job.membership.append([job.start_step, rt.size])
         if rt.rank == 0:
             job.progress = checkpoint.Progress(config.checkpoint_dir)
             job.redone = job.progress.resumed_at(job.start_step)
@@ -327,7 +368,12 @@ def _checkpoint(
         "rng": checkpoint.rng_state(),
         "progress": {"loss_sum": loss_sum.clone()},
     }
-    job.checkpointer.save(step, epoch, offset, clock.losses, clock.samples, state)
+    extra = None
+    if job.membership:  # an elastic job: what a world of another size resumes from
+        world_sum = loss_sum.clone()
+        allreduce(world_sum, kind="metrics")
+        extra = {"epoch_loss": world_sum.tolist(), "membership": job.membership}
+    job.checkpointer.save(step, epoch, offset, clock.losses, clock.samples, state, extra)
 
 
 def _due(config: TrainConfig, step: int, end_of_epoch: bool, last: int) -> bool:
@@ -464,6 +510,7 @@ def _faults(job: Job) -> dict[str, object]:
         "first_step_unix_s": job.first_step_at,
         "checkpoint_async": job.config.checkpoint_async,
         **{f"checkpoint_{k}": v for k, v in saves.items()},
+        **({"membership": job.membership} if job.membership else {}),
     }
 
 

@@ -140,6 +140,18 @@ def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
         ),
         (["run", "-np", "0", "--", "python", "-c", "pass"], "-np must be >= 1"),
         (["run", "-np", "1"], "no command to run"),
+        (
+            ["run", "-np", "1", "--nnodes", "4:2", "--", "python", "-c", "pass"],
+            "bad --nnodes '4:2': MIN 4 is more than MAX 2",
+        ),
+        (
+            ["run", "-np", "1", "--nnodes", "1:1", "--", "python", "-c", "pass"],
+            "--nnodes MIN:MAX is for jobs over several hosts",
+        ),
+        (
+            ["emulate", "--hosts", "4", "--nnodes", "2:3", "--", "gradmesh", "train"],
+            "--nnodes 2:3: MAX must be --hosts (4)",
+        ),
     ],
 )
 def test_bad_input_gets_one_clear_line(args: list[str], message: str) -> None:

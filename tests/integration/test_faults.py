@@ -107,6 +107,21 @@ def test_bad_fault_options_are_one_line(flags: list[str], message: str) -> None:
     assert line.startswith("gradmesh train: error: ") and message in line
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strategy", "local-sgd"], "needs --strategy allreduce without compression"),
+        (["--compression", "int8"], "needs --strategy allreduce without compression"),
+        (["--tensor-parallel", "2", "--model", "mlp"], "tensor and pipeline parallelism"),
+        ([], "give it --checkpoint-dir and --max-restarts >= 1"),
+    ],
+)
+def test_an_elastic_job_refuses_what_it_cannot_resume(flags: list[str], message: str) -> None:
+    """Under --nnodes MIN:MAX (here from the variable gradmesh emulate sets on each host)."""
+    line = one_line_error(train(*flags, env={"GRADMESH_NNODES": "2:4", "GRADMESH_NODE_RANK": "0"}))
+    assert line.startswith("gradmesh train: error: an elastic job") and message in line
+
+
 def test_spent_restarts_a_rerun_a_torn_checkpoint_and_another_run(tmp_path: Path) -> None:
     """Without restarts a killed worker ends the job, naming it; the same command resumes from
     the checkpoint it left; a torn newest checkpoint falls back to the one before it; another

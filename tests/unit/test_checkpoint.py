@@ -161,6 +161,8 @@ def test_a_malformed_rank_file_is_one_line_naming_it(
         (lambda m: {**m, "step": "ten"}, "'step' is a str, not an integer"),
         (lambda m: {**m, "format": 1}, "format 1, this gradmesh reads format 2"),
         (lambda m: {**m, "files": ["rank-00000.pt", "x"]}, "one file per rank of 1"),
+        (lambda m: {**m, "epoch_loss": [1.0]}, "'epoch_loss' must be two numbers"),
+        (lambda m: {**m, "membership": [[0, "4"]]}, "list of [step, workers] pairs"),
     ],
 )
 def test_malformed_metadata_is_one_line_naming_it(
@@ -173,6 +175,17 @@ def test_malformed_metadata_is_one_line_naming_it(
     with pytest.raises(GradmeshError) as err:
         choose(tmp_path)
     assert str(ck / "meta.json") in str(err.value) and problem in str(err.value)
+
+
+def test_an_elastic_jobs_entries_are_read_back(tmp_path: Path) -> None:
+    writer = checkpoint.Checkpointer(str(tmp_path), 0, 1, IDENTITY, 3, False, 5)
+    model, opt = _model_and_opt(0)
+    extra = {"epoch_loss": [12.5, 40.0], "membership": [[0, 4], [40, 3]]}
+    writer.save(40, 1, 17, [0.5], 2560, _state(model, opt), extra)
+    writer.close()
+    meta = choose(tmp_path)
+    assert meta is not None
+    assert (meta.epoch_loss, meta.membership) == ([12.5, 40.0], [[0, 4], [40, 3]])
 
 
 def test_another_runs_checkpoint_is_refused_not_fallen_back_from(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from gradmesh.errors import GradmeshError
-from gradmesh.launch.run import LaunchSpec, _check, parse_master, resolve_command
+from gradmesh.launch.run import LaunchSpec, _check, parse_master, parse_nnodes, resolve_command
 
 
 def test_parse_master_forms() -> None:
@@ -21,6 +21,20 @@ def test_parse_master_forms() -> None:
         parse_master(None, 2)
     with pytest.raises(GradmeshError, match="port must be a number"):
         parse_master("node0:http", 2)
+
+
+def test_parse_nnodes_forms() -> None:
+    assert parse_nnodes("4") == (None, 4)
+    assert parse_nnodes("2:4") == (2, 4)
+    assert parse_nnodes("3:3") == (3, 3)
+    for bad, problem in [
+        ("4:2", "MIN 4 is more than MAX 2"),
+        ("2:x", "expected N or MIN:MAX"),
+        ("0:2", "host counts must be >= 1"),
+        ("", "expected N or MIN:MAX"),
+    ]:
+        with pytest.raises(GradmeshError, match=problem):
+            parse_nnodes(bad)
 
 
 def test_resolve_command(tmp_path: Path) -> None:
