@@ -41,6 +41,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default: 2)")
     parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (5)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode (default: 3)")
+    parser.add_argument(
+        "--modes",
+        default="sync,async",
+        help="save modes to time against no checkpoints (default: sync,async)",
+    )
     parser.add_argument("--json", help="write the result here")
 
 
@@ -81,16 +86,21 @@ def _train(args: argparse.Namespace, folder: Path, mode: str, kill: int | None) 
 def run(args: argparse.Namespace) -> int:
     if min(args.workers, args.epochs, args.every, args.rounds) < 1:
         raise GradmeshError("--workers, --epochs, --every and --rounds must be >= 1")
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in (*MODES, "restart")}
+    chosen = [m for m in args.modes.split(",") if m]
+    if not chosen or set(chosen) - set(MODES[1:]):
+        raise GradmeshError(f"--modes {args.modes!r}: a list of sync, async")
+    modes = ("none", *chosen)
+    args.modes = modes
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in (*modes, "restart")}
     for round_ in range(args.rounds):
-        for i in range(len(MODES)):
-            mode = MODES[(i + round_) % len(MODES)]
+        for i in range(len(modes)):
+            mode = modes[(i + round_) % len(modes)]
             with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
                 runs[mode].append(_train(args, Path(tmp), mode, None))
-        done = runs["sync"][-1]  # its steps: the kill comes half-way
+        done = runs[chosen[0]][-1]  # its steps: the kill comes half-way
         steps = round(done["samples_per_s"] * done["wall_s"] / done["batch_size"])
         with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
-            runs["restart"].append(_train(args, Path(tmp), "sync", max(1, steps // 2)))
+            runs["restart"].append(_train(args, Path(tmp), chosen[0], max(1, steps // 2)))
     result = summarize(args, runs)
     write_json(args.json, result)
     print(format_summary(result))
@@ -104,7 +114,7 @@ def _step_s(report: dict[str, Any]) -> float:
 def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     base = median([_step_s(r) for r in runs["none"]])
     modes: dict[str, Any] = {}
-    for mode in MODES:
+    for mode in args.modes:
         reports = runs[mode]
         step = median([_step_s(r) for r in reports])
         idle = median([r["cpu_idle"] for r in reports])
@@ -125,7 +135,7 @@ def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -
             entry["saves"] = saves
         modes[mode] = entry
     restarts = runs["restart"]
-    sizes = [r["faults"]["checkpoint_rank_file_bytes"] for r in runs["sync"]]
+    sizes = [r["faults"]["checkpoint_rank_file_bytes"] for r in runs[args.modes[1]]]
     per_rank = int(median(sizes))
     return {
         "model": args.model,

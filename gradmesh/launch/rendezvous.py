@@ -45,7 +45,7 @@ KEEP_ALIVE_S = 1
 KEEP_ALIVE_TRIES = 5
 """A host silent for this many heartbeats has left (5 s: a host starved of CPU for a moment,
 as 4 emulated hosts on 2 cores are when workers start, is not dropped)."""
-LAST_CALL_S = 5
+LAST_CALL_S = 3
 """Once MIN hosts are in, how long a round waits for more before it starts without them."""
 
 

@@ -27,6 +27,11 @@ from tests.harness import run_ranks
 
 NAMES = [n for n in COMPRESSORS.names() if n != "none"]  # "none" is trained elsewhere
 EPOCHS = 30
+"""Enough for every compressor on every path."""
+SYNC_EPOCHS = 20
+"""3 workers on the backend's allreduce, the sync parameter server and local SGD: every
+compressor at >= 0.96 by then, except top-k on gradmesh's ring with 2 workers (0.944) and local
+SGD's PowerSGD averaging (0.930): they keep EPOCHS."""
 BATCH = 64
 TARGET = 0.95
 
@@ -56,12 +61,17 @@ def train_digits(
     return (accuracy, train_loss) if loss else accuracy
 
 
-def every_compressor(make_opt: Callable[[nn.Module, str], torch.optim.Optimizer]) -> dict:
-    """{compressor: (test accuracy, the final parameters)}."""
+def every_compressor(
+    make_opt: Callable[[nn.Module, str], torch.optim.Optimizer],
+    epochs: int = EPOCHS,
+    longer: dict[str, int] | None = None,
+) -> dict:
+    """{compressor: (test accuracy, the final parameters)}; `longer`: compressors that train for
+    more epochs than `epochs`."""
     results = {}
     for name in NAMES:
         net = model()
-        accuracy = train_digits(net, make_opt(net, name))
+        accuracy = train_digits(net, make_opt(net, name), (longer or {}).get(name, epochs))
         results[name] = (accuracy, [p.detach().clone() for p in net.parameters()])
     return results
 
@@ -76,19 +86,23 @@ def check(results: list[dict], agree: bool = True) -> None:
     assert not low, f"below {TARGET}: {low}"
 
 
-def allreduce_run(algorithm: str) -> dict[str, float]:
+def allreduce_run(algorithm: str, epochs: int) -> dict[str, float]:
     def make_opt(net: nn.Module, name: str) -> torch.optim.Optimizer:
         sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         return gradmesh.DistributedOptimizer(
             sgd, net.named_parameters(), allreduce=algorithm, compression=make(name)
         )
 
-    return every_compressor(make_opt)
+    return every_compressor(make_opt, epochs)
 
 
-@pytest.mark.parametrize(("world", "algorithm"), [(2, "ring"), (3, "native")])
-def test_every_compressor_trains_digits_with_allreduce(world: int, algorithm: str) -> None:
-    check(run_ranks(allreduce_run, world, algorithm, timeout=240))
+@pytest.mark.parametrize(
+    ("world", "algorithm", "epochs"), [(2, "ring", EPOCHS), (3, "native", SYNC_EPOCHS)]
+)
+def test_every_compressor_trains_digits_with_allreduce(
+    world: int, algorithm: str, epochs: int
+) -> None:
+    check(run_ranks(allreduce_run, world, algorithm, epochs, timeout=240))
 
 
 def local_sgd_run() -> dict[str, float]:
@@ -97,7 +111,7 @@ def local_sgd_run() -> dict[str, float]:
         averager = Averager(list(net.parameters()), sync_every=4, compressor=make(name))
         return LocalSGDOptimizer(sgd, averager)
 
-    return every_compressor(make_opt)
+    return every_compressor(make_opt, SYNC_EPOCHS, {"powersgd": EPOCHS})
 
 
 def test_every_compressor_trains_digits_with_local_sgd() -> None:
@@ -113,7 +127,7 @@ def ps_run(ports: list[int], name: str) -> float:
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)  # the servers hold the real optimizer
     role = WorkerRole(rank, world, "127.0.0.1", ports[0])
     worker = PSWorker(role, 2, 1, 1, timeout_s=30, compressor=compressor)
-    accuracy = train_digits(net, worker.attach(net, sgd))
+    accuracy = train_digits(net, worker.attach(net, sgd), SYNC_EPOCHS)
     worker.finish(samples=0, wall_s=1.0)
     return accuracy
 

@@ -63,46 +63,6 @@ def test_default_train_reaches_accuracy_and_is_reproducible(tmp_path: Path) -> N
         assert first[key] == second[key]
 
 
-def test_checkpoint_resume_continues_the_same_run(tmp_path: Path) -> None:
-    common = [
-        "--dataset",
-        "synthetic",
-        "--synthetic-samples",
-        "400",
-        "--model",
-        "mlp",
-        "--workers",
-        "2",
-    ]
-    ckpt = tmp_path / "ckpt"
-    assert (
-        gradmesh("train", *common, "--epochs", "2", "--checkpoint-dir", str(ckpt)).returncode == 0
-    )
-    # 400 samples, 320 to train on, 64 a step: 5 steps an epoch, one checkpoint after each
-    assert sorted(p.name for p in ckpt.iterdir()) == ["progress", "step-00000005", "step-00000010"]
-    resumed = gradmesh(
-        "train",
-        *common,
-        "--epochs",
-        "4",
-        "--checkpoint-dir",
-        str(ckpt),
-        "--json",
-        str(tmp_path / "resumed.json"),
-    )
-    assert resumed.returncode == 0, resumed.stderr
-    straight = gradmesh(
-        "train", *common, "--epochs", "4", "--json", str(tmp_path / "straight.json")
-    )
-    assert straight.returncode == 0, straight.stderr
-    a = json.loads((tmp_path / "resumed.json").read_text())
-    b = json.loads((tmp_path / "straight.json").read_text())
-    assert a["loss_history"] == pytest.approx(b["loss_history"], rel=1e-6)
-    assert a["test_accuracy"] == b["test_accuracy"]
-    other = gradmesh("train", *common, "--seed", "9", "--checkpoint-dir", str(ckpt))
-    assert "belongs to another run: seed=0 (now 9)" in other.stderr
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
