@@ -135,10 +135,9 @@ def _interrupt(signum: int, _frame: object) -> None:
 
 def _cmd_emulate(args: argparse.Namespace, command: list[str]) -> int:
     from gradmesh.launch.emulate import EmulatedCluster
-
-    signal.signal(signal.SIGTERM, _interrupt)  # tear the namespaces down on SIGTERM too
     from gradmesh.launch.run import parse_nnodes
 
+    signal.signal(signal.SIGTERM, _interrupt)  # tear the namespaces down on SIGTERM too
     min_hosts, hosts = parse_nnodes(args.nnodes) if args.nnodes else (None, args.hosts)
     if hosts != args.hosts:
         raise GradmeshError(f"--nnodes {args.nnodes}: MAX must be --hosts ({args.hosts})")

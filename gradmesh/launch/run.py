@@ -179,6 +179,8 @@ def _check(spec: LaunchSpec) -> None:
         raise GradmeshError(f"--max-restarts must be >= 0, got {spec.max_restarts}")
     if spec.min_nodes is not None and not 1 <= spec.min_nodes <= spec.nnodes:
         raise GradmeshError(f"--nnodes {spec.min_nodes}:{spec.nnodes}: MIN must be in 1..MAX")
+    if spec.elastic and spec.nnodes == 1:
+        raise GradmeshError("--nnodes MIN:MAX is for jobs over several hosts: MAX must be > 1")
 
 
 def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:
@@ -269,8 +271,6 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     from gradmesh.launch.rendezvous import register
 
     _check(spec)
-    if spec.elastic and spec.nnodes == 1:
-        raise GradmeshError("--nnodes MIN:MAX is for jobs over several hosts: MAX must be > 1")
     command = resolve_command(command)
     host, port = parse_master(spec.master, spec.nnodes)
     if spec.node_rank == 0:
