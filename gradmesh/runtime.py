@@ -12,9 +12,7 @@ passed explicitly.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -30,6 +28,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from gradmesh.axes import Axis, Mesh, MeshShape, build_mesh, group_of_lines
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
+from gradmesh.process import _env_int, bind_to_launcher, restarts
 
 DEFAULT_TIMEOUT_S = 60.0
 TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
@@ -38,10 +37,6 @@ ROUND_ENV = "GRADMESH_RDZV_ROUND"
 """Set by an elastic job's agent: the rendezvous round its workers were started in."""
 MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
 """Set by `gradmesh run --nnodes MIN:MAX` to the most workers the elastic job can have."""
-LAUNCHER_PID_ENV = "GRADMESH_LAUNCHER_PID"
-"""Set by `gradmesh run` (and a ps worker's supervisor) to its own pid: the process a worker
-must not outlive."""
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -182,16 +177,6 @@ class Runtime:
 _runtime: Runtime | None = None
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise GradmeshError(f"environment variable {name}={raw!r} is not an integer") from None
-
-
 def default_timeout_s() -> float:
     """GRADMESH_TIMEOUT_S when set, else 60 s."""
     return _timeout_s(None)
@@ -249,7 +234,7 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
         # join published there connected to ports long closed (Horovod's init, shutdown, init)
         # and so does each attempt of a job the launcher restarted (--max-restarts), or each
         # round of an elastic job's rendezvous (there the attempt counts differ between hosts)
-        attempt = _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+        attempt = restarts()
         round_ = os.environ.get(ROUND_ENV)
         generation = f"round-{round_}" if round_ is not None else f"attempt-{attempt}"
         fresh = attempt or _joins or round_ is not None
@@ -384,29 +369,6 @@ def resolve_world() -> dist.ProcessGroup:
     if not isinstance(world, dist.ProcessGroup):
         raise GradmeshError("torch.distributed is not initialised: call gradmesh.init() first")
     return world
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the process that started it dies."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def bind_to_launcher(rank: int) -> None:
-    """A worker never outlives its launcher: when the launcher dies by any signal (SIGKILL
-    included, which it cannot pass on), the kernel ends this worker too. Exits at once if the
-    launcher is already gone."""
-    raw = os.environ.get(LAUNCHER_PID_ENV)
-    if not raw:
-        return
-    die_with_parent()
-    if str(os.getppid()) != raw:  # it died before we asked the kernel to watch it
-        print(
-            f"gradmesh: rank {rank}: the launcher (pid {raw}) is gone; stopping",
-            file=sys.stderr,
-            flush=True,
-        )
-        os._exit(1)
 
 
 def mark_failed(exc: BaseException) -> int:

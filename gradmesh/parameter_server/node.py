@@ -15,7 +15,7 @@ from gradmesh.parameter_server.roles import (
     run_server,
     supervise_worker,
 )
-from gradmesh.runtime import bind_to_launcher
+from gradmesh.process import bind_to_launcher
 from gradmesh.train.config import TrainConfig
 
 

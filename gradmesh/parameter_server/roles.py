@@ -25,7 +25,7 @@ from typing import Any
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime import LAUNCHER_PID_ENV, die_with_parent
+from gradmesh.process import LAUNCHER_PID_ENV, die_with_parent
 
 TOKEN_ENV = "GRADMESH_JOB_TOKEN"
 WORKER_ENV = "GRADMESH_PS_WORKER"

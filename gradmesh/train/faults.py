@@ -13,15 +13,9 @@ import time
 from dataclasses import dataclass
 
 from gradmesh.errors import GradmeshError
+from gradmesh.process import restarts
 
 FAULT_ENV = "GRADMESH_FAULT"
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-
-
-def restarts() -> int:
-    """How many times the launcher has restarted this job (0 in its first attempt)."""
-    raw = os.environ.get(RESTART_ENV, "0")
-    return int(raw) if raw.isdigit() else 0
 
 
 @dataclass(frozen=True)

@@ -30,11 +30,12 @@ from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
 from gradmesh.models import build_model
+from gradmesh.process import restarts
 from gradmesh.runtime import MAX_WORLD_ENV, Runtime
 from gradmesh.timeline import start_timeline
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
-from gradmesh.train.faults import injected_fault, restarts
+from gradmesh.train.faults import injected_fault
 from gradmesh.train.optimizers import build_optimizer
 from gradmesh.train.report import KINDS, RunReport, gather_rank_stats
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
