@@ -71,15 +71,18 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
         from gradmesh.train.trainer import check_resume
 
         check_resume(config)
-    module, nproc = "gradmesh.train.worker", config.workers
+    module, nproc, roles = "gradmesh.train.worker", config.workers, {}
     if config.strategy == "ps":  # servers and workers, all through the same launcher
         module, nproc = "gradmesh.parameter_server.node", config.servers + config.workers
+        roles = {i: f"parameter server {i}" for i in range(config.servers)}
+        roles.update({config.servers + i: f"ps worker {i}" for i in range(config.workers)})
     worker = [sys.executable, "-m", module, "--config", config.to_json()]
     spec = LaunchSpec(
         **{"nproc": nproc, **where},
         timeout_s=config.timeout_s,
         passthrough_rank0=True,
         max_restarts=config.max_restarts,
+        roles=roles,
     )
     return launch(spec, worker)
 

@@ -61,6 +61,8 @@ class LaunchSpec:
     """Elastic (`--nnodes MIN:MAX`): the fewest hosts the job runs on, `nnodes` being the most;
     hosts are then ranked by the rendezvous, and `node_rank` 0 only says who serves its store.
     None: exactly `nnodes` hosts, ranked by `node_rank`."""
+    roles: dict[int, str] = field(default_factory=dict)
+    """What a rank is, where it is more than a rank (`parameter server 0`): failures say it."""
 
     @property
     def elastic(self) -> bool:
@@ -240,7 +242,9 @@ def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
     return rank, failures[rank]
 
 
-def _failure_message(exc: BaseException, max_restarts: int = 0) -> tuple[str, int]:
+def _failure_message(
+    exc: BaseException, max_restarts: int = 0, roles: dict[int, str] | None = None
+) -> tuple[str, int]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     assert isinstance(exc, ChildFailedError)
@@ -260,7 +264,8 @@ def _failure_message(exc: BaseException, max_restarts: int = 0) -> tuple[str, in
     reason = f": {detail}" if detail and not told else ""
     # the agent raises only once every restart is spent
     restarts = f" after {max_restarts} restart(s)" if max_restarts else ""
-    return f"rank {rank} {how}{reason}; the job was stopped{restarts}", code or 1
+    role = f" ({roles[rank]})" if roles and rank in roles else ""
+    return f"rank {rank}{role} {how}{reason}; the job was stopped{restarts}", code or 1
 
 
 def launch(spec: LaunchSpec, command: list[str]) -> int:
@@ -311,7 +316,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         elastic_launch(config, command[0])(*command[1:])
         return 0
     except ChildFailedError as exc:
-        message, code = _failure_message(exc, spec.max_restarts)
+        message, code = _failure_message(exc, spec.max_restarts, spec.roles)
         print(f"gradmesh run: {message}", file=sys.stderr, flush=True)
         return code
     except SignalException as exc:

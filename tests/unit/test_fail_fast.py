@@ -13,7 +13,7 @@ import torch
 
 from gradmesh.collectives.agreement import describe, encode
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line, on_rank
-from gradmesh.launch.run import _first_failure
+from gradmesh.launch.run import _failure_message, _first_failure
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, check_writable, field_value
 
@@ -147,6 +147,21 @@ def test_the_launcher_names_the_cause_not_the_casualties() -> None:
     )
     # a rank stopped on a peer's failure is named before one the agent ended
     assert _first_failure({0: failure(stopped, 1), 1: failure(PEER_FAILED_EXIT, 2)})[0] == 1
+
+
+def test_a_failed_rank_is_named_with_its_role(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    died = ProcessFailure(0, 1, -signal.SIGKILL, str(tmp_path / "no-error-file"))
+    exc = ChildFailedError("gradmesh", {0: died})
+    roles = {0: "parameter server 0", 1: "ps worker 0"}
+    assert _failure_message(exc, 0, roles) == (
+        "rank 0 (parameter server 0) was killed by signal SIGKILL; the job was stopped",
+        137,
+    )
+    assert _failure_message(exc, 2)[0] == (
+        "rank 0 was killed by signal SIGKILL; the job was stopped after 2 restart(s)"
+    )
 
 
 def test_library_messages_become_one_readable_line() -> None:
