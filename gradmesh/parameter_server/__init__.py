@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.parameter_server.client import Client, shard_ranges
 from gradmesh.parameter_server.roles import (
     WorkerRole,
     connect_store,
@@ -30,8 +30,28 @@ from gradmesh.parameter_server.roles import (
     run_server,
     worker_env,
 )
-from gradmesh.parameter_server.server import MODES, Server, ServerConfig
-from gradmesh.parameter_server.worker import PSWorker
+
+if TYPE_CHECKING:
+    from gradmesh.parameter_server.client import Client, shard_ranges
+    from gradmesh.parameter_server.server import MODES, Server, ServerConfig
+    from gradmesh.parameter_server.worker import PSWorker
+
+_LAZY = {
+    "Client": "client",
+    "shard_ranges": "client",
+    "MODES": "server",
+    "Server": "server",
+    "ServerConfig": "server",
+    "PSWorker": "worker",
+}
+"""Imported on first use: a worker's supervisor (`node`) imports this package, not torch."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(f"gradmesh.parameter_server.{_LAZY[name]}"), name)
+    raise AttributeError(f"module 'gradmesh.parameter_server' has no attribute {name!r}")
+
 
 __all__ = [
     "MODES",

@@ -60,6 +60,8 @@ class Client:
             self.socks.append(sock)
         self.clock = 0
         self.staleness = 0
+        self.versions = [0] * len(endpoints)
+        """The servers' versions (updates applied) at the last pull."""
         self.bytes_sent = 0
         self.compressor = None if isinstance(compressor, NoCompression) else compressor
         """Pushes travel compressed (a state per shard); pulls and init travel as they are."""
@@ -144,7 +146,15 @@ class Client:
                     raise GradmeshError(f"ps worker {self.worker}: pull: a shard of wrong size")
                 flat[a:b].copy_(reply.payload)
         self.staleness = max(r.staleness for r in replies)
+        self.versions = [r.seen for r in replies]
         return self.staleness
+
+    def save(self) -> None:
+        """Ask every server to write its part of the checkpoint after this worker's step
+        (`clock`: sync mode only) and wait until each has."""
+        self._roundtrip(
+            "save", [encode(Kind.SAVE, self.token, self.worker, clock=self.clock)] * len(self.socks)
+        )
 
     def finish(self, stats: dict[str, Any]) -> list[dict[str, Any]]:
         """Say this worker is done; wait until every live worker is; return each server's

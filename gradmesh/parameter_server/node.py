@@ -1,5 +1,8 @@
 """The process `gradmesh train --strategy ps` starts on every rank: ranks 0..S-1 serve a shard,
-the others each supervise one training worker (see `roles`)."""
+the others each supervise one training worker (see `roles`). With `--checkpoint-dir` a server
+resumes its shard from the newest complete checkpoint and writes its part of each new one when
+the first worker asks (`Server`); a killed worker then fails its rank, so that the launcher
+restarts the whole job (`--max-restarts`) from the checkpoint, or ends it."""
 
 from __future__ import annotations
 
@@ -12,14 +15,19 @@ from gradmesh.errors import GradmeshError, on_rank
 from gradmesh.parameter_server.roles import (
     connect_store,
     job_token,
+    launcher_token,
     run_server,
     supervise_worker,
 )
 from gradmesh.process import bind_to_launcher
 from gradmesh.train.config import TrainConfig
+from gradmesh.train.faults import injected_fault
 
 
 def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> int:
+    from gradmesh.train.checkpoint import ShardFolder  # torch: servers only
+
+    fault = injected_fault()
     run_server(
         index,
         config.servers,
@@ -27,6 +35,10 @@ def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> 
         store_host,
         store_port,
         config.timeout_s,
+        checkpoints=ShardFolder(config.checkpoint_dir, config.identity())
+        if config.checkpoint_dir
+        else None,
+        on_update=fault.check if fault is not None and fault.kind == "kill" else None,
         mode=config.mode,
         max_staleness=config.max_staleness,
         staleness_lr=config.staleness_lr,
@@ -56,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         if rank < config.servers:
             return serve(config, rank, host, port)
         index = rank - config.servers
-        store = connect_store(host, port, config.timeout_s)
-        token = job_token(store, creator=False)
+        # a supervisor imports no torch when the launcher drew the token: it starts faster
+        token = launcher_token() or job_token(connect_store(host, port, config.timeout_s), False)
         if config.timeline:
             stem, dot, ext = config.timeline.rpartition(".")
             base = stem if dot else config.timeline
             config.timeline = f"{base}.worker{index}.{ext if dot else 'json'}"
         command = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
-        return supervise_worker(command, index, config.workers, token)
+        survivable = not config.checkpoint_dir  # a checkpoint needs every worker's part
+        return supervise_worker(command, index, config.workers, token, survivable)
     except GradmeshError as exc:
         print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return 1

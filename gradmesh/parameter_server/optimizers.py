@@ -16,12 +16,12 @@ the second term revising the backlog's earlier, larger steps down to the new rat
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, first_line
 
 SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "adarevision")
 INITIAL_ACCUMULATOR = 0.1
@@ -33,6 +33,12 @@ class ServerOptimizer(Protocol):
 
     def apply(self, grad: torch.Tensor, worker: int, lr_scale: float) -> None:
         """Apply one gradient (from `worker`) with the learning rate times `lr_scale`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state, for a checkpoint (tensors and numbers only)."""
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output; a GradmeshError when it does not fit."""
 
 
 class TorchOptimizer:
@@ -52,6 +58,16 @@ class TorchOptimizer:
             group["lr"] = lr * lr_scale
         self.optimizer.step()
 
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        try:
+            self.optimizer.load_state_dict(saved)
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError) as exc:
+            raise GradmeshError(f"server optimizer state: {first_line(exc)}") from None
+        self.base_lr = [g["lr"] for g in self.optimizer.param_groups]
+
 
 class AdaRevision:
     """Delay-tolerant AdaGrad (see the module docstring)."""
@@ -66,6 +82,23 @@ class AdaRevision:
 
     def on_read(self, worker: int) -> None:
         self.read[worker] = self.z.clone()
+
+    def state_dict(self) -> dict[str, Any]:
+        read = {str(w): z for w, z in self.read.items()}
+        return {"z": self.z, "zp": self.zp, "zmax": self.zmax, "read": read}
+
+    @torch.no_grad()
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        read = saved.get("read")
+        tensors = [saved.get(k) for k in ("z", "zp", "zmax")]
+        if not isinstance(read, dict) or not all(str(w).isdigit() for w in read):
+            raise GradmeshError("server optimizer state: AdaRevision's 'read' is not by worker")
+        tensors += list(read.values())
+        if not all(isinstance(t, torch.Tensor) and t.shape == self.z.shape for t in tensors):
+            raise GradmeshError(f"server optimizer state: AdaRevision needs {len(self.z)} values")
+        for mine, name in zip((self.z, self.zp, self.zmax), ("z", "zp", "zmax"), strict=True):
+            mine.copy_(saved[name])
+        self.read = {int(w): z.clone() for w, z in read.items()}
 
     @torch.no_grad()
     def apply(self, grad: torch.Tensor, worker: int, lr_scale: float) -> None:

@@ -59,6 +59,7 @@ class Kind(enum.IntEnum):
     FINISH = 6  # worker -> server: this worker is done (payload: its stats as JSON bytes)
     DONE = 7  # server -> worker: every live worker is done (payload: JSON)
     CLOSE = 8  # worker -> server: stop serving
+    SAVE = 9  # worker -> server: write the shard's part of the checkpoint after step `clock`
 
 
 class WireError(ValueError):

@@ -2,7 +2,8 @@
 
 The launcher starts S + W ranks; ranks 0..S-1 are servers, the rest workers. Servers do not join
 a torch.distributed process group: they publish their endpoints in the job's rendezvous store
-(the torchrun agent's TCPStore at MASTER_ADDR:MASTER_PORT), keyed `gradmesh/ps/...`. Each worker
+(the torchrun agent's TCPStore at MASTER_ADDR:MASTER_PORT), keyed `gradmesh/ps/ATTEMPT/...`: the
+store outlives a restart of the job, the endpoints of the attempt before it do not. Each worker
 rank supervises one training process that runs as a world of its own (no collectives), so a
 worker that dies does not stop the others, as the elastic agent would for a failed rank.
 
@@ -18,20 +19,23 @@ import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
-
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+from typing import TYPE_CHECKING, Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.process import LAUNCHER_PID_ENV, die_with_parent
+from gradmesh.process import LAUNCHER_PID_ENV, die_with_parent, restarts
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    from gradmesh.parameter_server.server import ShardCheckpoints
 
 TOKEN_ENV = "GRADMESH_JOB_TOKEN"
 WORKER_ENV = "GRADMESH_PS_WORKER"
 WORKERS_ENV = "GRADMESH_PS_WORKERS"
 STORE_ENV = "GRADMESH_PS_STORE"
-KEY = "gradmesh/ps/"
 TORCHRUN_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -65,7 +69,14 @@ def worker_role() -> WorkerRole | None:
     return WorkerRole(int(os.environ[WORKER_ENV]), int(os.environ[WORKERS_ENV]), host, int(port))
 
 
+def key(name: str) -> str:
+    """The store key `name` of this attempt of the job."""
+    return f"gradmesh/ps/{restarts()}/{name}"
+
+
 def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
     try:
         return TCPStore(
             host,
@@ -78,14 +89,20 @@ def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
         raise GradmeshError(f"cannot reach the job's store at {host}:{port}: {exc}") from None
 
 
+def launcher_token() -> bytes | None:
+    """The job's 16-byte token as `gradmesh run` / `gradmesh emulate` drew it, if they did."""
+    raw = os.environ.get(TOKEN_ENV)
+    return bytes.fromhex(raw)[:16].ljust(16, b"\0") if raw else None
+
+
 def job_token(store: TCPStore, creator: bool) -> bytes:
     """The job's 16-byte token: from the launcher, or drawn by `creator` and shared."""
-    raw = os.environ.get(TOKEN_ENV)
-    if raw:
-        return bytes.fromhex(raw)[:16].ljust(16, b"\0")
+    token = launcher_token()
+    if token is not None:
+        return token
     if creator:
-        store.set(KEY + "token", secrets.token_hex(16))
-    return bytes.fromhex(store.get(KEY + "token").decode())
+        store.set(key("token"), secrets.token_hex(16))
+    return bytes.fromhex(store.get(key("token")).decode())
 
 
 def local_address(toward: str) -> str:
@@ -95,11 +112,15 @@ def local_address(toward: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def supervise_worker(command: list[str], index: int, workers: int, token: bytes) -> int:
+def supervise_worker(
+    command: list[str], index: int, workers: int, token: bytes, survivable: bool = True
+) -> int:
     """Run one ps training process as worker `index` and wait for it.
 
-    A worker killed by a signal is reported and the rank exits 0, so the job goes on without it;
-    one that fails with an error fails the rank. SIGTERM/SIGINT are passed on to the worker.
+    A worker killed by a signal is reported and, when `survivable`, the rank exits 0, so the job
+    goes on without it; otherwise (a job that checkpoints: every worker's part is needed) it
+    fails the rank, and the launcher restarts the job or ends it. One that fails with an error
+    fails the rank. SIGTERM/SIGINT are passed on to the worker.
     """
     child = subprocess.Popen(
         command, env=worker_env(index, workers, token), preexec_fn=die_with_parent
@@ -118,13 +139,13 @@ def supervise_worker(command: list[str], index: int, workers: int, token: bytes)
         return 128 + stopped[0]
     if code < 0:
         name = signal.Signals(-code).name
+        then = "the job goes on without it" if survivable else "the job stops"
         print(
-            f"gradmesh ps: worker {index} (pid {child.pid}) was killed by {name}; "
-            "the job goes on without it",
+            f"gradmesh ps: worker {index} (pid {child.pid}) was killed by {name}; {then}",
             file=sys.stderr,
             flush=True,
         )
-        return 0
+        return 0 if survivable else 128 - code
     return code
 
 
@@ -135,22 +156,27 @@ def run_server(
     store_host: str,
     store_port: int,
     timeout_s: float,
+    checkpoints: ShardCheckpoints | None = None,
+    on_update: Callable[[int, int], None] | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Serve shard `index` of `servers` for `workers` workers until they are done; `options` are
-    `ServerConfig` fields (mode, max_staleness, optimizer, lr, ...). Returns the server's stats."""
+    `ServerConfig` fields (mode, max_staleness, optimizer, lr, ...); the shard resumes from
+    `checkpoints` and saves there (see `Server`). Returns the server's stats."""
     from gradmesh.parameter_server.client import shard_ranges
     from gradmesh.parameter_server.server import Server, ServerConfig
 
     store = connect_store(store_host, store_port, timeout_s)
     token = job_token(store, creator=index == 0)
-    total = int(store.get(KEY + "numel").decode())  # published by worker 0
+    total = int(store.get(key("numel")).decode())  # published by worker 0
     start, end = shard_ranges(total, servers)[index]
     config = ServerConfig(
         index=index, workers=workers, numel=end - start, timeout_s=timeout_s, **options
     )
-    server = Server(config, token, local_address(store_host))
-    store.set(KEY + f"server{index}", server.endpoint)
+    server = Server(config, token, local_address(store_host), checkpoints, on_update)
+    if checkpoints is not None:
+        checkpoints.restore(server)
+    store.set(key(f"server{index}"), server.endpoint)
     stats = server.serve()
     print(
         f"gradmesh ps: server {index}: {sum(stats['requests'].values())} requests, "

@@ -3,8 +3,11 @@
 A single-threaded ZeroMQ ROUTER loop. Every message is checked by `protocol.decode`; one that
 fails is dropped and counted, and the loop serves on. Modes:
 
-- `sync`: the gradients of step t from every live worker are averaged and applied once; a worker's
-  pull for step t + 1 is answered after that update.
+- `sync`: the gradients of step t from every live worker are averaged (summed in worker order, so
+  the result does not depend on their arrival) and applied once; a worker's pull for step t + 1
+  is answered after that update. Only this mode checkpoints: at step t the first worker asks
+  (SAVE) for the shard's part after update t, before its own gradient of step t + 1, so no
+  later update can be in it.
 - `async` (Downpour): each gradient is applied as it arrives; pulls are answered at once.
 - `ssp`: as async, but a pull from a worker whose clock (pushes so far) is more than K ahead of the
   slowest live worker's waits until that worker catches up.
@@ -21,14 +24,16 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import zmq
 from torch import nn
 
 from gradmesh.compression import DECODERS
+from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.optimizers import make_optimizer
 from gradmesh.parameter_server.protocol import (
     HEADER_BYTES,
@@ -58,6 +63,16 @@ class ServerConfig:
     weight_decay: float = 0.0
     lost_after_s: float = 10.0
     timeout_s: float = 60.0
+
+
+class ShardCheckpoints(Protocol):
+    """Where a server's part of each checkpoint goes (the trainer's checkpoint folder)."""
+
+    def save(self, index: int, step: int, state: dict[str, Any]) -> None:
+        """Write server `index`'s `state_dict()` as its part of the checkpoint after `step`."""
+
+    def restore(self, server: Server) -> None:
+        """Load the newest complete checkpoint's part of `server` into it, if there is one."""
 
 
 @dataclass
@@ -98,8 +113,18 @@ class ServerStats:
 class Server:
     """Serve one shard until the workers are done (see the module docstring)."""
 
-    def __init__(self, config: ServerConfig, token: bytes, host: str) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        token: bytes,
+        host: str,
+        checkpoints: ShardCheckpoints | None = None,
+        on_update: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """`on_update(index, version)` runs after every update (fault injection)."""
         self.cfg = config
+        self.checkpoints = checkpoints
+        self.on_update = on_update
         self.token = token
         self.values = nn.Parameter(torch.zeros(config.numel), requires_grad=True)
         self.optimizer = make_optimizer(
@@ -123,8 +148,8 @@ class Server:
         self.lost: set[int] = set()
         self.pending_pulls: list[tuple[bytes, Message]] = []
         self.pending_done: list[tuple[bytes, int]] = []
-        self.round_sum = torch.zeros(config.numel)
-        self.round_from: set[int] = set()
+        self.round: dict[int, torch.Tensor] = {}
+        """sync: the gradients of the step under way, by worker."""
         self.done_at: float | None = None
         self.closed = False
 
@@ -208,6 +233,10 @@ class Server:
             self.pending_done.append((ident, msg.worker))
         elif msg.kind is Kind.CLOSE:
             self.closed = self.done_at is not None
+        elif msg.kind is Kind.SAVE:
+            assert self.checkpoints is not None
+            self.checkpoints.save(self.cfg.index, msg.clock, self.state_dict())
+            self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
 
     def _check(self, msg: Message) -> Message:
         """What decode cannot know: worker index, shard size, dtype, a JSON payload's text; a
@@ -229,6 +258,11 @@ class Server:
                 json.loads(bytes(msg.raw or b"{}"))
             except (ValueError, UnicodeDecodeError):
                 raise WireError("finish stats are not JSON") from None
+        elif msg.kind is Kind.SAVE:
+            if self.checkpoints is None or self.cfg.mode != "sync":
+                raise WireError("this server keeps no checkpoints")
+            if msg.clock != self.version:
+                raise WireError(f"SAVE of step {msg.clock} at version {self.version}")
         elif msg.kind not in (Kind.PULL, Kind.CLOSE):
             raise WireError(f"a server does not take {msg.kind.name}")
         return msg
@@ -259,22 +293,56 @@ class Server:
         gap = self.read_gap[w]
         self.stats.staleness.setdefault(w, Counter())[gap] += 1
         if self.cfg.mode == "sync":
-            self.round_sum += grad
-            self.round_from.add(w)
+            # held as received (a read-only view of the frame), summed when the step closes
+            self.round[w] = grad if w not in self.round else self.round[w] + grad
             self._close_round()
             return
         scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
         self.optimizer.apply(grad, w, scale)  # a read-only view of the frame: never written
+        self._updated()
+
+    def _updated(self) -> None:
         self.version += 1
+        if self.on_update is not None:
+            self.on_update(self.cfg.index, self.version)
 
     def _close_round(self) -> None:
         """sync: once every live worker has pushed this step, apply their average."""
-        if not self.round_from or not set(self._live()) <= self.round_from:
+        if not self.round or not set(self._live()) <= set(self.round):
             return
-        self.optimizer.apply(self.round_sum / len(self.round_from), -1, 1.0)
-        self.version += 1
-        self.round_sum.zero_()
-        self.round_from.clear()
+        total = torch.zeros(self.cfg.numel)
+        for w in sorted(self.round):
+            total += self.round[w]
+        self.optimizer.apply(total / len(self.round), -1, 1.0)
+        self.round.clear()
+        self._updated()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shard's part of a checkpoint, in the trainer's rank-file form."""
+        return {
+            "model": {"values": self.values.detach()},
+            "optimizer": self.optimizer.state_dict(),
+            "strategy": {"version": self.version},
+            "rng": {"torch": torch.get_rng_state()},
+            "progress": {},
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Resume from `state_dict()`'s output; a GradmeshError (before any change) when it is
+        not a part of this shard."""
+        values = saved["model"].get("values")
+        version = saved["strategy"].get("version")
+        if not isinstance(values, torch.Tensor) or values.shape != (self.cfg.numel,):
+            raise GradmeshError(f"the shard's 'values' are not {self.cfg.numel} numbers")
+        if values.dtype != torch.float32 or type(version) is not int or version < 0:
+            raise GradmeshError("the shard's values are not float32 or its version not a count")
+        self.optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            self.values.copy_(values)
+        self.version = version
+        self.initialized = True
 
     def _may_read(self, msg: Message) -> bool:
         if not self.initialized:

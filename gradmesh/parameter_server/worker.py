@@ -12,10 +12,10 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.compression import Compressor
+from gradmesh.compression import Compressor, load_states, save_states
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.client import Client
-from gradmesh.parameter_server.roles import KEY, WorkerRole, connect_store, job_token
+from gradmesh.parameter_server.roles import WorkerRole, connect_store, job_token, key
 from gradmesh.runtime import get_runtime, is_initialized
 from gradmesh.wrapping import wrap_optimizer
 
@@ -59,8 +59,8 @@ class PSWorker:
         self.grad = torch.zeros_like(self.flat)
         store = connect_store(self.role.store_host, self.role.store_port, self.timeout_s)
         if self.role.index == 0:
-            store.set(KEY + "numel", str(self.flat.numel()))
-        endpoints = [store.get(KEY + f"server{i}").decode() for i in range(self.servers)]
+            store.set(key("numel"), str(self.flat.numel()))
+        endpoints = [store.get(key(f"server{i}")).decode() for i in range(self.servers)]
         token = job_token(store, creator=False)
         self.client = Client(
             endpoints, token, self.role.index, self.flat.numel(), self.timeout_s, self.compressor
@@ -95,6 +95,35 @@ class PSWorker:
         timeline = get_runtime().timeline if is_initialized() else None
         if timeline is not None:
             timeline.add("pull", "comm", started, time.perf_counter(), staleness=gap)
+
+    def state_dict(self) -> dict[str, Any]:
+        """This worker's counters and compressor states (its gradient accumulator is empty at a
+        checkpoint: only sync mode checkpoints, and it pushes every step)."""
+        assert self.client is not None
+        states = {str(i): state for i, state in enumerate(self.client.states)}
+        return {
+            "steps": self.steps,
+            "clock": self.client.clock,
+            "compression": save_states(states),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Restore `state_dict()`'s output; the servers, which restored their own parts, must
+        be at this worker's step (sync mode), or the parts are of different checkpoints."""
+        assert self.client is not None
+        steps, clock = saved["steps"], saved["clock"]
+        if type(steps) is not int or type(clock) is not int or min(steps, clock) < 0:
+            raise GradmeshError("'steps' and 'clock' must be counts")
+        load_states(
+            {str(i): state for i, state in enumerate(self.client.states)}, saved["compression"]
+        )
+        for server, version in enumerate(self.client.versions):
+            if version != clock:
+                raise GradmeshError(
+                    f"server {server} resumed at step {version}, this worker at step {clock}: "
+                    "they loaded different checkpoints"
+                )
+        self.steps, self.client.clock = steps, clock
 
     def finish(self, samples: int, wall_s: float) -> None:
         """Push what is left, wait for every live worker, and (the reporter) pull the final

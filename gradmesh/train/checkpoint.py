@@ -2,8 +2,9 @@
 
 A checkpoint is a folder `DIR/step-NNNNNNNN/` holding one file per rank (`rank-RRRRR.pt`: that
 rank's model part, optimizer state, strategy state such as compressor residuals and local SGD's
-counters, RNG state, its partial epoch loss) and `meta.json`, written last by rank 0 once every
-rank's file is in place: the position (step, epoch, step within it), the loss history, the
+counters, RNG state, its partial epoch loss) and `meta.json`, written last by rank 0 (in a
+parameter-server job: the first worker; the servers write their shards as ranks 0..S-1) once
+every rank's file is in place: the position (step, epoch, step within it), the loss history, the
 run's identity, the world and the files. Without `meta.json` a folder is never chosen, so a
 job killed mid-write resumes from the previous complete checkpoint. Each file is written to a
 temporary name, flushed to disk and renamed. The newest `keep` complete checkpoints are kept.
@@ -29,16 +30,20 @@ import struct
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
+
+if TYPE_CHECKING:
+    from gradmesh.parameter_server.server import Server
 
 FORMAT = 2
 META = "meta.json"
@@ -300,6 +305,32 @@ def _write_atomically(path: Path, write: Any) -> None:
         raise
 
 
+@contextmanager
+def _named_errors(rank: int, path: Path) -> Iterator[None]:
+    """A failed write as one line naming the rank and the file."""
+    try:
+        yield
+    except OSError as exc:
+        raise GradmeshError(
+            f"rank {rank}: cannot write checkpoint {path}: {exc.strerror or exc}"
+        ) from None
+    except RuntimeError as exc:  # torch's stream writer: a full disk, a vanished folder
+        raise GradmeshError(
+            f"rank {rank}: cannot write checkpoint {path}: {first_line(exc)}"
+        ) from None
+
+
+def write_part(directory: str | Path, step: int, rank: int, state: dict[str, Any]) -> int:
+    """Write `rank`'s part (see RANK_KEYS) of the checkpoint after `step`; returns its size.
+    A parameter server writes its shard this way, and the metadata's writer waits for it."""
+    target = folder(directory, step)
+    path = rank_file(target, rank)
+    with _named_errors(rank, path):
+        target.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, lambda out: torch.save(state, out))
+        return path.stat().st_size
+
+
 @dataclass
 class SaveStats:
     """What checkpointing cost this rank: the training thread's stall per save, the bytes."""
@@ -318,8 +349,8 @@ class SaveStats:
 
 
 class Checkpointer:
-    """Writes this rank's part of each checkpoint; rank 0 also waits for the others' parts,
-    writes the metadata and drops checkpoints beyond the newest `keep`."""
+    """Writes this rank's part of each checkpoint; rank `writer` also waits for the others'
+    parts, writes the metadata and drops checkpoints beyond the newest `keep`."""
 
     def __init__(
         self,
@@ -330,9 +361,10 @@ class Checkpointer:
         keep: int,
         asynchronous: bool,
         timeout_s: float,
+        writer: int = 0,
     ) -> None:
         self.directory = Path(directory)
-        self.rank, self.world, self.identity = rank, world, identity
+        self.rank, self.world, self.identity, self.writer = rank, world, identity, writer
         self.keep, self.asynchronous, self.timeout_s = keep, asynchronous, timeout_s
         self.stats = SaveStats()
         self._writer = ThreadPoolExecutor(1, "gradmesh-checkpoint") if asynchronous else None
@@ -347,11 +379,14 @@ class Checkpointer:
         samples: int,
         state: dict[str, Any],
         extra: dict[str, Any] | None = None,
+        since: float | None = None,
     ) -> None:
         """Checkpoint after `step` steps (`offset` of them into `epoch`); `state` is this rank's
         part (see RANK_KEYS); `losses` and `samples` are the run's, reduced over the world;
-        `extra`: an elastic job's entries (epoch_loss, membership)."""
-        started = time.perf_counter()
+        `extra`: an elastic job's entries (epoch_loss, membership); `since`: the perf_counter
+        time at which training stopped for this checkpoint (gathering `state` can take time:
+        a parameter server writes its part then), the stall's start (default: now)."""
+        started = time.perf_counter() if since is None else since
         self.wait()
         meta = {
             "format": FORMAT,
@@ -385,25 +420,14 @@ class Checkpointer:
                 self._writer.shutdown()
 
     def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        target = folder(self.directory, step)
-        path = rank_file(target, self.rank)
-        try:
-            target.mkdir(parents=True, exist_ok=True)
-            _write_atomically(path, lambda out: torch.save(state, out))
-            self.stats.bytes = path.stat().st_size
-            if self.rank == 0:
-                self._await_parts(target)
-                text = json.dumps(meta, indent=1).encode()
+        self.stats.bytes = write_part(self.directory, step, self.rank, state)
+        if self.rank == self.writer:
+            target = folder(self.directory, step)
+            self._await_parts(target)
+            text = json.dumps(meta, indent=1).encode()
+            with _named_errors(self.rank, target / META):
                 _write_atomically(target / META, lambda out: out.write(text))
                 self._prune()
-        except OSError as exc:
-            raise GradmeshError(
-                f"rank {self.rank}: cannot write checkpoint {path}: {exc.strerror or exc}"
-            ) from None
-        except RuntimeError as exc:  # torch's stream writer: a full disk, a vanished folder
-            raise GradmeshError(
-                f"rank {self.rank}: cannot write checkpoint {path}: {first_line(exc)}"
-            ) from None
 
     def _await_parts(self, target: Path) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -466,6 +490,39 @@ def choose(
 
 def _warn(line: str) -> None:
     print(f"gradmesh: {line}", file=sys.stderr, flush=True)
+
+
+class ShardFolder:
+    """A parameter server's parts of the checkpoints (its `ShardCheckpoints`): rank file
+    `index` of each `DIR/step-N/`, in the rank files' form; written when the first worker asks,
+    read back from the newest complete checkpoint that fits the shard."""
+
+    def __init__(self, directory: str, identity: dict[str, Any]) -> None:
+        self.directory, self.identity = directory, identity
+
+    def save(self, index: int, step: int, state: dict[str, Any]) -> None:
+        write_part(self.directory, step, index, state)
+
+    def restore(self, server: Server) -> None:
+        index = server.cfg.index
+
+        def load(meta: Meta) -> int:
+            state = read_rank(meta.checkpoint, index)
+            try:
+                server.load_state_dict(state)
+            except GradmeshError as exc:
+                path = rank_file(meta.checkpoint, index)
+                raise GradmeshError(f"checkpoint {path} does not fit this run: {exc}") from None
+            return server.version
+
+        chosen = choose(self.directory, self.identity, load)
+        if chosen is not None:
+            print(
+                f"gradmesh ps: server {index} resumed at step {chosen[1]} "
+                f"from {chosen[0].checkpoint}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 class Progress:

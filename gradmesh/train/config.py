@@ -220,6 +220,23 @@ COMPONENTS: tuple[tuple[str, type], ...] = (
 """Each component's own config, in the order `gradmesh train --help` shows them."""
 
 
+IDENTITY = (
+    "model",
+    "dataset",
+    "batch_size",
+    "seed",
+    "strategy",
+    "synthetic_shape",
+    "optimizer",
+    "workers",
+    "tensor_parallel",
+    "pipeline_parallel",
+    "compression",
+)
+PS_IDENTITY = ("servers", "mode", "server_optimizer")
+"""A parameter-server job's servers each save their shard: their number, and how they update."""
+
+
 @dataclass
 class TrainConfig(
     CheckpointConfig,
@@ -332,10 +349,14 @@ class TrainConfig(
             raise GradmeshError(f"--keep-checkpoints must be >= 1, got {self.keep_checkpoints}")
         if self.max_restarts < 0:
             raise GradmeshError(f"--max-restarts must be >= 0, got {self.max_restarts}")
-        if self.strategy == "ps" and (self.checkpoint_dir or self.max_restarts):
+        if (
+            self.strategy == "ps"
+            and self.mode != "sync"
+            and (self.checkpoint_dir or self.max_restarts)
+        ):
             raise GradmeshError(
-                "checkpoints and restarts of a ps job need the servers' shards saved, "
-                "which gradmesh does not do yet (issue 15)"
+                "checkpoints and restarts of a ps job need --mode sync: asynchronous servers "
+                "and workers never stand at one step that a checkpoint could hold"
             )
 
     def check_elastic(self) -> None:
@@ -386,6 +407,11 @@ class TrainConfig(
             raise GradmeshError("--mode sync pushes and pulls every step: drop --push/pull-every")
         if self.lost_after_s <= 0 or self.emulate_compute_ms < 0:
             raise GradmeshError("--lost-after-s must be > 0 and --emulate-compute-ms >= 0")
+
+    def identity(self) -> dict[str, Any]:
+        """The settings a checkpoint must share with the run that resumes from it."""
+        keys = IDENTITY + (PS_IDENTITY if self.strategy == "ps" else ())
+        return {k: getattr(self, k) for k in keys}
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))

@@ -1,8 +1,9 @@
 """Faults on demand, for tests and demonstrations of recovery. `GRADMESH_FAULT=kill:R:S` makes
 rank R end itself with SIGKILL right after its step S, in the job's first attempt only (a
 restarted job runs clean), the way a lost machine or an OOM kill ends a worker: no handler, no
-cleanup, no last message. `GRADMESH_FAULT=slow:R:MS` makes rank R a straggler: MS milliseconds
-of extra computation every step."""
+cleanup, no last message. In a parameter-server job R is the launcher's rank: servers are
+0..S-1 (killed after their update S), workers S and up. `GRADMESH_FAULT=slow:R:MS` makes rank
+R a straggler: MS milliseconds of extra computation every step."""
 
 from __future__ import annotations
 

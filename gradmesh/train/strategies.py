@@ -51,6 +51,11 @@ class Strategy(Protocol):
         """Strategy-specific entries for the run report."""
         ...
 
+    def place(self, rt: Runtime) -> tuple[int, int, int]:
+        """(rank, world, writer): this process's part in a checkpoint, the number of parts, and
+        the part whose process writes the metadata."""
+        ...
+
     def state_dict(self) -> dict[str, Any]:
         """What this rank's strategy keeps between steps (compressor residuals, counters), for
         a checkpoint: tensors, numbers, strings and containers of them only."""
@@ -72,6 +77,9 @@ class _Defaults:
 
     def writes_report(self, rt: Runtime) -> bool:
         return rt.rank == 0
+
+    def place(self, rt: Runtime) -> tuple[int, int, int]:
+        return rt.rank, rt.size, 0
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -228,11 +236,24 @@ class ParameterServerStrategy:
     def writes_report(self, rt: Runtime) -> bool:
         return self.worker is not None and self.worker.reporter
 
+    def place(self, rt: Runtime) -> tuple[int, int, int]:
+        """Servers are parts 0..S-1 (they write their shards), workers S..S+W-1; the first
+        worker writes the metadata."""
+        assert self.worker is not None
+        servers = self.config.servers
+        return servers + self.worker.role.index, servers + self.worker.role.workers, servers
+
     def state_dict(self) -> dict[str, Any]:
-        return {}  # the servers hold the model: checkpoints of a ps job are refused (config)
+        """This worker's counters; the first worker also has every server write its shard's
+        part of the same checkpoint (sync mode: they stand at this step until it pushes)."""
+        assert self.worker is not None and self.worker.client is not None
+        if self.worker.role.index == 0:
+            self.worker.client.save()
+        return self.worker.state_dict()
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
-        pass
+        assert self.worker is not None
+        self.worker.load_state_dict(saved)
 
     def report(self) -> dict[str, Any]:
         assert self.worker is not None

@@ -63,26 +63,6 @@ def load_data(config: TrainConfig) -> DataSpec:
     return DATASETS.get(config.dataset)(options)
 
 
-IDENTITY = (
-    "model",
-    "dataset",
-    "batch_size",
-    "seed",
-    "strategy",
-    "synthetic_shape",
-    "optimizer",
-    "workers",
-    "tensor_parallel",
-    "pipeline_parallel",
-    "compression",
-)
-"""The settings a checkpoint must share with the run that resumes from it."""
-
-
-def _identity(config: TrainConfig) -> dict[str, object]:
-    return {k: getattr(config, k) for k in IDENTITY}
-
-
 def _load_optimizer(optimizer: Optimizer, saved: dict[str, object], path: object) -> None:
     try:
         optimizer.load_state_dict(saved)
@@ -102,14 +82,17 @@ def check_resume(config: TrainConfig) -> None:
     model = build_model(config.model, load_data(config))
     optimizer = build_optimizer(config, model.parameters(), config.lr)
 
+    servers = config.servers if config.strategy == "ps" else 0  # parts 0..S-1 are shards
+
     def usable(meta: checkpoint.Meta) -> None:
         for rank in range(meta.world):
-            state = checkpoint.read_rank(meta.checkpoint, rank, model if whole else None)
-            if whole and rank == 0:
+            fits = model if whole and rank >= servers else None
+            state = checkpoint.read_rank(meta.checkpoint, rank, fits)
+            if fits is not None and rank == servers:
                 path = checkpoint.rank_file(meta.checkpoint, rank)
                 _load_optimizer(optimizer, state["optimizer"], path)
 
-    checkpoint.choose(config.checkpoint_dir, _identity(config), usable)
+    checkpoint.choose(config.checkpoint_dir, config.identity(), usable)
 
 
 def elastic_world() -> int | None:
@@ -218,6 +201,8 @@ class Job:
     sharder: GlobalBatchSharder | None = None
     replicas: int = 1
     """The data-parallel replicas this rank's batch slice is one of (set by `attach`)."""
+    place: tuple[int, int, int] = (0, 1, 0)
+    """(rank, world, writer) of this process in the checkpoints (set by `attach`)."""
     warmup: LRScheduler | None = None
     start_step: int = 0
     """Steps done before this run started (from the checkpoint it resumed from)."""
@@ -271,6 +256,7 @@ def attach(job: Job) -> None:
     config = job.config
     job.optimizer = job.strategy.prepare(job.split.module, job.optimizer, job.rt)
     index, job.replicas = job.strategy.shard(job.rt)
+    job.place = job.strategy.place(job.rt)
     job.sharder = GlobalBatchSharder(
         len(job.data.train), config.batch_size, index, job.replicas, config.seed
     )
@@ -279,14 +265,15 @@ def attach(job: Job) -> None:
     job.warmup = gradual_warmup(job.optimizer, round(config.warmup_epochs * steps), factor)
 
 
-def _restore(job: Job, meta: checkpoint.Meta) -> torch.Tensor:
+def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]]:
     """Load this rank's part of `meta`'s checkpoint into the model, optimizer and strategy (a
-    GradmeshError naming the file when it does not fit); returns the epoch's loss sum so far.
+    GradmeshError naming the file when it does not fit); returns the epoch's loss sum so far and
+    the loss history.
 
     An elastic job resumes with another number of replicas, all holding the same state (see
     `TrainConfig.check_elastic`): rank r loads rank (r mod the old world)'s part, and its RNG;
     rank 0 carries the world's epoch loss sum."""
-    rank, world = job.rt.rank, job.rt.size
+    rank, world, _ = job.place
     if meta.world != world and elastic_world() is None:
         raise checkpoint.ForeignCheckpoint(
             f"checkpoint {meta.checkpoint} belongs to another run: world={meta.world} (now {world})"
@@ -300,6 +287,9 @@ def _restore(job: Job, meta: checkpoint.Meta) -> torch.Tensor:
         loss_sum = None if total is None else torch.tensor(total, dtype=torch.float64)
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.shape != (2,):
         raise GradmeshError(f"checkpoint {path} does not fit this run: no epoch loss sum")
+    losses = state["progress"].get("losses")  # this rank's history: a ps worker's is its own
+    if losses is not None and (not isinstance(losses, torch.Tensor) or losses.dim() != 1):
+        raise GradmeshError(f"checkpoint {path} does not fit this run: 'losses' is not a list")
     job.split.module.load_state_dict(state["model"])
     _load_optimizer(job.optimizer, state["optimizer"], path)
     try:
@@ -311,7 +301,8 @@ def _restore(job: Job, meta: checkpoint.Meta) -> torch.Tensor:
         raise GradmeshError(
             f"checkpoint {path} does not fit this run: strategy state: {first_line(exc)}"
         ) from None
-    return loss_sum.to(torch.float64)
+    history = meta.losses if losses is None else losses.tolist()
+    return loss_sum.to(torch.float64), history
 
 
 def _agree(ok: bool) -> bool:
@@ -328,26 +319,28 @@ def resume(job: Job) -> None:
     config, rt = job.config, job.rt
     if config.checkpoint_dir:
         chosen = checkpoint.choose(
-            config.checkpoint_dir, _identity(config), lambda m: _restore(job, m), _agree
+            config.checkpoint_dir, config.identity(), lambda m: _restore(job, m), _agree
         )
         if chosen is not None:
-            meta, job.loss_sum = chosen
-            job.start_step, job.losses = meta.step, list(meta.losses)
+            meta, (job.loss_sum, job.losses) = chosen
+            job.start_step = meta.step
             job.membership = [list(change) for change in meta.membership]
         changed = not job.membership or job.membership[-1][1] != rt.size
         if elastic_world() is not None and changed:
             job.membership.append([job.start_step, rt.size])
-        if rt.rank == 0:
+        rank, world, writer = job.place
+        if rank == writer:
             job.progress = checkpoint.Progress(config.checkpoint_dir)
             job.redone = job.progress.resumed_at(job.start_step)
         job.checkpointer = checkpoint.Checkpointer(
             config.checkpoint_dir,
-            rt.rank,
-            rt.size,
-            _identity(config),
+            rank,
+            world,
+            config.identity(),
             config.keep_checkpoints,
             config.checkpoint_async,
             config.timeout_s,
+            writer,
         )
     if job.warmup is not None:  # a resumed run continues its warm-up where it was
         for _ in range(job.start_step):
@@ -361,20 +354,26 @@ def _checkpoint(
     the pending epoch losses are reduced first, so the history saved is the world's)."""
     assert job.checkpointer is not None and job.sharder is not None
     _reduce_losses(pending, clock)
+    started = time.perf_counter()  # the stall: the servers' parts (ps) are written from here
     epoch, offset = divmod(step, job.sharder.steps_per_epoch())
     state = {
         "model": job.split.module.state_dict(),
         "optimizer": job.optimizer.state_dict(),
         "strategy": job.strategy.state_dict(),
         "rng": checkpoint.rng_state(),
-        "progress": {"loss_sum": loss_sum.clone()},
+        "progress": {
+            "loss_sum": loss_sum.clone(),
+            "losses": torch.tensor(clock.losses, dtype=torch.float64),
+        },
     }
     extra = None
     if job.membership:  # an elastic job: what a world of another size resumes from
         world_sum = loss_sum.clone()
         allreduce(world_sum, kind="metrics")
         extra = {"epoch_loss": world_sum.tolist(), "membership": job.membership}
-    job.checkpointer.save(step, epoch, offset, clock.losses, clock.samples, state, extra)
+    job.checkpointer.save(
+        step, epoch, offset, clock.losses, clock.samples, state, extra, since=started
+    )
 
 
 def _due(config: TrainConfig, step: int, end_of_epoch: bool, last: int) -> bool:
@@ -417,7 +416,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
             if config.emulate_compute_ms:
                 time.sleep(config.emulate_compute_ms / 1000)  # labelled emulation (benchmarks)
             if fault is not None and fault.kind == "slow":
-                fault.check(rt.rank, step)
+                fault.check(job.place[0], step)
             job.optimizer.step()
             if job.warmup is not None:
                 job.warmup.step()
@@ -434,7 +433,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
             if job.progress is not None:
                 job.progress.reached(step)
             if fault is not None and fault.kind == "kill":
-                fault.check(rt.rank, step)
+                fault.check(job.place[0], step)
             end_of_epoch = k == steps - 1
             if end_of_epoch:
                 pending.append(loss_sum)

@@ -17,7 +17,7 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 import gradmesh
 from gradmesh.parameter_server.client import shard_ranges
-from gradmesh.parameter_server.roles import KEY, WorkerRole
+from gradmesh.parameter_server.roles import WorkerRole, key
 from gradmesh.parameter_server.server import Server, ServerConfig
 from gradmesh.parameter_server.worker import PSWorker
 from tests.distributed.sgd_steps import cnn, run_steps
@@ -32,13 +32,13 @@ LR = 0.1
 @contextmanager
 def servers(count: int, workers: int, numel: int, **options: Any) -> Iterator[tuple[int, list]]:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    store.set(KEY + "numel", str(numel))
+    store.set(key("numel"), str(numel))
     stats: list[dict[str, Any]] = []
     threads = []
     for i, (a, b) in enumerate(shard_ranges(numel, count)):
         config = ServerConfig(index=i, workers=workers, numel=b - a, timeout_s=30, **options)
         server = Server(config, bytes.fromhex(TOKEN_HEX), "127.0.0.1")
-        store.set(KEY + f"server{i}", server.endpoint)
+        store.set(key(f"server{i}"), server.endpoint)
         thread = threading.Thread(target=lambda s=server: stats.append(s.serve()), daemon=True)
         thread.start()
         threads.append(thread)

@@ -148,7 +148,6 @@ def bad_checkpoint(folder: Path, kind: str) -> Path:
     from gradmesh.models import build_model
     from gradmesh.train import checkpoint
     from gradmesh.train.config import TrainConfig
-    from gradmesh.train.trainer import _identity
 
     model = build_model("cnn", DATASETS.get("digits")(DataOptions()))
     state: dict[str, object] = {
@@ -158,7 +157,7 @@ def bad_checkpoint(folder: Path, kind: str) -> Path:
         "rng": checkpoint.rng_state(),
         "progress": {"loss_sum": torch.zeros(2, dtype=torch.float64)},
     }
-    identity = _identity(TrainConfig())
+    identity = TrainConfig().identity()
     for rank in (1, 0):
         writer = checkpoint.Checkpointer(str(folder), rank, 2, identity, 3, False, 5)
         writer.save(23, 1, 0, [0.5], 1437, state)
