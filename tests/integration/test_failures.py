@@ -1,5 +1,5 @@
 """Failures fail fast and name the culprit, as a user sees them under `gradmesh run -np 2` with a
-15 s collective timeout: one line naming the rank and the operation, no traceback from gradmesh,
+8 s collective timeout: one line naming the rank and the operation, no traceback from gradmesh,
 the job over within timeout + 5 s (or 5 s when a rank dies), and no process left behind (the
 leak fixture checks every test)."""
 
@@ -20,7 +20,7 @@ from gradmesh.launch.run import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "faulty.py")
-TIMEOUT_S = 15
+TIMEOUT_S = 8
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
 
 

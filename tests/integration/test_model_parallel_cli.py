@@ -61,11 +61,13 @@ def example_losses(*flags: str) -> list[float]:
 
 
 def test_users_script_splits_the_model_with_a_few_lines() -> None:
+    """The script's tensor and pipeline parallelism together (tensor-parallel pairs in two
+    GPipe stages; each alone is covered by `gradmesh train` above) follow data parallelism."""
     dp = example_losses()
     assert len(dp) == 2
-    assert example_losses("--tensor-parallel", "2") == pytest.approx(dp, rel=1e-5)
-    pp = example_losses("--pipeline-parallel", "2", "--microbatches", "4", "--schedule", "gpipe")
-    assert pp == pytest.approx(dp, rel=1e-5)
+    both = ["--tensor-parallel", "2", "--pipeline-parallel", "2"]
+    split = example_losses(*both, "--microbatches", "4", "--schedule", "gpipe")
+    assert split == pytest.approx(dp, rel=1e-5)
 
 
 @pytest.mark.parametrize(
