@@ -9,6 +9,14 @@ show communication, as on a cluster whose workers compute for that long. The mod
 synthetic inputs sized to `--model-mb` of float32 parameters. Configurations are interleaved
 round by round; medians are reported. samples/s of a ps job = all workers' samples / the slowest
 worker's training time.
+
+Each configuration is printed next to its prediction (`parameter_server.cost.step_time`: the
+links' α-β terms, queueing at the servers by mean-value analysis) from the run's own compute
+time per step and server CPU per push+pull, and BytePS's bound; ring allreduce next to its
+registered cost formula. The JSON holds each configuration's CPU: the servers' and workers' own
+CPU seconds while serving or training, and the machine's idle share over the whole job (start-up
+included), labelled `cpu` under 10 %.
+`--micro` measures instead what one push+pull costs a server in CPU (`ps_micro`).
 """
 
 from __future__ import annotations
@@ -20,13 +28,20 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from statistics import mean
 from typing import Any
 
-from gradmesh.bench.common import median, parse_ints, write_json
+from gradmesh.bench import ps_micro
+from gradmesh.bench.common import CPU_BOUND_IDLE, cpu_jiffies, median, parse_ints, write_json
+from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
-from gradmesh.launch.emulate import EmulatedCluster
+from gradmesh.launch.emulate import EmulatedCluster, parse_rate
+from gradmesh.parameter_server.cost import step_time
 
 HIDDEN = 128  # the mlp model's hidden width
+WIRE_OVERHEAD = 1514 / 1448
+"""Bytes on an Ethernet link per byte of TCP payload (1448 of a 1514-byte frame): tbf counts
+frames."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +55,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration")
     parser.add_argument("--mode", default="async", help="ps mode (default: async)")
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument(
+        "--micro", action="store_true", help="the server's CPU per push+pull by shard size"
+    )
+    ps_micro.add_arguments(parser)
 
 
 def _job_flags(args: argparse.Namespace) -> list[str]:
@@ -77,6 +96,8 @@ def _run(flags: list[str], hosts: int, emulate: bool, bandwidth: str, out: Path)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.micro:
+        return ps_micro.run(args)
     servers = parse_ints(args.servers, "servers")
     if args.workers < 1 or args.steps < 1 or args.rounds < 1 or args.model_mb <= 0:
         raise GradmeshError("--workers, --steps, --rounds must be >= 1 and --model-mb > 0")
@@ -94,44 +115,91 @@ def run(args: argparse.Namespace) -> int:
                     flags = [*base, "--strategy=allreduce", "--allreduce=ring"]
                     hosts = args.workers
                 out = Path(tmp) / f"{round_}-{kind}-{s}.json"
+                idle0, total0 = cpu_jiffies()
                 report = _run(flags, hosts, args.emulate_hosts, args.bandwidth, out)
+                idle1, total1 = cpu_jiffies()
+                report["cpu_idle"] = (idle1 - idle0) / max(1, total1 - total0)
                 runs[(kind, s)].append(report)
                 rate = _rate(kind, report)
                 print(f"round {round_ + 1}/{args.rounds}  {kind} servers={s}: {rate:.0f} samples/s")
-    results = []
-    for s in servers:
-        reports = runs[("ps", s)]
-        stats = [r["strategy_info"]["server_stats"] for r in reports]
-        results.append(
-            {
-                "servers": s,
-                "workers": args.workers,
-                "samples_per_s": median([_rate("ps", r) for r in reports]),
-                "bytes_in_per_server": median([_mean(x, "bytes_in") for x in stats]),
-                "bytes_out_per_server": median([_mean(x, "bytes_out") for x in stats]),
-                "request_rate_per_server": median([_mean(x, "request_rate") for x in stats]),
-            }
-        )
+    link = _link(args)
+    results = [_summary(args, s, runs[("ps", s)], link) for s in servers]
+    ring = runs[("ring", 0)]
+    ring_compute = median([r["compute_s"] / args.steps for r in ring])
+    nbytes = results[0]["parameter_bytes"]
+    ring_step = ring_compute + cost("ring", args.workers, nbytes, link.alpha, link.beta, link.gamma)
     payload = {
         "results": results,
-        "allreduce_samples_per_s": median([_rate("ring", r) for r in runs[("ring", 0)]]),
+        "allreduce_samples_per_s": median([_rate("ring", r) for r in ring]),
+        "allreduce_predicted_samples_per_s": 16 * args.workers / ring_step,
+        "allreduce_cpu_idle": median([r["cpu_idle"] for r in ring]),
         "network": f"{args.bandwidth} emulated links" if args.emulate_hosts else "loopback",
+        "link_model": {"alpha_s": link.alpha, "beta_s_per_byte": link.beta},
         "compute": f"EMULATED: {args.compute_ms} ms sleep per step",
         "model_mb": args.model_mb,
         "mode": args.mode,
         "steps_per_worker": args.steps,
         "rounds": args.rounds,
+        "cpu_bound_idle": CPU_BOUND_IDLE,
     }
     write_json(args.json, payload)
     first = results[0]["samples_per_s"]
     for r in results:
         print(
             f"{r['servers']} servers: {r['samples_per_s']:.0f} samples/s "
-            f"({r['samples_per_s'] / first:.2f}x {results[0]['servers']} server), "
-            f"{r['bytes_in_per_server'] / 1e6:.0f} MB in per server"
+            f"({r['samples_per_s'] / first:.2f}x {results[0]['servers']} server), predicted "
+            f"{r['predicted_samples_per_s']:.0f} ({r['prediction_error']:+.0%}, bound "
+            f"{r['bound_samples_per_s']:.0f}), {r['bytes_in_per_server'] / 1e6:.0f} MB in per "
+            f"server, idle CPU {r['cpu_idle']:.0%}: {r['limit']}"
         )
-    print(f"ring allreduce, {args.workers} workers: {payload['allreduce_samples_per_s']:.0f}")
+    print(
+        f"ring allreduce, {args.workers} workers: {payload['allreduce_samples_per_s']:.0f} "
+        f"samples/s, predicted {payload['allreduce_predicted_samples_per_s']:.0f}"
+    )
     return 0
+
+
+def _link(args: argparse.Namespace) -> CostParams:
+    """The α-β terms of the links: the emulated rate (with TCP/IP's framing) or loopback's."""
+    if not args.emulate_hosts:
+        return DEFAULT_PARAMS
+    beta = 8 / parse_rate(args.bandwidth) * WIRE_OVERHEAD
+    return CostParams(alpha=DEFAULT_PARAMS.alpha, beta=beta, gamma=DEFAULT_PARAMS.gamma)
+
+
+def _summary(
+    args: argparse.Namespace, servers: int, reports: list[dict[str, Any]], link: CostParams
+) -> dict[str, Any]:
+    """One configuration's medians, its CPU figures and its prediction (`parameter_server.cost`)
+    from the run's own compute time and server CPU per request."""
+    stats = [r["strategy_info"]["server_stats"] for r in reports]
+    nbytes = int(reports[0]["strategy_info"]["parameter_bytes"])
+    compute = median([r["compute_s"] / args.steps for r in reports])
+    pushes = args.workers * args.steps
+    server_cpu = median([_mean(x, "cpu_s") / pushes for x in stats])
+    predicted = step_time(args.workers, servers, nbytes, link, compute, server_cpu)
+    per_step = 16 * args.workers  # samples of one step of every worker
+    rate = median([_rate("ps", r) for r in reports])
+    idle = median([r["cpu_idle"] for r in reports])
+    return {
+        "servers": servers,
+        "workers": args.workers,
+        "samples_per_s": rate,
+        "predicted_samples_per_s": per_step / predicted.step_s,
+        "prediction_error": rate / (per_step / predicted.step_s) - 1,
+        "bound_samples_per_s": per_step / predicted.bound_s,
+        "predicted_bottleneck": predicted.bottleneck,
+        "parameter_bytes": nbytes,
+        "compute_s_per_step": compute,
+        "server_cpu_s_per_push_pull": server_cpu,
+        "server_cpu_s": median([_mean(x, "cpu_s") for x in stats]),
+        "worker_cpu_s": median([mean(r["strategy_info"]["worker_cpu_s"]) for r in reports]),
+        "cpu_idle": idle,
+        "limit": "cpu" if idle < CPU_BOUND_IDLE else "link-or-compute",
+        "bytes_in_per_server": median([_mean(x, "bytes_in") for x in stats]),
+        "bytes_out_per_server": median([_mean(x, "bytes_out") for x in stats]),
+        "request_rate_per_server": median([_mean(x, "request_rate") for x in stats]),
+    }
 
 
 def _rate(kind: str, report: dict[str, Any]) -> float:

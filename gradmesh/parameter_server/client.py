@@ -96,7 +96,7 @@ class Client:
         return replies
 
     def _per_shard(self, kind: Kind, flat: torch.Tensor) -> list[list[bytes | memoryview]]:
-        if kind is not Kind.PUSH or self.compressor is None:
+        if kind not in (Kind.PUSH, Kind.PUSH_PULL) or self.compressor is None:
             return [
                 encode(kind, self.token, self.worker, clock=self.clock, tensor=flat[a:b])
                 for a, b in self.ranges
@@ -132,14 +132,12 @@ class Client:
         """Fill `flat` with the servers' values (once the mode allows); return the staleness.
         With `push`, that gradient goes first in the same round trip: a server answers in
         order, so the values come back with it applied (or, in sync, with its step's update)."""
-        pull = [encode(Kind.PULL, self.token, self.worker, clock=self.clock + (push is not None))]
         if push is None:
-            replies = self._roundtrip("pull", pull * len(self.socks))
-        else:
+            pull = encode(Kind.PULL, self.token, self.worker, clock=self.clock)
+            replies = self._roundtrip("pull", [pull] * len(self.socks))
+        else:  # one message each way per server: the gradient, answered by the values
             self.clock += 1
-            pushes = self._per_shard(Kind.PUSH, push)
-            replies = self._roundtrip("push and pull", pushes, pull * len(self.socks))
-            replies = replies[len(self.socks) :]
+            replies = self._roundtrip("push and pull", self._per_shard(Kind.PUSH_PULL, push))
         with torch.no_grad():
             for (a, b), reply in zip(self.ranges, replies, strict=True):
                 if reply.payload is None or reply.payload.numel() != b - a:

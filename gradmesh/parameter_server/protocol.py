@@ -33,7 +33,7 @@ import torch
 warnings.filterwarnings("ignore", message="The given buffer is not writable")
 
 MAGIC = b"GMPS"
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 MAX_DIMS = 4
 TOKEN_BYTES = 16
 HEADER = struct.Struct("<4sBBBBH16sQQI4IQQB3I")
@@ -60,6 +60,7 @@ class Kind(enum.IntEnum):
     DONE = 7  # server -> worker: every live worker is done (payload: JSON)
     CLOSE = 8  # worker -> server: stop serving
     SAVE = 9  # worker -> server: write the shard's part of the checkpoint after step `clock`
+    PUSH_PULL = 10  # worker -> server: a gradient, then a pull (answered by PARAMS alone)
 
 
 class WireError(ValueError):
@@ -163,7 +164,7 @@ def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> 
     count = 1
     for d in dims:
         count *= d
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     if count * itemsize != nbytes:
         raise WireError(f"shape {dims} of {dtype} is not {nbytes} bytes")
     if codec and (dtype != torch.uint8 or ndim != 1):

@@ -17,6 +17,11 @@ reading worker was ahead of the slowest live worker (SSP's own measure, at most 
 `sync`). With `staleness_lr` a gradient's step is divided by max(1, staleness) (Zhang et al.).
 A worker silent for `lost_after_s` with no request waiting (or, before its first message, for
 `timeout_s`) is declared lost and no longer waited for; its last gradients stay applied.
+
+The path of a request allocates nothing per message after warm-up: a push is read where libzmq
+received it (a view of its frame: receiving into a buffer of ours would add a copy), SGD updates
+the shard in place, a sync step sums into one reused buffer, and pulls are answered from
+`Snapshots`, copied once per version, not once per pull.
 """
 
 from __future__ import annotations
@@ -45,6 +50,9 @@ from gradmesh.parameter_server.protocol import (
 )
 
 MODES = ("sync", "async", "ssp")
+PUSHES = (Kind.PUSH, Kind.PUSH_PULL)
+REQUESTS = {kind: (kind.name.lower(),) for kind in Kind} | {Kind.PUSH_PULL: ("push", "pull")}
+"""What the server's stats count a message as: a push-and-pull is a push and a pull."""
 JSON_LIMIT = 1 << 16
 POLL_MS = 50
 
@@ -87,6 +95,9 @@ class ServerStats:
     wakeups: int = 0
     first: float = 0.0
     last: float = 0.0
+    cpu_first: float = 0.0
+    cpu_last: float = 0.0
+    """The process's CPU time at the first and the last message (serving, not starting)."""
     staleness: dict[int, Counter[int]] = field(default_factory=dict)
 
     def as_dict(self, index: int, lost: list[int]) -> dict[str, Any]:
@@ -107,7 +118,48 @@ class ServerStats:
                 for w, h in sorted(self.staleness.items())
             },
             "lost_workers": lost,
+            "cpu_s": self.cpu_last - self.cpu_first,
         }
+
+
+class Snapshots:
+    """The shard as pull replies carry it. ZeroMQ sends a reply's bytes later, from its I/O thread,
+    without copying them, so a reply must not see the shard change under it: each version that is
+    read is copied once, into a buffer that every pull of that version shares, and a buffer is
+    written again only once every worker it was sent to has been heard from since: a worker asks
+    again only after its answer has arrived whole, so by then libzmq has no more bytes of it to
+    read (the protocol is the tracker; ZeroMQ's own trackers cost more CPU than the copy they
+    save). A buffer sent to a worker that is never heard from again is never reused. Two buffers
+    in turn in the common case; no allocation after the first pulls."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.values = values
+        self.buffers: list[torch.Tensor] = []
+        self.current: torch.Tensor | None = None
+        self.version = -1
+        self.readers: dict[int, int] = {}
+        """worker -> the index of the buffer its answer in flight is read from."""
+
+    def at(self, version: int) -> torch.Tensor:
+        """The shard as it is now, at `version`: a buffer that no answer in flight is reading."""
+        if self.current is not None and self.version == version:
+            return self.current
+        busy = set(self.readers.values())
+        free = [i for i in range(len(self.buffers)) if i not in busy]
+        if not free:
+            free.append(len(self.buffers))
+            self.buffers.append(torch.empty_like(self.values))
+        self.current, self.version = self.buffers[free[0]].copy_(self.values), version
+        self.index = free[0]
+        return self.current
+
+    def sending(self, worker: int) -> None:
+        """The current buffer is on its way to `worker`."""
+        self.readers[worker] = self.index
+
+    def heard(self, worker: int) -> None:
+        """`worker` sent a message: it has its last answer whole."""
+        self.readers.pop(worker, None)
 
 
 class Server:
@@ -150,6 +202,9 @@ class Server:
         self.pending_done: list[tuple[bytes, int]] = []
         self.round: dict[int, torch.Tensor] = {}
         """sync: the gradients of the step under way, by worker."""
+        self.total = torch.empty(config.numel) if config.mode == "sync" else torch.empty(0)
+        """sync: the step's sum, reused."""
+        self.snapshots = Snapshots(self.values.detach())
         self.done_at: float | None = None
         self.closed = False
 
@@ -214,9 +269,12 @@ class Server:
         now = time.monotonic()
         self.stats.first = self.stats.first or now
         self.stats.last = now
-        self.stats.requests[msg.kind.name.lower()] += 1
+        self.stats.cpu_last = time.process_time()
+        self.stats.cpu_first = self.stats.cpu_first or self.stats.cpu_last
+        self.stats.requests.update(REQUESTS[msg.kind])
         self.last_seen[msg.worker] = now
         self.heard.add(msg.worker)
+        self.snapshots.heard(msg.worker)
         if msg.kind is Kind.INIT:
             if not self.initialized:
                 with torch.no_grad():
@@ -226,6 +284,9 @@ class Server:
         elif msg.kind is Kind.PUSH:
             self._push(msg)
             self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
+        elif msg.kind is Kind.PUSH_PULL:  # the step's one message: answered by the pull alone
+            self._push(msg)
+            self.pending_pulls.append((ident, msg))
         elif msg.kind is Kind.PULL:
             self.pending_pulls.append((ident, msg))
         elif msg.kind is Kind.FINISH:
@@ -244,14 +305,14 @@ class Server:
         if not 0 <= msg.worker < self.cfg.workers:
             raise WireError(f"no worker {msg.worker}")
         if msg.codec:
-            if msg.kind is not Kind.PUSH:
+            if msg.kind not in PUSHES:
                 raise WireError(f"{msg.kind.name} carries no codec")
             msg = replace(msg, payload=self._decompress(msg))
-        if msg.kind in (Kind.INIT, Kind.PUSH):
+        if msg.kind in (Kind.INIT, *PUSHES):
             p = msg.payload
             if p is None or p.dtype != torch.float32 or p.numel() != self.cfg.numel:
                 raise WireError("a shard of the wrong size or dtype")
-            if msg.kind is Kind.PUSH and not self.initialized:
+            if msg.kind in PUSHES and not self.initialized:
                 raise WireError("push before init")
         elif msg.kind is Kind.FINISH:
             try:
@@ -310,10 +371,11 @@ class Server:
         """sync: once every live worker has pushed this step, apply their average."""
         if not self.round or not set(self._live()) <= set(self.round):
             return
-        total = torch.zeros(self.cfg.numel)
-        for w in sorted(self.round):
+        first, *rest = sorted(self.round)
+        total = self.total.copy_(self.round[first])
+        for w in rest:
             total += self.round[w]
-        self.optimizer.apply(total / len(self.round), -1, 1.0)
+        self.optimizer.apply(total.div_(len(self.round)), -1, 1.0)
         self.round.clear()
         self._updated()
 
@@ -364,14 +426,17 @@ class Server:
             gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
             self.read_gap[msg.worker] = gap
             self.optimizer.on_read(msg.worker)
-            self._reply(
-                ident,
+            snapshot = self.snapshots.at(self.version)
+            frames = encode(
                 Kind.PARAMS,
+                self.token,
                 msg.worker,
                 seen=self.version,
                 staleness=gap,
-                tensor=self.values.detach().clone(),  # ZeroMQ sends later: a snapshot
+                tensor=snapshot,
             )
+            self._send(ident, frames)
+            self.snapshots.sending(msg.worker)
         self.pending_pulls = waiting
 
     def _find_lost(self, now: float) -> None:

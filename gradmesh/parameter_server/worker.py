@@ -43,6 +43,7 @@ class PSWorker:
         self.reporter = False
         self.params: list[nn.Parameter] = []
         self.client: Client | None = None
+        self.cpu_start = 0.0
 
     def attach(self, model: nn.Module, optimizer: Optimizer) -> Optimizer:
         """Connect to the servers, start from their values, and wrap `optimizer`."""
@@ -68,6 +69,7 @@ class PSWorker:
         if self.role.index == 0:
             self.client.init(self.flat)
         self.client.pull(self.flat)
+        self.cpu_start = time.process_time()
         return PSOptimizer(optimizer, self)
 
     def step(self) -> None:
@@ -131,7 +133,8 @@ class PSWorker:
         assert self.client is not None
         if self.steps % self.push_every:
             self.client.push(self.grad)
-        stats = {"samples": samples, "wall_s": wall_s, "steps": self.steps}
+        cpu_s = time.process_time() - self.cpu_start
+        stats = {"samples": samples, "wall_s": wall_s, "steps": self.steps, "cpu_s": cpu_s}
         self.summaries = self.client.finish(stats)
         self.reporter = self.summaries[0]["reporter"] == self.role.index
         if self.reporter:
@@ -147,10 +150,12 @@ class PSWorker:
         return {
             "servers": self.servers,
             "workers": self.role.workers,
+            "parameter_bytes": self.flat.numel() * 4,
             "lost_workers": lost,
             "job_samples_per_s": sum(w["samples"] for w in workers.values()) / max(walls),
             "staleness_histogram": first.get("server", {}).get("staleness", {}),
             "server_stats": [s["server"] for s in self.summaries],
+            "worker_cpu_s": [workers[w].get("cpu_s", 0.0) for w in sorted(workers, key=int)],
         }
 
 

@@ -575,3 +575,19 @@ def test_bench_hogwild_writes_the_results_table(tmp_path: Path) -> None:
         rows[(2, "hogwild")]["samples_per_s"] / rows[(1, "hogwild")]["samples_per_s"]
     )
     assert "unknown mode 'fast'" in gradmesh("bench", "hogwild", "--modes=fast").stderr
+
+
+def test_bench_ps_micro_measures_a_server_process_per_shard_size(tmp_path: Path) -> None:
+    out = gradmesh(
+        "bench", "ps", "--micro", "--sizes=64KB,256KB", "--seconds=0.2", "--rounds=1",
+        "--json", str(tmp_path / "m.json"),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    rows = json.loads((tmp_path / "m.json").read_text())["results"]
+    assert [r["shard_bytes"] for r in rows] == [64 << 10, 256 << 10]
+    for row in rows:
+        assert row["requests_per_window"][0] > 0
+        # the server's CPU is its own process's (a second process: it cannot be this one's)
+        assert 0 < row["server_cpu_us_per_push_pull"] < row["round_trip_us"] * 4
+    bad = gradmesh("bench", "ps", "--micro", "--sizes=3")
+    assert one_line_error(bad) and "--sizes" in bad.stderr
