@@ -15,17 +15,16 @@ from tests.integration.test_cli import GRADMESH, ROOT, gradmesh, one_line_error
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
-def test_async_and_ssp_learn_digits(mode: str, tmp_path: Path) -> None:
+def test_async_and_ssp_learn_digits_at_the_defaults(mode: str, tmp_path: Path) -> None:
+    """Default hyperparameters (a gradient's step is lr / W: docs/parameter_server.md); this
+    seed measured 0.978 (async) and 0.986 (ssp), three seeds 0.978-0.986."""
     out = gradmesh(
         "train",
         "--strategy=ps",
         "--servers=2",
         "--workers=2",
         f"--mode={mode}",
-        "--max-staleness=1",
-        "--momentum=0.5",  # momentum 0.9 on stale gradients ranged 0.91-0.97 (docs)
-        "--lr=0.1",
-        "--epochs=20",
+        "--seed=1",
         f"--timeline={tmp_path / 'trace.json'}",
         "--json",
         str(tmp_path / "r.json"),
@@ -41,7 +40,7 @@ def test_async_and_ssp_learn_digits(mode: str, tmp_path: Path) -> None:
         assert server["dropped_messages"] == 0
     if mode == "ssp":
         worst = max(int(s) for h in info["staleness_histogram"].values() for s in h)
-        assert worst <= 1
+        assert worst <= 2  # the default bound
     for worker in (0, 1):  # each worker's timeline carries the staleness of every pull
         events = json.loads((tmp_path / f"trace.worker{worker}.json").read_text())["traceEvents"]
         pulls = [e for e in events if e["name"] == "pull"]
