@@ -135,23 +135,22 @@ class Snapshots:
     def __init__(self, values: torch.Tensor) -> None:
         self.values = values
         self.buffers: list[torch.Tensor] = []
-        self.current: torch.Tensor | None = None
-        self.version = -1
+        self.index, self.version = -1, -1
+        """The buffer that holds the shard at `version` (none yet: -1)."""
         self.readers: dict[int, int] = {}
         """worker -> the index of the buffer its answer in flight is read from."""
 
     def at(self, version: int) -> torch.Tensor:
         """The shard as it is now, at `version`: a buffer that no answer in flight is reading."""
-        if self.current is not None and self.version == version:
-            return self.current
-        busy = set(self.readers.values())
-        free = [i for i in range(len(self.buffers)) if i not in busy]
-        if not free:
-            free.append(len(self.buffers))
-            self.buffers.append(torch.empty_like(self.values))
-        self.current, self.version = self.buffers[free[0]].copy_(self.values), version
-        self.index = free[0]
-        return self.current
+        if self.index < 0 or self.version != version:
+            busy = set(self.readers.values())
+            free = [i for i in range(len(self.buffers)) if i not in busy]
+            if not free:
+                free.append(len(self.buffers))
+                self.buffers.append(torch.empty_like(self.values))
+            self.index, self.version = free[0], version
+            self.buffers[self.index].copy_(self.values)
+        return self.buffers[self.index]
 
     def sending(self, worker: int) -> None:
         """The current buffer is on its way to `worker`."""
