@@ -39,6 +39,7 @@ from gradmesh.launch.emulate import EmulatedCluster, parse_rate
 from gradmesh.parameter_server.cost import step_time
 
 HIDDEN = 128  # the mlp model's hidden width
+PER_WORKER_BATCH = 16
 WIRE_OVERHEAD = 1514 / 1448
 """Bytes on an Ethernet link per byte of TCP payload (1448 of a 1514-byte frame): tbf counts
 frames."""
@@ -63,8 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _job_flags(args: argparse.Namespace) -> list[str]:
     side = max(4, round((args.model_mb * 1e6 / 4 / HIDDEN) ** 0.5))
-    per_worker = 16
-    batch = per_worker * args.workers
+    batch = PER_WORKER_BATCH * args.workers
     samples = round(args.steps * batch / 0.8) + 1  # 80% of the synthetic set is for training
     return [
         "--model=mlp",
@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     payload = {
         "results": results,
         "allreduce_samples_per_s": median([_rate("ring", r) for r in ring]),
-        "allreduce_predicted_samples_per_s": 16 * args.workers / ring_step,
+        "allreduce_predicted_samples_per_s": PER_WORKER_BATCH * args.workers / ring_step,
         "allreduce_cpu_idle": median([r["cpu_idle"] for r in ring]),
         "network": f"{args.bandwidth} emulated links" if args.emulate_hosts else "loopback",
         "link_model": {"alpha_s": link.alpha, "beta_s_per_byte": link.beta},
@@ -178,7 +178,7 @@ def _summary(
     pushes = args.workers * args.steps
     server_cpu = median([_mean(x, "cpu_s") / pushes for x in stats])
     predicted = step_time(args.workers, servers, nbytes, link, compute, server_cpu)
-    per_step = 16 * args.workers  # samples of one step of every worker
+    per_step = PER_WORKER_BATCH * args.workers  # samples of one step of every worker
     rate = median([_rate("ps", r) for r in reports])
     idle = median([r["cpu_idle"] for r in reports])
     return {

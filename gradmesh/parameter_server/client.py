@@ -130,8 +130,8 @@ class Client:
 
     def pull(self, flat: torch.Tensor, push: torch.Tensor | None = None) -> int:
         """Fill `flat` with the servers' values (once the mode allows); return the staleness.
-        With `push`, that gradient goes first in the same round trip: a server answers in
-        order, so the values come back with it applied (or, in sync, with its step's update)."""
+        With `push`, one PUSH_PULL per server carries that gradient and asks for the values
+        after it is applied (in sync, after its step's update)."""
         if push is None:
             pull = encode(Kind.PULL, self.token, self.worker, clock=self.clock)
             replies = self._roundtrip("pull", [pull] * len(self.socks))
