@@ -5,9 +5,9 @@ and one worker (this process) on loopback, one torch thread each (as `gradmesh r
 of more processes than cores). After a warm-up the worker makes push+pull round
 trips (`Client.pull(flat, push=grad)`, the request of every training step) for at least
 `--seconds`; the server's CPU time over that window is read from the kernel's per-thread
-counters (`/proc/PID/task/*/schedstat`, nanoseconds, every thread: Python's, libzmq's I/O
-thread), the worker's from its own `time.process_time()`. Figures: CPU microseconds per
-push+pull on each side and the round trip's wall time; medians of `--rounds` windows.
+counters (`/proc/PID/task/*/schedstat`, nanoseconds, every thread), the worker's from its own
+`time.process_time()`. Figures: CPU microseconds per push+pull on each side and the round
+trip's wall time; medians of `--rounds` windows.
 """
 
 from __future__ import annotations

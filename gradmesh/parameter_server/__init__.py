@@ -1,5 +1,5 @@
 """Parameter servers: sharded servers holding the parameters and the optimizer; workers pull
-parameters and push gradients over ZeroMQ (see docs/parameter_server.md).
+parameters and push gradients over TCP (see docs/parameter_server.md).
 
 `gradmesh train --strategy ps` runs the roles for you. In your own script, started with
 `gradmesh run -np S+W -- python script.py`:

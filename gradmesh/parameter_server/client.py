@@ -1,5 +1,7 @@
-"""The worker's side: one DEALER socket per server, the flat parameter vector split into the
-servers' shards, and the init / push / pull / finish requests.
+"""The worker's side: one connection per server (`transport`), the flat parameter vector split into
+the servers' shards, and the init / push / pull / finish requests. A request goes to every server
+at once and the answers are read as they come (a selector over the connections): the shards'
+transfers overlap, and a pull's values are read straight into the parameters.
 
 Shards are contiguous ranges of the flattened float32 parameters, balanced by bytes: a tensor
 larger than a fair share is simply split across servers (`shard_ranges`).
@@ -7,21 +9,25 @@ larger than a fair share is simply split across servers (`shard_ranges`).
 
 from __future__ import annotations
 
+import contextlib
 import json
+import selectors
+import time
 from typing import Any
 
 import torch
-import zmq
 
 from gradmesh.compression import Compressor, NoCompression
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.protocol import Kind, Message, WireError, decode, encode
+from gradmesh.parameter_server.transport import Closed, Peer, connect
 from gradmesh.runtime import get_runtime, is_initialized
 from gradmesh.timeline import span
 
 FINISH_PATIENCE = 10
 """finish waits for the slowest worker: this many times the request timeout."""
-CLOSE_LINGER_MS = 1000
+REPLY_BOUND = 1 << 40
+"""A worker trusts its servers' lengths (they carry the job token) up to this."""
 
 
 def shard_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -50,14 +56,23 @@ class Client:
         self.token = token
         self.worker = worker
         self.ranges = shard_ranges(numel, len(endpoints))
-        self.timeout_ms = int(timeout_s * 1000)
-        self.ctx = zmq.Context()
-        self.socks = []
-        for endpoint in endpoints:
-            sock = self.ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(endpoint)
-            self.socks.append(sock)
+        self.timeout_s = timeout_s
+        self.peers = []
+        try:
+            for server, endpoint in enumerate(endpoints):
+                try:
+                    sock = connect(endpoint, timeout_s)
+                except OSError as exc:
+                    raise GradmeshError(
+                        f"ps worker {worker}: cannot reach server {server} at {endpoint}: {exc}"
+                    ) from None
+                self.peers.append(Peer(sock, token, REPLY_BOUND))
+        except GradmeshError:
+            self.close()
+            raise
+        self.selector = selectors.DefaultSelector()
+        for server, peer in enumerate(self.peers):
+            self.selector.register(peer.sock, selectors.EVENT_READ, server)
         self.clock = 0
         self.staleness = 0
         self.versions = [0] * len(endpoints)
@@ -68,32 +83,67 @@ class Client:
         self.states = [self.compressor.new_state(b - a) for a, b in self.ranges if self.compressor]
 
     def close(self) -> None:
-        for sock in self.socks:
-            sock.close(linger=CLOSE_LINGER_MS)  # let a CLOSE already queued go out
-        self.ctx.term()
+        for peer in self.peers:
+            peer.close()
+        if hasattr(self, "selector"):
+            self.selector.close()
 
-    def _roundtrip(self, op: str, *requests: list[list[bytes | memoryview]]) -> list[Message]:
-        """Send each request to every server (all of them before any answer is awaited), then
-        collect the answers: one per server per request, in order."""
-        for frames in requests:
-            for sock, parts in zip(self.socks, frames, strict=True):
-                self.bytes_sent += sum(memoryview(p).nbytes for p in parts)
-                sock.send_multipart(parts, copy=False)
-        replies = []
-        for server, sock in [(i, s) for _ in requests for i, s in enumerate(self.socks)]:
-            if not sock.poll(self.timeout_ms):
+    def _roundtrip(
+        self,
+        op: str,
+        requests: list[list[bytes | memoryview]],
+        into: torch.Tensor | None = None,
+    ) -> list[Message]:
+        """Send each server its request (all of them before any answer is awaited) and collect
+        the answers, one per server, in server order. With `into` (contiguous), answers of the
+        right length are read straight into its shard ranges."""
+        targets: list[memoryview | None] = [None] * len(self.peers)
+        if into is not None and into.is_contiguous() and into.dtype == torch.float32:
+            raw = memoryview(into.detach().view(torch.uint8).numpy())  # type: ignore[arg-type]
+            targets = [raw[a * 4 : b * 4] for a, b in self.ranges]
+        replies: list[Message | None] = [None] * len(self.peers)
+        for server, (peer, frames) in enumerate(zip(self.peers, requests, strict=True)):
+            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
+            self._guard(op, server, peer.send, frames)
+            if peer.out:
+                both = selectors.EVENT_READ | selectors.EVENT_WRITE
+                self.selector.modify(peer.sock, both, server)
+        deadline = time.monotonic() + self.timeout_s
+        waiting = len(self.peers)
+        while waiting:
+            events = self.selector.select(max(0.0, deadline - time.monotonic()))
+            if not events:
+                late = next(i for i, r in enumerate(replies) if r is None)
                 raise GradmeshError(
-                    f"ps worker {self.worker}: {op} got no answer from server {server} "
-                    f"in {self.timeout_ms / 1000:.0f} s"
+                    f"ps worker {self.worker}: {op} got no answer from server {late} "
+                    f"in {self.timeout_s:.0f} s"
                 )
-            raw = sock.recv_multipart(copy=False)
-            try:
-                replies.append(decode([f.buffer for f in raw], self.token, 1 << 40))
-            except WireError as exc:
-                raise GradmeshError(
-                    f"ps worker {self.worker}: {op}: bad answer from server {server}: {exc}"
-                ) from None
-        return replies
+            for key, mask in events:
+                server = key.data
+                peer = self.peers[server]
+                if mask & selectors.EVENT_WRITE and self._guard(op, server, peer.flush):
+                    self.selector.modify(peer.sock, selectors.EVENT_READ, server)
+                if mask & selectors.EVENT_READ and replies[server] is None:
+                    frames = self._guard(op, server, peer.receive, targets[server])
+                    if frames is not None:
+                        replies[server] = self._guard(
+                            op, server, decode, frames, self.token, REPLY_BOUND
+                        )
+                        waiting -= 1
+        return replies  # type: ignore[return-value]
+
+    def _guard(self, op: str, server: int, call: Any, *args: Any) -> Any:
+        """`call(*args)` on server `server`'s connection, its failures as one line."""
+        try:
+            return call(*args)
+        except Closed as exc:
+            raise GradmeshError(
+                f"ps worker {self.worker}: {op}: server {server} closed the connection ({exc})"
+            ) from None
+        except WireError as exc:
+            raise GradmeshError(
+                f"ps worker {self.worker}: {op}: bad answer from server {server}: {exc}"
+            ) from None
 
     def _per_shard(self, kind: Kind, flat: torch.Tensor) -> list[list[bytes | memoryview]]:
         if kind not in (Kind.PUSH, Kind.PUSH_PULL) or self.compressor is None:
@@ -134,15 +184,18 @@ class Client:
         after it is applied (in sync, after its step's update)."""
         if push is None:
             pull = encode(Kind.PULL, self.token, self.worker, clock=self.clock)
-            replies = self._roundtrip("pull", [pull] * len(self.socks))
+            replies = self._roundtrip("pull", [pull] * len(self.peers), into=flat)
         else:  # one message each way per server: the gradient, answered by the values
             self.clock += 1
-            replies = self._roundtrip("push and pull", self._per_shard(Kind.PUSH_PULL, push))
+            requests = self._per_shard(Kind.PUSH_PULL, push)
+            replies = self._roundtrip("push and pull", requests, into=flat)
         with torch.no_grad():
             for (a, b), reply in zip(self.ranges, replies, strict=True):
+                shard = flat[a:b]
                 if reply.payload is None or reply.payload.numel() != b - a:
                     raise GradmeshError(f"ps worker {self.worker}: pull: a shard of wrong size")
-                flat[a:b].copy_(reply.payload)
+                if reply.payload.data_ptr() != shard.data_ptr():  # not read in place
+                    shard.copy_(reply.payload)
         self.staleness = max(r.staleness for r in replies)
         self.versions = [r.seen for r in replies]
         return self.staleness
@@ -151,7 +204,7 @@ class Client:
         """Ask every server to write its part of the checkpoint after this worker's step
         (`clock`: sync mode only) and wait until each has."""
         self._roundtrip(
-            "save", [encode(Kind.SAVE, self.token, self.worker, clock=self.clock)] * len(self.socks)
+            "save", [encode(Kind.SAVE, self.token, self.worker, clock=self.clock)] * len(self.peers)
         )
 
     def finish(self, stats: dict[str, Any]) -> list[dict[str, Any]]:
@@ -159,15 +212,17 @@ class Client:
         summary."""
         data = json.dumps(stats).encode()
         request = encode(Kind.FINISH, self.token, self.worker, clock=self.clock, data=data)
-        patience, self.timeout_ms = self.timeout_ms, self.timeout_ms * FINISH_PATIENCE
+        patience, self.timeout_s = self.timeout_s, self.timeout_s * FINISH_PATIENCE
         try:
-            replies = self._roundtrip("finish", [request] * len(self.socks))
+            replies = self._roundtrip("finish", [request] * len(self.peers))
         finally:
-            self.timeout_ms = patience
+            self.timeout_s = patience
         return [json.loads(bytes(r.raw or b"{}")) for r in replies]
 
     def close_servers(self) -> None:
         """Tell every server to stop (after the final pull)."""
         request = encode(Kind.CLOSE, self.token, self.worker)
-        for sock in self.socks:
-            sock.send_multipart(request, copy=False)
+        for peer in self.peers:
+            peer.sock.setblocking(True)  # a few bytes, written before the connection closes
+            with contextlib.suppress(OSError):  # that server is gone already
+                peer.sock.sendall(b"".join(request))

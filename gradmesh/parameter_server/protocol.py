@@ -1,5 +1,6 @@
-"""The parameter-server wire format: a fixed 91-byte header frame, then at most one frame of raw
-tensor bytes. No pickle; the tensor frame is sent without a copy and read as a view.
+"""The parameter-server wire format: a fixed 91-byte header, then the body (raw tensor bytes or
+JSON) whose length the header gives (`transport` reads the header first and checks it before it
+reads the body). No pickle; a tensor body is sent without a copy and read as a view.
 
 Header (little-endian):
 
@@ -25,7 +26,9 @@ import enum
 import hmac
 import struct
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,6 +41,8 @@ MAX_DIMS = 4
 TOKEN_BYTES = 16
 HEADER = struct.Struct("<4sBBBBH16sQQI4IQQB3I")
 HEADER_BYTES = HEADER.size
+NBYTES_FIELD = 10 + MAX_DIMS + 1
+"""The index of the body length among the header's unpacked fields."""
 
 DTYPES: dict[int, torch.dtype] = {
     1: torch.float32,
@@ -126,20 +131,39 @@ def encode(
     return [header, body] if len(body) else [header]
 
 
-def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> Message:
-    """Parse and check one message; `WireError` says what is wrong with it."""
-    if not 1 <= len(frames) <= 2:
-        raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
-    head = memoryview(frames[0])
+Header = bytes | bytearray | memoryview
+
+
+def _unpack(head: Header, token: bytes, max_payload: int) -> tuple[Any, ...]:
+    head = memoryview(head)
     if head.nbytes != HEADER_BYTES:
         raise WireError(f"header is {head.nbytes} bytes, expected {HEADER_BYTES}")
-    (magic, version, kind, code, ndim, worker, tok, clock, seen, stale, *rest) = HEADER.unpack(head)
-    shape, offset, nbytes = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
-    codec, ctx = rest[MAX_DIMS + 2], tuple(rest[MAX_DIMS + 3 :])
+    fields = HEADER.unpack(head)
+    magic, version, tok, nbytes = fields[0], fields[1], fields[6], fields[NBYTES_FIELD]
     if magic != MAGIC or version != WIRE_VERSION:
         raise WireError("not a gradmesh parameter-server message (magic or version)")
     if not hmac.compare_digest(tok, token):
         raise WireError("wrong job token")
+    if nbytes > max_payload:
+        raise WireError(f"payload of {nbytes} bytes is over the bound of {max_payload}")
+    return fields
+
+
+def check_header(head: Header, token: bytes, max_payload: int) -> int:
+    """The body length a header announces, once its magic, version, token and that length (within
+    `max_payload`) pass: what a stream reader must know before it reads the body."""
+    return int(_unpack(head, token, max_payload)[NBYTES_FIELD])
+
+
+def decode(frames: Sequence[bytes | memoryview], token: bytes, max_payload: int) -> Message:
+    """Parse and check one message; `WireError` says what is wrong with it."""
+    if not 1 <= len(frames) <= 2:
+        raise WireError(f"expected 1 or 2 frames, got {len(frames)}")
+    (_, _, kind, code, ndim, worker, _, clock, seen, stale, *rest) = _unpack(
+        frames[0], token, max_payload
+    )
+    shape, offset, nbytes = rest[:MAX_DIMS], rest[MAX_DIMS], rest[MAX_DIMS + 1]
+    codec, ctx = rest[MAX_DIMS + 2], tuple(rest[MAX_DIMS + 3 :])
     try:
         kind = Kind(kind)
     except ValueError:
@@ -147,8 +171,6 @@ def decode(frames: list[bytes | memoryview], token: bytes, max_payload: int) -> 
     body = memoryview(frames[1]) if len(frames) == 2 else memoryview(b"")
     if body.nbytes != nbytes:
         raise WireError(f"length field says {nbytes} bytes, the frame has {body.nbytes}")
-    if nbytes > max_payload:
-        raise WireError(f"payload of {nbytes} bytes is over the bound of {max_payload}")
     if code == 0:  # plain bytes (JSON) or nothing
         if ndim != 0 or any(shape):
             raise WireError("a byte payload has no shape")

@@ -1,7 +1,8 @@
 """One parameter server: owns a contiguous shard of the flat parameter vector and its optimizer.
 
-A single-threaded ZeroMQ ROUTER loop. Every message is checked by `protocol.decode`; one that
-fails is dropped and counted, and the loop serves on. Modes:
+A single-threaded loop over the workers' TCP connections (`transport`). Every message is checked
+by `protocol.decode`; one that fails is dropped and counted, and the loop serves on (a header that
+fails closes its connection: the stream cannot be followed past it). Modes:
 
 - `sync`: the gradients of step t from every live worker are averaged (summed in worker order, so
   the result does not depend on their arrival) and applied once; a worker's pull for step t + 1
@@ -18,15 +19,17 @@ reading worker was ahead of the slowest live worker (SSP's own measure, at most 
 A worker silent for `lost_after_s` with no request waiting (or, before its first message, for
 `timeout_s`) is declared lost and no longer waited for; its last gradients stay applied.
 
-The path of a request allocates nothing per message after warm-up: a push is read where libzmq
-received it (a view of its frame: receiving into a buffer of ours would add a copy), SGD updates
-the shard in place, a sync step sums into one reused buffer, and pulls are answered from
-`Snapshots`, copied once per version, not once per pull.
+The path of a request allocates nothing per message after warm-up: a push is read into a buffer
+its connection reuses (`transport`), SGD updates the shard in place, a sync step copies each
+gradient into a buffer kept per worker and sums into one reused buffer, and a pull's answer is
+written to the kernel from the shard itself (only what the kernel does not take at once is copied,
+into a reused buffer, before the shard can change).
 """
 
 from __future__ import annotations
 
 import json
+import selectors
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -34,27 +37,20 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
-import zmq
 from torch import nn
 
 from gradmesh.compression import DECODERS
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.optimizers import make_optimizer
-from gradmesh.parameter_server.protocol import (
-    HEADER_BYTES,
-    Kind,
-    Message,
-    WireError,
-    decode,
-    encode,
-)
+from gradmesh.parameter_server.protocol import Kind, Message, WireError, decode, encode
+from gradmesh.parameter_server.transport import Closed, Peer, endpoint_of, listen
 
 MODES = ("sync", "async", "ssp")
 PUSHES = (Kind.PUSH, Kind.PUSH_PULL)
 REQUESTS = {kind: (kind.name.lower(),) for kind in Kind} | {Kind.PUSH_PULL: ("push", "pull")}
 """What the server's stats count a message as: a push-and-pull is a push and a pull."""
 JSON_LIMIT = 1 << 16
-POLL_MS = 50
+POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -122,45 +118,6 @@ class ServerStats:
         }
 
 
-class Snapshots:
-    """The shard as pull replies carry it. ZeroMQ sends a reply's bytes later, from its I/O thread,
-    without copying them, so a reply must not see the shard change under it: each version that is
-    read is copied once, into a buffer that every pull of that version shares, and a buffer is
-    written again only once every worker it was sent to has been heard from since: a worker asks
-    again only after its answer has arrived whole, so by then libzmq has no more bytes of it to
-    read (the protocol is the tracker; ZeroMQ's own trackers cost more CPU than the copy they
-    save). A buffer sent to a worker that is never heard from again is never reused. Two buffers
-    in turn in the common case; no allocation after the first pulls."""
-
-    def __init__(self, values: torch.Tensor) -> None:
-        self.values = values
-        self.buffers: list[torch.Tensor] = []
-        self.index, self.version = -1, -1
-        """The buffer that holds the shard at `version` (none yet: -1)."""
-        self.readers: dict[int, int] = {}
-        """worker -> the index of the buffer its answer in flight is read from."""
-
-    def at(self, version: int) -> torch.Tensor:
-        """The shard as it is now, at `version`: a buffer that no answer in flight is reading."""
-        if self.index < 0 or self.version != version:
-            busy = set(self.readers.values())
-            free = [i for i in range(len(self.buffers)) if i not in busy]
-            if not free:
-                free.append(len(self.buffers))
-                self.buffers.append(torch.empty_like(self.values))
-            self.index, self.version = free[0], version
-            self.buffers[self.index].copy_(self.values)
-        return self.buffers[self.index]
-
-    def sending(self, worker: int) -> None:
-        """The current buffer is on its way to `worker`."""
-        self.readers[worker] = self.index
-
-    def heard(self, worker: int) -> None:
-        """`worker` sent a message: it has its last answer whole."""
-        self.readers.pop(worker, None)
-
-
 class Server:
     """Serve one shard until the workers are done (see the module docstring)."""
 
@@ -182,12 +139,10 @@ class Server:
             config.optimizer, self.values, config.lr, config.momentum, config.weight_decay
         )
         self.max_payload = max(config.numel * 4, JSON_LIMIT)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, self.max_payload + HEADER_BYTES)
-        port = self.sock.bind_to_random_port(f"tcp://{host}")
-        self.endpoint = f"tcp://{host}:{port}"
+        self.listener = listen(host)
+        self.endpoint = endpoint_of(self.listener)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
         self.stats = ServerStats()
         self.initialized = False
         self.version = 0
@@ -197,13 +152,14 @@ class Server:
         self.heard: set[int] = set()
         self.finished: dict[int, dict[str, Any]] = {}
         self.lost: set[int] = set()
-        self.pending_pulls: list[tuple[bytes, Message]] = []
-        self.pending_done: list[tuple[bytes, int]] = []
+        self.pending_pulls: list[tuple[Peer, Message]] = []
+        self.pending_done: list[tuple[Peer, int]] = []
         self.round: dict[int, torch.Tensor] = {}
-        """sync: the gradients of the step under way, by worker."""
+        """sync: the gradients of the step under way, by worker (in `held`)."""
+        self.held: dict[int, torch.Tensor] = {}
+        """sync: a buffer per worker its gradient is copied into (the connection's is reused)."""
         self.total = torch.empty(config.numel) if config.mode == "sync" else torch.empty(0)
         """sync: the step's sum, reused."""
-        self.snapshots = Snapshots(self.values.detach())
         self.done_at: float | None = None
         self.closed = False
 
@@ -211,16 +167,13 @@ class Server:
 
     def serve(self) -> dict[str, Any]:
         """Run until CLOSE (or until the workers are all gone); return this server's stats."""
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
         idle_since = time.monotonic()
         try:
             while not self.closed:
-                if poller.poll(POLL_MS):
-                    batch = self._drain()
+                events = self.selector.select(POLL_S)
+                if events:
                     idle_since = time.monotonic()
-                    for frames in batch:
-                        self._handle(frames)
+                    self._wakeup(events)
                 now = time.monotonic()
                 self._find_lost(now)
                 self._release_pulls()
@@ -231,37 +184,75 @@ class Server:
                 if quiet > self.cfg.timeout_s:
                     break
         finally:
-            self.sock.close(linger=0)
-            self.ctx.term()
+            self.close()
         return self.stats.as_dict(self.cfg.index, sorted(self.lost))
 
-    def _drain(self) -> list[list[zmq.Frame]]:
-        batch = []
+    def close(self) -> None:
+        """Close the listening socket and every connection."""
+        for key in list(self.selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self.selector.close()
+
+    def _wakeup(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        handled = 0
+        for key, mask in events:
+            if key.fileobj is self.listener:
+                self._accept()
+                continue
+            peer: Peer = key.data
+            try:
+                if mask & selectors.EVENT_WRITE and peer.flush():
+                    self.selector.modify(peer.sock, selectors.EVENT_READ, peer)
+                if mask & selectors.EVENT_READ:
+                    while (frames := peer.receive()) is not None:
+                        handled += 1
+                        self._handle(peer, frames)
+            except WireError:  # a header that fails: the rest of the stream cannot be read
+                self.stats.dropped += 1
+                self._disconnect(peer)
+            except Closed:
+                self.stats.dropped += peer.partial  # a message cut off by the close
+                self._disconnect(peer)
+        self.stats.wakeups += 1
+        self.stats.depth_sum += handled
+        self.stats.depth_max = max(self.stats.depth_max, handled)
+
+    def _accept(self) -> None:
         while True:
             try:
-                batch.append(self.sock.recv_multipart(zmq.NOBLOCK, copy=False))
-            except zmq.Again:
-                break
-        self.stats.wakeups += 1
-        self.stats.depth_sum += len(batch)
-        self.stats.depth_max = max(self.stats.depth_max, len(batch))
-        return batch
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            peer = Peer(sock, self.token, self.max_payload)
+            self.selector.register(sock, selectors.EVENT_READ, peer)
 
-    def _send(self, ident: bytes, frames: list[bytes | memoryview]) -> None:
+    def _disconnect(self, peer: Peer) -> None:
+        if peer.sock.fileno() >= 0:
+            self.selector.unregister(peer.sock)
+            peer.close()
+        self.pending_pulls = [(p, m) for p, m in self.pending_pulls if p is not peer]
+        self.pending_done = [(p, w) for p, w in self.pending_done if p is not peer]
+
+    def _send(self, peer: Peer, frames: list[bytes | memoryview], volatile: bool = False) -> None:
+        if peer.sock.fileno() < 0:
+            return  # its connection is gone
         self.stats.bytes_out += sum(memoryview(f).nbytes for f in frames)
-        self.sock.send_multipart([ident, *frames], copy=False)
-
-    def _reply(self, ident: bytes, kind: Kind, worker: int, **fields: Any) -> None:
-        self._send(ident, encode(kind, self.token, worker, **fields))
-
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        self.stats.bytes_in += sum(len(f.buffer) for f in frames)
-        if len(frames) < 2:
-            self.stats.dropped += 1
-            return
-        ident = frames[0].bytes
+        waiting = bool(peer.out)
         try:
-            msg = self._check(decode([f.buffer for f in frames[1:]], self.token, self.max_payload))
+            peer.send(frames, volatile)
+        except Closed:
+            self._disconnect(peer)
+            return
+        if peer.out and not waiting:
+            self.selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+
+    def _reply(self, peer: Peer, kind: Kind, worker: int, **fields: Any) -> None:
+        self._send(peer, encode(kind, self.token, worker, **fields))
+
+    def _handle(self, peer: Peer, frames: list[memoryview]) -> None:
+        self.stats.bytes_in += sum(f.nbytes for f in frames)
+        try:
+            msg = self._check(decode(frames, self.token, self.max_payload))
         except WireError:
             self.stats.dropped += 1
             return
@@ -273,30 +264,29 @@ class Server:
         self.stats.requests.update(REQUESTS[msg.kind])
         self.last_seen[msg.worker] = now
         self.heard.add(msg.worker)
-        self.snapshots.heard(msg.worker)
         if msg.kind is Kind.INIT:
             if not self.initialized:
                 with torch.no_grad():
                     self.values.copy_(msg.payload)  # type: ignore[arg-type]
                 self.initialized = True
-            self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
+            self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
         elif msg.kind is Kind.PUSH:
             self._push(msg)
-            self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
+            self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
         elif msg.kind is Kind.PUSH_PULL:  # the step's one message: answered by the pull alone
             self._push(msg)
-            self.pending_pulls.append((ident, msg))
+            self.pending_pulls.append((peer, msg))
         elif msg.kind is Kind.PULL:
-            self.pending_pulls.append((ident, msg))
+            self.pending_pulls.append((peer, msg))
         elif msg.kind is Kind.FINISH:
             self.finished[msg.worker] = json.loads(bytes(msg.raw or b"{}"))
-            self.pending_done.append((ident, msg.worker))
+            self.pending_done.append((peer, msg.worker))
         elif msg.kind is Kind.CLOSE:
             self.closed = self.done_at is not None
         elif msg.kind is Kind.SAVE:
             assert self.checkpoints is not None
             self.checkpoints.save(self.cfg.index, msg.clock, self.state_dict())
-            self._reply(ident, Kind.ACK, msg.worker, seen=self.version)
+            self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
 
     def _check(self, msg: Message) -> Message:
         """What decode cannot know: worker index, shard size, dtype, a JSON payload's text; a
@@ -353,12 +343,16 @@ class Server:
         gap = self.read_gap[w]
         self.stats.staleness.setdefault(w, Counter())[gap] += 1
         if self.cfg.mode == "sync":
-            # held as received (a read-only view of the frame), summed when the step closes
-            self.round[w] = grad if w not in self.round else self.round[w] + grad
+            # the connection's buffer is read into again by its next message: keep a copy
+            if w in self.round:
+                self.round[w] += grad
+            else:
+                held = self.held.setdefault(w, torch.empty(self.cfg.numel))
+                self.round[w] = held.copy_(grad)
             self._close_round()
             return
         scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
-        self.optimizer.apply(grad, w, scale)  # a read-only view of the frame: never written
+        self.optimizer.apply(grad, w, scale)  # a view of the connection's buffer: never written
         self._updated()
 
     def _updated(self) -> None:
@@ -417,25 +411,23 @@ class Server:
 
     def _release_pulls(self) -> None:
         waiting = []
-        for ident, msg in self.pending_pulls:
+        for peer, msg in self.pending_pulls:
             if not self._may_read(msg):
-                waiting.append((ident, msg))
+                waiting.append((peer, msg))
                 continue
             others = [self.clocks[w] for w in self._live() if w != msg.worker]
             gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
             self.read_gap[msg.worker] = gap
             self.optimizer.on_read(msg.worker)
-            snapshot = self.snapshots.at(self.version)
             frames = encode(
                 Kind.PARAMS,
                 self.token,
                 msg.worker,
                 seen=self.version,
                 staleness=gap,
-                tensor=snapshot,
+                tensor=self.values.detach(),
             )
-            self._send(ident, frames)
-            self.snapshots.sending(msg.worker)
+            self._send(peer, frames, volatile=True)  # the shard changes with the next push
         self.pending_pulls = waiting
 
     def _find_lost(self, now: float) -> None:
@@ -464,6 +456,6 @@ class Server:
             "server": self.stats.as_dict(self.cfg.index, sorted(self.lost)),
         }
         data = json.dumps(summary).encode()
-        for ident, w in self.pending_done:
-            self._reply(ident, Kind.DONE, w, data=data)
+        for peer, w in self.pending_done:
+            self._reply(peer, Kind.DONE, w, data=data)
         self.done_at = time.monotonic()

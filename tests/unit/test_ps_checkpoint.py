@@ -29,8 +29,7 @@ def server(workers: int = 2, **options: object) -> Iterator[Server]:
     try:
         yield made
     finally:
-        made.sock.close(linger=0)
-        made.ctx.term()
+        made.close()
 
 
 def push(target: Server, worker: int, grad: torch.Tensor) -> None:

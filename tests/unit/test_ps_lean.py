@@ -9,7 +9,6 @@ import torch
 from gradmesh.collectives.cost import CostParams
 from gradmesh.parameter_server.cost import mean_value_analysis, step_time
 from gradmesh.parameter_server.optimizers import make_optimizer
-from gradmesh.parameter_server.server import Snapshots
 
 
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-3)])
@@ -36,28 +35,6 @@ def test_server_sgd_is_torch_sgd_bit_for_bit(momentum: float, weight_decay: floa
     sgd.apply(grad, 0, 1.0)
     resumed.apply(grad, 0, 1.0)
     assert torch.equal(mine, again)
-
-
-def test_a_snapshot_in_flight_is_never_rewritten() -> None:
-    values = torch.zeros(4)
-    snapshots = Snapshots(values)
-    first = snapshots.at(0)
-    assert snapshots.at(0) is first  # pulls of one version share one copy
-    snapshots.sending(0)  # on its way to worker 0
-    values += 1
-    second = snapshots.at(1)
-    assert second is not first and torch.equal(first, torch.zeros(4))
-    assert torch.equal(second, torch.ones(4))
-    snapshots.sending(1)
-    values += 1
-    third = snapshots.at(2)  # both earlier answers are still on their way: a third buffer
-    assert third is not first and third is not second
-    assert torch.equal(first, torch.zeros(4)) and torch.equal(second, torch.ones(4))
-    snapshots.heard(0)  # worker 0 asked again: it has its answer whole
-    values += 1
-    assert snapshots.at(3) is first  # reused, not reallocated
-    assert torch.equal(first, torch.full((4,), 3.0)) and len(snapshots.buffers) == 3
-    assert torch.equal(second, torch.ones(4))  # worker 1's answer is untouched
 
 
 def test_mean_value_analysis_matches_its_limits() -> None:

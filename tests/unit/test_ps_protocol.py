@@ -1,14 +1,16 @@
-"""The parameter-server message decoder under fuzzing, and a real server fed garbage."""
+"""The parameter-server message decoder under fuzzing, its stream transport, and a real server fed
+garbage."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import struct
 import threading
 import tracemalloc
 
 import pytest
 import torch
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,6 +28,7 @@ from gradmesh.parameter_server.protocol import (
     encode,
 )
 from gradmesh.parameter_server.server import Server, ServerConfig
+from gradmesh.parameter_server.transport import Peer, connect, endpoint_of, listen
 
 TOKEN = bytes(range(16))
 BOUND = 4096
@@ -73,7 +76,7 @@ def test_an_honest_message_round_trips() -> None:
         ([header(token=bytes(16)), bytes(16)], "token"),
         ([header(kind=99), bytes(16)], "kind"),
         ([header(dtype=42), bytes(16)], "dtype"),
-        ([header(nbytes=1 << 62), bytes(16)], "length field"),
+        ([header(nbytes=8), bytes(16)], "length field"),
         ([header(d0=5), bytes(16)], "is not 16 bytes"),
         ([header(ndim=7), bytes(16)], "shape"),
         ([header(), bytes(16), b"x"], "frames"),
@@ -132,18 +135,19 @@ def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
     stats: list[dict[str, object]] = []
     thread = threading.Thread(target=lambda: stats.append(server.serve()), daemon=True)
     thread.start()
-    ctx = zmq.Context()
-    attacker = ctx.socket(zmq.DEALER)
-    attacker.setsockopt(zmq.LINGER, 0)
-    attacker.connect(server.endpoint)
-    garbage = [
+    cut_off = [  # the stream ends inside a header
         [b"short"],
+        [struct.pack("<Q", 2**63)],
+    ]
+    bad_header = [  # the stream cannot be followed past these: the server closes it
         [header(token=bytes(16)), bytes(16)],
         [header(nbytes=2**60), bytes(16)],
+        [header(d0=1 << 20, nbytes=4 << 20), bytes(4 << 20)],  # over the bound: never read
+    ]
+    bad_body = [  # whole messages that fail: dropped, the connection kept
         [header(dtype=9), bytes(16)],
         [header(worker=7), bytes(16)],  # no such worker
         [header(d0=4), bytes(16)],  # the wrong shard size
-        [struct.pack("<Q", 2**63)],
         # compressed pushes (uint8 payload) that do not parse: unknown codec, a context that does
         # not fit the shard, a top-k index outside it, a codec on a byte payload
         [header(dtype=4, d0=16, codec=77, c0=numel), bytes(16)],
@@ -151,10 +155,12 @@ def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
         [header(dtype=4, d0=8, codec=4, c0=numel, c1=1), topk_out_of_range],
         [header(dtype=0, ndim=0, d0=0, codec=1, nbytes=4), bytes(4)],
     ]
-    for frames in garbage * 20:
-        attacker.send_multipart(frames)
-    # a frame over the server's bound is refused by ZeroMQ before it is allocated
-    attacker.send_multipart([header(d0=1 << 20, nbytes=4 << 20), bytes(4 << 20)])
+    garbage = cut_off + bad_header + bad_body
+    for frames in garbage * 2:  # each on a connection of its own
+        with connect(server.endpoint, 10) as attacker, contextlib.suppress(ConnectionError):
+            attacker.sendall(b"".join(frames))  # the server may close it before all is sent
+    with connect(server.endpoint, 10) as attacker:  # one after the other on one connection
+        attacker.sendall(b"".join(part for frames in bad_body for part in frames))
     honest = Client([server.endpoint], TOKEN, 0, numel, timeout_s=10)
     values = torch.arange(numel, dtype=torch.float32)
     honest.init(values)
@@ -173,12 +179,59 @@ def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
     honest.finish({"samples": 1, "wall_s": 1.0})
     honest.close_servers()
     honest.close()
-    attacker.close()
-    ctx.term()
     thread.join(timeout=20)
     assert not thread.is_alive()
-    assert stats[0]["dropped_messages"] == len(garbage) * 20
+    assert stats[0]["dropped_messages"] == len(garbage) * 2 + len(bad_body)
     assert stats[0]["decompressed_pushes"] == 1
+
+
+def tcp_pair() -> tuple[socket.socket, socket.socket]:
+    with listen("127.0.0.1") as listener:
+        theirs = connect(endpoint_of(listener), 10)
+        listener.setblocking(True)
+        ours, _ = listener.accept()
+    return ours, theirs
+
+
+def test_a_header_over_the_bound_is_refused_before_its_body_is_read() -> None:
+    ours, theirs = tcp_pair()
+    with ours, theirs:
+        peer = Peer(ours, TOKEN, BOUND)
+        theirs.sendall(header(d0=BOUND, nbytes=BOUND * 4) + bytes(BOUND * 4))
+        with pytest.raises(WireError, match="over the bound"):
+            while peer.receive() is None:
+                pass
+        assert len(peer.buffer) == 0  # nothing was allocated for it
+
+
+def test_a_reply_the_kernel_cannot_take_at_once_is_sent_as_it_was() -> None:
+    """`volatile`: what is not written yet is copied before the sender's memory changes."""
+    ours, theirs = tcp_pair()
+    with ours, theirs:
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        shard = torch.arange(1 << 18, dtype=torch.float32)  # 1 MB: more than the kernel takes
+        peer = Peer(ours, TOKEN, 0)
+        peer.send(encode(Kind.PARAMS, TOKEN, 0, tensor=shard), volatile=True)
+        assert peer.out  # some of it waits
+        sent = shard.clone()
+        shard += 1  # the next update
+        reader = Peer(theirs, TOKEN, 4 << 20)
+        frames = None
+        while frames is None:
+            peer.flush()
+            frames = reader.receive()
+        assert peer.flush()
+        got = decode(frames, TOKEN, 4 << 20).payload
+        assert got is not None and torch.equal(got, sent)
+        peer.send(encode(Kind.PARAMS, TOKEN, 0, tensor=shard), volatile=True)
+        spill = peer.spill
+        frames = None
+        while frames is None:
+            peer.flush()
+            frames = reader.receive()
+        assert peer.spill is spill  # the copy's buffer is reused, not reallocated
+        got = decode(frames, TOKEN, 4 << 20).payload
+        assert got is not None and torch.equal(got, sent + 1)
 
 
 def test_shards_are_balanced_and_cover_everything() -> None:
