@@ -196,7 +196,7 @@ def test_a_straggler_is_named_in_the_report(tmp_path: Path) -> None:
         "3",
         "--json",
         str(tmp_path / "r.json"),
-        env={"GRADMESH_FAULT": "slow:2:15"},
+        env={"GRADMESH_FAULT": "slow:2:40"},  # 15 ms was within noise of a step here (1.97x once)
     )
     assert out.returncode == 0, out.stderr
     slowest = json.loads((tmp_path / "r.json").read_text())["slowest"]
