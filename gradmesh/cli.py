@@ -129,6 +129,7 @@ BENCHES = {
 
 
 def _cmd_bench(args: argparse.Namespace, _command: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # a bench on emulated hosts tears them down too
     return int(import_module(args.bench_module).run(args))
 
 
