@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import selectors
+import socket
 import time
 from typing import Any
 
@@ -26,6 +27,12 @@ from gradmesh.timeline import span
 
 FINISH_PATIENCE = 10
 """finish waits for the slowest worker: this many times the request timeout."""
+PIPELINE_SLICES = 8
+"""With several servers, the kernel holds at most an eighth of a shard unsent (but at least
+PIPELINE_MIN_BYTES), so the shards leave in turn (`TCP_NOTSENT_LOWAT`)."""
+PIPELINE_MIN_BYTES = 16 << 10
+TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
+"""Linux's option number where this Python does not name it."""
 REPLY_BOUND = 1 << 40
 """A worker trusts its servers' lengths (they carry the job token) up to this."""
 
@@ -66,6 +73,9 @@ class Client:
                     raise GradmeshError(
                         f"ps worker {worker}: cannot reach server {server} at {endpoint}: {exc}"
                     ) from None
+                if len(endpoints) > 1:  # shards are written in turn (`_roundtrip`)
+                    unsent = max(PIPELINE_MIN_BYTES, numel * 4 // len(endpoints) // PIPELINE_SLICES)
+                    sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, unsent)
                 self.peers.append(Peer(sock, token, REPLY_BOUND))
         except GradmeshError:
             self.close()
@@ -94,20 +104,40 @@ class Client:
         requests: list[list[bytes | memoryview]],
         into: torch.Tensor | None = None,
     ) -> list[Message]:
-        """Send each server its request (all of them before any answer is awaited) and collect
-        the answers, one per server, in server order. With `into` (contiguous), answers of the
-        right length are read straight into its shard ranges."""
+        """Send each server its request and collect the answers, one per server, in server
+        order. Requests are written one after the other, each whole before the next begins (the
+        kernel holds little unsent, `PIPELINE_SLICES`), so the first server's answer can come
+        back while later shards still go out. With `into` (contiguous), answers of the right
+        length are read straight into its shard ranges."""
         targets: list[memoryview | None] = [None] * len(self.peers)
         if into is not None and into.is_contiguous() and into.dtype == torch.float32:
             raw = memoryview(into.detach().view(torch.uint8).numpy())  # type: ignore[arg-type]
             targets = [raw[a * 4 : b * 4] for a, b in self.ranges]
         replies: list[Message | None] = [None] * len(self.peers)
-        for server, (peer, frames) in enumerate(zip(self.peers, requests, strict=True)):
-            self.bytes_sent += sum(memoryview(f).nbytes for f in frames)
-            self._guard(op, server, peer.send, frames)
-            if peer.out:
-                both = selectors.EVENT_READ | selectors.EVENT_WRITE
-                self.selector.modify(peer.sock, both, server)
+        self.bytes_sent += sum(memoryview(f).nbytes for frames in requests for f in frames)
+        order = iter(range(len(self.peers)))
+        writing: int | None = None  # the server whose request is being written
+
+        def write() -> None:
+            nonlocal writing
+            while True:
+                if writing is None:
+                    writing = next(order, None)
+                    if writing is None:
+                        return
+                    peer = self.peers[writing]
+                    self._guard(op, writing, peer.send, requests[writing])
+                    if peer.out:
+                        both = selectors.EVENT_READ | selectors.EVENT_WRITE
+                        self.selector.modify(peer.sock, both, writing)
+                        return
+                elif self._guard(op, writing, self.peers[writing].flush):
+                    self.selector.modify(self.peers[writing].sock, selectors.EVENT_READ, writing)
+                else:
+                    return
+                writing = None
+
+        write()
         deadline = time.monotonic() + self.timeout_s
         waiting = len(self.peers)
         while waiting:
@@ -121,8 +151,8 @@ class Client:
             for key, mask in events:
                 server = key.data
                 peer = self.peers[server]
-                if mask & selectors.EVENT_WRITE and self._guard(op, server, peer.flush):
-                    self.selector.modify(peer.sock, selectors.EVENT_READ, server)
+                if mask & selectors.EVENT_WRITE:
+                    write()
                 if mask & selectors.EVENT_READ and replies[server] is None:
                     frames = self._guard(op, server, peer.receive, targets[server])
                     if frames is not None:

@@ -9,8 +9,11 @@ The bound ignores queueing: a worker's push waits behind the others' at the serv
 pull behind theirs on the way out. `step_time` solves the closed network exactly by mean-value
 analysis (Reiser & Lavenberg, 1980; exact for product-form networks), W workers cycling through
 - a delay: compute, two message latencies (α each), and the part of the worker's own link time
-  that the servers' links do not cover (a shard crosses both links at once, packet by packet:
-  2·max(0, M·β_worker − M/S·β_server));
+  that the servers' links do not cover. A worker writes its shards in turn and a server answers
+  once its shard is in, so the answers come back while later shards still go out: the worker's
+  link is busy for (M + M/S)·β_worker per step (all of the push, then the last answer), of which
+  a shard crosses a server's link at the same time, packet by packet, in and out:
+  max(0, (M + M/S)·β_worker − 2·M/S·β_server);
 - two queues, the servers' inbound and outbound links, each of demand M/S·β_server per step
   (the servers are alike, so one stands for all);
 - a third, the server's CPU, of demand `server_cpu_s` per push+pull of its shard.
@@ -60,7 +63,7 @@ def step_time(
     defaults to `link` (every host's link alike)."""
     server = server_link or link
     shard = nbytes / servers
-    own = 2 * max(0.0, nbytes * link.beta - shard * server.beta)
+    own = max(0.0, (nbytes + shard) * link.beta - 2 * shard * server.beta)
     delay = compute_s + 2 * link.alpha + own
     demands = [shard * server.beta, shard * server.beta, server_cpu_s]
     cycle = mean_value_analysis(delay, demands, workers)

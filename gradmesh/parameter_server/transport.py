@@ -23,6 +23,9 @@ import socket
 
 from gradmesh.parameter_server.protocol import HEADER_BYTES, check_header
 
+LOWAT_CAP = 256 << 10
+"""The most a reader asks the kernel to gather before it wakes it (`SO_RCVLOWAT`)."""
+
 
 class Closed(Exception):
     """The peer closed the connection (or it was reset)."""
@@ -80,6 +83,7 @@ class Peer:
         """Reused copy of a volatile reply's unwritten part."""
         self.bytes_in = 0
         self.bytes_out = 0
+        self.lowat = 1
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -126,9 +130,18 @@ class Peer:
                 self.target = memoryview(self.buffer)[:nbytes]
             self.got = 0
         if not self._fill(self.target):
+            # a body on a slow link arrives a packet at a time: have the kernel gather the rest
+            # (up to LOWAT_CAP) before the next wake-up, not one per packet
+            self._wake_at(min(self.target.nbytes - self.got, LOWAT_CAP))
             return None
         body, self.target, self.got = self.target, None, 0
+        self._wake_at(1)
         return [memoryview(self.head), body]
+
+    def _wake_at(self, nbytes: int) -> None:
+        if nbytes != self.lowat:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self.lowat = nbytes
 
     # -- writing ----------------------------------------------------------------------------
 
