@@ -1,7 +1,8 @@
 """The worker's side: one connection per server (`transport`), the flat parameter vector split into
-the servers' shards, and the init / push / pull / finish requests. A request goes to every server
-at once and the answers are read as they come (a selector over the connections): the shards'
-transfers overlap, and a pull's values are read straight into the parameters.
+the servers' shards, and the init / push / pull / finish requests. A request's shards are written
+to the servers in turn and the answers read as they come (a selector over the connections), so
+the first answers come back while later shards still go out; a pull's values are read straight
+into the parameters.
 
 Shards are contiguous ranges of the flattened float32 parameters, balanced by bytes: a tensor
 larger than a fair share is simply split across servers (`shard_ranges`).
@@ -33,8 +34,8 @@ PIPELINE_MIN_BYTES), so the shards leave in turn (`TCP_NOTSENT_LOWAT`)."""
 PIPELINE_MIN_BYTES = 16 << 10
 TCP_NOTSENT_LOWAT = getattr(socket, "TCP_NOTSENT_LOWAT", 25)
 """Linux's option number where this Python does not name it."""
-REPLY_BOUND = 1 << 40
-"""A worker trusts its servers' lengths (they carry the job token) up to this."""
+JSON_REPLY_LIMIT = 16 << 20
+"""The largest answer a worker reads is its largest shard or a JSON summary of at most this."""
 
 
 def shard_ranges(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -64,6 +65,7 @@ class Client:
         self.worker = worker
         self.ranges = shard_ranges(numel, len(endpoints))
         self.timeout_s = timeout_s
+        self.reply_bound = max(max(b - a for a, b in self.ranges) * 4, JSON_REPLY_LIMIT)
         self.peers = []
         try:
             for server, endpoint in enumerate(endpoints):
@@ -76,7 +78,7 @@ class Client:
                 if len(endpoints) > 1:  # shards are written in turn (`_roundtrip`)
                     unsent = max(PIPELINE_MIN_BYTES, numel * 4 // len(endpoints) // PIPELINE_SLICES)
                     sock.setsockopt(socket.IPPROTO_TCP, TCP_NOTSENT_LOWAT, unsent)
-                self.peers.append(Peer(sock, token, REPLY_BOUND))
+                self.peers.append(Peer(sock, token, self.reply_bound))
         except GradmeshError:
             self.close()
             raise
@@ -157,7 +159,7 @@ class Client:
                     frames = self._guard(op, server, peer.receive, targets[server])
                     if frames is not None:
                         replies[server] = self._guard(
-                            op, server, decode, frames, self.token, REPLY_BOUND
+                            op, server, decode, frames, self.token, self.reply_bound
                         )
                         waiting -= 1
         return replies  # type: ignore[return-value]

@@ -56,8 +56,7 @@ def listen(host: str) -> socket.socket:
 
 
 def connect(endpoint: str, timeout_s: float) -> socket.socket:
-    sock = socket.create_connection(parse_endpoint(endpoint), timeout=timeout_s)
-    return sock
+    return socket.create_connection(parse_endpoint(endpoint), timeout=timeout_s)
 
 
 class Peer:
@@ -81,8 +80,6 @@ class Peer:
         """What `send` could not write yet, in order."""
         self.spill = bytearray()
         """Reused copy of a volatile reply's unwritten part."""
-        self.bytes_in = 0
-        self.bytes_out = 0
         self.lowat = 1
 
     def fileno(self) -> int:
@@ -110,7 +107,6 @@ class Peer:
             if n == 0:
                 raise Closed("closed by the peer")
             self.got += n
-            self.bytes_in += n
         return True
 
     def receive(self, into: memoryview | None = None) -> list[memoryview] | None:
@@ -181,7 +177,6 @@ class Peer:
                 break
             except OSError as exc:
                 raise Closed(str(exc)) from None
-            self.bytes_out += n
             while n:
                 if n >= views[0].nbytes:
                     n -= views[0].nbytes
