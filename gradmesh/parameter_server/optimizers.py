@@ -92,8 +92,8 @@ class SGD:
     def apply(self, grad: torch.Tensor, worker: int, lr_scale: float) -> None:
         # torch's fused SGD kernel (what SGD(fused=True) steps with): decay, momentum and the
         # update in one pass over the shard, not three
-        first = self.momentum and self.buffer is None
-        if self.buffer is None and self.momentum:
+        first = bool(self.momentum) and self.buffer is None
+        if first:
             self.buffer = torch.empty_like(self.x)  # the kernel starts it at the first gradient
         torch._fused_sgd_(
             [self.x],
@@ -105,7 +105,7 @@ class SGD:
             dampening=0.0,
             nesterov=False,
             maximize=False,
-            is_first_step=bool(first),
+            is_first_step=first,
         )
 
     def state_dict(self) -> dict[str, Any]:

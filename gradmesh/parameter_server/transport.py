@@ -82,9 +82,6 @@ class Peer:
         """Reused copy of a volatile reply's unwritten part."""
         self.lowat = 1
 
-    def fileno(self) -> int:
-        return self.sock.fileno()
-
     def close(self) -> None:
         self.sock.close()
 
@@ -152,7 +149,7 @@ class Peer:
         if volatile:
             size = sum(v.nbytes for v in views)
             if self.out or len(self.spill) < size:
-                store = bytearray(size)  # the rare case: an earlier reply is still queued
+                store = bytearray(size)  # first use, or the spill still queued: a fresh copy
                 if not self.out:
                     self.spill = store
             else:
