@@ -40,6 +40,7 @@ _EXPORTS = {
     "local_rank": "gradmesh.runtime",
     "local_size": "gradmesh.runtime",
     "mesh": "gradmesh.runtime",
+    "parallelize": "gradmesh.layout.hybrid",
     "rank": "gradmesh.runtime",
     "get_runtime": "gradmesh.runtime",
     "shutdown": "gradmesh.runtime",
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
     )
     from gradmesh.errors import GradmeshError
     from gradmesh.horovod import allgather, allreduce, allreduce_async, broadcast, join
+    from gradmesh.layout.hybrid import parallelize
     from gradmesh.runtime import (
         barrier,
         cross_rank,

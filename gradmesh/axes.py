@@ -24,6 +24,11 @@ import torch.distributed as dist
 
 from gradmesh.errors import GradmeshError
 
+BATCH_SHARDED = "gradmesh_batch_sharded"
+"""Attribute set (True) on a parameter whose layer computes on this rank's slice of its
+replica's batch although tp > 1 (a hybrid plan's data-parallel layers): gradient sync averages
+it over the batch group (dp x tp, every rank when pp is 1), not over dp alone."""
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 

@@ -63,7 +63,11 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
     if where.get("min_nodes") is not None:
         config.check_elastic()
     config.check_outputs()
-    if config.tensor_parallel * config.pipeline_parallel > 1 or config.microbatches > 1:
+    if config.plan:  # placed per layer: checked, inlined, and tp taken from it
+        from gradmesh.plan import resolve
+
+        config = resolve(config)
+    elif config.tensor_parallel * config.pipeline_parallel > 1 or config.microbatches > 1:
         from gradmesh.train.trainer import check_layout
 
         check_layout(config)  # builds the model: the launcher imports torch only when needed
@@ -124,6 +128,11 @@ BENCHES = {
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",
     ),
+    "plan": (
+        "the hybrid planner's plan against data, tensor parallelism and the rule: measured "
+        "next to predicted",
+        "gradmesh.bench.plan",
+    ),
 }
 """Benchmark name -> (one-line help, module with add_arguments(parser) and run(args))."""
 
@@ -131,6 +140,11 @@ BENCHES = {
 def _cmd_bench(args: argparse.Namespace, _command: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a bench on emulated hosts tears them down too
     return int(import_module(args.bench_module).run(args))
+
+
+def _cmd_plan(args: argparse.Namespace, _command: list[str]) -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # a probe on emulated hosts tears them down too
+    return int(import_module("gradmesh.plan").run(args))
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -220,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--nnodes", help="MIN:MAX (MAX = --hosts): an elastic job that goes on with MIN hosts"
     )
     emulate.set_defaults(handler=_cmd_emulate)
+    plan = sub.add_parser(
+        "plan", help="choose data or tensor parallelism per layer from measured costs"
+    )
+    import_module("gradmesh.plan").add_arguments(plan)
+    plan.set_defaults(handler=_cmd_plan)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (summary, module) in BENCHES.items():

@@ -34,6 +34,12 @@ def ring_cost(p: int, nbytes: int, c: CostParams, local_size: int = 1) -> float:
     )
 
 
+def allgather_cost(p: int, nbytes: int, c: CostParams, local_size: int = 1) -> float:
+    """`allgather` (either form) of a result of `nbytes` over `p` ranks: p - 1 steps, each
+    rank receiving the (p - 1) / p of the result it lacks."""
+    return (p - 1) * c.alpha + (p - 1) / p * nbytes * c.beta if p > 1 else 0.0
+
+
 def bounds(n: int, parts: int) -> list[tuple[int, int]]:
     """Near-equal [start, end) ranges covering 0..n."""
     return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]

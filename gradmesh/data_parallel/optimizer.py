@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from gradmesh.axes import BATCH_SHARDED
 from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.flat import flat_buffers, unpack
@@ -182,6 +183,9 @@ class GradientReducer:
         self.skipped_steps = 0
         self.skip_sync = False
         self.synced = False
+        self.also: list[GradientReducer] = []
+        """Reducers of other parameters of the same optimizer (a hybrid plan's batch-sharded
+        layers, over the batch group), synchronized and reset with this one."""
         for _, p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
@@ -296,6 +300,8 @@ class GradientReducer:
         if self.next_launch < len(self.buckets):  # no (or an unfinished) backward this step
             self._flush()
         self.unpack_all(self._wait_all() if self.replicas > 1 else 1.0)
+        for other in self.also:
+            other.synchronize()
 
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
@@ -306,7 +312,7 @@ class GradientReducer:
                 for name, p in bucket.params:
                     if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
                         return name
-        return None
+        return next((n for o in self.also if (n := o.nonfinite_parameter())), None)
 
     def reset(self) -> None:
         for bucket in self.buckets:
@@ -316,6 +322,8 @@ class GradientReducer:
         self.next_launch = 0
         self.passes = 0
         self.synced = False
+        for other in self.also:
+            other.reset()
 
     def join_round(self) -> float:
         """One step's reductions with zero gradients from this rank; returns how many ranks are
@@ -397,6 +405,11 @@ class _DistributedMixin:
         zero gradients and takes the same steps as the others (averaged over the ranks still
         training), so all replicas stay identical."""
         gm = self._gm
+        if gm.also:
+            raise GradmeshError(
+                f"rank {gm.rt.rank}: join() is not supported with a hybrid plan's "
+                "batch-sharded layers"
+            )
         try:
             while (active := gm.join_round()) > 0:
                 gm.unpack_all(active)
@@ -451,8 +464,9 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         else _check_named(list(named_parameters), params)
     )
     trainable = [(n, p) for n, p in named if p.requires_grad]
+    batch = [(n, p) for n, p in trainable if getattr(p, BATCH_SHARDED, False)]
     reducer = GradientReducer(
-        trainable,
+        [(n, p) for n, p in trainable if not getattr(p, BATCH_SHARDED, False)],
         allreduce,
         op,
         fusion_mb,
@@ -462,6 +476,22 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         gradient_predivide_factor,
         group,
     )
+    if batch:  # their layers saw 1/tp of the replica's batch: averaged over dp x tp ranks
+        if group is not None or reducer.rt.mesh["pp"].size > 1:
+            raise GradmeshError("batch-sharded parameters need the mesh's dp group and pp 1")
+        reducer.also.append(
+            GradientReducer(
+                batch,
+                allreduce,
+                op,
+                fusion_mb,
+                NoCompression(),
+                backward_passes_per_step,
+                on_nonfinite,
+                gradient_predivide_factor,
+                reducer.rt.new_group("hybrid batch"),
+            )
+        )
     wrapped = wrap_optimizer(optimizer, _DistributedMixin, _gm=reducer)
     wrapped._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]  # Horovod's
     reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins

@@ -4,7 +4,9 @@
 first (each layer of the model's plan becomes this rank's slice), then pipeline parallelism (this
 rank keeps its stage's layers). It returns this rank's part of the model and the step engine that
 runs it: `PlainEngine` (forward, backward) or `PipelineEngine` (a schedule over micro-batches).
-`check_layout` says, before any process starts, why a layout cannot split a model.
+`check_layout` says, before any process starts, why a layout cannot split a model. A hybrid
+`Plan` (`gradmesh.layout.hybrid`) places each layer on its own instead of the model's uniform
+tensor-parallel plan; `gradmesh.parallelize` applies one from a script.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
     SCHEDULES,
     PipelineEngine,
@@ -108,9 +111,11 @@ def split_model(
     schedule: str,
     stages: str,
     sample: torch.Tensor,
+    plan: Plan | None = None,
 ) -> Split:
-    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut.
-    Collective over the world when stages are balanced (the layer times are averaged)."""
+    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut,
+    or a hybrid `plan`'s placement per layer. Collective over the world when stages are
+    balanced (the layer times are averaged)."""
     tp, pp = rt.mesh["tp"], rt.mesh["pp"]
     info: dict[str, Any] = {
         "dp": rt.mesh.shape.dp,
@@ -119,14 +124,18 @@ def split_model(
         "microbatches": microbatches if pp.size > 1 else 1,
         "schedule": schedule if pp.size > 1 else None,
     }
+    if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
+        info["plan"] = dict(plan.layers)
+        module = apply_plan(model, plan, rt)
+        return Split(module, PlainEngine(module), info, tp.index == 0)
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
     module = model
     if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
-        plan = tp_plan(model_name)
-        check_plan(model, plan, tp.size, model_name)
-        module = parallelize(model, plan, tp.size, tp.index)
+        uniform = tp_plan(model_name)
+        check_plan(model, uniform, tp.size, model_name)
+        module = parallelize(model, uniform, tp.size, tp.index)
     owns = tp.index == 0 and pp.index == pp.size - 1
     if starts is None:
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)

@@ -120,6 +120,11 @@ class LayoutConfig:
         "pipeline: first layer index of each stage after the first, like 4,9 (default: "
         "balanced by measured layer time)",
     )
+    plan: str = option(
+        "",
+        "hybrid plan, a placement per layer: a plan file (gradmesh plan --json), or auto to "
+        "plan for this host's loopback link; sets --tensor-parallel",
+    )
 
 
 @dataclass
@@ -318,6 +323,11 @@ class TrainConfig(
                 f"strategy {self.strategy} needs the whole model on every worker; with "
                 f"--tensor-parallel/--pipeline-parallel use {' or '.join(sorted(SPLIT_LAYOUTS))}"
             )
+        if self.plan and (self.strategy != "allreduce" or shape.pp > 1):
+            raise GradmeshError(
+                "--plan places layers over data and tensor parallelism: it needs --strategy "
+                "allreduce and no --pipeline-parallel"
+            )
         if self.stages and shape.pp == 1:
             raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
         if self.microbatches < 1:
@@ -368,7 +378,7 @@ class TrainConfig(
                 "an elastic job (--nnodes MIN:MAX) needs --strategy allreduce without "
                 "compression: its replicas must hold the same state at every step"
             )
-        if self.tensor_parallel * self.pipeline_parallel > 1:
+        if self.tensor_parallel * self.pipeline_parallel > 1 or self.plan:
             raise GradmeshError(
                 "an elastic job (--nnodes MIN:MAX) changes data-parallel replicas only: "
                 "tensor and pipeline parallelism are not supported in it"
@@ -410,7 +420,11 @@ class TrainConfig(
 
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must share with the run that resumes from it."""
-        keys = IDENTITY + (PS_IDENTITY if self.strategy == "ps" else ())
+        keys = (
+            IDENTITY
+            + (PS_IDENTITY if self.strategy == "ps" else ())
+            + (("plan",) if self.plan else ())
+        )
         return {k: getattr(self, k) for k in keys}
 
     def to_json(self) -> str:

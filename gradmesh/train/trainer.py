@@ -29,6 +29,7 @@ from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, S
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
+from gradmesh.layout.hybrid import load_plan
 from gradmesh.models import build_model
 from gradmesh.process import restarts
 from gradmesh.runtime import MAX_WORLD_ENV, Runtime
@@ -238,6 +239,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.schedule,
         config.stages,
         data.train.x[:1].to(rt.device),
+        load_plan(config.plan) if config.plan else None,
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.lr,

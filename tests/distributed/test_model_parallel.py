@@ -8,6 +8,7 @@ put back together and compared with the single process's, to 1e-5 relative.
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -89,12 +90,27 @@ def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> 
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+HYBRID = {
+    "model": "cnn",
+    "tensor_parallel": 4,
+    "layers": {"0": "data", "2": "data", "6": "colwise", "8": "rowwise"},
+}
+MIXED = {
+    "model": "cnn",
+    "tensor_parallel": 2,
+    "layers": {"0": "replicate", "2": "data", "6": "colwise", "8": "rowwise"},
+}
+
 LAYOUTS = {
     "tp2": (2, dict(tensor_parallel=2)),
     "pp2-gpipe": (2, dict(pipeline_parallel=2, microbatches=4, schedule="gpipe")),
     "pp2-1f1b": (2, dict(pipeline_parallel=2, microbatches=4, schedule="1f1b", stages="6")),
     "dp2-tp2": (4, dict(tensor_parallel=2)),
     "dp2-pp2": (4, dict(pipeline_parallel=2, microbatches=4, schedule="1f1b")),
+    # the hybrid plan: convolutions data-parallel over all 4 ranks, the fully connected pair split
+    "hybrid-tp4": (4, dict(plan=json.dumps(HYBRID), tensor_parallel=4)),
+    # every conversion: a replicated first layer sliced for a data-parallel one, dp 2 x tp 2
+    "hybrid-dp2-tp2": (4, dict(plan=json.dumps(MIXED), tensor_parallel=2)),
 }
 
 
@@ -106,7 +122,7 @@ def test_split_training_equals_one_process(layout: str, reference: dict[str, tor
     results = run_ranks(train_parts, world, config, init=init, timeout=120)
     assert_same(whole(results), reference)
     if config.tensor_parallel > 1:  # the split layers really are split
-        assert results[0][1]["6.weight"].shape == (32, 512)
+        assert results[0][1]["6.weight"].shape == (64 // config.tensor_parallel, 512)
 
 
 def column_row_pair() -> tuple[torch.Tensor, ...]:

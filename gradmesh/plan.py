@@ -1,0 +1,261 @@
+"""`gradmesh plan`: profile a model on this machine, price every placement per layer on the
+links the job will use, and print (and write) the plan with the fastest predicted step, next to
+pure data parallelism, pure tensor parallelism and the rule "convolutions data-parallel, fully
+connected layers split" (the planner itself: `gradmesh.layout.planner`).
+
+Links: `--bandwidth R [--latency L]` describes the link between hosts (each rank its own host
+unless `--ranks-per-host`); `--emulate-hosts H [--bandwidth R]` probes the links of an emulated
+cluster (alpha and beta fitted from a ping-pong sweep between two of its hosts); `--probe`
+probes loopback between two local processes; with none of these, loopback's default figures
+(those `auto` uses).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from gradmesh.errors import GradmeshError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="alexnet", help="model (default: alexnet)")
+    parser.add_argument("--dataset", default="synthetic", help="dataset (default: synthetic)")
+    parser.add_argument(
+        "--synthetic-shape", default="3x32x32", help="synthetic input shape (default: 3x32x32)"
+    )
+    parser.add_argument("--workers", type=int, default=4, help="ranks (default: 4)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
+    parser.add_argument(
+        "--tensor-parallel-max", type=int, help="largest tp to consider (default: --workers)"
+    )
+    parser.add_argument("--bandwidth", help="link rate between hosts, like 1gbit")
+    parser.add_argument("--latency", help="one-way latency between hosts, like 100us")
+    parser.add_argument("--ranks-per-host", type=int, help="ranks per host (with --bandwidth)")
+    parser.add_argument("--emulate-hosts", type=int, help="probe an emulated cluster of H hosts")
+    parser.add_argument("--probe", action="store_true", help="probe loopback between 2 ranks")
+    parser.add_argument("--memory-limit", help="most bytes per rank, like 64MB")
+    parser.add_argument("--allreduce", default="native", help="gradient allreduce algorithm")
+    parser.add_argument("--fusion-mb", type=float, default=64.0, help="gradient bucket MiB")
+    parser.add_argument("--json", help="write the plan file here (gradmesh train --plan FILE)")
+
+
+@dataclass
+class Setting:
+    """What a plan is made for: the model and data, the world, the links."""
+
+    model: str
+    dataset: str
+    shape: str
+    workers: int
+    batch: int
+    tp_max: int
+
+
+def _latency(text: str | None) -> float:
+    if not text:
+        return 0.0
+    import re
+
+    m = re.fullmatch(r"\s*([\d.]+)\s*(s|ms|us)\s*", text)
+    if not m:
+        raise GradmeshError(f"bad latency {text!r}: expected a time like 100us or 1ms")
+    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
+
+
+def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
+    """(Links, ranks sharing this machine's cores) for the flags given."""
+    from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
+    from gradmesh.launch.emulate import parse_rate
+    from gradmesh.layout.planner import Links
+
+    if args.emulate_hosts:
+        hosts = args.emulate_hosts
+        if workers % hosts:
+            raise GradmeshError(f"--workers {workers} does not split over {hosts} hosts")
+        probed = probe_emulated(hosts, args.bandwidth or "1gbit")
+        return Links(DEFAULT_PARAMS, probed, workers // hosts), workers
+    if args.probe:
+        probed = probe_emulated(None, "")
+        return Links(probed, probed, workers), workers
+    if args.bandwidth:
+        beta = 8 / parse_rate(args.bandwidth)
+        inter = CostParams(
+            _latency(args.latency) or DEFAULT_PARAMS.alpha, beta, DEFAULT_PARAMS.gamma
+        )
+        per_host = args.ranks_per_host or 1
+        if per_host < 1 or workers % per_host:
+            raise GradmeshError(f"--ranks-per-host {per_host} does not divide --workers {workers}")
+        return Links(DEFAULT_PARAMS, inter, per_host), per_host
+    return Links(DEFAULT_PARAMS, DEFAULT_PARAMS, workers), workers
+
+
+def probe_emulated(hosts: int | None, bandwidth: str) -> Any:
+    """alpha, beta, gamma between two hosts of an emulated cluster (or two loopback ranks)."""
+    from gradmesh.bench.common import emulated_cluster, run_workers
+    from gradmesh.collectives.cost import CostParams
+
+    with emulated_cluster(hosts, bandwidth) as cluster:
+        values = run_workers("gradmesh.plan", hosts or 2, {}, 120.0, cluster)
+    return CostParams(*values)
+
+
+def _probe_worker(_config: dict[str, Any]) -> tuple[int, Any]:
+    from gradmesh.collectives import probe
+    from gradmesh.runtime import init, shutdown
+
+    rt = init()
+    c = probe()
+    shutdown()
+    return rt.rank, [c.alpha, c.beta, c.gamma]
+
+
+def make_plan(
+    setting: Setting,
+    links: Any,
+    sharing: int,
+    memory_limit: float | None = None,
+    allreduce: str = "native",
+    fusion_mb: float = 64.0,
+) -> tuple[Any, list[Any], Any]:
+    """Profile, search, compare: (the chosen `Choice`, the references, the `Profile`)."""
+    import torch
+
+    from gradmesh.data import DATASETS, DataOptions
+    from gradmesh.layout.planner import divisors, plan, profile
+    from gradmesh.models import TP_PLANS, build_model, check_pairing
+    from gradmesh.train.config import parse_shape
+
+    if setting.workers < 1 or setting.batch < setting.workers:
+        raise GradmeshError(
+            f"--batch {setting.batch} must be at least --workers {setting.workers} (>= 1)"
+        )
+    check_pairing(setting.model, setting.dataset)
+    data = DATASETS.get(setting.dataset)(DataOptions(shape=parse_shape(setting.shape)))
+    torch.manual_seed(0)
+    model = build_model(setting.model, data)
+    tps = [t for t in divisors(setting.workers, setting.tp_max) if t > 1]
+    prof = profile(
+        model, setting.model, data.train.x[:1], setting.batch, setting.workers, tps, sharing
+    )
+    tp_plan = TP_PLANS.get(setting.model) if setting.model in TP_PLANS else None
+    best, refs = plan(
+        prof, links, setting.tp_max, model, tp_plan, allreduce, fusion_mb, memory_limit
+    )
+    return best, refs, prof
+
+
+def describe(best: Any, refs: list[Any], prof: Any) -> str:
+    """The table `gradmesh plan` prints."""
+    lines = [
+        f"model {prof.model}, {prof.workers} workers, global batch {prof.batch}; plan: tp "
+        f"{best.tp} x dp {prof.workers // best.tp} (compute x{prof.oversubscription:.2f}: "
+        f"{prof.threads} thread(s) per rank, ranks sharing this machine's cores)",
+        f"{'layer':>6} {'kind':7} {'choice':10} {'conv':7} {'compute ms':>10} {'comm ms':>8} "
+        f"{'sync ms':>8} {'params/rank':>11}",
+    ]
+    for r in best.prediction.rows:
+        lines.append(
+            f"{r['layer']:>6} {r['kind']:7} {r['choice']:10} {r['conversion'] or '-':7} "
+            f"{r['compute_ms']:10.2f} {r['comm_ms']:8.2f} {r['sync_ms']:8.2f} "
+            f"{r['param_bytes_per_rank'] / 1e6:9.2f}MB"
+        )
+    p = best.prediction
+    lines.append(
+        f"predicted step {p.step_s * 1e3:.1f} ms (compute {p.compute_s * 1e3:.1f}, blocking "
+        f"exchanges {p.blocking_comm_s * 1e3:.1f}, exposed gradient sync "
+        f"{p.exposed_sync_s * 1e3:.1f} of {p.sync_s * 1e3:.1f})"
+    )
+    for r in refs:
+        lines.append(
+            f"  {r.name:16} tp {r.tp}: predicted step {r.prediction.step_s * 1e3:7.1f} ms "
+            f"({r.prediction.step_s / p.step_s:.2f}x the plan's)"
+        )
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from gradmesh.bench.common import parse_size
+    from gradmesh.layout.planner import to_plan
+
+    if args.workers < 1:
+        raise GradmeshError(f"--workers must be >= 1, got {args.workers}")
+    if args.fusion_mb <= 0:
+        raise GradmeshError(f"--fusion-mb must be > 0, got {args.fusion_mb}")
+    if (
+        sum(bool(x) for x in (args.emulate_hosts, args.probe, args.latency and not args.bandwidth))
+        > 1
+    ):
+        raise GradmeshError("give one of --emulate-hosts, --probe, --bandwidth [--latency]")
+    setting = Setting(
+        args.model,
+        args.dataset,
+        args.synthetic_shape,
+        args.workers,
+        args.batch,
+        args.tensor_parallel_max or args.workers,
+    )
+    limit = float(parse_size(args.memory_limit)) if args.memory_limit else None
+    if args.json:
+        from gradmesh.train.config import check_writable
+
+        check_writable(args.json, "--json")
+    links, sharing = links_for(args, args.workers)
+    best, refs, prof = make_plan(setting, links, sharing, limit, args.allreduce, args.fusion_mb)
+    print(describe(best, refs, prof))
+    if args.json:
+        Path(args.json).write_text(to_plan(best, prof, links, refs).to_json())
+        print(f"plan written to {args.json} (gradmesh train --plan {args.json})", file=sys.stderr)
+    return 0
+
+
+def resolve(config: Any) -> Any:
+    """Before launch: `config` with its `--plan` (a file, or auto: planned now for this host's
+    loopback) checked against the model and world and inlined, and tp set from it."""
+    import dataclasses
+    import json
+
+    from gradmesh.layout.hybrid import check, load_plan
+    from gradmesh.models import build_model
+    from gradmesh.train.trainer import load_data
+
+    if config.plan == "auto":
+        from gradmesh.collectives.cost import DEFAULT_PARAMS
+        from gradmesh.layout.planner import Links, to_plan
+
+        setting = Setting(
+            config.model,
+            config.dataset,
+            config.synthetic_shape,
+            config.workers,
+            config.batch_size,
+            config.workers,
+        )
+        links = Links(DEFAULT_PARAMS, DEFAULT_PARAMS, config.workers)
+        best, refs, prof = make_plan(setting, links, config.workers)
+        print(describe(best, refs, prof), file=sys.stderr)
+        plan = to_plan(best, prof, links, refs)
+    else:
+        plan = load_plan(config.plan)
+    if plan.model != config.model:
+        raise GradmeshError(f"--plan is for model {plan.model}, not --model {config.model}")
+    if config.tensor_parallel not in (1, plan.tensor_parallel):
+        raise GradmeshError(
+            f"--tensor-parallel {config.tensor_parallel} contradicts the plan's tensor_parallel "
+            f"{plan.tensor_parallel}"
+        )
+    check(plan, build_model(config.model, load_data(config)), config.workers)
+    inline = json.dumps(
+        {"model": plan.model, "tensor_parallel": plan.tensor_parallel, "layers": plan.layers}
+    )
+    return dataclasses.replace(config, plan=inline, tensor_parallel=plan.tensor_parallel)
+
+
+if __name__ == "__main__":
+    from gradmesh.bench.common import worker_main
+
+    worker_main(_probe_worker)
