@@ -151,8 +151,8 @@ def describe(best: Any, refs: list[Any], prof: Any) -> str:
     """The table `gradmesh plan` prints."""
     lines = [
         f"model {prof.model}, {prof.workers} workers, global batch {prof.batch}; plan: tp "
-        f"{best.tp} x dp {prof.workers // best.tp} (compute x{prof.oversubscription:.2f}: "
-        f"{prof.threads} thread(s) per rank, ranks sharing this machine's cores)",
+        f"{best.tp} x dp {prof.workers // best.tp} (profiled with {prof.threads} thread(s) per "
+        f"rank, {prof.concurrent} rank(s) at once)",
         f"{'layer':>6} {'kind':7} {'choice':10} {'conv':7} {'compute ms':>10} {'comm ms':>8} "
         f"{'sync ms':>8} {'params/rank':>11}",
     ]
@@ -164,7 +164,8 @@ def describe(best: Any, refs: list[Any], prof: Any) -> str:
         )
     p = best.prediction
     lines.append(
-        f"predicted step {p.step_s * 1e3:.1f} ms (compute {p.compute_s * 1e3:.1f}, blocking "
+        f"predicted step {p.step_s * 1e3:.1f} ms (compute and update {p.compute_s * 1e3:.1f}, "
+        "blocking "
         f"exchanges {p.blocking_comm_s * 1e3:.1f}, exposed gradient sync "
         f"{p.exposed_sync_s * 1e3:.1f} of {p.sync_s * 1e3:.1f})"
     )

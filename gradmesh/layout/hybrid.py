@@ -116,7 +116,7 @@ def conversions(choices: list[str]) -> tuple[list[str], str]:
     for i, choice in enumerate(choices):
         need = NEEDS[choice]
         if state == "C" and need != "C":
-            raise ValueError(f"{i}: a colwise layer must be followed by a rowwise one")
+            raise ValueError(f"{i - 1}: a colwise layer must be followed by a rowwise one")
         if need == "C" and state != "C":
             raise ValueError(f"{i}: a rowwise layer must follow a colwise one")
         before.append({("S", "R"): "gather", ("R", "S"): "slice"}.get((state, need), ""))

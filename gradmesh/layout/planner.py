@@ -5,9 +5,10 @@ own cost formulas, and choose the placement per layer that minimises the predict
 job's per-rank batch: forward and backward seconds on this machine (warm-up, median of several
 runs) for every placement (`data` on 1/W of the global batch; `replicate` on 1/dp of it; the
 colwise and rowwise slices on 1/dp of it), parameter bytes, and per-sample activation bytes into
-the layer, out of the layer and out of the unit. It runs with the thread count the launcher
-gives each rank; when more ranks share this machine's cores than it has, compute is scaled by
-ranks x threads / cores (`Profile.oversubscription`).
+the layer, out of the layer and out of the unit; and a step's other work per parameter byte
+(zeroing, bucket copies, the SGD update). It runs with the thread count the launcher gives each
+rank, and in as many processes at once as there are ranks sharing this machine's cores, so that
+the contention the job will meet is measured, not assumed.
 
 **Cost.** Per unit and placement at tp T (dp D = W / T, global batch N), with every formula read
 from the collectives (`COSTS` for allreduce, `allgather_cost`):
@@ -21,7 +22,8 @@ from the collectives (`COSTS` for allreduce, `allgather_cost`):
   ranks), else the across-host one.
 `predict` lays a step out in time: forward, then backward unit by unit in reverse; each
 reducer's buckets (cut as `plan_buckets` cuts them, `fusion_mb`) leave when their last gradient
-is ready and share one link in order; the step ends when backward and the last bucket are done.
+is ready and share one link in order; the step ends when backward and the last bucket are done,
+plus the update of the parameter bytes the rank holds.
 
 **Search.** Exact dynamic programming over units x activation state (S, R, C) for each tp that
 divides W, on an additive objective: each unit's compute, blocking exchanges and the bandwidth
@@ -81,7 +83,11 @@ class Profile:
     batch: int
     units: list[Unit]
     threads: int
-    oversubscription: float
+    """Threads per rank (the launcher's share of this machine's cores)."""
+    concurrent: int
+    """Processes that measured at once (the ranks sharing this machine's cores)."""
+    update_s_per_byte: float
+    """A step's work per parameter byte besides forward and backward (`_update_per_byte`)."""
     optimizer_slots: int = 1
     """Optimizer tensors per parameter (SGD with momentum: 1) for the memory estimate."""
 
@@ -163,15 +169,65 @@ def profile(
     rounds: int = 5,
 ) -> Profile:
     """Measure every unit of `model` for every placement at each tp in `tps` (global `batch`
-    over `workers` ranks, `sharing` of them on this machine's cores: all by default)."""
+    over `workers` ranks, `sharing` of them on this machine's cores: all by default).
+
+    When the sharing ranks need more threads than the machine has cores, the measurement runs
+    in that many processes at once (each with a rank's threads) and each figure is the median
+    over them: the contention the job will meet (cores, caches, memory bandwidth) is measured,
+    not assumed."""
+    sharing = sharing or workers
+    threads = sharing_threads(sharing)
+    args = (model, model_name, sample[:1], batch, workers, tps, threads, rounds)
+    if sharing * threads <= (os.cpu_count() or 1):
+        units_, update = _measure(*args)
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(sharing) as pool:
+            runs = pool.starmap(_measure, [args] * sharing)
+        units_, update = runs[0][0], statistics.median(r[1] for r in runs)
+        for i, unit in enumerate(units_):
+            for key in unit.fwd:
+                unit.fwd[key] = statistics.median(r[0][i].fwd[key] for r in runs)
+                unit.bwd[key] = statistics.median(r[0][i].bwd[key] for r in runs)
+    return Profile(model_name, workers, batch, units_, threads, sharing, update)
+
+
+def _update_per_byte(threads: int, rounds: int) -> float:
+    """Seconds per parameter byte of what a step does besides forward and backward: zero the
+    gradient, pack it into a bucket and unpack it averaged, an SGD step with momentum."""
+    n = 1 << 20
+    param = nn.Parameter(torch.zeros(n))
+    param.grad = torch.ones(n)
+    bucket = torch.empty(n)
+    opt = torch.optim.SGD([param], lr=0.01, momentum=0.9)
+
+    def step() -> None:
+        assert param.grad is not None
+        param.grad.zero_()
+        bucket.copy_(param.grad)
+        param.grad.copy_(bucket).div_(2.0)
+        opt.step()
+
+    return _timed(step, rounds) / (n * 4)
+
+
+def _measure(
+    model: nn.Module,
+    model_name: str,
+    sample: torch.Tensor,
+    batch: int,
+    workers: int,
+    tps: list[int],
+    threads: int,
+    rounds: int,
+) -> tuple[list[Unit], float]:
+    """`profile`'s measurement in this process, with `threads` threads."""
     layers = layers_of(model, model_name)
     starts = units(layers)
     if not starts:
         raise GradmeshError(f"model {model_name} has no layers with weights to place")
-    shapes = sample_shapes(layers, sample[:1])
-    sharing = sharing or workers
-    threads = sharing_threads(sharing)
-    cores = os.cpu_count() or 1
+    shapes = sample_shapes(layers, sample)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     out: list[Unit] = []
@@ -223,9 +279,10 @@ def profile(
                 key = "data" if choice == "data" else f"{choice}@{t}"
                 unit.fwd[key], unit.bwd[key] = fwd, bwd
             out.append(unit)
+        update = _update_per_byte(threads, rounds)
     finally:
         torch.set_num_threads(before)
-    return Profile(model_name, workers, batch, out, threads, max(1.0, sharing * threads / cores))
+    return out, update
 
 
 # -- cost --------------------------------------------------------------------------------------
@@ -255,19 +312,28 @@ def _groups(workers: int, tp: int) -> dict[str, list[int]]:
 
 
 def layer_cost(
-    prof: Profile, unit: Unit, choice: str, conversion: str, tp: int, links: Links, algorithm: str
+    prof: Profile,
+    unit: Unit,
+    choice: str,
+    conversion: str,
+    tp: int,
+    links: Links,
+    algorithm: str,
+    first: bool = False,
 ) -> LayerCost:
+    """A unit's compute, blocking exchanges and gradient bytes under `choice` (`first`: the
+    model's input needs no gradient, so slicing it costs nothing)."""
     w = prof.workers
     groups = _groups(w, tp)
     tp_link = links.over(groups["tp"])
     per_replica = prof.batch * tp / w
     key = prof.key(choice, tp)
-    compute = (unit.fwd[key] + unit.bwd[key]) * prof.oversubscription
+    compute = unit.fwd[key] + unit.bwd[key]
     fwd_comm = bwd_comm = 0.0
     gathered = allgather_cost(tp, int(per_replica * unit.in_bytes), tp_link)
     if conversion == "gather":
         fwd_comm += gathered
-    elif conversion == "slice":
+    elif conversion == "slice" and not first:
         bwd_comm += gathered
     if choice == "colwise":
         bwd_comm += _allreduce(algorithm, tp, per_replica * unit.in_bytes, tp_link)
@@ -305,8 +371,8 @@ def predict(
     choices = [layers[u.name] for u in prof.units]
     before, after = conversions(choices)
     costs = [
-        layer_cost(prof, u, c, k, tp, links, algorithm)
-        for u, c, k in zip(prof.units, choices, before, strict=True)
+        layer_cost(prof, u, c, k, tp, links, algorithm, first=i == 0)
+        for i, (u, c, k) in enumerate(zip(prof.units, choices, before, strict=True))
     ]
     w = prof.workers
     groups = _groups(w, tp)
@@ -347,7 +413,8 @@ def predict(
         spent = _allreduce(algorithm, sizes[g], nbytes, links.over(groups[g]))
         link_free = max(link_free, t) + spent
         sync += spent
-    step = max(backward_end, link_free)
+    update = prof.update_s_per_byte * sum(c.grad_bytes for c in costs)
+    step = max(backward_end, link_free) + update
     rows = [
         {
             "layer": u.name,
@@ -364,7 +431,7 @@ def predict(
         }
         for u, ch, k, c in zip(prof.units, choices, before, costs, strict=True)
     ]
-    compute = sum(c.compute_s for c in costs)
+    compute = sum(c.compute_s for c in costs) + update
     blocking = sum(c.fwd_comm_s + c.bwd_comm_s for c in costs) + final
     return Prediction(step, compute, blocking, step - compute - blocking, sync, rows)
 
@@ -407,44 +474,45 @@ def search_tp(
     w = prof.workers
     groups = _groups(w, tp)
     sizes = {"batch": w, "dp": w // tp}
-    # table: (state, memory units) -> (cost, choices so far)
-    table: dict[tuple[str, int], tuple[float, list[str]]] = {("R", 0): (0.0, [])}
-    for unit in prof.units:
-        nxt: dict[tuple[str, int], tuple[float, list[str]]] = {}
-        for (state, used), (so_far, chosen) in table.items():
+    # table: (state, memory units, a layer split yet) -> (cost, choices so far); tp > 1 plans
+    # must split a layer (without one they are tp 1's plan, with idle tp exchanges)
+    Key = tuple[str, int, bool]
+    table: dict[Key, tuple[float, list[str]]] = {("R", 0, False): (0.0, [])}
+    for u, unit in enumerate(prof.units):
+        nxt: dict[Key, tuple[float, list[str]]] = {}
+        for (state, used, split), (so_far, chosen) in table.items():
             for choice in options(prof, unit, tp):
                 need = NEEDS[choice]
                 if (state == "C") != (need == "C"):
                     continue
                 kind = {("S", "R"): "gather", ("R", "S"): "slice"}.get((state, need), "")
-                c = layer_cost(prof, unit, choice, kind, tp, links, algorithm)
+                c = layer_cost(prof, unit, choice, kind, tp, links, algorithm, first=u == 0)
                 link = links.over(groups[c.grad_group])
                 n = sizes[c.grad_group]
                 bandwidth = _allreduce(algorithm, n, c.grad_bytes, link) - _allreduce(
                     algorithm, n, 0, link
                 )
-                total = so_far + c.compute_s + c.fwd_comm_s + c.bwd_comm_s + bandwidth
+                update = prof.update_s_per_byte * c.grad_bytes
+                total = so_far + c.compute_s + c.fwd_comm_s + c.bwd_comm_s + bandwidth + update
                 mem = used
                 if memory_limit:
                     mem += math.ceil(memory_bytes(prof, unit, choice, tp) / grain)
                     if mem > steps:
                         continue
-                key = (GIVES[choice], mem)
+                key = (GIVES[choice], mem, split or choice in ("colwise", "rowwise"))
                 if key not in nxt or total < nxt[key][0]:
                     nxt[key] = (total, [*chosen, choice])
         table = nxt
     best: tuple[float, list[str]] | None = None
     last = prof.units[-1]
-    for (state, _), (so_far, chosen) in table.items():
-        if state == "C":
+    for (state, _, split), (so_far, chosen) in table.items():
+        if state == "C" or split != (tp > 1):
             continue
         end = so_far
         if state == "S":
             end += allgather_cost(
                 tp, int(prof.batch * tp / w * last.out_bytes), links.over(groups["tp"])
             )
-        if tp > 1 and not any(c in ("colwise", "rowwise") for c in chosen):
-            continue  # no split layer: that is tp 1's plan
         if best is None or end < best[0]:
             best = (end, chosen)
     if best is None:

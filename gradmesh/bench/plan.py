@@ -1,0 +1,202 @@
+"""`gradmesh bench plan`: the hybrid planner's plan against pure data parallelism, pure tensor
+parallelism and the rule "convolutions data-parallel, fully connected layers split", each
+measured next to the planner's prediction for it.
+
+The links are probed first (on the emulated cluster when `--emulate-hosts` is given, else on
+loopback), the model is profiled on this machine, and the planner predicts a step time for
+each of the four placements. Each is then a job of its own (a mesh is fixed when a job starts),
+interleaved round by round; a job takes `--warmup` steps, then measures `--steps` through the
+trainer's own setup (split, optimizer, strategy). A placement's figure is the median over rounds
+of each job's median step (rank 0; steps are synchronous). The JSON holds, per placement, the
+measured and predicted step, the prediction's error, the bytes sent per step by kind, and the
+machine's idle CPU during the measured steps: under 10 % the figure is labelled `"limit": "cpu"`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+from gradmesh.bench.common import (
+    CPU_BOUND_IDLE,
+    cpu_jiffies,
+    emulated_cluster,
+    median,
+    run_workers,
+    worker_main,
+    write_json,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="alexnet", help="model (default: alexnet)")
+    parser.add_argument("--dataset", default="synthetic", help="dataset (default: synthetic)")
+    parser.add_argument("--synthetic-shape", default="3x32x32", help="(default: 3x32x32)")
+    parser.add_argument("--world", type=int, default=4, help="ranks (default: 4)")
+    parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
+    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (default: 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
+    parser.add_argument("--emulate-hosts", type=int, help="emulated hosts (default: loopback)")
+    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
+    parser.add_argument("--json", help="write the result here")
+
+
+def measure(config: dict[str, Any]) -> tuple[int, Any]:
+    """One placement's job, on one rank: the trainer's setup with the plan, steps on one fixed
+    global batch, the bytes sent per step by kind."""
+    import json
+
+    import torch
+
+    from gradmesh.runtime import init, shutdown
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.report import gather_rank_stats, summarize_layout
+    from gradmesh.train.trainer import attach, layout_figures, setup
+
+    batch = config["batch"]
+    train = TrainConfig(
+        workers=config["world"],
+        model=config["model"],
+        dataset=config["dataset"],
+        synthetic_shape=config["shape"],
+        synthetic_samples=batch * 2,  # 80% of it for training: one global batch fits
+        batch_size=batch,
+        lr=0.01,
+        momentum=0.9,
+        tensor_parallel=config["tp"],
+        plan=json.dumps(config["plan"]),
+    )
+    rt = init(tensor_parallel=config["tp"])
+    job = setup(train, rt)
+    attach(job)
+    mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
+    x, y = job.data.train.x[mine], job.data.train.y[mine]
+    times = []
+    for step in range(config["warmup"] + config["steps"]):
+        if step == config["warmup"]:
+            rt.comm.by_kind.clear()
+            cpu_before = cpu_jiffies()
+        started = time.perf_counter()
+        job.optimizer.zero_grad()
+        job.split.engine.step(x, y, rt.dp.size / batch)
+        job.optimizer.step()
+        times.append(time.perf_counter() - started)
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
+    stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
+    mean = summarize_layout(stats.layout)
+    result = {
+        "step_s": median(times[config["warmup"] :]),
+        "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in ("sync", "tensor_parallel")},
+        "param_bytes_per_rank": mean["param_bytes"],
+        "cpu_idle": idle / total if total else 0.0,
+    }
+    shutdown()
+    return rt.rank, result
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.collectives.cost import CostParams
+    from gradmesh.errors import GradmeshError
+    from gradmesh.layout.planner import Links
+    from gradmesh.plan import Setting, describe, make_plan
+
+    if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
+        raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")
+    setting = Setting(
+        args.model, args.dataset, args.synthetic_shape, args.world, args.batch, args.world
+    )
+    with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
+        probed = CostParams(
+            *run_workers("gradmesh.plan", cluster.hosts if cluster else 2, {}, 120.0, cluster)
+        )
+        hosts = cluster.hosts if cluster is not None else 1
+        links = Links(probed, probed, args.world // hosts)
+        best, refs, prof = make_plan(setting, links, args.world)
+        print(describe(best, refs, prof))
+        choices = [best, *refs]
+        rounds: list[list[dict[str, Any]]] = [[] for _ in choices]
+        for _ in range(args.rounds):
+            for i, choice in enumerate(choices):
+                config = {
+                    "world": args.world,
+                    "model": args.model,
+                    "dataset": args.dataset,
+                    "shape": args.synthetic_shape,
+                    "batch": args.batch,
+                    "tp": choice.tp,
+                    "plan": {
+                        "model": args.model,
+                        "tensor_parallel": choice.tp,
+                        "layers": choice.layers,
+                    },
+                    "steps": args.steps,
+                    "warmup": args.warmup,
+                }
+                rounds[i].append(
+                    run_workers("gradmesh.bench.plan", args.world, config, 300.0, cluster)
+                )
+        notes = cluster.notes if cluster is not None else None
+    results = {}
+    for choice, runs in zip(choices, rounds, strict=True):
+        step = median([r["step_s"] for r in runs])
+        idle = median([r["cpu_idle"] for r in runs])
+        predicted = choice.prediction.step_s
+        results[choice.name] = {
+            "tp": choice.tp,
+            "dp": args.world // choice.tp,
+            "layers": choice.layers,
+            "step_s": step,
+            "step_s_rounds": [r["step_s"] for r in runs],
+            "predicted_step_s": predicted,
+            "prediction_error": (predicted - step) / step,
+            "predicted": {
+                "compute_s": choice.prediction.compute_s,
+                "blocking_comm_s": choice.prediction.blocking_comm_s,
+                "exposed_sync_s": choice.prediction.exposed_sync_s,
+            },
+            "bytes_per_step": runs[0]["bytes_per_step"],
+            "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
+            "cpu_idle": idle,
+            "limit": "cpu"
+            if idle < CPU_BOUND_IDLE
+            else ("link" if cluster is not None else "loopback"),
+        }
+    fastest = min(r["step_s"] for r in results.values())
+    planner = results["planner"]
+    payload = {
+        "model": args.model,
+        "world": args.world,
+        "batch": args.batch,
+        "emulated_hosts": args.emulate_hosts,
+        "bandwidth": args.bandwidth if args.emulate_hosts else None,
+        "link": {"alpha": probed.alpha, "beta": probed.beta, "gamma": probed.gamma},
+        "profiled_concurrently": prof.concurrent,
+        "update_s_per_byte": prof.update_s_per_byte,
+        "rounds": args.rounds,
+        "steps": args.steps,
+        "notes": notes,
+        "placements": results,
+        "planner_vs_fastest": planner["step_s"] / fastest,
+        "planner_vs_data_parallel": planner["step_s"] / results["data parallel"]["step_s"],
+        "worst_prediction_error": max(abs(r["prediction_error"]) for r in results.values()),
+    }
+    write_json(args.json, payload)
+    for name, r in results.items():
+        sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
+        print(
+            f"{name:16} tp{r['tp']} dp{r['dp']}: step {r['step_s'] * 1e3:7.1f} ms, predicted "
+            f"{r['predicted_step_s'] * 1e3:7.1f} ({r['prediction_error'] * 100:+.0f}%)  MB/step/"
+            f"rank: {sent}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+        )
+    print(
+        f"planner: {payload['planner_vs_fastest']:.2f}x the fastest, "
+        f"{payload['planner_vs_data_parallel']:.2f}x data parallelism; worst prediction error "
+        f"{payload['worst_prediction_error'] * 100:.0f}%"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    worker_main(measure)
