@@ -103,13 +103,30 @@ def probe_emulated(hosts: int | None, bandwidth: str) -> Any:
 
 
 def _probe_worker(_config: dict[str, Any]) -> tuple[int, Any]:
+    """alpha, beta, gamma from `probe`, alpha raised to what one small allreduce over the
+    whole world costs per ring step: the ping-pong fit's intercept, dominated by large
+    messages, can fall to nothing (it did on emulated hosts: 1e-7 s, clamped) while every
+    collective pays its start-up (the median of 20 four-byte allreduces)."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
     from gradmesh.collectives import probe
     from gradmesh.runtime import init, shutdown
 
     rt = init()
     c = probe()
+    one = torch.zeros(1)
+    times = []
+    for _ in range(21):
+        started = time.perf_counter()
+        dist.all_reduce(one)
+        times.append(time.perf_counter() - started)
+    small = statistics.median(times[1:]) / (2 * (rt.size - 1))
     shutdown()
-    return rt.rank, [c.alpha, c.beta, c.gamma]
+    return rt.rank, [max(c.alpha, small), c.beta, c.gamma]
 
 
 def make_plan(

@@ -103,7 +103,6 @@ MIXED = {
 
 LAYOUTS = {
     "tp2": (2, dict(tensor_parallel=2)),
-    "pp2-gpipe": (2, dict(pipeline_parallel=2, microbatches=4, schedule="gpipe")),
     "pp2-1f1b": (2, dict(pipeline_parallel=2, microbatches=4, schedule="1f1b", stages="6")),
     "dp2-tp2": (4, dict(tensor_parallel=2)),
     "dp2-pp2": (4, dict(pipeline_parallel=2, microbatches=4, schedule="1f1b")),

@@ -38,15 +38,23 @@ def report(tmp_path: Path, name: str, *flags: str) -> dict:
 
 
 def test_split_layouts_train_the_data_parallel_loss_curve(tmp_path: Path) -> None:
+    """Pipeline stages, and a hybrid plan file (the convolutions data-parallel over all 4
+    ranks, the first fully connected pair split over tp 2, the last layer replicated; uniform
+    tensor parallelism is the same split code, tested in tests/distributed)."""
+    plan = tmp_path / "plan.json"
+    layers = {"0": "data", "3": "data", "6": "data", "10": "colwise", "12": "rowwise"}
+    layers["14"] = "replicate"
+    plan.write_text(json.dumps({"model": "alexnet", "tensor_parallel": 2, "layers": layers}))
     dp = report(tmp_path, "dp")
-    tp = report(tmp_path, "tp", "--tensor-parallel", "2")
+    tp = report(tmp_path, "tp", "--plan", str(plan))
     pp = report(tmp_path, "pp", "--pipeline-parallel", "2", "--microbatches", "2")
+    assert tp["layout"]["plan"] == layers
     for split in (tp, pp):
         assert split["loss_history"] == pytest.approx(dp["loss_history"], rel=1e-5)
         assert split["workers"] == 4
     assert (tp["layout"]["dp"], tp["layout"]["tp"], tp["layout"]["pp"]) == (2, 2, 1)
     assert (pp["layout"]["dp"], pp["layout"]["pp"], pp["layout"]["microbatches"]) == (2, 2, 2)
-    # tp 2 holds little more than half the weights (the convolutions stay whole)
+    # tp 2 holds little more than half the weights (the convolutions and last layer stay whole)
     assert 0.5 < tp["layout"]["param_bytes"] / dp["layout"]["param_bytes"] < 0.55
     assert tp["layout"]["tensor_parallel_bytes_per_step"] > 0
     assert pp["layout"]["pipeline_bytes_per_step"] > 0 and 0 < pp["layout"]["bubble"] < 1
