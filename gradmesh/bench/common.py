@@ -92,6 +92,35 @@ def cpu_jiffies() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields)
 
 
+def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> tuple[float, float]:
+    """`warmup` then `steps` training steps of a trainer `Job` on one fixed global batch (this
+    replica's slice of its first `batch` samples); returns (median step seconds, the machine's
+    idle CPU fraction over the measured steps). Byte counts (and a pipeline's clock) restart
+    after the warm-up."""
+    import time
+
+    import torch
+
+    rt, engine = job.rt, job.split.engine
+    mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
+    x, y = job.data.train.x[mine], job.data.train.y[mine]
+    times = []
+    for step in range(warmup + steps):
+        if step == warmup:
+            rt.comm.by_kind.clear()
+            clock = getattr(engine, "clock", None)
+            if clock is not None:
+                clock.step_s = clock.busy_s = 0.0
+            cpu_before = cpu_jiffies()
+        started = time.perf_counter()
+        job.optimizer.zero_grad()
+        engine.step(x, y, rt.dp.size / batch)
+        job.optimizer.step()
+        times.append(time.perf_counter() - started)
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
+    return median(times[warmup:]), idle / total if total else 0.0
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

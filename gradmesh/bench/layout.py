@@ -19,15 +19,14 @@ exceeds the hosts a group fits in.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from gradmesh.bench.common import (
     CPU_BOUND_IDLE,
-    cpu_jiffies,
     emulated_cluster,
     median,
     run_workers,
+    timed_steps,
     worker_main,
     write_json,
 )
@@ -60,7 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
     """One layout's job, on one rank: the trainer's own setup (split, optimizer, strategy),
     steps on one fixed global batch, and the trainer's layout figures."""
-    import torch
 
     from gradmesh.runtime import init, shutdown
     from gradmesh.train.config import TrainConfig
@@ -85,33 +83,17 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     rt = init(tensor_parallel=tp, pipeline_parallel=pp)
     job = setup(train, rt)
     attach(job)
-    engine = job.split.engine
-    mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
-    x, y = job.data.train.x[mine], job.data.train.y[mine]
-    times = []
-    for step in range(config["warmup"] + config["steps"]):
-        if step == config["warmup"]:
-            rt.comm.by_kind.clear()
-            clock = getattr(engine, "clock", None)
-            if clock is not None:
-                clock.step_s = clock.busy_s = 0.0
-            cpu_before = cpu_jiffies()
-        started = time.perf_counter()
-        job.optimizer.zero_grad()
-        engine.step(x, y, rt.dp.size / batch)
-        job.optimizer.step()
-        times.append(time.perf_counter() - started)
-    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
+    step_s, cpu_idle = timed_steps(job, batch, config["warmup"], config["steps"])
     stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
     mean = summarize_layout(stats.layout)
     kinds = ("sync", "tensor_parallel", "pipeline")
     result = {
-        "step_s": median(times[config["warmup"] :]),
+        "step_s": step_s,
         "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in kinds},
         "param_bytes_per_rank": mean["param_bytes"],
         "bubble": mean["bubble"] if pp > 1 else None,
         "stage_idle": stats.layout["stage_idle"] if pp > 1 else None,
-        "cpu_idle": idle / total if total else 0.0,
+        "cpu_idle": cpu_idle,
     }
     shutdown()
     return rt.rank, result

@@ -15,15 +15,14 @@ machine's idle CPU during the measured steps: under 10 % the figure is labelled 
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Any
 
 from gradmesh.bench.common import (
     CPU_BOUND_IDLE,
-    cpu_jiffies,
     emulated_cluster,
     median,
     run_workers,
+    timed_steps,
     worker_main,
     write_json,
 )
@@ -48,8 +47,6 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     global batch, the bytes sent per step by kind."""
     import json
 
-    import torch
-
     from gradmesh.runtime import init, shutdown
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.report import gather_rank_stats, summarize_layout
@@ -71,26 +68,14 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     rt = init(tensor_parallel=config["tp"])
     job = setup(train, rt)
     attach(job)
-    mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
-    x, y = job.data.train.x[mine], job.data.train.y[mine]
-    times = []
-    for step in range(config["warmup"] + config["steps"]):
-        if step == config["warmup"]:
-            rt.comm.by_kind.clear()
-            cpu_before = cpu_jiffies()
-        started = time.perf_counter()
-        job.optimizer.zero_grad()
-        job.split.engine.step(x, y, rt.dp.size / batch)
-        job.optimizer.step()
-        times.append(time.perf_counter() - started)
-    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
+    step_s, cpu_idle = timed_steps(job, batch, config["warmup"], config["steps"])
     stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
     mean = summarize_layout(stats.layout)
     result = {
-        "step_s": median(times[config["warmup"] :]),
+        "step_s": step_s,
         "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in ("sync", "tensor_parallel")},
         "param_bytes_per_rank": mean["param_bytes"],
-        "cpu_idle": idle / total if total else 0.0,
+        "cpu_idle": cpu_idle,
     }
     shutdown()
     return rt.rank, result
