@@ -36,7 +36,7 @@ AXES = ("dp", "pp", "tp")
 """Outermost first."""
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
@@ -57,7 +57,7 @@ class MeshShape:
                 f"--tensor-parallel and --pipeline-parallel must be >= 1, got {tp}, {pp}"
             )
         if world % (tp * pp):
-            fits = ", ".join(str(d) for d in _divisors(world))
+            fits = ", ".join(str(d) for d in divisors(world))
             raise GradmeshError(
                 f"{world} workers cannot hold replicas of tensor-parallel {tp} x pipeline-parallel "
                 f"{pp} = {tp * pp} ranks: tp x pp must divide the worker count ({fits})"

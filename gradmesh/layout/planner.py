@@ -46,13 +46,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradmesh.axes import divisors as mesh_divisors
 from gradmesh.collectives.cost import COSTS, CostParams
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.hybrid import GIVES, NEEDS, Plan, check, conversions
+from gradmesh.layout.hybrid import CHOICES, GIVES, NEEDS, Plan, check, conversions
 from gradmesh.layout.pipeline import layers_of, sample_shapes, units
-
-CHOICES_AT_TP1 = ("data",)
 
 
 @dataclass
@@ -457,7 +456,7 @@ def memory_bytes(prof: Profile, unit: Unit, choice: str, tp: int) -> float:
 def options(prof: Profile, unit: Unit, tp: int) -> list[str]:
     if tp == 1:
         return ["data"]
-    return [c for c in ("data", "replicate", "colwise", "rowwise") if prof.key(c, tp) in unit.fwd]
+    return [c for c in CHOICES if prof.key(c, tp) in unit.fwd]
 
 
 def search_tp(
@@ -551,7 +550,8 @@ def tp_plan_layers(prof: Profile, tp_plan: dict[str, str]) -> dict[str, str]:
 
 
 def divisors(n: int, most: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0 and d <= most]
+    """The tp sizes a world of `n` can hold, up to `most`."""
+    return [d for d in mesh_divisors(n) if d <= most]
 
 
 @dataclass
