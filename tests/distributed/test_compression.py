@@ -32,6 +32,9 @@ SYNC_EPOCHS = 20
 """3 workers on the backend's allreduce, the sync parameter server and local SGD: every
 compressor at >= 0.96 by then, except top-k on gradmesh's ring with 2 workers (0.944) and local
 SGD's PowerSGD averaging (0.930): they keep EPOCHS."""
+UNBIASED_EPOCHS = 10
+"""Synchronous allreduce: the unbiased compressors at 0.958 by then (3 workers); the biased ones
+(sign, top-k, which lean on error feedback) at 0.90-0.91, so they train longer."""
 BATCH = 64
 TARGET = 0.95
 
@@ -86,23 +89,24 @@ def check(results: list[dict], agree: bool = True) -> None:
     assert not low, f"below {TARGET}: {low}"
 
 
-def allreduce_run(algorithm: str, epochs: int) -> dict[str, float]:
+def allreduce_run(algorithm: str, biased_epochs: int) -> dict[str, float]:
     def make_opt(net: nn.Module, name: str) -> torch.optim.Optimizer:
         sgd = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
         return gradmesh.DistributedOptimizer(
             sgd, net.named_parameters(), allreduce=algorithm, compression=make(name)
         )
 
-    return every_compressor(make_opt, epochs)
+    biased = {"sign": biased_epochs, "topk": biased_epochs}
+    return every_compressor(make_opt, UNBIASED_EPOCHS, biased)
 
 
 @pytest.mark.parametrize(
-    ("world", "algorithm", "epochs"), [(2, "ring", EPOCHS), (3, "native", SYNC_EPOCHS)]
+    ("world", "algorithm", "biased_epochs"), [(2, "ring", EPOCHS), (3, "native", SYNC_EPOCHS)]
 )
 def test_every_compressor_trains_digits_with_allreduce(
-    world: int, algorithm: str, epochs: int
+    world: int, algorithm: str, biased_epochs: int
 ) -> None:
-    check(run_ranks(allreduce_run, world, algorithm, epochs, timeout=240))
+    check(run_ranks(allreduce_run, world, algorithm, biased_epochs, timeout=240))
 
 
 def local_sgd_run() -> dict[str, float]:

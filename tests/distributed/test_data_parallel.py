@@ -40,7 +40,8 @@ def every_algorithm(passes: int) -> dict[str, list[torch.Tensor]]:
     return {a: train_steps(gradmesh.rank(), gradmesh.size(), a, passes) for a in ALGORITHMS}
 
 
-@pytest.mark.parametrize(("world", "passes"), [(2, 1), (4, 1), (3, 2)])
+# 2 ranks: every algorithm's exact sum is in test_allreduce_algorithms
+@pytest.mark.parametrize(("world", "passes"), [(4, 1), (3, 2)])
 def test_equal_to_one_process_with_global_batch(world: int, passes: int) -> None:
     reference = train_steps(0, 1)
     results = run_ranks(every_algorithm, world, passes, timeout=180)
