@@ -5,9 +5,9 @@ connected layers split" (the planner itself: `gradmesh.layout.planner`).
 
 Links: `--bandwidth R [--latency L]` describes the link between hosts (each rank its own host
 unless `--ranks-per-host`); `--emulate-hosts H [--bandwidth R]` probes the links of an emulated
-cluster (alpha and beta fitted from a ping-pong sweep between two of its hosts); `--probe`
-probes loopback between two local processes; with none of these, loopback's default figures
-(those `auto` uses).
+cluster and `--probe` loopback, both with the job's own ranks (alpha and beta fitted from
+allreduces of the sizes the candidates exchange, timed between stretches of compute:
+`loaded_fit`); with none of these, loopback's default figures (those `auto` uses).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def _latency(text: str | None) -> float:
 
 
 def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
-    """(Links, ranks sharing this machine's cores) for the flags given."""
+    """(Links, or a function of the message sizes to probe that returns them; ranks sharing
+    this machine's cores) for the flags given."""
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
     from gradmesh.launch.emulate import parse_rate
     from gradmesh.layout.planner import Links
@@ -75,11 +76,20 @@ def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
         hosts = args.emulate_hosts
         if workers % hosts:
             raise GradmeshError(f"--workers {workers} does not split over {hosts} hosts")
-        probed = probe_emulated(hosts, args.bandwidth or "1gbit")
-        return Links(DEFAULT_PARAMS, probed, workers // hosts), workers
+        rate = args.bandwidth or "1gbit"
+
+        def emulated(sizes: list[int]) -> Links:
+            probed = probe_emulated(hosts, rate, workers, args.allreduce, sizes)
+            return Links(DEFAULT_PARAMS, probed, workers // hosts)
+
+        return emulated, workers
     if args.probe:
-        probed = probe_emulated(None, "")
-        return Links(probed, probed, workers), workers
+
+        def loopback(sizes: list[int]) -> Links:
+            probed = probe_emulated(None, "", workers, args.allreduce, sizes)
+            return Links(probed, probed, workers)
+
+        return loopback, workers
     if args.bandwidth:
         beta = 8 / parse_rate(args.bandwidth)
         inter = CostParams(
@@ -92,41 +102,112 @@ def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
     return Links(DEFAULT_PARAMS, DEFAULT_PARAMS, workers), workers
 
 
-def probe_emulated(hosts: int | None, bandwidth: str) -> Any:
-    """alpha, beta, gamma between two hosts of an emulated cluster (or two loopback ranks)."""
-    from gradmesh.bench.common import emulated_cluster, run_workers
-    from gradmesh.collectives.cost import CostParams
+def probe_emulated(
+    hosts: int | None, bandwidth: str, workers: int, algorithm: str, sizes: list[int]
+) -> Any:
+    """`probe_links` on an emulated cluster of `hosts` (None: on loopback)."""
+    from gradmesh.bench.common import emulated_cluster
 
     with emulated_cluster(hosts, bandwidth) as cluster:
-        values = run_workers("gradmesh.plan", hosts or 2, {}, 120.0, cluster)
+        return probe_links(workers, algorithm, cluster, sizes)
+
+
+def probe_links(workers: int, algorithm: str, cluster: Any, sizes: list[int] | None = None) -> Any:
+    """`_probe_worker` on the job's own `workers` ranks (of `cluster`, or local), fitting at
+    `sizes`."""
+    from gradmesh.bench.common import run_workers
+    from gradmesh.collectives.cost import CostParams
+
+    config = {"algorithm": algorithm, "sizes": sizes}
+    values = run_workers("gradmesh.plan", max(2, workers), config, 300.0, cluster)
     return CostParams(*values)
 
 
-def _probe_worker(_config: dict[str, Any]) -> tuple[int, Any]:
-    """alpha, beta, gamma from `probe`, alpha raised to what one small allreduce over the
-    whole world costs per ring step: the ping-pong fit's intercept, dominated by large
-    messages, can fall to nothing (it did on emulated hosts: 1e-7 s, clamped) while every
-    collective pays its start-up (the median of 20 four-byte allreduces)."""
+DEFAULT_SIZES = (65536, 524288, 2097152)
+LARGEST = 8 << 20
+"""Sizes are fitted up to this (larger messages are priced by the same line)."""
+COMPUTE_BETWEEN = 160
+"""Matrix products before each timed allreduce: about 3 ms on 4 ranks sharing 2 cores."""
+
+
+def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
+    """[alpha, beta, gamma] for the planner: gamma from `probe`, alpha and beta from
+    `loaded_fit`, which times allreduces of the sizes the plan's candidates exchange between
+    stretches of compute on every rank at once. The ping-pong fit of an idle pair is not what a
+    step meets: on 4 emulated hosts its intercept fell to nothing (1e-7 s, clamped) while each
+    allreduce of 16 KB or more took 2.8 ms or more."""
+    from gradmesh.collectives import probe
+    from gradmesh.runtime import init, shutdown
+
+    rt = init()
+    c = probe()
+    sizes = [min(n, LARGEST) for n in config.get("sizes") or DEFAULT_SIZES]
+    alpha, beta = loaded_fit(rt.size, config.get("algorithm", "native"), c, sizes)
+    shutdown()
+    return rt.rank, [alpha, beta, c.gamma]
+
+
+def loaded_fit(
+    world: int, algorithm: str, idle: Any, sizes: list[int], rounds: int = 3
+) -> tuple[float, float]:
+    """(alpha, beta) such that an allreduce of each of `sizes` bytes costs the algorithm's
+    registered formula: each is timed as a loop of (compute, allreduce) against the same
+    compute with one 4-byte allreduce per loop, the difference per iteration its cost. The
+    formula is linear in alpha and beta, so they are a least-squares fit on the formula's own
+    terms, each row weighted by 1/measured (relative error). A term that comes out negative
+    falls back to the idle probe's figure."""
     import statistics
     import time
 
     import torch
     import torch.distributed as dist
 
-    from gradmesh.collectives import probe
-    from gradmesh.runtime import init, shutdown
+    from gradmesh.collectives.cost import COSTS, CostParams
 
-    rt = init()
-    c = probe()
+    formula = COSTS.get(algorithm)
+    a = torch.randn(96, 96)
     one = torch.zeros(1)
-    times = []
-    for _ in range(21):
-        started = time.perf_counter()
-        dist.all_reduce(one)
-        times.append(time.perf_counter() - started)
-    small = statistics.median(times[1:]) / (2 * (rt.size - 1))
-    shutdown()
-    return rt.rank, [max(c.alpha, small), c.beta, c.gamma]
+
+    def work() -> None:
+        for _ in range(COMPUTE_BETWEEN):
+            torch.mm(a, a)
+
+    rows, values = [], []
+    for nbytes in sizes:
+        msg = torch.zeros(max(1, nbytes // 4))
+        synced, free = [], []
+        for _ in range(rounds):
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(4):
+                work()
+                dist.all_reduce(msg)
+            synced.append((time.perf_counter() - started) / 4)
+            dist.barrier()
+            started = time.perf_counter()
+            for _ in range(4):
+                work()
+            dist.all_reduce(one)
+            free.append((time.perf_counter() - started) / 4)
+        figures = torch.tensor(
+            [statistics.median(free), statistics.median(synced)], dtype=torch.float64
+        )
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank fits the same figures
+        compute, total = figures.tolist()
+        spent = max(total - compute, 1e-6)
+        reduce = formula(world, nbytes, CostParams(0.0, 0.0, idle.gamma), 1)
+        rows.append(
+            [
+                formula(world, nbytes, CostParams(1.0, 0.0, 0.0), 1) / spent,
+                formula(world, nbytes, CostParams(0.0, 1.0, 0.0), 1) / spent,
+            ]
+        )
+        values.append((spent - reduce) / spent)
+    fit = torch.linalg.lstsq(
+        torch.tensor(rows, dtype=torch.float64), torch.tensor(values, dtype=torch.float64)[:, None]
+    )
+    alpha, beta = fit.solution.flatten().tolist()
+    return (alpha if alpha > 0 else idle.alpha, beta if beta > 0 else idle.beta)
 
 
 def make_plan(
@@ -137,11 +218,13 @@ def make_plan(
     allreduce: str = "native",
     fusion_mb: float = 64.0,
 ) -> tuple[Any, list[Any], Any]:
-    """Profile, search, compare: (the chosen `Choice`, the references, the `Profile`)."""
+    """Profile, search, compare: (the chosen `Choice`, the references, the `Profile`).
+    `links` may be a function of message sizes (a probe): it is called with the sizes the
+    candidates exchange (`exchange_sizes`) once the model is profiled."""
     import torch
 
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.layout.planner import divisors, plan, profile
+    from gradmesh.layout.planner import divisors, exchange_sizes, plan, profile
     from gradmesh.models import TP_PLANS, build_model, check_pairing
     from gradmesh.train.config import parse_shape
 
@@ -157,6 +240,8 @@ def make_plan(
     prof = profile(
         model, setting.model, data.train.x[:1], setting.batch, setting.workers, tps, sharing
     )
+    if callable(links):
+        links = links(exchange_sizes(prof, [1, *tps]))
     tp_plan = TP_PLANS.get(setting.model) if setting.model in TP_PLANS else None
     best, refs = plan(
         prof, links, setting.tp_max, model, tp_plan, allreduce, fusion_mb, memory_limit

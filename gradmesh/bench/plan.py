@@ -82,10 +82,9 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradmesh.collectives.cost import CostParams
     from gradmesh.errors import GradmeshError
     from gradmesh.layout.planner import Links
-    from gradmesh.plan import Setting, describe, make_plan
+    from gradmesh.plan import Setting, describe, make_plan, probe_links
 
     if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
         raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")
@@ -93,12 +92,16 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.dataset, args.synthetic_shape, args.world, args.batch, args.world
     )
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
-        probed = CostParams(
-            *run_workers("gradmesh.plan", cluster.hosts if cluster else 2, {}, 120.0, cluster)
-        )
         hosts = cluster.hosts if cluster is not None else 1
-        links = Links(probed, probed, args.world // hosts)
-        best, refs, prof = make_plan(setting, links, args.world)
+        probed: list[tuple[Links, list[int]]] = []
+
+        def probe(sizes: list[int]) -> Links:
+            params = probe_links(args.world, "native", cluster, sizes)
+            probed.append((Links(params, params, args.world // hosts), sizes))
+            return probed[0][0]
+
+        best, refs, prof = make_plan(setting, probe, args.world)
+        links, sizes = probed[0]
         print(describe(best, refs, prof))
         choices = [best, *refs]
         rounds: list[list[dict[str, Any]]] = [[] for _ in choices]
@@ -156,7 +159,12 @@ def run(args: argparse.Namespace) -> int:
         "batch": args.batch,
         "emulated_hosts": args.emulate_hosts,
         "bandwidth": args.bandwidth if args.emulate_hosts else None,
-        "link": {"alpha": probed.alpha, "beta": probed.beta, "gamma": probed.gamma},
+        "link": {
+            "alpha": links.inter.alpha,
+            "beta": links.inter.beta,
+            "gamma": links.inter.gamma,
+            "fitted_at_bytes": sizes,
+        },
         "profiled_concurrently": prof.concurrent,
         "update_s_per_byte": prof.update_s_per_byte,
         "rounds": args.rounds,

@@ -284,6 +284,31 @@ def _measure(
     return out, update
 
 
+SMALLEST_FIT = 16 << 10
+"""Below this, allreduces on the emulated links are in another regime (4 bytes: 0.4 ms; 16 KB
+and up: 2.8 ms or more, on a line with the larger ones), so the link is fitted from here up."""
+
+
+def exchange_sizes(prof: Profile, tps: list[int], most: int = 5) -> list[int]:
+    """Up to `most` message sizes, spread evenly in log scale, of the allreduces the candidate
+    placements would make (activations exchanged at each tp in `tps`, gradients per layer and
+    whole; at least `SMALLEST_FIT`): where the link figures are fitted, so that they are right
+    where they are used."""
+    sizes = {sum(u.param_bytes for u in prof.units)}
+    for t in tps:
+        per_replica = prof.batch * t / prof.workers
+        for u in prof.units:
+            sizes.add(u.param_bytes // t)
+            if t > 1:
+                sizes |= {int(per_replica * u.in_bytes), int(per_replica * u.mid_bytes)}
+    ordered = sorted({max(n, SMALLEST_FIT) for n in sizes})
+    if len(ordered) <= most:
+        return ordered
+    logs = [math.log(n) for n in ordered]
+    picks = [logs[0] + (logs[-1] - logs[0]) * i / (most - 1) for i in range(most)]
+    return sorted({min(ordered, key=lambda n: abs(math.log(n) - x)) for x in picks})
+
+
 # -- cost --------------------------------------------------------------------------------------
 
 

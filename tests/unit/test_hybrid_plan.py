@@ -15,7 +15,15 @@ from gradmesh.collectives.cost import CostParams
 from gradmesh.collectives.ring import allgather_cost, ring_cost
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.hybrid import conversions
-from gradmesh.layout.planner import Links, Profile, Unit, predict, search_tp
+from gradmesh.layout.planner import (
+    SMALLEST_FIT,
+    Links,
+    Profile,
+    Unit,
+    exchange_sizes,
+    predict,
+    search_tp,
+)
 from gradmesh.plan import Setting, make_plan, resolve
 from gradmesh.train.config import TrainConfig
 
@@ -163,3 +171,18 @@ def test_a_memory_limit_no_plan_meets_is_one_line() -> None:
     setting = Setting("cnn", "digits", "3x32x32", 4, 64, 4)
     with pytest.raises(GradmeshError, match=r"no placement of model cnn on 4 workers fits within"):
         make_plan(setting, LINKS, 1, memory_limit=1000.0)
+
+
+def test_the_link_is_fitted_at_the_sizes_the_candidates_exchange() -> None:
+    """Five sizes at most, spread in log scale from the smallest exchange (raised to 16 KB)
+    to the whole model's gradient, which is always among them."""
+    prof = fake_profile(12)
+    sizes = exchange_sizes(prof, [1, 2, 4])
+    whole = sum(u.param_bytes for u in prof.units)
+    assert len(sizes) == 5 and sizes == sorted(set(sizes))
+    assert sizes[0] == SMALLEST_FIT and sizes[-1] == whole
+    ratios = [b / a for a, b in zip(sizes, sizes[1:], strict=False)]
+    assert max(ratios) < 4 * min(ratios)  # spread, not bunched at one end
+    tiny = fake_profile(1)
+    tiny.units[0].param_bytes = 100
+    assert exchange_sizes(tiny, [1]) == [SMALLEST_FIT]
