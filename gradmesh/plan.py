@@ -168,27 +168,26 @@ def loaded_fit(
     a = torch.randn(96, 96)
     one = torch.zeros(1)
 
-    def work() -> None:
-        for _ in range(COMPUTE_BETWEEN):
-            torch.mm(a, a)
+    def loop(each: torch.Tensor | None) -> float:
+        """Seconds per (compute, allreduce of `each`); None: one 4-byte allreduce at the end."""
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(4):
+            for _ in range(COMPUTE_BETWEEN):
+                torch.mm(a, a)
+            if each is not None:
+                dist.all_reduce(each)
+        if each is None:
+            dist.all_reduce(one)
+        return (time.perf_counter() - started) / 4
 
     rows, values = [], []
     for nbytes in sizes:
         msg = torch.zeros(max(1, nbytes // 4))
         synced, free = [], []
         for _ in range(rounds):
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(4):
-                work()
-                dist.all_reduce(msg)
-            synced.append((time.perf_counter() - started) / 4)
-            dist.barrier()
-            started = time.perf_counter()
-            for _ in range(4):
-                work()
-            dist.all_reduce(one)
-            free.append((time.perf_counter() - started) / 4)
+            synced.append(loop(msg))
+            free.append(loop(None))
         figures = torch.tensor(
             [statistics.median(free), statistics.median(synced)], dtype=torch.float64
         )
