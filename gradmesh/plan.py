@@ -124,8 +124,6 @@ def probe_links(workers: int, algorithm: str, cluster: Any, sizes: list[int] | N
 
 
 DEFAULT_SIZES = (65536, 524288, 2097152)
-LARGEST = 8 << 20
-"""Sizes are fitted up to this (larger messages are priced by the same line)."""
 COMPUTE_BETWEEN = 160
 """Matrix products before each timed allreduce: about 3 ms on 4 ranks sharing 2 cores."""
 
@@ -141,7 +139,7 @@ def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
 
     rt = init()
     c = probe()
-    sizes = [min(n, LARGEST) for n in config.get("sizes") or DEFAULT_SIZES]
+    sizes = list(config.get("sizes") or DEFAULT_SIZES)
     alpha, beta = loaded_fit(rt.size, config.get("algorithm", "native"), c, sizes)
     shutdown()
     return rt.rank, [alpha, beta, c.gamma]

@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         def probe(sizes: list[int]) -> Links:
             params = probe_links(args.world, "native", cluster, sizes)
             probed.append((Links(params, params, args.world // hosts), sizes))
-            return probed[0][0]
+            return probed[-1][0]
 
         best, refs, prof = make_plan(setting, probe, args.world)
         links, sizes = probed[0]

@@ -287,13 +287,15 @@ def _measure(
 SMALLEST_FIT = 16 << 10
 """Below this, allreduces on the emulated links are in another regime (4 bytes: 0.4 ms; 16 KB
 and up: 2.8 ms or more, on a line with the larger ones), so the link is fitted from here up."""
+LARGEST_FIT = 8 << 20
+"""And up to this: larger messages are priced by the same line."""
 
 
 def exchange_sizes(prof: Profile, tps: list[int], most: int = 5) -> list[int]:
     """Up to `most` message sizes, spread evenly in log scale, of the allreduces the candidate
     placements would make (activations exchanged at each tp in `tps`, gradients per layer and
-    whole; at least `SMALLEST_FIT`): where the link figures are fitted, so that they are right
-    where they are used."""
+    whole; within `SMALLEST_FIT`..`LARGEST_FIT`): where the link figures are fitted, so that
+    they are right where they are used."""
     sizes = {sum(u.param_bytes for u in prof.units)}
     for t in tps:
         per_replica = prof.batch * t / prof.workers
@@ -301,7 +303,7 @@ def exchange_sizes(prof: Profile, tps: list[int], most: int = 5) -> list[int]:
             sizes.add(u.param_bytes // t)
             if t > 1:
                 sizes |= {int(per_replica * u.in_bytes), int(per_replica * u.mid_bytes)}
-    ordered = sorted({max(n, SMALLEST_FIT) for n in sizes})
+    ordered = sorted({min(max(n, SMALLEST_FIT), LARGEST_FIT) for n in sizes})
     if len(ordered) <= most:
         return ordered
     logs = [math.log(n) for n in ordered]
