@@ -5,9 +5,10 @@ connected layers split" (the planner itself: `gradmesh.layout.planner`).
 
 Links: `--bandwidth R [--latency L]` describes the link between hosts (each rank its own host
 unless `--ranks-per-host`); `--emulate-hosts H [--bandwidth R]` probes the links of an emulated
-cluster and `--probe` loopback, both with the job's own ranks (alpha and beta fitted from
-allreduces of the sizes the candidates exchange, timed between stretches of compute:
-`loaded_fit`); with none of these, loopback's default figures (those `auto` uses).
+cluster and `--probe` loopback, both with the job's own ranks (alpha and beta fitted piecewise,
+per group size, from allreduces of the sizes the candidates exchange, timed between stretches of
+compute: `loaded_fit`; and a step's overhead from real data-parallel steps); with none of these,
+loopback's default figures (those `auto` uses).
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def _latency(text: str | None) -> float:
 
 
 def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
-    """(Links, or a function of the message sizes to probe that returns them; ranks sharing
-    this machine's cores) for the flags given."""
+    """(Links, or a probe: a function of what to probe that returns the Links and one data-
+    parallel step's time outside communication; ranks sharing this machine's cores) for the
+    flags given."""
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
     from gradmesh.launch.emulate import parse_rate
     from gradmesh.layout.planner import Links
@@ -78,16 +80,14 @@ def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
             raise GradmeshError(f"--workers {workers} does not split over {hosts} hosts")
         rate = args.bandwidth or "1gbit"
 
-        def emulated(sizes: list[int]) -> Links:
-            probed = probe_emulated(hosts, rate, workers, args.allreduce, sizes)
-            return Links(DEFAULT_PARAMS, probed, workers // hosts)
+        def emulated(request: ProbeRequest) -> tuple[Links, float]:
+            return probe_emulated(hosts, rate, workers // hosts, request)
 
         return emulated, workers
     if args.probe:
 
-        def loopback(sizes: list[int]) -> Links:
-            probed = probe_emulated(None, "", workers, args.allreduce, sizes)
-            return Links(probed, probed, workers)
+        def loopback(request: ProbeRequest) -> tuple[Links, float]:
+            return probe_emulated(None, "", workers, request)
 
         return loopback, workers
     if args.bandwidth:
@@ -102,25 +102,71 @@ def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
     return Links(DEFAULT_PARAMS, DEFAULT_PARAMS, workers), workers
 
 
+@dataclass
+class ProbeRequest:
+    """What the planner asks a probe for, once the model is profiled."""
+
+    setting: Setting
+    algorithm: str
+    sizes: list[int]
+    """Message sizes to fit the link at (`planner.exchange_sizes`)."""
+    group_sizes: list[int]
+    """Sizes of the groups the candidates reduce over (each fitted on its own)."""
+    data_layers: dict[str, str]
+    """The pure data-parallel placement, whose real step the probe times."""
+
+
 def probe_emulated(
-    hosts: int | None, bandwidth: str, workers: int, algorithm: str, sizes: list[int]
-) -> Any:
-    """`probe_links` on an emulated cluster of `hosts` (None: on loopback)."""
+    hosts: int | None, bandwidth: str, per_host: int, request: ProbeRequest
+) -> tuple[Any, float]:
+    """`probe_links` on an emulated cluster of `hosts` (None: on loopback, one host)."""
     from gradmesh.bench.common import emulated_cluster
 
     with emulated_cluster(hosts, bandwidth) as cluster:
-        return probe_links(workers, algorithm, cluster, sizes)
+        return probe_links(request, cluster, per_host)
 
 
-def probe_links(workers: int, algorithm: str, cluster: Any, sizes: list[int] | None = None) -> Any:
-    """`_probe_worker` on the job's own `workers` ranks (of `cluster`, or local), fitting at
-    `sizes`."""
+def probe_links(request: ProbeRequest, cluster: Any, per_host: int) -> tuple[Any, float]:
+    """`_probe_worker` on the job's own ranks (of `cluster`, or local): (Links whose figures
+    across hosts, or within the one host, are the fitted ones; the data-parallel step's seconds
+    outside communication)."""
+    import dataclasses
+
     from gradmesh.bench.common import run_workers
-    from gradmesh.collectives.cost import CostParams
+    from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
+    from gradmesh.layout.planner import Links
 
-    config = {"algorithm": algorithm, "sizes": sizes}
-    values = run_workers("gradmesh.plan", max(2, workers), config, 300.0, cluster)
-    return CostParams(*values)
+    config = {**dataclasses.asdict(request), "setting": dataclasses.asdict(request.setting)}
+    workers = request.setting.workers
+    gamma, by_size, outside = run_workers("gradmesh.plan", max(2, workers), config, 300.0, cluster)
+    fitted = {
+        int(p): [(int(upto), CostParams(alpha, beta, gamma)) for upto, alpha, beta in pieces]
+        for p, pieces in by_size.items()
+    }
+    world = fitted[max(fitted)][-1][1]  # the largest group's figures for its largest messages
+    if cluster is None:
+        return Links(world, world, workers, fitted, fitted), outside
+    return Links(DEFAULT_PARAMS, world, per_host, {}, fitted), outside
+
+
+def placement_config(setting: Setting, tp: int, layers: dict[str, str]) -> Any:
+    """The trainer's configuration of a job that trains `setting` with placement `layers`."""
+    import json
+
+    from gradmesh.train.config import TrainConfig
+
+    return TrainConfig(
+        workers=setting.workers,
+        model=setting.model,
+        dataset=setting.dataset,
+        synthetic_shape=setting.shape,
+        synthetic_samples=setting.batch * 2,  # 80% of it for training: one global batch fits
+        batch_size=setting.batch,
+        lr=0.01,
+        momentum=0.9,
+        tensor_parallel=tp,
+        plan=json.dumps({"model": setting.model, "tensor_parallel": tp, "layers": layers}),
+    )
 
 
 DEFAULT_SIZES = (65536, 524288, 2097152)
@@ -129,40 +175,54 @@ COMPUTE_BETWEEN = 160
 
 
 def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
-    """[alpha, beta, gamma] for the planner: gamma from `probe`, alpha and beta from
-    `loaded_fit`, which times allreduces of the sizes the plan's candidates exchange between
-    stretches of compute on every rank at once. The ping-pong fit of an idle pair is not what a
-    step meets: on 4 emulated hosts its intercept fell to nothing (1e-7 s, clamped) while each
-    allreduce of 16 KB or more took 2.8 ms or more."""
+    """[gamma; {group size: its pieces}; the seconds one real data-parallel step spends outside
+    communication]. Gamma is `probe`'s; the pieces are `loaded_fit`'s, which times allreduces of
+    the sizes the plan's candidates exchange between stretches of compute on every rank at once,
+    for the world and for each smaller group size on groups of that many ranks (strided, so they
+    span hosts) reducing at once. The ping-pong fit of an idle pair is not what a step meets: on
+    4 emulated hosts its intercept fell to nothing (1e-7 s, clamped) while each allreduce of
+    16 KB or more took 2.8 ms or more."""
+    import torch.distributed as dist
+
+    from gradmesh.bench.common import timed_steps
     from gradmesh.collectives import probe
     from gradmesh.runtime import init, shutdown
+    from gradmesh.train.trainer import attach, setup
 
     rt = init()
     c = probe()
     sizes = list(config.get("sizes") or DEFAULT_SIZES)
-    alpha, beta = loaded_fit(rt.size, config.get("algorithm", "native"), c, sizes)
+    algorithm = config.get("algorithm", "native")
+    by_size = {rt.size: loaded_fit(None, algorithm, c, sizes)}
+    for p in sorted(set(config.get("group_sizes") or []) - {1, rt.size}):
+        stride = rt.size // p
+        groups = [dist.new_group(list(range(i, rt.size, stride))) for i in range(stride)]
+        by_size[p] = loaded_fit(groups[rt.rank % stride], algorithm, c, sizes)
+    outside = 0.0
+    if config.get("setting") and config.get("data_layers"):
+        setting = Setting(**config["setting"])
+        job = setup(placement_config(setting, 1, config["data_layers"]), rt)
+        attach(job)
+        outside = timed_steps(job, setting.batch, 3, 8).outside_comm_s
     shutdown()
-    return rt.rank, [alpha, beta, c.gamma]
+    return rt.rank, [c.gamma, by_size, outside]
 
 
 def loaded_fit(
-    world: int, algorithm: str, idle: Any, sizes: list[int], rounds: int = 3
-) -> tuple[float, float]:
-    """(alpha, beta) such that an allreduce of each of `sizes` bytes costs the algorithm's
-    registered formula: each is timed as a loop of (compute, allreduce) against the same
-    compute with one 4-byte allreduce per loop, the difference per iteration its cost. The
-    formula is linear in alpha and beta, so they are a least-squares fit on the formula's own
-    terms, each row weighted by 1/measured (relative error). A term that comes out negative
-    falls back to the idle probe's figure."""
+    group: Any, algorithm: str, idle: Any, sizes: list[int], rounds: int = 3
+) -> list[list[float]]:
+    """A piecewise fit, [[largest size, alpha, beta], ...] by size, of what an allreduce of each
+    of `sizes` bytes over `group` (None: the world; every rank is in one group of the same size,
+    all reducing at once) costs through the algorithm's registered formula. Each size is timed
+    as a loop of (compute, allreduce) against the same compute with one 4-byte allreduce per
+    loop, the difference per iteration its cost; `fit_segments` puts alpha and beta through
+    each pair of neighbouring sizes."""
     import statistics
     import time
 
     import torch
     import torch.distributed as dist
 
-    from gradmesh.collectives.cost import COSTS, CostParams
-
-    formula = COSTS.get(algorithm)
     a = torch.randn(96, 96)
     one = torch.zeros(1)
 
@@ -174,12 +234,12 @@ def loaded_fit(
             for _ in range(COMPUTE_BETWEEN):
                 torch.mm(a, a)
             if each is not None:
-                dist.all_reduce(each)
+                dist.all_reduce(each, group=group)
         if each is None:
-            dist.all_reduce(one)
+            dist.all_reduce(one, group=group)
         return (time.perf_counter() - started) / 4
 
-    rows, values = [], []
+    spent = []
     for nbytes in sizes:
         msg = torch.zeros(max(1, nbytes // 4))
         synced, free = [], []
@@ -191,20 +251,48 @@ def loaded_fit(
         )
         dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank fits the same figures
         compute, total = figures.tolist()
-        spent = max(total - compute, 1e-6)
-        reduce = formula(world, nbytes, CostParams(0.0, 0.0, idle.gamma), 1)
-        rows.append(
-            [
-                formula(world, nbytes, CostParams(1.0, 0.0, 0.0), 1) / spent,
-                formula(world, nbytes, CostParams(0.0, 1.0, 0.0), 1) / spent,
-            ]
+        spent.append(max(total - compute, 1e-6))
+    return fit_segments(algorithm, dist.get_world_size(group), sizes, spent, idle)
+
+
+def fit_segments(
+    algorithm: str, p: int, sizes: list[int], spent: list[float], idle: Any
+) -> list[list[float]]:
+    """[[largest size, alpha, beta], ...]: for each pair of neighbouring `sizes`, the alpha and
+    beta with which the algorithm's registered formula (over `p` ranks, gamma the `idle`
+    probe's) costs exactly what was `spent` at both; the formula is linear in them. A solution
+    with a negative term keeps the other term alone (least squares on the two). The first piece
+    also prices smaller messages, the last larger ones, so the last needs a rate: where its
+    sizes cost the same (or there is one size) it takes the idle probe's beta, with the alpha
+    that prices its largest size."""
+    from gradmesh.collectives.cost import COSTS, CostParams
+
+    formula = COSTS.get(algorithm)
+
+    def terms(n: int, t: float) -> tuple[float, float, float]:
+        rest = t - formula(p, n, CostParams(0.0, 0.0, idle.gamma), 1)
+        return (
+            formula(p, n, CostParams(1.0, 0.0, 0.0), 1),
+            formula(p, n, CostParams(0.0, 1.0, 0.0), 1),
+            rest,
         )
-        values.append((spent - reduce) / spent)
-    fit = torch.linalg.lstsq(
-        torch.tensor(rows, dtype=torch.float64), torch.tensor(values, dtype=torch.float64)[:, None]
-    )
-    alpha, beta = fit.solution.flatten().tolist()
-    return (alpha if alpha > 0 else idle.alpha, beta if beta > 0 else idle.beta)
+
+    points = [terms(n, t) for n, t in zip(sizes, spent, strict=True)]
+    pieces: list[list[float]] = []
+    for i in range(len(points) - 1):
+        (a1, b1, r1), (a2, b2, r2) = points[i], points[i + 1]
+        det = a1 * b2 - a2 * b1
+        alpha = (r1 * b2 - r2 * b1) / det if det else -1.0
+        beta = (a1 * r2 - a2 * r1) / det if det else -1.0
+        if alpha < 0 or beta < 0:
+            alpha_only = max((a1 * r1 + a2 * r2) / (a1 * a1 + a2 * a2), 0.0)
+            beta_only = max((b1 * r1 + b2 * r2) / (b1 * b1 + b2 * b2), 0.0)
+            alpha, beta = (alpha_only, 0.0) if beta < 0 else (0.0, beta_only)
+        pieces.append([sizes[i + 1], alpha, beta])
+    if not pieces or pieces[-1][2] <= 0:
+        a, b, r = points[-1]
+        pieces[-1:] = [[sizes[-1], max((r - b * idle.beta) / a, 0.0), idle.beta]]
+    return pieces
 
 
 def make_plan(
@@ -214,14 +302,18 @@ def make_plan(
     memory_limit: float | None = None,
     allreduce: str = "native",
     fusion_mb: float = 64.0,
-) -> tuple[Any, list[Any], Any]:
-    """Profile, search, compare: (the chosen `Choice`, the references, the `Profile`).
-    `links` may be a function of message sizes (a probe): it is called with the sizes the
-    candidates exchange (`exchange_sizes`) once the model is profiled."""
+) -> tuple[Any, list[Any], Any, Any]:
+    """Profile, search, compare: (the chosen `Choice`, the references, the `Profile`, the
+    `Links` priced on).
+    `links` may be a probe: once the model is profiled it is called with a `ProbeRequest` (the
+    sizes the candidates exchange, `exchange_sizes`, and the sizes of the groups they reduce
+    over) and returns the Links and one real data-parallel step's seconds outside
+    communication, whose excess over the predicted compute becomes the profile's
+    `step_overhead_s`."""
     import torch
 
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.layout.planner import divisors, exchange_sizes, plan, profile
+    from gradmesh.layout.planner import divisors, exchange_sizes, plan, predict, profile
     from gradmesh.models import TP_PLANS, build_model, check_pairing
     from gradmesh.train.config import parse_shape
 
@@ -238,12 +330,23 @@ def make_plan(
         model, setting.model, data.train.x[:1], setting.batch, setting.workers, tps, sharing
     )
     if callable(links):
-        links = links(exchange_sizes(prof, [1, *tps]))
+        w = setting.workers
+        data_layers = {u.name: "data" for u in prof.units}
+        request = ProbeRequest(
+            setting,
+            allreduce,
+            exchange_sizes(prof, [1, *tps]),
+            sorted({w, *tps, *(w // t for t in tps)}),
+            data_layers,
+        )
+        links, outside = links(request)
+        computed = predict(prof, data_layers, 1, links, allreduce, fusion_mb).compute_s
+        prof.step_overhead_s = max(0.0, outside - computed)
     tp_plan = TP_PLANS.get(setting.model) if setting.model in TP_PLANS else None
     best, refs = plan(
         prof, links, setting.tp_max, model, tp_plan, allreduce, fusion_mb, memory_limit
     )
-    return best, refs, prof
+    return best, refs, prof, links
 
 
 def describe(best: Any, refs: list[Any], prof: Any) -> str:
@@ -305,7 +408,9 @@ def run(args: argparse.Namespace) -> int:
 
         check_writable(args.json, "--json")
     links, sharing = links_for(args, args.workers)
-    best, refs, prof = make_plan(setting, links, sharing, limit, args.allreduce, args.fusion_mb)
+    best, refs, prof, links = make_plan(
+        setting, links, sharing, limit, args.allreduce, args.fusion_mb
+    )
     print(describe(best, refs, prof))
     if args.json:
         Path(args.json).write_text(to_plan(best, prof, links, refs).to_json())
@@ -336,7 +441,7 @@ def resolve(config: Any) -> Any:
             config.workers,
         )
         links = Links(DEFAULT_PARAMS, DEFAULT_PARAMS, config.workers)
-        best, refs, prof = make_plan(setting, links, config.workers)
+        best, refs, prof, links = make_plan(setting, links, config.workers)
         print(describe(best, refs, prof), file=sys.stderr)
         plan = to_plan(best, prof, links, refs)
     else:

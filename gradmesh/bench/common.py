@@ -10,7 +10,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
@@ -92,10 +92,18 @@ def cpu_jiffies() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields)
 
 
-def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> tuple[float, float]:
+class Timed(NamedTuple):
+    step_s: float
+    """Median step seconds."""
+    cpu_idle: float
+    """The machine's idle CPU fraction over the measured steps."""
+    outside_comm_s: float
+    """Median seconds per step outside communication calls (compute, the loop's own work)."""
+
+
+def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
     """`warmup` then `steps` training steps of a trainer `Job` on one fixed global batch (this
-    replica's slice of its first `batch` samples); returns (median step seconds, the machine's
-    idle CPU fraction over the measured steps). Byte counts (and a pipeline's clock) restart
+    replica's slice of its first `batch` samples). Byte counts (and a pipeline's clock) restart
     after the warm-up."""
     import time
 
@@ -104,7 +112,7 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> tuple[float, f
     rt, engine = job.rt, job.split.engine
     mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
     x, y = job.data.train.x[mine], job.data.train.y[mine]
-    times = []
+    times, outside = [], []
     for step in range(warmup + steps):
         if step == warmup:
             rt.comm.by_kind.clear()
@@ -112,13 +120,14 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> tuple[float, f
             if clock is not None:
                 clock.step_s = clock.busy_s = 0.0
             cpu_before = cpu_jiffies()
-        started = time.perf_counter()
+        started, comm_before = time.perf_counter(), rt.comm.comm_s
         job.optimizer.zero_grad()
         engine.step(x, y, rt.dp.size / batch)
         job.optimizer.step()
         times.append(time.perf_counter() - started)
+        outside.append(times[-1] - (rt.comm.comm_s - comm_before))
     idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
-    return median(times[warmup:]), idle / total if total else 0.0
+    return Timed(median(times[warmup:]), idle / total if total else 0.0, median(outside[warmup:]))
 
 
 def median(values: Sequence[float]) -> float:

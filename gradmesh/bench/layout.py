@@ -83,7 +83,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     rt = init(tensor_parallel=tp, pipeline_parallel=pp)
     job = setup(train, rt)
     attach(job)
-    step_s, cpu_idle = timed_steps(job, batch, config["warmup"], config["steps"])
+    step_s, cpu_idle, _ = timed_steps(job, batch, config["warmup"], config["steps"])
     stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
     mean = summarize_layout(stats.layout)
     kinds = ("sync", "tensor_parallel", "pipeline")

@@ -45,30 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
     """One placement's job, on one rank: the trainer's setup with the plan, steps on one fixed
     global batch, the bytes sent per step by kind."""
-    import json
-
+    from gradmesh.plan import Setting, placement_config
     from gradmesh.runtime import init, shutdown
-    from gradmesh.train.config import TrainConfig
     from gradmesh.train.report import gather_rank_stats, summarize_layout
     from gradmesh.train.trainer import attach, layout_figures, setup
 
-    batch = config["batch"]
-    train = TrainConfig(
-        workers=config["world"],
-        model=config["model"],
-        dataset=config["dataset"],
-        synthetic_shape=config["shape"],
-        synthetic_samples=batch * 2,  # 80% of it for training: one global batch fits
-        batch_size=batch,
-        lr=0.01,
-        momentum=0.9,
-        tensor_parallel=config["tp"],
-        plan=json.dumps(config["plan"]),
-    )
+    setting = Setting(**config["setting"])
     rt = init(tensor_parallel=config["tp"])
-    job = setup(train, rt)
+    job = setup(placement_config(setting, config["tp"], config["layers"]), rt)
     attach(job)
-    step_s, cpu_idle = timed_steps(job, batch, config["warmup"], config["steps"])
+    step_s, cpu_idle, outside = timed_steps(job, setting.batch, config["warmup"], config["steps"])
     stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
     mean = summarize_layout(stats.layout)
     result = {
@@ -76,15 +62,18 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
         "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in ("sync", "tensor_parallel")},
         "param_bytes_per_rank": mean["param_bytes"],
         "cpu_idle": cpu_idle,
+        "outside_comm_s": outside,
     }
     shutdown()
     return rt.rank, result
 
 
 def run(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from gradmesh.errors import GradmeshError
     from gradmesh.layout.planner import Links
-    from gradmesh.plan import Setting, describe, make_plan, probe_links
+    from gradmesh.plan import ProbeRequest, Setting, describe, make_plan, probe_links
 
     if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
         raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")
@@ -93,32 +82,24 @@ def run(args: argparse.Namespace) -> int:
     )
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
         hosts = cluster.hosts if cluster is not None else 1
-        probed: list[tuple[Links, list[int]]] = []
+        probed: list[tuple[Links, ProbeRequest, float]] = []
 
-        def probe(sizes: list[int]) -> Links:
-            params = probe_links(args.world, "native", cluster, sizes)
-            probed.append((Links(params, params, args.world // hosts), sizes))
-            return probed[-1][0]
+        def probe(request: ProbeRequest) -> tuple[Links, float]:
+            links, outside = probe_links(request, cluster, args.world // hosts)
+            probed.append((links, request, outside))
+            return links, outside
 
-        best, refs, prof = make_plan(setting, probe, args.world)
-        links, sizes = probed[0]
+        best, refs, prof, links = make_plan(setting, probe, args.world)
+        _, request, outside = probed[0]
         print(describe(best, refs, prof))
         choices = [best, *refs]
         rounds: list[list[dict[str, Any]]] = [[] for _ in choices]
         for _ in range(args.rounds):
             for i, choice in enumerate(choices):
                 config = {
-                    "world": args.world,
-                    "model": args.model,
-                    "dataset": args.dataset,
-                    "shape": args.synthetic_shape,
-                    "batch": args.batch,
+                    "setting": dataclasses.asdict(setting),
                     "tp": choice.tp,
-                    "plan": {
-                        "model": args.model,
-                        "tensor_parallel": choice.tp,
-                        "layers": choice.layers,
-                    },
+                    "layers": choice.layers,
                     "steps": args.steps,
                     "warmup": args.warmup,
                 }
@@ -144,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
                 "blocking_comm_s": choice.prediction.blocking_comm_s,
                 "exposed_sync_s": choice.prediction.exposed_sync_s,
             },
+            "outside_comm_s": median([r["outside_comm_s"] for r in runs]),
             "bytes_per_step": runs[0]["bytes_per_step"],
             "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
             "cpu_idle": idle,
@@ -163,10 +145,16 @@ def run(args: argparse.Namespace) -> int:
             "alpha": links.inter.alpha,
             "beta": links.inter.beta,
             "gamma": links.inter.gamma,
-            "fitted_at_bytes": sizes,
+            "by_group_size": {
+                p: [{"up_to_bytes": n, "alpha": c.alpha, "beta": c.beta} for n, c in curve]
+                for p, curve in links.inter_by_size.items()
+            },
+            "fitted_at_bytes": request.sizes,
         },
         "profiled_concurrently": prof.concurrent,
         "update_s_per_byte": prof.update_s_per_byte,
+        "probe_outside_comm_s": outside,
+        "step_overhead_s": prof.step_overhead_s,
         "rounds": args.rounds,
         "steps": args.steps,
         "notes": notes,

@@ -23,7 +23,8 @@ from the collectives (`COSTS` for allreduce, `allgather_cost`):
 `predict` lays a step out in time: forward, then backward unit by unit in reverse; each
 reducer's buckets (cut as `plan_buckets` cuts them, `fusion_mb`) leave when their last gradient
 is ready and share one link in order; the step ends when backward and the last bucket are done,
-plus the update of the parameter bytes the rank holds.
+plus the update of the parameter bytes the rank holds and the step's own overhead
+(`Profile.step_overhead_s`, where a probe measured it).
 
 **Search.** Exact dynamic programming over units x activation state (S, R, C) for each tp that
 divides W, on an additive objective: each unit's compute, blocking exchanges and the bandwidth
@@ -89,23 +90,43 @@ class Profile:
     """A step's work per parameter byte besides forward and backward (`_update_per_byte`)."""
     optimizer_slots: int = 1
     """Optimizer tensors per parameter (SGD with momentum: 1) for the memory estimate."""
+    step_overhead_s: float = 0.0
+    """A step's work that the units timed alone do not show (the trainer's loop, hooks and
+    bookkeeping under the job's own contention): measured by `gradmesh.plan` as one real
+    data-parallel step's time outside communication less its predicted compute; every placement
+    pays it once per step."""
 
     def key(self, choice: str, tp: int) -> str:
         return "data" if choice == "data" or tp == 1 else f"{choice}@{tp}"
 
 
+Curve = list[tuple[int, CostParams]]
+"""A link fitted piecewise: (largest message size, the figures that price messages up to it),
+by size; messages larger than the last size take the last figures."""
+
+
 @dataclass
 class Links:
     """Link cost parameters within a host and across hosts, and ranks per host (tp groups are
-    adjacent ranks, so a group of at most this many stays in one host)."""
+    adjacent ranks, so a group of at most this many stays in one host); where a probe fitted
+    them, a `Curve` per group size and level, fitted on groups of that many ranks all reducing
+    at once (a pair meets other costs than the whole world) and piecewise in message size (on
+    the emulated links allreduces cost about the same from 16 KB to 256 KB, then grow at the
+    line rate: one line through all sizes was 15% off at both ends)."""
 
     intra: CostParams
     inter: CostParams
     ranks_per_host: int
+    intra_by_size: dict[int, Curve] = field(default_factory=dict)
+    inter_by_size: dict[int, Curve] = field(default_factory=dict)
 
-    def over(self, ranks: list[int]) -> CostParams:
-        hosts = {r // self.ranks_per_host for r in ranks}
-        return self.intra if len(hosts) <= 1 else self.inter
+    def over(self, ranks: list[int], nbytes: float = 0.0) -> CostParams:
+        """The figures that price a message of `nbytes` over the group `ranks`."""
+        one_host = len({r // self.ranks_per_host for r in ranks}) <= 1
+        curve = (self.intra_by_size if one_host else self.inter_by_size).get(len(ranks))
+        if not curve:
+            return self.intra if one_host else self.inter
+        return next((c for upto, c in curve if nbytes <= upto), curve[-1][1])
 
 
 def _timed(fn: Any, rounds: int) -> float:
@@ -351,20 +372,20 @@ def layer_cost(
     model's input needs no gradient, so slicing it costs nothing)."""
     w = prof.workers
     groups = _groups(w, tp)
-    tp_link = links.over(groups["tp"])
     per_replica = prof.batch * tp / w
+    inputs, partial = per_replica * unit.in_bytes, per_replica * unit.mid_bytes
     key = prof.key(choice, tp)
     compute = unit.fwd[key] + unit.bwd[key]
     fwd_comm = bwd_comm = 0.0
-    gathered = allgather_cost(tp, int(per_replica * unit.in_bytes), tp_link)
+    gathered = allgather_cost(tp, int(inputs), links.over(groups["tp"], inputs))
     if conversion == "gather":
         fwd_comm += gathered
     elif conversion == "slice" and not first:
         bwd_comm += gathered
     if choice == "colwise":
-        bwd_comm += _allreduce(algorithm, tp, per_replica * unit.in_bytes, tp_link)
+        bwd_comm += _allreduce(algorithm, tp, inputs, links.over(groups["tp"], inputs))
     elif choice == "rowwise":
-        fwd_comm += _allreduce(algorithm, tp, per_replica * unit.mid_bytes, tp_link)
+        fwd_comm += _allreduce(algorithm, tp, partial, links.over(groups["tp"], partial))
     grad = unit.param_bytes
     if tp > 1 and choice == "colwise":
         grad //= tp
@@ -404,11 +425,8 @@ def predict(
     groups = _groups(w, tp)
     sizes = {"batch": w, "dp": w // tp}
     last = prof.units[-1]
-    final = (
-        allgather_cost(tp, int(prof.batch * tp / w * last.out_bytes), links.over(groups["tp"]))
-        if after
-        else 0.0
-    )
+    logits = int(prof.batch * tp / w * last.out_bytes)
+    final = allgather_cost(tp, logits, links.over(groups["tp"], logits)) if after else 0.0
     now = (
         sum(
             c.compute_s * _fwd_share(prof, u, ch, tp) + c.fwd_comm_s
@@ -436,10 +454,10 @@ def predict(
     for t, g, nbytes in sorted(ready):
         if sizes[g] <= 1:
             continue
-        spent = _allreduce(algorithm, sizes[g], nbytes, links.over(groups[g]))
+        spent = _allreduce(algorithm, sizes[g], nbytes, links.over(groups[g], nbytes))
         link_free = max(link_free, t) + spent
         sync += spent
-    update = prof.update_s_per_byte * sum(c.grad_bytes for c in costs)
+    update = prof.update_s_per_byte * sum(c.grad_bytes for c in costs) + prof.step_overhead_s
     step = max(backward_end, link_free) + update
     rows = [
         {
@@ -450,7 +468,10 @@ def predict(
             "compute_ms": c.compute_s * 1e3,
             "comm_ms": (c.fwd_comm_s + c.bwd_comm_s) * 1e3,
             "sync_ms": _allreduce(
-                algorithm, sizes[c.grad_group], c.grad_bytes, links.over(groups[c.grad_group])
+                algorithm,
+                sizes[c.grad_group],
+                c.grad_bytes,
+                links.over(groups[c.grad_group], c.grad_bytes),
             )
             * 1e3,
             "param_bytes_per_rank": c.grad_bytes,
@@ -513,7 +534,7 @@ def search_tp(
                     continue
                 kind = {("S", "R"): "gather", ("R", "S"): "slice"}.get((state, need), "")
                 c = layer_cost(prof, unit, choice, kind, tp, links, algorithm, first=u == 0)
-                link = links.over(groups[c.grad_group])
+                link = links.over(groups[c.grad_group], c.grad_bytes)
                 n = sizes[c.grad_group]
                 bandwidth = _allreduce(algorithm, n, c.grad_bytes, link) - _allreduce(
                     algorithm, n, 0, link
@@ -536,9 +557,8 @@ def search_tp(
             continue
         end = so_far
         if state == "S":
-            end += allgather_cost(
-                tp, int(prof.batch * tp / w * last.out_bytes), links.over(groups["tp"])
-            )
+            logits = int(prof.batch * tp / w * last.out_bytes)
+            end += allgather_cost(tp, logits, links.over(groups["tp"], logits))
         if best is None or end < best[0]:
             best = (end, chosen)
     if best is None:

@@ -123,3 +123,20 @@ def test_a_dying_stage_stops_the_pipeline_naming_it() -> None:
     assert time.monotonic() - started < 20
     assert "rank 1 exited with code 3" in out.stderr
     assert "pipeline stage 0" in out.stderr and "rank 1" in out.stderr
+
+
+def test_plan_probes_its_own_ranks_and_writes_the_plan(tmp_path: Path) -> None:
+    """`gradmesh plan --probe` fits the link on the job's ranks (both group sizes' curves are
+    kept, with positive figures), times a real data-parallel step, and writes a plan file that
+    `gradmesh train --plan` accepts; the file records the figures the plan was priced on."""
+    path = tmp_path / "plan.json"
+    out = gradmesh(
+        "plan", "--model", "cnn", "--dataset", "digits", "--workers", "2", "--probe",
+        "--json", str(path),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "predicted step" in out.stdout and "data parallel" in out.stdout
+    plan = json.loads(path.read_text())
+    assert plan["model"] == "cnn" and plan["workers"] == 2
+    alpha, beta = plan["predicted"]["link_inter"]
+    assert alpha >= 0 and beta > 0 and plan["predicted"]["step_ms"] > 0

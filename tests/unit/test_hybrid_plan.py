@@ -187,3 +187,33 @@ def test_the_link_is_fitted_at_the_sizes_the_candidates_exchange() -> None:
     tiny = fake_profile(1)
     tiny.units[0].param_bytes = 100
     assert exchange_sizes(tiny, [1]) == [SMALLEST_FIT]
+
+
+def test_the_link_is_fitted_piecewise_per_group_size() -> None:
+    """Each piece of the fit prices both its sizes exactly through the registered formula; a
+    flat stretch (the same cost at two sizes) gets no negative beta; `Links.over` picks the
+    piece by message size and the curve by group size."""
+    from gradmesh.collectives.cost import COSTS
+    from gradmesh.plan import fit_segments
+
+    ring = COSTS.get("ring")
+    sizes = [1 << 14, 1 << 16, 1 << 18, 1 << 20]
+    spent = [4e-3, 4e-3, 5e-3, 14e-3]  # flat, then a line
+    pieces = fit_segments("ring", 4, sizes, spent, LINK)
+    assert [int(p[0]) for p in pieces] == sizes[1:]
+    assert pieces[0][2] == 0.0 and pieces[0][1] > 0  # the flat piece: latency alone
+    for (upto, alpha, beta), lo in zip(pieces[1:], sizes[1:-1], strict=True):
+        c = CostParams(alpha, beta, LINK.gamma)
+        for n in (lo, upto):
+            assert ring(4, n, c, 1) == pytest.approx(spent[sizes.index(n)], rel=1e-9)
+    curve = [(int(upto), CostParams(a, b, LINK.gamma)) for upto, a, b in pieces]
+    links = Links(LINK, LINK, 1, {}, {4: curve})
+    assert links.over([0, 1, 2, 3], 100).alpha == pieces[0][1]
+    assert links.over([0, 1, 2, 3], 200_000) == curve[1][1]  # in (64 KB, 256 KB]
+    assert links.over([0, 1, 2, 3], 1 << 30) == curve[-1][1]  # larger: the last piece
+    assert links.over([0, 2], 1 << 20) == LINK  # no curve for pairs: the level's figures
+    flat = fit_segments("ring", 4, sizes[:2], spent[:2], LINK)  # the last piece needs a rate
+    assert flat[-1][2] == LINK.beta
+    assert ring(4, sizes[1], CostParams(flat[-1][1], LINK.beta, LINK.gamma), 1) == pytest.approx(
+        spent[1]
+    )
