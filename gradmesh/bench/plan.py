@@ -8,7 +8,8 @@ each of the four placements. Each is then a job of its own (a mesh is fixed when
 interleaved round by round; a job takes `--warmup` steps, then measures `--steps` through the
 trainer's own setup (split, optimizer, strategy). A placement's figure is the median over rounds
 of each job's median step (rank 0; steps are synchronous). The JSON holds, per placement, the
-measured and predicted step, the prediction's error, the bytes sent per step by kind, and the
+measured and predicted step, the prediction's error, the step's time outside communication
+calls (`outside_comm_s`), the bytes sent per step by kind, and the
 machine's idle CPU during the measured steps: under 10 % the figure is labelled `"limit": "cpu"`.
 """
 
