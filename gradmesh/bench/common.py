@@ -130,6 +130,22 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
     return Timed(median(times[warmup:]), idle / total if total else 0.0, median(outside[warmup:]))
 
 
+def interleaved_jobs(
+    module: str,
+    world: int,
+    configs: Sequence[dict[str, Any]],
+    rounds: int,
+    cluster: EmulatedCluster | None = None,
+) -> list[list[Any]]:
+    """Each of `configs` run as a job of `world` ranks (`run_workers`) once per round, round by
+    round so that drift on the machine touches every config alike; per config, its results."""
+    results: list[list[Any]] = [[] for _ in configs]
+    for _ in range(rounds):
+        for i, config in enumerate(configs):
+            results[i].append(run_workers(module, world, config, 300.0, cluster))
+    return results
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 

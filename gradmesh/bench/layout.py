@@ -24,8 +24,8 @@ from typing import Any
 from gradmesh.bench.common import (
     CPU_BOUND_IDLE,
     emulated_cluster,
+    interleaved_jobs,
     median,
-    run_workers,
     timed_steps,
     worker_main,
     write_json,
@@ -110,25 +110,23 @@ def run(args: argparse.Namespace) -> int:
         tp, pp = LAYOUTS[name]
         if args.world % (tp * pp):
             raise GradmeshError(f"layout {name} needs a world that {tp * pp} divides")
-    rounds: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    configs = [
+        {
+            "tp": LAYOUTS[name][0],
+            "pp": LAYOUTS[name][1],
+            "world": args.world,
+            "model": args.model,
+            "batch": args.batch,
+            "microbatches": args.microbatches,
+            "schedule": args.schedule,
+            "steps": args.steps,
+            "warmup": args.warmup,
+        }
+        for name in names
+    ]
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
-        for _ in range(args.rounds):
-            for name in names:
-                tp, pp = LAYOUTS[name]
-                config = {
-                    "tp": tp,
-                    "pp": pp,
-                    "world": args.world,
-                    "model": args.model,
-                    "batch": args.batch,
-                    "microbatches": args.microbatches,
-                    "schedule": args.schedule,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                }
-                rounds[name].append(
-                    run_workers("gradmesh.bench.layout", args.world, config, 300.0, cluster)
-                )
+        runs = interleaved_jobs("gradmesh.bench.layout", args.world, configs, args.rounds, cluster)
+        rounds = dict(zip(names, runs, strict=True))
         notes = cluster.notes if cluster is not None else None
     results = {}
     for name, runs in rounds.items():

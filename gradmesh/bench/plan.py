@@ -21,8 +21,8 @@ from typing import Any
 from gradmesh.bench.common import (
     CPU_BOUND_IDLE,
     emulated_cluster,
+    interleaved_jobs,
     median,
-    run_workers,
     timed_steps,
     worker_main,
     write_json,
@@ -94,19 +94,17 @@ def run(args: argparse.Namespace) -> int:
         _, request, outside = probed[0]
         print(describe(best, refs, prof))
         choices = [best, *refs]
-        rounds: list[list[dict[str, Any]]] = [[] for _ in choices]
-        for _ in range(args.rounds):
-            for i, choice in enumerate(choices):
-                config = {
-                    "setting": dataclasses.asdict(setting),
-                    "tp": choice.tp,
-                    "layers": choice.layers,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                }
-                rounds[i].append(
-                    run_workers("gradmesh.bench.plan", args.world, config, 300.0, cluster)
-                )
+        configs = [
+            {
+                "setting": dataclasses.asdict(setting),
+                "tp": choice.tp,
+                "layers": choice.layers,
+                "steps": args.steps,
+                "warmup": args.warmup,
+            }
+            for choice in choices
+        ]
+        rounds = interleaved_jobs("gradmesh.bench.plan", args.world, configs, args.rounds, cluster)
         notes = cluster.notes if cluster is not None else None
     results = {}
     for choice, runs in zip(choices, rounds, strict=True):
