@@ -21,12 +21,19 @@ from gradmesh.errors import GradmeshError
 INNER = "ring"
 
 
+def two_level_cost(
+    local: int, hosts: int, nbytes: int, intra: CostParams, inter: CostParams
+) -> float:
+    """`local` ranks on each of `hosts` hosts: the tree inside a host on the `intra` terms, the
+    inner algorithm among the leaders on the `inter` terms."""
+    inner = COSTS.get(INNER)(hosts, nbytes, inter, 1) if hosts > 1 else 0.0
+    # the local tree costs a reduce and a broadcast: the allreduce tree formula covers both
+    return (tree_cost(local, nbytes, intra) if local > 1 else 0.0) + inner
+
+
 def hierarchical_cost(p: int, nbytes: int, c: CostParams, local_size: int = 1) -> float:
     local = max(1, min(local_size, p))
-    hosts = max(1, p // local)
-    inner = COSTS.get(INNER)(hosts, nbytes, c, 1) if hosts > 1 else 0.0
-    # the local tree costs a reduce and a broadcast: the allreduce tree formula covers both
-    return (tree_cost(local, nbytes, c) if local > 1 else 0.0) + inner
+    return two_level_cost(local, max(1, p // local), nbytes, c, c)
 
 
 def hierarchical_allreduce_with(flat: torch.Tensor, ch: Channel, inner: str) -> None:

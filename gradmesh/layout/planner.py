@@ -49,6 +49,7 @@ from torch import nn
 
 from gradmesh.axes import divisors as mesh_divisors
 from gradmesh.collectives.cost import COSTS, CostParams
+from gradmesh.collectives.hierarchical import two_level_cost
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.hybrid import CHOICES, GIVES, NEEDS, Plan, check, conversions
@@ -127,6 +128,25 @@ class Links:
         if not curve:
             return self.intra if one_host else self.inter
         return next((c for upto, c in curve if nbytes <= upto), curve[-1][1])
+
+    def allreduce_s(
+        self, algorithm: str, ranks: list[int], nbytes: float, priced_at: float | None = None
+    ) -> float:
+        """Seconds for `algorithm` to allreduce `nbytes` over `ranks` (host-major), from its
+        registered formula on the figures that price a message of `priced_at` (default
+        `nbytes`): within a host on the intra figures; across hosts, `hierarchical` as its two
+        levels (a tree inside each host on the intra figures, the leaders on the inter ones),
+        any other algorithm on the inter figures (its slowest link)."""
+        p = len(ranks)
+        if p <= 1:
+            return 0.0
+        at = nbytes if priced_at is None else priced_at
+        hosts = len({r // self.ranks_per_host for r in ranks})
+        if algorithm == "hierarchical" and hosts > 1:
+            local = p // hosts
+            intra, inter = self.over(ranks[:local], at), self.over(ranks[::local], at)
+            return two_level_cost(local, hosts, int(nbytes), intra, inter)
+        return COSTS.get(algorithm)(p, int(nbytes), self.over(ranks, at), 1)
 
 
 def _timed(fn: Any, rounds: int) -> float:
@@ -345,10 +365,6 @@ class LayerCost:
     """'batch' (every rank) or 'dp'."""
 
 
-def _allreduce(algorithm: str, p: int, nbytes: float, c: CostParams) -> float:
-    return COSTS.get(algorithm)(p, int(nbytes), c, 1) if p > 1 else 0.0
-
-
 def _groups(workers: int, tp: int) -> dict[str, list[int]]:
     """Rank 0's groups: tp (adjacent), dp (stride tp), batch (every rank)."""
     return {
@@ -383,9 +399,9 @@ def layer_cost(
     elif conversion == "slice" and not first:
         bwd_comm += gathered
     if choice == "colwise":
-        bwd_comm += _allreduce(algorithm, tp, inputs, links.over(groups["tp"], inputs))
+        bwd_comm += links.allreduce_s(algorithm, groups["tp"], inputs)
     elif choice == "rowwise":
-        fwd_comm += _allreduce(algorithm, tp, partial, links.over(groups["tp"], partial))
+        fwd_comm += links.allreduce_s(algorithm, groups["tp"], partial)
     grad = unit.param_bytes
     if tp > 1 and choice == "colwise":
         grad //= tp
@@ -423,7 +439,6 @@ def predict(
     ]
     w = prof.workers
     groups = _groups(w, tp)
-    sizes = {"batch": w, "dp": w // tp}
     last = prof.units[-1]
     logits = int(prof.batch * tp / w * last.out_bytes)
     final = allgather_cost(tp, logits, links.over(groups["tp"], logits)) if after else 0.0
@@ -452,9 +467,7 @@ def predict(
     backward_end = now
     link_free, sync = 0.0, 0.0
     for t, g, nbytes in sorted(ready):
-        if sizes[g] <= 1:
-            continue
-        spent = _allreduce(algorithm, sizes[g], nbytes, links.over(groups[g], nbytes))
+        spent = links.allreduce_s(algorithm, groups[g], nbytes)
         link_free = max(link_free, t) + spent
         sync += spent
     update = prof.update_s_per_byte * sum(c.grad_bytes for c in costs) + prof.step_overhead_s
@@ -467,13 +480,7 @@ def predict(
             "conversion": k,
             "compute_ms": c.compute_s * 1e3,
             "comm_ms": (c.fwd_comm_s + c.bwd_comm_s) * 1e3,
-            "sync_ms": _allreduce(
-                algorithm,
-                sizes[c.grad_group],
-                c.grad_bytes,
-                links.over(groups[c.grad_group], c.grad_bytes),
-            )
-            * 1e3,
+            "sync_ms": links.allreduce_s(algorithm, groups[c.grad_group], c.grad_bytes) * 1e3,
             "param_bytes_per_rank": c.grad_bytes,
         }
         for u, ch, k, c in zip(prof.units, choices, before, costs, strict=True)
@@ -520,7 +527,6 @@ def search_tp(
     grain = memory_limit / steps if memory_limit else math.inf
     w = prof.workers
     groups = _groups(w, tp)
-    sizes = {"batch": w, "dp": w // tp}
     # table: (state, memory units, a layer split yet) -> (cost, choices so far); tp > 1 plans
     # must split a layer (without one they are tp 1's plan, with idle tp exchanges)
     Key = tuple[str, int, bool]
@@ -534,10 +540,9 @@ def search_tp(
                     continue
                 kind = {("S", "R"): "gather", ("R", "S"): "slice"}.get((state, need), "")
                 c = layer_cost(prof, unit, choice, kind, tp, links, algorithm, first=u == 0)
-                link = links.over(groups[c.grad_group], c.grad_bytes)
-                n = sizes[c.grad_group]
-                bandwidth = _allreduce(algorithm, n, c.grad_bytes, link) - _allreduce(
-                    algorithm, n, 0, link
+                ranks, n = groups[c.grad_group], c.grad_bytes
+                bandwidth = links.allreduce_s(algorithm, ranks, n) - links.allreduce_s(
+                    algorithm, ranks, 0, priced_at=n
                 )
                 update = prof.update_s_per_byte * c.grad_bytes
                 total = so_far + c.compute_s + c.fwd_comm_s + c.bwd_comm_s + bandwidth + update

@@ -148,3 +148,6 @@ def bag(input_shape: tuple[int, ...], num_classes: int, vocab: int = 0) -> nn.Mo
             f"model bag needs 1-d feature-id inputs and a vocabulary, got {input_shape}, {vocab}"
         )
     return BagOfFeatures(vocab, num_classes)
+
+
+from gradmesh.models import imagenet as _imagenet  # noqa: E402, F401  (registers the ImageNet models)
