@@ -147,6 +147,10 @@ def _cmd_plan(args: argparse.Namespace, _command: list[str]) -> int:
     return int(import_module("gradmesh.plan").run(args))
 
 
+def _cmd_simulate(args: argparse.Namespace, _command: list[str]) -> int:
+    return int(import_module("gradmesh.simulate").run(args))
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -239,6 +243,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     import_module("gradmesh.plan").add_arguments(plan)
     plan.set_defaults(handler=_cmd_plan)
+    simulate = sub.add_parser(
+        "simulate", help="predict step time and scaling on 8..1024 GPUs from the cost model"
+    )
+    import_module("gradmesh.simulate").add_arguments(simulate)
+    simulate.set_defaults(handler=_cmd_simulate)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (summary, module) in BENCHES.items():

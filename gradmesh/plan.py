@@ -55,23 +55,12 @@ class Setting:
     tp_max: int
 
 
-def _latency(text: str | None) -> float:
-    if not text:
-        return 0.0
-    import re
-
-    m = re.fullmatch(r"\s*([\d.]+)\s*(s|ms|us)\s*", text)
-    if not m:
-        raise GradmeshError(f"bad latency {text!r}: expected a time like 100us or 1ms")
-    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[m.group(2)]
-
-
 def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
     """(Links, or a probe: a function of what to probe that returns the Links and one data-
     parallel step's time outside communication; ranks sharing this machine's cores) for the
     flags given."""
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
-    from gradmesh.launch.emulate import parse_rate
+    from gradmesh.launch.emulate import parse_latency, parse_rate
     from gradmesh.layout.planner import Links
 
     if args.emulate_hosts:
@@ -92,9 +81,8 @@ def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
         return loopback, workers
     if args.bandwidth:
         beta = 8 / parse_rate(args.bandwidth)
-        inter = CostParams(
-            _latency(args.latency) or DEFAULT_PARAMS.alpha, beta, DEFAULT_PARAMS.gamma
-        )
+        alpha = parse_latency(args.latency) if args.latency else DEFAULT_PARAMS.alpha
+        inter = CostParams(alpha or DEFAULT_PARAMS.alpha, beta, DEFAULT_PARAMS.gamma)
         per_host = args.ranks_per_host or 1
         if per_host < 1 or workers % per_host:
             raise GradmeshError(f"--ranks-per-host {per_host} does not divide --workers {workers}")

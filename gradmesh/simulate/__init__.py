@@ -1,0 +1,416 @@
+"""`gradmesh simulate`: predicted step time, scaling efficiency and communication overhead of a
+job on 8 to thousands of GPUs, from the cost formulas gradmesh runs on (one source of truth).
+
+**Model.** The model is built on torch's meta device (a billion parameters cost no memory) and
+run forward and backward under torch's FLOP counter, which gives every layer with weights its
+forward and backward FLOPs (the convolutions and matrix products: the work that scales) and its
+parameter bytes, in the order forward runs them.
+
+**Compute.** A layer's seconds are its FLOPs over the device's achieved rate: peak times the
+fraction a convnet's training step reaches (`DEVICES`; `--tflops`, `--achieved` override), or
+for `cpu` the rate measured by running the model on this machine.
+
+**Communication** comes from the collectives' registered formulas through the planner's `Links`
+(`Links.allreduce_s`): two levels, within a node and across nodes (alpha = latency, beta = 1 /
+bandwidth); a flat algorithm that spans nodes is priced on the across-node terms (its slowest
+link), `hierarchical` as its two levels.
+
+**Strategies** (`STRATEGIES`):
+- `allreduce`: the planner's `predict` with every layer data-parallel: forward, then backward
+  layer by layer in reverse, each bucket of `--fusion-mb` leaving when its last gradient is
+  ready and the buckets sharing one link in order; overlap is simulated, not assumed.
+- `ps`: `gradmesh.parameter_server.cost.step_time` (mean-value analysis of W workers pushing
+  and pulling through S servers) on the same alpha-beta terms; the G GPUs of a node share its
+  link.
+- `local-sgd`: compute every step, the parameters' allreduce every `--sync-every` steps.
+
+Efficiency at n GPUs is T(1) / T(n), T(1) one GPU's step with no communication (weak scaling:
+each GPU keeps its batch); the overhead is T(n) - T(1) (the lectures' definitions).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gradmesh.collectives.cost import CostParams
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.planner import Links, Profile, Unit, predict
+from gradmesh.registry import Registry
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's peak rate and the fraction of it a convnet's training step reaches."""
+
+    peak_tflops: float
+    achieved: float
+    source: str
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.peak_tflops * 1e12 * self.achieved
+
+
+DEVICES: Registry[Device] = Registry("device")
+# P100 and V100: fp32 peaks (SXM2), achieved fractions from published ResNet-50 runs' own
+# single-node times (docs/scaling.md derives them); A100 and H100: dense TF32 peaks (PyTorch's
+# default for convolutions on them), achieved fractions assumed, not checked against a run.
+DEVICES.register("p100")(
+    Device(10.6, 0.32, "fp32; achieved from Goyal et al. 2017: 29 h for 90 epochs on 8 GPUs")
+)
+DEVICES.register("v100")(
+    Device(15.7, 0.51, "fp32; achieved from PyTorch's DDP benchmark: 0.097 s/iter, batch 32")
+)
+DEVICES.register("a100")(Device(156.0, 0.16, "tf32 dense; achieved assumed"))
+DEVICES.register("h100")(Device(495.0, 0.12, "tf32 dense; achieved assumed"))
+CPU = "cpu"
+"""This machine's CPU: its rate is measured by running the model (`measured_cpu`)."""
+
+SHAPES = {
+    "resnet50": (3, 224, 224),
+    "vgg16": (3, 224, 224),
+    "inception3": (3, 299, 299),
+    "alexnet-imagenet": (3, 224, 224),
+    "alexnet": (3, 32, 32),
+    "cnn": (1, 8, 8),
+    "mlp": (1, 8, 8),
+    "linear": (1, 8, 8),
+}
+"""Each model's input: the ImageNet models' native sizes, the project's own as they train here
+(digits, and alexnet on 32x32 synthetic images)."""
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    fwd_flops: float
+    bwd_flops: float
+    param_bytes: int
+
+
+def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -> list[Layer]:
+    """Every module that holds weights, in forward order, with its FLOPs at `batch` (forward,
+    backward) and parameter bytes, from the model built on the meta device and run under
+    torch's FLOP counter."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gradmesh.models import FEATURE_ID_MODELS, MODELS
+
+    builder = MODELS.get(model)
+    if model in FEATURE_ID_MODELS:
+        raise GradmeshError(f"model {model} takes feature ids; the simulator models image inputs")
+    shape = shape or SHAPES.get(model, (3, 224, 224))
+    classes = 1000 if shape[-1] >= 64 else 10
+    with torch.device("meta"):
+        net = builder(shape, classes)
+        x = torch.randn(batch, *shape)
+    owners = [(n, m) for n, m in net.named_modules() if any(True for _ in m.parameters(False))]
+    order: list[str] = []
+    hooks = [
+        m.register_forward_pre_hook(lambda _m, _a, n=n: order.append(n) if n not in order else None)
+        for n, m in owners
+    ]
+    root = type(net).__name__
+    with FlopCounterMode(display=False) as counter:
+        out = net(x)
+        fwd = {k: float(sum(v.values())) for k, v in counter.get_flop_counts().items()}
+        out.sum().backward()
+        backward = counter.get_total_flops() - fwd["Global"]
+    for h in hooks:
+        h.remove()
+    mine = [fwd.get(f"{root}.{n}", 0.0) for n in order]
+    # backward per layer: the weight's gradient and the input's (the first layer's input needs
+    # none), each as much work as forward; scaled to the counter's own backward total (the
+    # counter's per-module backward figures count a shortcut's work twice in residual models)
+    shares = [f * (1 if i == 0 else 2) for i, f in enumerate(mine)]
+    scale = backward / sum(shares) if sum(shares) else 0.0
+    params = dict(owners)
+    return [
+        Layer(
+            n,
+            f,
+            share * scale,
+            sum(p.numel() * p.element_size() for p in params[n].parameters(False)),
+        )
+        for n, f, share in zip(order, mine, shares, strict=True)
+    ]
+
+
+def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -> Device:
+    """This machine's rate on `model`: its FLOPs over the median of three timed forward and
+    backward passes (after one warm-up), on real tensors."""
+    import torch
+
+    from gradmesh.models import MODELS
+
+    shape = shape or SHAPES.get(model, (3, 224, 224))
+    net = MODELS.get(model)(shape, 1000 if shape[-1] >= 64 else 10)
+    x = torch.randn(batch, *shape)
+    times = []
+    for _ in range(4):
+        started = time.perf_counter()
+        net(x).sum().backward()
+        times.append(time.perf_counter() - started)
+    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in model_layers(model, batch, shape))
+    rate = flops / sorted(times[1:])[1]
+    return Device(rate / 1e12, 1.0, f"measured: {rate / 1e9:.1f} GFLOP/s on {model}")
+
+
+def device_profile(layers: list[Layer], device: Device, batch: int, model: str) -> Profile:
+    """A one-GPU `Profile` (the planner's) whose layers take their FLOPs over the device's rate."""
+    rate = device.flops_per_s
+    units = [
+        Unit(
+            name=layer.name,
+            kind="",
+            param_bytes=layer.param_bytes,
+            bias_bytes=0,
+            in_bytes=0,
+            mid_bytes=0,
+            out_bytes=0,
+            dims=(0, 0),
+            fwd={"data": layer.fwd_flops / rate},
+            bwd={"data": layer.bwd_flops / rate},
+        )
+        for layer in layers
+    ]
+    return Profile(model, 1, batch, units, threads=0, concurrent=1, update_s_per_byte=0.0)
+
+
+@dataclass(frozen=True)
+class Job:
+    """What a strategy needs to price one step on n GPUs."""
+
+    prof: Profile
+    """One GPU's profile (batch: its own)."""
+    gpus: int
+    links: Links
+    algorithm: str = "ring"
+    fusion_mb: float = 25.0
+    servers: int = 0
+    """ps: parameter servers (0: one per node)."""
+    sync_every: int = 8
+    """local-sgd: steps between parameter averages."""
+
+
+def compute_s(prof: Profile) -> float:
+    """One GPU's step with no communication: forward, backward, update, the step's overhead."""
+    model_bytes = sum(u.param_bytes for u in prof.units)
+    work = sum(u.fwd["data"] + u.bwd["data"] for u in prof.units)
+    return work + prof.update_s_per_byte * model_bytes + prof.step_overhead_s
+
+
+def _allreduce(job: Job) -> float:
+    n = job.gpus
+    prof = dataclasses.replace(job.prof, workers=n, batch=job.prof.batch * n)
+    layers = {u.name: "data" for u in prof.units}
+    return predict(prof, layers, 1, job.links, job.algorithm, job.fusion_mb).step_s
+
+
+def _ps(job: Job) -> float:
+    from gradmesh.parameter_server.cost import step_time
+
+    n, per_node = job.gpus, job.links.ranks_per_host
+    nbytes = sum(u.param_bytes for u in job.prof.units)
+    nodes = max(1, n // per_node)
+    servers = job.servers or nodes
+    spans = nodes > 1
+    link = job.links.inter if spans else job.links.intra
+    shared = min(per_node, n)  # a node's GPUs share its link
+    worker = CostParams(link.alpha, link.beta * shared, link.gamma)
+    return step_time(n, servers, nbytes, worker, compute_s(job.prof), server_link=link).step_s
+
+
+def _local_sgd(job: Job) -> float:
+    nbytes = sum(u.param_bytes for u in job.prof.units)
+    average = job.links.allreduce_s(job.algorithm, list(range(job.gpus)), nbytes)
+    return compute_s(job.prof) + average / job.sync_every
+
+
+STRATEGIES: Registry[Callable[[Job], float]] = Registry("simulated strategy")
+STRATEGIES.register("allreduce")(_allreduce)
+STRATEGIES.register("ps")(_ps)
+STRATEGIES.register("local-sgd")(_local_sgd)
+
+
+def scaling(strategy: str, base: Job, gpus: list[int]) -> list[dict[str, Any]]:
+    """Per GPU count: predicted step, samples/s, efficiency T(1)/T(n), overhead T(n) - T(1)."""
+    price = STRATEGIES.get(strategy)
+    alone = compute_s(base.prof)
+    rows = []
+    for n in gpus:
+        step = price(dataclasses.replace(base, gpus=n))
+        rows.append(
+            {
+                "gpus": n,
+                "nodes": max(1, n // base.links.ranks_per_host),
+                "step_s": step,
+                "samples_per_s": n * base.prof.batch / step,
+                "efficiency": alone / step,
+                "overhead_s": step - alone,
+            }
+        )
+    return rows
+
+
+# -- command line ------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50", help="model (default: resnet50)")
+    parser.add_argument(
+        "--input-shape", help="CxHxW (default: the model's own, 3x224x224 for ImageNet models)"
+    )
+    parser.add_argument(
+        "--gpus", default="8,16,32,64,128,256,512,1024", help="GPU counts (default: 8..1024)"
+    )
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="(default: 8)")
+    parser.add_argument("--device", default="v100", help="device name (default: v100; or cpu)")
+    parser.add_argument("--tflops", type=float, help="peak TFLOP/s (overrides the device's)")
+    parser.add_argument("--achieved", type=float, help="fraction of peak reached (0..1]")
+    parser.add_argument(
+        "--intra-node-bandwidth", default="1200gbit", help="within a node (default: 1200gbit)"
+    )
+    parser.add_argument(
+        "--inter-node-bandwidth", default="100gbit", help="between nodes (default: 100gbit)"
+    )
+    parser.add_argument("--latency", default="5us", help="per message (default: 5us)")
+    parser.add_argument("--intra-node-latency", help="(default: --latency)")
+    parser.add_argument(
+        "--strategy", default="allreduce", help="allreduce, ps, local-sgd, or a comma list"
+    )
+    parser.add_argument("--algorithm", default="ring", help="allreduce algorithm (default: ring)")
+    parser.add_argument("--fusion-mb", type=float, default=25.0, help="bucket MiB (default: 25)")
+    parser.add_argument("--batch-per-gpu", type=int, default=32, help="(default: 32)")
+    parser.add_argument("--servers", type=int, default=0, help="ps: servers (default: 1/node)")
+    parser.add_argument("--sync-every", type=int, default=8, help="local-sgd: K (default: 8)")
+    parser.add_argument("--json", help="write the prediction here")
+    parser.add_argument("--plot", help="write efficiency and overhead against GPUs here (PNG)")
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        dims = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise GradmeshError(f"bad --input-shape {text!r}: expected CxHxW like 3x224x224") from None
+    if len(dims) != 3 or min(dims) < 1:
+        raise GradmeshError(f"bad --input-shape {text!r}: expected CxHxW like 3x224x224")
+    return dims
+
+
+def _links(args: argparse.Namespace, gamma: float) -> Links:
+    from gradmesh.launch.emulate import parse_latency, parse_rate
+
+    rates = {
+        f: parse_rate(getattr(args, f)) for f in ("intra_node_bandwidth", "inter_node_bandwidth")
+    }
+    latency = parse_latency(args.latency)
+    intra_latency = parse_latency(args.intra_node_latency) if args.intra_node_latency else latency
+    intra = CostParams(intra_latency, 8 / rates["intra_node_bandwidth"], gamma)
+    inter = CostParams(latency, 8 / rates["inter_node_bandwidth"], gamma)
+    return Links(intra, inter, args.gpus_per_node)
+
+
+def _device(args: argparse.Namespace, shape: tuple[int, ...] | None) -> Device:
+    if args.device == CPU:
+        device = measured_cpu(args.model, args.batch_per_gpu, shape)
+    else:
+        try:
+            device = DEVICES.get(args.device)
+        except GradmeshError as exc:
+            raise GradmeshError(f"{exc}, {CPU}") from None
+    if args.tflops is not None:
+        if args.tflops <= 0:
+            raise GradmeshError(f"--tflops must be positive, got {args.tflops}")
+        device = dataclasses.replace(device, peak_tflops=args.tflops, source="--tflops")
+    if args.achieved is not None:
+        if not 0 < args.achieved <= 1:
+            raise GradmeshError(f"--achieved must be in (0, 1], got {args.achieved}")
+        device = dataclasses.replace(device, achieved=args.achieved)
+    return device
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.bench.common import parse_ints, parse_list, write_json
+    from gradmesh.collectives.cost import COSTS
+
+    gpus = parse_ints(args.gpus, "GPU count")
+    per_node = args.gpus_per_node
+    if per_node < 1:
+        raise GradmeshError(f"--gpus-per-node must be >= 1, got {per_node}")
+    uneven = [n for n in gpus if n > per_node and n % per_node]
+    if uneven:
+        raise GradmeshError(
+            f"GPU count {uneven[0]} is not a multiple of --gpus-per-node {per_node}"
+        )
+    strategies = parse_list(args.strategy, "strategy")
+    for s in strategies:
+        STRATEGIES.get(s)
+    COSTS.get(args.algorithm)
+    if min(args.batch_per_gpu, args.sync_every) < 1 or args.servers < 0 or args.fusion_mb <= 0:
+        raise GradmeshError(
+            "--batch-per-gpu and --sync-every must be >= 1, --servers >= 0, --fusion-mb > 0"
+        )
+    started = time.perf_counter()
+    shape = _shape(args.input_shape)
+    layers = model_layers(args.model, args.batch_per_gpu, shape)
+    device = _device(args, shape)
+    links = _links(args, 0.0)
+    prof = device_profile(layers, device, args.batch_per_gpu, args.model)
+    base = Job(prof, 1, links, args.algorithm, args.fusion_mb, args.servers, args.sync_every)
+    results = {s: scaling(s, base, gpus) for s in strategies}
+    payload = {
+        "model": args.model,
+        "parameters": sum(layer.param_bytes for layer in layers) // 4,
+        "gflops_per_sample": sum(la.fwd_flops + la.bwd_flops for la in layers)
+        / args.batch_per_gpu
+        / 1e9,
+        "device": {"name": args.device, **dataclasses.asdict(device)},
+        "one_gpu_step_s": compute_s(prof),
+        "batch_per_gpu": args.batch_per_gpu,
+        "gpus_per_node": per_node,
+        "links": {
+            "intra": dataclasses.asdict(links.intra),
+            "inter": dataclasses.asdict(links.inter),
+        },
+        "algorithm": args.algorithm,
+        "fusion_mb": args.fusion_mb,
+        "strategies": results,
+        "seconds_to_answer": time.perf_counter() - started,
+    }
+    write_json(args.json, payload)
+    print(
+        f"{args.model}: {payload['parameters'] / 1e6:.1f}M parameters, "
+        f"{payload['gflops_per_sample']:.1f} GFLOP per sample; {args.device}: one GPU's step "
+        f"{payload['one_gpu_step_s'] * 1e3:.1f} ms at batch {args.batch_per_gpu}"
+    )
+    print(markdown_table(results, "gpus"))
+    if args.plot:
+        from gradmesh.plot import scaling_plot
+
+        scaling_plot(args.plot, f"{args.model} on {args.device} (simulated)", results, "gpus")
+    return 0
+
+
+def markdown_table(results: dict[str, list[dict[str, Any]]], unit: str) -> str:
+    """One row per strategy and count: step, samples/s, efficiency, overhead."""
+    lines = [
+        f"| strategy | {unit} | step ms | samples/s | efficiency | overhead ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for strategy, rows in results.items():
+        for r in rows:
+            lines.append(
+                f"| {strategy} | {r[unit]} | {r['step_s'] * 1e3:.1f} | "
+                f"{r['samples_per_s']:.0f} | {r['efficiency'] * 100:.0f}% | "
+                f"{r['overhead_s'] * 1e3:.1f} |"
+            )
+    return "\n".join(lines)
