@@ -320,13 +320,13 @@ def _links(args: argparse.Namespace, gamma: float) -> Links:
 
 
 def _device(args: argparse.Namespace, shape: tuple[int, ...] | None) -> Device:
+    known = [*DEVICES.names(), CPU]
+    if args.device not in known:
+        raise GradmeshError(f"unknown device {args.device!r} (valid: {', '.join(known)})")
     if args.device == CPU:
         device = measured_cpu(args.model, args.batch_per_gpu, shape)
     else:
-        try:
-            device = DEVICES.get(args.device)
-        except GradmeshError as exc:
-            raise GradmeshError(f"{exc}, {CPU}") from None
+        device = DEVICES.get(args.device)
     if args.tflops is not None:
         if args.tflops <= 0:
             raise GradmeshError(f"--tflops must be positive, got {args.tflops}")

@@ -72,7 +72,8 @@ def test_default_train_reaches_accuracy_and_is_reproducible(tmp_path: Path) -> N
         ),
         (
             ["train", "--model", "vgg"],
-            "unknown model 'vgg' (valid: alexnet, bag, cnn, linear, mlp)",
+            "unknown model 'vgg' (valid: alexnet, alexnet-imagenet, bag, cnn, inception3, linear, "
+            "mlp, resnet50, vgg16)",
         ),
         (
             ["train", "--dataset", "mnist"],

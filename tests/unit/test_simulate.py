@@ -1,0 +1,132 @@
+"""The simulator: models by layer shape on the meta device, and its predictions against the
+published scaling results docs/scaling.md lists (set-ups as the papers state them)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradmesh.cli import main
+from gradmesh.collectives.cost import CostParams
+from gradmesh.layout.planner import Links
+from gradmesh.simulate import DEVICES, Job, device_profile, model_layers, scaling
+
+
+def _job(
+    device: str,
+    per_node: int,
+    intra_gbit: float,
+    inter_gbit: float,
+    latency: float,
+    algorithm: str,
+    fusion_mb: float = 25.0,
+) -> Job:
+    layers = model_layers("resnet50", 32)
+    links = Links(
+        CostParams(latency, 8 / (intra_gbit * 1e9), 0.0),
+        CostParams(latency, 8 / (inter_gbit * 1e9), 0.0),
+        per_node,
+    )
+    prof = device_profile(layers, DEVICES.get(device), 32, "resnet50")
+    return Job(prof, 1, links, algorithm, fusion_mb)
+
+
+def test_the_imagenet_models_have_their_published_sizes() -> None:
+    # parameter counts as published (Inception V3 without its auxiliary head) and ResNet-50's
+    # 4.1 G multiply-adds per 224x224 image forward; backward twice forward but the first layer
+    expected = {
+        "resnet50": 25_557_032,
+        "vgg16": 138_357_544,
+        "inception3": 23_834_568,
+        "alexnet-imagenet": 61_100_840,
+    }
+    for name, count in expected.items():
+        layers = model_layers(name, 1)
+        assert sum(layer.param_bytes for layer in layers) == 4 * count, name
+    layers = model_layers("resnet50", 2)
+    forward = sum(layer.fwd_flops for layer in layers)
+    assert forward == pytest.approx(2 * 8.18e9, rel=0.01)
+    backward = sum(layer.bwd_flops for layer in layers)
+    assert backward == pytest.approx(2 * forward - layers[0].fwd_flops, rel=1e-6)
+    assert layers[0].name == "0.0" and layers[-1].name == "20"  # forward order: stem .. fc
+
+
+def test_goyal_et_al_resnet50_on_256_p100s_scales_about_90_percent() -> None:
+    # 8 P100s per server on NVLink, 50 Gbit/s Ethernet between servers, 32 images per GPU,
+    # reduce within the server, allreduce across servers, broadcast back: ~90% from 8 to 256
+    job = _job("p100", 8, 320, 50, 10e-6, "hierarchical")
+    rows = {r["gpus"]: r for r in scaling("allreduce", job, [8, 256])}
+    # the 8-GPU step the paper's 29 hours for 90 epochs give
+    assert rows[8]["step_s"] == pytest.approx(29 * 3600 / (1_281_167 * 90 / 256), rel=0.05)
+    efficiency = rows[8]["step_s"] / rows[256]["step_s"]
+    assert abs(efficiency - 0.90) <= 0.10
+
+
+def test_the_pytorch_ddp_benchmark_resnet50_figures() -> None:
+    # DGX-1 V100s (NVLink), 4x100 Gbit/s InfiniBand per machine, batch 32, 25 MB buckets;
+    # sec/iter p50 against one GPU without DDP (0.097 s)
+    published = {2: 0.103, 4: 0.103, 8: 0.104, 16: 0.104}
+    job = _job("v100", 8, 1000, 400, 5e-6, "ring")
+    rows = {r["gpus"]: r for r in scaling("allreduce", job, [1, *published])}
+    assert rows[1]["step_s"] == pytest.approx(0.097, rel=0.02)
+    for gpus, seconds in published.items():
+        assert abs(rows[gpus]["efficiency"] - 0.097 / seconds) <= 0.10, gpus
+
+
+def test_communication_overlaps_backward_and_slow_links_show() -> None:
+    fast = _job("v100", 8, 1000, 400, 5e-6, "ring")
+    slow = _job("v100", 8, 1000, 1, 5e-6, "ring")
+    alone = scaling("allreduce", fast, [1])[0]["step_s"]
+    sync = 2 * 15 / 16 * 25_557_032 * 4 * 8 / 1e9  # the whole gradient's ring at 1 Gbit/s
+    overlapped = scaling("allreduce", slow, [16])[0]["step_s"]
+    # buckets leave during backward: the step is less than compute then the whole sync ...
+    assert alone < overlapped < alone + sync
+    # ... and more than the sync alone, which cannot start before the last layer's gradient
+    assert overlapped > sync
+    # two levels: hierarchical sends one vector per node over the slow links
+    flat = scaling("allreduce", slow, [256])[0]["step_s"]
+    two_level = scaling("allreduce", _job("v100", 8, 1000, 1, 5e-6, "hierarchical"), [256])
+    assert two_level[0]["step_s"] < flat
+
+
+def test_simulate_writes_json_for_1024_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    args = [
+        "simulate",
+        "--model",
+        "vgg16",
+        "--gpus",
+        "8,1024",
+        "--strategy",
+        "allreduce,ps",
+        "--algorithm",
+        "hierarchical",
+        "--json",
+        str(out),
+    ]
+    assert main(args) == 0
+    payload = json.loads(out.read_text())
+    rows = payload["strategies"]["allreduce"]
+    assert [r["gpus"] for r in rows] == [8, 1024] and rows[1]["efficiency"] <= 1.0
+    assert payload["strategies"]["ps"][1]["step_s"] > rows[1]["step_s"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "resnet"], "unknown model 'resnet' (valid: alexnet, alexnet-imagenet,"),
+        (["--device", "tpu"], "unknown device 'tpu' (valid: a100, h100, p100, v100, cpu)"),
+        (["--gpus", "12"], "GPU count 12 is not a multiple of --gpus-per-node 8"),
+        (["--inter-node-bandwidth", "0gbit"], "bandwidth '0gbit' is too low"),
+        (["--intra-node-bandwidth=-5gbit"], "bad bandwidth '-5gbit'"),
+        (["--strategy", "gossip"], "unknown simulated strategy 'gossip'"),
+    ],
+)
+def test_bad_simulate_input_is_one_line(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--gpus", "8", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
