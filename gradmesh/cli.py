@@ -128,6 +128,11 @@ BENCHES = {
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",
     ),
+    "scaling": (
+        "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's "
+        "prediction",
+        "gradmesh.bench.scaling",
+    ),
     "plan": (
         "the hybrid planner's plan against data, tensor parallelism and the rule: measured "
         "next to predicted",

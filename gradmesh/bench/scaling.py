@@ -1,0 +1,199 @@
+"""`gradmesh bench scaling`: each strategy at 1, 2, 4 ... emulated hosts (one worker per host,
+each with the same batch: weak scaling), next to what `gradmesh simulate`'s model predicts for it.
+
+Every (strategy, hosts) point is a `gradmesh train` job on its own emulated cluster (a
+parameter-server job gets one more host for its server), interleaved round by round; a point's
+figures are medians over rounds. Per point: time per iteration (training wall over the steps a
+worker took), samples/s, scaling efficiency T(1)/T(n) and communication overhead T(n) - T(1),
+T(1) being one worker alone (a 1-worker job, run every round), bytes sent per worker per step,
+the test accuracy after `--epochs` (local SGD and asynchronous servers change the mathematics),
+and the machine's idle CPU during the job: under 10 % the point is labelled `"limit": "cpu"`
+(the hosts share this machine's cores), never passed off as a network figure.
+
+The prediction is the simulator's (`gradmesh.simulate.STRATEGIES`) given this machine's own
+measured compute (the job's own compute seconds per step, spread over the layers by their
+FLOPs) and the link probed on the same emulated hosts
+(`gradmesh.plan.probe_links`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gradmesh.bench.common import (
+    CPU_BOUND_IDLE,
+    cpu_jiffies,
+    median,
+    parse_ints,
+    parse_list,
+    write_json,
+)
+from gradmesh.errors import GradmeshError
+
+BASELINE = "one worker"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="cnn", help="model (default: cnn)")
+    parser.add_argument(
+        "--strategies", default="allreduce,local-sgd,ps", help="(default: allreduce,local-sgd,ps)"
+    )
+    parser.add_argument("--hosts", default="1,2,4", help="emulated host counts (default: 1,2,4)")
+    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host (default: 1gbit)")
+    parser.add_argument("--batch-per-worker", type=int, default=32, help="(default: 32)")
+    parser.add_argument("--epochs", type=int, default=8, help="epochs per job (default: 8)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
+    parser.add_argument("--json", help="write the study here")
+    parser.add_argument("--plot", help="write efficiency and overhead against hosts here (PNG)")
+
+
+def _train(strategy: str, hosts: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+    """One `gradmesh train` job of `hosts` workers, one per emulated host; its report and the
+    machine's idle CPU fraction while it ran."""
+    import json
+
+    from gradmesh.launch.emulate import EmulatedCluster
+
+    out = tmp / f"{strategy}-{hosts}.json"
+    flags = ["--strategy", "allreduce" if strategy == BASELINE else strategy]
+    flags += ["--workers", str(hosts), "--batch-size", str(args.batch_per_worker * hosts)]
+    flags += ["--model", args.model, "--epochs", str(args.epochs), "--json", str(out)]
+    machines = hosts
+    if strategy == "ps":
+        flags += ["--servers", "1"]
+        machines += 1
+    before = cpu_jiffies()
+    with EmulatedCluster(hosts=machines, bandwidth=args.bandwidth) as cluster:
+        code = cluster.run(["gradmesh", "train", *flags], procs_per_host=1, timeout=600)
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), before, strict=True))
+    if code != 0 or not out.exists():
+        raise GradmeshError(f"the {strategy} job on {hosts} hosts failed with code {code}")
+    return {"report": json.loads(out.read_text()), "cpu_idle": idle / total if total else 0.0}
+
+
+def _point(run: dict[str, Any], steps: int) -> dict[str, float]:
+    r = run["report"]
+    return {
+        "step_s": r["wall_s"] / steps,
+        "compute_step_s": r["compute_s"] / steps,
+        "comm_step_s": r["comm_s"] / steps,
+        "bytes_per_worker_step": r["bytes_sent"] / steps,
+        "test_accuracy": r["test_accuracy"],
+        "cpu_idle": run["cpu_idle"],
+    }
+
+
+def _probe(hosts: int, args: argparse.Namespace, grad_bytes: int) -> Any:
+    from gradmesh.plan import ProbeRequest, Setting, probe_emulated
+
+    setting = Setting(args.model, "digits", "", hosts, args.batch_per_worker * hosts, 1)
+    sizes = sorted({16 << 10, max(16 << 10, grad_bytes)})
+    request = ProbeRequest(setting, "native", sizes, [], {})
+    return probe_emulated(hosts, args.bandwidth, 1, request)[0]
+
+
+def _predict(
+    strategy: str, hosts: int, measured: dict[str, float], links: Any, model: str, batch: int
+) -> float:
+    """The simulator's step for this point, given its measured compute and the probed link."""
+    import dataclasses
+
+    from gradmesh.simulate import STRATEGIES, Device, Job, device_profile, model_layers
+
+    layers = model_layers(model, batch)
+    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
+    rate = flops / measured["compute_step_s"]
+    prof = device_profile(layers, Device(rate / 1e12, 1.0, "measured"), batch, model)
+    base = Job(prof, hosts, links, "native", 64.0, 1, 8)
+    return STRATEGIES.get(strategy)(dataclasses.replace(base, gpus=hosts))
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradmesh.data.registry import DATASETS, DataOptions
+    from gradmesh.simulate import STRATEGIES, markdown_table
+
+    hosts = parse_ints(args.hosts, "host count")
+    strategies = parse_list(args.strategies, "strategy")
+    for s in strategies:
+        STRATEGIES.get(s)
+    if min(args.batch_per_worker, args.epochs, args.rounds) < 1:
+        raise GradmeshError("--batch-per-worker, --epochs and --rounds must be >= 1")
+    train = len(DATASETS.get("digits")(DataOptions()).train)
+    points = [(BASELINE, 1)] + [(s, h) for h in hosts for s in strategies]
+    runs: dict[tuple[str, int], list[dict[str, float]]] = {p: [] for p in points}
+    with tempfile.TemporaryDirectory(prefix="gradmesh-scaling-") as tmp:
+        for _ in range(args.rounds):
+            for s, h in points:
+                steps = args.epochs * math.ceil(train / (args.batch_per_worker * h))
+                runs[(s, h)].append(_point(_train(s, h, args, Path(tmp)), steps))
+    figures = {p: {k: median([r[k] for r in rs]) for k in rs[0]} for p, rs in runs.items()}
+    alone = figures[(BASELINE, 1)]["step_s"]
+    from gradmesh.simulate import model_layers
+
+    grad_bytes = sum(layer.param_bytes for layer in model_layers(args.model, 1))
+    links = {h: _probe(h, args, grad_bytes) for h in hosts if h > 1}
+    results: dict[str, list[dict[str, Any]]] = {}
+    for s, h in points[1:]:
+        f = figures[(s, h)]
+        one = _probe_or_none(links, h)
+        predicted = (
+            _predict(s, h, f, one, args.model, args.batch_per_worker) if one is not None else None
+        )
+        results.setdefault(s, []).append(
+            {
+                "hosts": h,
+                **f,
+                "samples_per_s": h * args.batch_per_worker / f["step_s"],
+                "efficiency": alone / f["step_s"],
+                "overhead_s": f["step_s"] - alone,
+                "predicted_step_s": predicted,
+                "prediction_error": (predicted - f["step_s"]) / f["step_s"]
+                if predicted is not None
+                else None,
+                "limit": "cpu"
+                if f["cpu_idle"] < CPU_BOUND_IDLE
+                else ("link" if h > 1 or s == "ps" else "compute"),
+                "step_s_rounds": [r["step_s"] for r in runs[(s, h)]],
+            }
+        )
+    payload = {
+        "model": args.model,
+        "bandwidth": args.bandwidth,
+        "batch_per_worker": args.batch_per_worker,
+        "epochs": args.epochs,
+        "rounds": args.rounds,
+        "one_worker_step_s": alone,
+        "links": {h: {"alpha": c.inter.alpha, "beta": c.inter.beta} for h, c in links.items()},
+        "strategies": results,
+    }
+    write_json(args.json, payload)
+    print(markdown_table(results, "hosts"))
+    for s, rows in results.items():
+        for r in rows:
+            guess = r["predicted_step_s"]
+            shown = f"{guess * 1e3:.2f} ms ({r['prediction_error'] * 100:+.0f}%)" if guess else "-"
+            print(
+                f"{s:10} {r['hosts']} hosts: measured {r['step_s'] * 1e3:.2f} ms, predicted "
+                f"{shown}, {r['bytes_per_worker_step'] / 1e3:.0f} KB/worker/step, accuracy "
+                f"{r['test_accuracy']:.3f}, cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+            )
+    if args.plot:
+        from gradmesh.plot import scaling_plot
+
+        scaling_plot(
+            args.plot, f"{args.model}, emulated hosts at {args.bandwidth}", results, "hosts"
+        )
+    return 0
+
+
+def _probe_or_none(links: dict[int, Any], hosts: int) -> Any:
+    """The probed link for `hosts`; with one host there is no link (the prediction is the
+    measured compute with no communication, except a ps job's, whose server has its own host:
+    it is priced on the 2-host link)."""
+    if hosts in links:
+        return links[hosts]
+    return next(iter(links.values()), None)
