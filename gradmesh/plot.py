@@ -24,12 +24,15 @@ def scaling_plot(
         xs = [r[unit] for r in rows]
         eff.plot(xs, [r["efficiency"] * 100 for r in rows], marker="o", label=strategy)
         over.plot(xs, [r["overhead_s"] * 1e3 for r in rows], marker="o", label=strategy)
+    counts = sorted({r[unit] for rows in results.values() for r in rows})
     for ax, label in ((eff, "scaling efficiency, %"), (over, "communication overhead, ms")):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(counts, [str(n) for n in counts])
         ax.set_xlabel(unit)
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
-    eff.set_ylim(0, 105)
+    top = max(r["efficiency"] for rows in results.values() for r in rows)
+    eff.set_ylim(0, max(105, top * 100 + 5))
     eff.legend()
     fig.suptitle(title)
     fig.tight_layout()
