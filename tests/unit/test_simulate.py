@@ -130,3 +130,19 @@ def test_bad_simulate_input_is_one_line(
     assert main(["simulate", "--gpus", "8", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--strategies", "allreduce,gossip"], "unknown simulated strategy 'gossip'"),
+        (["--hosts", "0,2"], "every host count must be >= 1, got 0,2"),
+        (["--epochs", "0"], "--batch-per-worker, --epochs and --rounds must be >= 1"),
+    ],
+)
+def test_bad_scaling_bench_input_is_one_line_before_any_job(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", "scaling", *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
