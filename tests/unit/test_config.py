@@ -30,7 +30,11 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             {"strategy": "nope"},
             "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd, ps)",
         ),
-        ({"model": "resnet"}, "unknown model 'resnet' (valid: alexnet, bag, cnn, linear, mlp)"),
+        (
+            {"model": "resnet"},
+            "unknown model 'resnet' (valid: alexnet, alexnet-imagenet, bag, cnn, inception3, "
+            "linear, mlp, resnet50, vgg16)",
+        ),
         (
             {"dataset": "imagenet"},
             "unknown dataset 'imagenet' (valid: digits, docstrings, synthetic)",
