@@ -97,24 +97,25 @@ def _probe(hosts: int, args: argparse.Namespace, grad_bytes: int) -> Any:
 
 
 def _predict(
-    strategy: str, hosts: int, measured: dict[str, float], links: Any, model: str, batch: int
+    strategy: str,
+    hosts: int,
+    measured: dict[str, float],
+    links: Any,
+    layers: list[Any],
+    args: argparse.Namespace,
 ) -> float:
     """The simulator's step for this point, given its measured compute and the probed link."""
-    import dataclasses
+    from gradmesh.simulate import STRATEGIES, Device, Job, device_profile
 
-    from gradmesh.simulate import STRATEGIES, Device, Job, device_profile, model_layers
-
-    layers = model_layers(model, batch)
     flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
-    rate = flops / measured["compute_step_s"]
-    prof = device_profile(layers, Device(rate / 1e12, 1.0, "measured"), batch, model)
-    base = Job(prof, hosts, links, "native", 64.0, 1, 8)
-    return STRATEGIES.get(strategy)(dataclasses.replace(base, gpus=hosts))
+    device = Device(flops / measured["compute_step_s"] / 1e12, 1.0, "measured")
+    prof = device_profile(layers, device, args.batch_per_worker, args.model)
+    return STRATEGIES.get(strategy)(Job(prof, hosts, links, "native", 64.0, 1, 8))
 
 
 def run(args: argparse.Namespace) -> int:
     from gradmesh.data.registry import DATASETS, DataOptions
-    from gradmesh.simulate import STRATEGIES, markdown_table
+    from gradmesh.simulate import STRATEGIES, markdown_table, model_layers
 
     hosts = parse_ints(args.hosts, "host count")
     strategies = parse_list(args.strategies, "strategy")
@@ -132,17 +133,14 @@ def run(args: argparse.Namespace) -> int:
                 runs[(s, h)].append(_point(_train(s, h, args, Path(tmp)), steps))
     figures = {p: {k: median([r[k] for r in rs]) for k in rs[0]} for p, rs in runs.items()}
     alone = figures[(BASELINE, 1)]["step_s"]
-    from gradmesh.simulate import model_layers
-
-    grad_bytes = sum(layer.param_bytes for layer in model_layers(args.model, 1))
+    layers = model_layers(args.model, args.batch_per_worker)
+    grad_bytes = sum(layer.param_bytes for layer in layers)
     links = {h: _probe(h, args, grad_bytes) for h in hosts if h > 1}
     results: dict[str, list[dict[str, Any]]] = {}
     for s, h in points[1:]:
         f = figures[(s, h)]
         one = _probe_or_none(links, h)
-        predicted = (
-            _predict(s, h, f, one, args.model, args.batch_per_worker) if one is not None else None
-        )
+        predicted = _predict(s, h, f, one, layers, args) if one is not None else None
         results.setdefault(s, []).append(
             {
                 "hosts": h,

@@ -71,18 +71,16 @@ DEVICES.register("h100")(Device(495.0, 0.12, "tf32 dense; achieved assumed"))
 CPU = "cpu"
 """This machine's CPU: its rate is measured by running the model (`measured_cpu`)."""
 
-SHAPES = {
-    "resnet50": (3, 224, 224),
-    "vgg16": (3, 224, 224),
-    "inception3": (3, 299, 299),
-    "alexnet-imagenet": (3, 224, 224),
-    "alexnet": (3, 32, 32),
-    "cnn": (1, 8, 8),
-    "mlp": (1, 8, 8),
-    "linear": (1, 8, 8),
-}
-"""Each model's input: the ImageNet models' native sizes, the project's own as they train here
-(digits, and alexnet on 32x32 synthetic images)."""
+
+def _input(model: str, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], int]:
+    """(input shape, classes) to build `model` at: `shape`, else the ImageNet models' native
+    sizes (1000 classes) and the project's own as they train here (digits, and alexnet on 32x32
+    synthetic images; 10 classes)."""
+    from gradmesh.models.imagenet import NATIVE_SHAPES
+
+    own = {"alexnet": (3, 32, 32), "cnn": (1, 8, 8), "mlp": (1, 8, 8), "linear": (1, 8, 8)}
+    shape = shape or NATIVE_SHAPES.get(model) or own.get(model, (3, 224, 224))
+    return shape, 1000 if shape[-1] >= 64 else 10
 
 
 @dataclass(frozen=True)
@@ -105,8 +103,7 @@ def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -
     builder = MODELS.get(model)
     if model in FEATURE_ID_MODELS:
         raise GradmeshError(f"model {model} takes feature ids; the simulator models image inputs")
-    shape = shape or SHAPES.get(model, (3, 224, 224))
-    classes = 1000 if shape[-1] >= 64 else 10
+    shape, classes = _input(model, shape)
     with torch.device("meta"):
         net = builder(shape, classes)
         x = torch.randn(batch, *shape)
@@ -149,8 +146,8 @@ def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -
 
     from gradmesh.models import MODELS
 
-    shape = shape or SHAPES.get(model, (3, 224, 224))
-    net = MODELS.get(model)(shape, 1000 if shape[-1] >= 64 else 10)
+    shape, classes = _input(model, shape)
+    net = MODELS.get(model)(shape, classes)
     x = torch.randn(batch, *shape)
     times = []
     for _ in range(4):
