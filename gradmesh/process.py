@@ -6,13 +6,21 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import sys
+from typing import TYPE_CHECKING
 
 from gradmesh.errors import GradmeshError
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 LAUNCHER_PID_ENV = "GRADMESH_LAUNCHER_PID"
 """Set by `gradmesh run` (and a ps worker's supervisor) to its own pid: the process a worker
 must not outlive."""
+STORE_ENV = "GRADMESH_PS_STORE"
+"""Set by a ps worker's supervisor: the job's rendezvous store, HOST:PORT (it has no torchrun
+world of its own)."""
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 """Set by torch's elastic agent: how many times it has restarted the job (0 at first)."""
 _PR_SET_PDEATHSIG = 1
@@ -54,3 +62,29 @@ def bind_to_launcher(rank: int) -> None:
             flush=True,
         )
         os._exit(1)
+
+
+def local_address(toward: str) -> str:
+    """The address of the interface this host uses to reach `toward`: listeners (ps servers,
+    the timeline's clock) bind there only."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((toward, 9))  # no packet is sent: this only picks a route
+        return str(probe.getsockname()[0])
+
+
+def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A client of the job's rendezvous store (torch is imported here, not by this module)."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore  # type: ignore[attr-defined]
+
+    try:
+        return TCPStore(
+            host,
+            port,
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+            wait_for_workers=False,
+        )
+    except (RuntimeError, ValueError) as exc:
+        raise GradmeshError(f"cannot reach the job's store at {host}:{port}: {exc}") from None

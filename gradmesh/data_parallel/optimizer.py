@@ -237,7 +237,7 @@ class GradientReducer:
     def _end_of_backward(self) -> None:
         self.in_backward = False
         timeline = self.rt.timeline
-        if timeline is not None:
+        if timeline is not None and "backward" not in timeline.open:  # a user's own backward
             timeline.add("backward", "compute", self.backward_started, time.perf_counter())
         self.passes += 1
         if self.passes == self.passes_per_step:

@@ -62,7 +62,8 @@ class PlainEngine:
         for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
             with span("forward"):
                 loss = sum_cross_entropy(self.module(xs), ys)
-            (loss * scale).backward()  # type: ignore[no-untyped-call]
+            with span("backward"):
+                (loss * scale).backward()  # type: ignore[no-untyped-call]
             total += loss.detach().double()
         return total
 

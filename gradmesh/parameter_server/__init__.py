@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.roles import (
     WorkerRole,
-    connect_store,
     job_token,
     run_server,
     worker_env,
 )
+from gradmesh.process import connect_store
 
 if TYPE_CHECKING:
     from gradmesh.parameter_server.client import Client, shard_ranges

@@ -13,13 +13,12 @@ import sys
 
 from gradmesh.errors import GradmeshError, on_rank
 from gradmesh.parameter_server.roles import (
-    connect_store,
     job_token,
     launcher_token,
     run_server,
     supervise_worker,
 )
-from gradmesh.process import bind_to_launcher
+from gradmesh.process import bind_to_launcher, connect_store
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.faults import injected_fault
 
@@ -33,10 +32,25 @@ def gradient_lr(lr: float, mode: str, workers: int) -> float:
     return lr if mode == "sync" else lr / workers
 
 
+def role_path(path: str, role: str) -> str:
+    """A per-rank timeline's file for a server or worker: `t.json` -> `t.server0.json`."""
+    stem, dot, ext = path.rpartition(".")
+    return f"{stem if dot else path}.{role}.{ext if dot else 'json'}"
+
+
 def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> int:
     from gradmesh.train.checkpoint import ShardFolder  # torch: servers only
 
     fault = injected_fault()
+    timeline = None
+    if config.timeline:
+        from gradmesh.timeline import Timeline, job_clock
+
+        merged = not config.timeline_per_rank
+        job = job_clock(index, config.timeout_s) if merged else None
+        path = config.timeline if merged else role_path(config.timeline, f"server{index}")
+        name = f"server {index}"
+        timeline = Timeline(path, index, name, config.timeline_steps, "serving", job)
     run_server(
         index,
         config.servers,
@@ -56,7 +70,10 @@ def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> 
         momentum=config.momentum,
         weight_decay=config.weight_decay,
         lost_after_s=config.lost_after_s,
+        timeline=timeline,
     )
+    if timeline is not None:
+        timeline.save()
     return 0
 
 
@@ -79,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         index = rank - config.servers
         # a supervisor imports no torch when the launcher drew the token: it starts faster
         token = launcher_token() or job_token(connect_store(host, port, config.timeout_s), False)
-        if config.timeline:
-            stem, dot, ext = config.timeline.rpartition(".")
-            base = stem if dot else config.timeline
-            config.timeline = f"{base}.worker{index}.{ext if dot else 'json'}"
+        if config.timeline and config.timeline_per_rank:
+            config.timeline = role_path(config.timeline, f"worker{index}")
         command = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
         survivable = not config.checkpoint_dir  # a checkpoint needs every worker's part
         return supervise_worker(command, index, config.workers, token, survivable)

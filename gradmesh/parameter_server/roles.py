@@ -16,26 +16,30 @@ from __future__ import annotations
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
-from gradmesh.errors import GradmeshError
-from gradmesh.process import LAUNCHER_PID_ENV, die_with_parent, restarts
+from gradmesh.process import (
+    LAUNCHER_PID_ENV,
+    STORE_ENV,
+    connect_store,
+    die_with_parent,
+    local_address,
+    restarts,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from gradmesh.parameter_server.server import ShardCheckpoints
+    from gradmesh.timeline import Timeline
 
 TOKEN_ENV = "GRADMESH_JOB_TOKEN"
 WORKER_ENV = "GRADMESH_PS_WORKER"
 WORKERS_ENV = "GRADMESH_PS_WORKERS"
-STORE_ENV = "GRADMESH_PS_STORE"
 TORCHRUN_VARS = (
     "RANK",
     "WORLD_SIZE",
@@ -74,21 +78,6 @@ def key(name: str) -> str:
     return f"gradmesh/ps/{restarts()}/{name}"
 
 
-def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
-    from torch.distributed import TCPStore  # type: ignore[attr-defined]
-
-    try:
-        return TCPStore(
-            host,
-            port,
-            is_master=False,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
-        )
-    except (RuntimeError, ValueError) as exc:
-        raise GradmeshError(f"cannot reach the job's store at {host}:{port}: {exc}") from None
-
-
 def launcher_token() -> bytes | None:
     """The job's 16-byte token as `gradmesh run` / `gradmesh emulate` drew it, if they did."""
     raw = os.environ.get(TOKEN_ENV)
@@ -103,13 +92,6 @@ def job_token(store: TCPStore, creator: bool) -> bytes:
     if creator:
         store.set(key("token"), secrets.token_hex(16))
     return bytes.fromhex(store.get(key("token")).decode())
-
-
-def local_address(toward: str) -> str:
-    """The address of the interface this host uses to reach `toward`: servers bind there only."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((toward, 9))  # no packet is sent: this only picks a route
-        return str(probe.getsockname()[0])
 
 
 def supervise_worker(
@@ -158,6 +140,7 @@ def run_server(
     timeout_s: float,
     checkpoints: ShardCheckpoints | None = None,
     on_update: Callable[[int, int], None] | None = None,
+    timeline: Timeline | None = None,
     **options: Any,
 ) -> dict[str, Any]:
     """Serve shard `index` of `servers` for `workers` workers until they are done; `options` are
@@ -173,7 +156,7 @@ def run_server(
     config = ServerConfig(
         index=index, workers=workers, numel=end - start, timeout_s=timeout_s, **options
     )
-    server = Server(config, token, local_address(store_host), checkpoints, on_update)
+    server = Server(config, token, local_address(store_host), checkpoints, on_update, timeline)
     if checkpoints is not None:
         checkpoints.restore(server)
     store.set(key(f"server{index}"), server.endpoint)

@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import json
 import selectors
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -44,6 +46,7 @@ from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.optimizers import make_optimizer
 from gradmesh.parameter_server.protocol import Kind, Message, WireError, decode, encode
 from gradmesh.parameter_server.transport import Closed, Peer, endpoint_of, listen
+from gradmesh.timeline import Timeline
 
 MODES = ("sync", "async", "ssp")
 PUSHES = (Kind.PUSH, Kind.PUSH_PULL)
@@ -77,6 +80,40 @@ class ShardCheckpoints(Protocol):
 
     def restore(self, server: Server) -> None:
         """Load the newest complete checkpoint's part of `server` into it, if there is one."""
+
+
+class Progress:
+    """Server 0's live bar on a terminal: updates applied, push and pull rates, and the
+    staleness of the gradients applied so far (its mean and largest)."""
+
+    def __init__(self, stats: ServerStats) -> None:
+        from tqdm import tqdm
+
+        self.stats = stats
+        self.bar = tqdm(unit="update", dynamic_ncols=True, leave=False, desc="ps server 0")
+        self.shown = 0.0
+
+    def update(self) -> None:
+        self.bar.update(1)
+        now = time.monotonic()
+        if now - self.shown < 0.5:
+            return
+        self.shown = now
+        span = max(self.stats.last - self.stats.first, 1e-9)
+        counts = Counter[int]()
+        for per_worker in self.stats.staleness.values():
+            counts.update(per_worker)
+        applied = sum(counts.values())
+        self.bar.set_postfix(
+            push_s=f"{self.stats.requests['push'] / span:.0f}",
+            pull_s=f"{self.stats.requests['pull'] / span:.0f}",
+            staleness=f"mean {sum(k * n for k, n in counts.items()) / max(applied, 1):.2f} "
+            f"max {max(counts, default=0)}",
+            refresh=False,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 @dataclass
@@ -128,9 +165,13 @@ class Server:
         host: str,
         checkpoints: ShardCheckpoints | None = None,
         on_update: Callable[[int, int], None] | None = None,
+        timeline: Timeline | None = None,
     ) -> None:
-        """`on_update(index, version)` runs after every update (fault injection)."""
+        """`on_update(index, version)` runs after every update (fault injection); `timeline`
+        records each push, apply and pull (with the staleness of the gradient or read)."""
         self.cfg = config
+        self.timeline = timeline
+        self.progress: Progress | None = None
         self.checkpoints = checkpoints
         self.on_update = on_update
         self.token = token
@@ -168,6 +209,8 @@ class Server:
     def serve(self) -> dict[str, Any]:
         """Run until CLOSE (or until the workers are all gone); return this server's stats."""
         idle_since = time.monotonic()
+        if self.cfg.index == 0 and sys.stderr.isatty():
+            self.progress = Progress(self.stats)
         try:
             while not self.closed:
                 events = self.selector.select(POLL_S)
@@ -185,6 +228,8 @@ class Server:
                     break
         finally:
             self.close()
+            if self.progress is not None:
+                self.progress.close()
         return self.stats.as_dict(self.cfg.index, sorted(self.lost))
 
     def close(self) -> None:
@@ -332,6 +377,9 @@ class Server:
 
     # -- the modes --------------------------------------------------------------------------
 
+    def _span(self, name: str, **args: Any) -> AbstractContextManager[None]:
+        return self.timeline.span(name, "serve", **args) if self.timeline else nullcontext()
+
     def _live(self) -> list[int]:
         return [w for w in range(self.cfg.workers) if w not in self.lost and w not in self.finished]
 
@@ -344,19 +392,25 @@ class Server:
         self.stats.staleness.setdefault(w, Counter())[gap] += 1
         if self.cfg.mode == "sync":
             # the connection's buffer is read into again by its next message: keep a copy
-            if w in self.round:
-                self.round[w] += grad
-            else:
-                held = self.held.setdefault(w, torch.empty(self.cfg.numel))
-                self.round[w] = held.copy_(grad)
+            with self._span("push", worker=w):
+                if w in self.round:
+                    self.round[w] += grad
+                else:
+                    held = self.held.setdefault(w, torch.empty(self.cfg.numel))
+                    self.round[w] = held.copy_(grad)
             self._close_round()
             return
         scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
-        self.optimizer.apply(grad, w, scale)  # a view of the connection's buffer: never written
+        with self._span("apply", worker=w, staleness=gap):
+            self.optimizer.apply(grad, w, scale)  # a view of the connection's buffer: unwritten
         self._updated()
 
     def _updated(self) -> None:
         self.version += 1
+        if self.timeline is not None:
+            self.timeline.new_step()
+        if self.progress is not None:
+            self.progress.update()
         if self.on_update is not None:
             self.on_update(self.cfg.index, self.version)
 
@@ -365,10 +419,11 @@ class Server:
         if not self.round or not set(self._live()) <= set(self.round):
             return
         first, *rest = sorted(self.round)
-        total = self.total.copy_(self.round[first])
-        for w in rest:
-            total += self.round[w]
-        self.optimizer.apply(total.div_(len(self.round)), -1, 1.0)
+        with self._span("apply", workers=len(self.round), staleness=0):
+            total = self.total.copy_(self.round[first])
+            for w in rest:
+                total += self.round[w]
+            self.optimizer.apply(total.div_(len(self.round)), -1, 1.0)
         self.round.clear()
         self._updated()
 
@@ -419,15 +474,16 @@ class Server:
             gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
             self.read_gap[msg.worker] = gap
             self.optimizer.on_read(msg.worker)
-            frames = encode(
-                Kind.PARAMS,
-                self.token,
-                msg.worker,
-                seen=self.version,
-                staleness=gap,
-                tensor=self.values.detach(),
-            )
-            self._send(peer, frames, volatile=True)  # the shard changes with the next push
+            with self._span("pull", worker=msg.worker, staleness=gap):
+                frames = encode(
+                    Kind.PARAMS,
+                    self.token,
+                    msg.worker,
+                    seen=self.version,
+                    staleness=gap,
+                    tensor=self.values.detach(),
+                )
+                self._send(peer, frames, volatile=True)  # the shard changes with the next push
         self.pending_pulls = waiting
 
     def _find_lost(self, now: float) -> None:

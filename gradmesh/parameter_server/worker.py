@@ -15,7 +15,8 @@ from torch.optim import Optimizer
 from gradmesh.compression import Compressor, load_states, save_states
 from gradmesh.errors import GradmeshError
 from gradmesh.parameter_server.client import Client
-from gradmesh.parameter_server.roles import WorkerRole, connect_store, job_token, key
+from gradmesh.parameter_server.roles import WorkerRole, job_token, key
+from gradmesh.process import connect_store
 from gradmesh.runtime import get_runtime, is_initialized
 from gradmesh.wrapping import wrap_optimizer
 

@@ -11,7 +11,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.integration.test_cli import GRADMESH, ROOT, gradmesh, one_line_error
+from tests.integration.test_cli import (
+    GRADMESH,
+    ROOT,
+    gradmesh,
+    merged_trace_spans,
+    one_line_error,
+)
 
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
@@ -42,10 +48,18 @@ def test_async_and_ssp_learn_digits_at_the_defaults(mode: str, tmp_path: Path) -
     if mode == "ssp":
         worst = max(int(s) for h in info["staleness_histogram"].values() for s in h)
         assert worst <= 2  # the default bound
-    for worker in (0, 1):  # each worker's timeline carries the staleness of every pull
-        events = json.loads((tmp_path / f"trace.worker{worker}.json").read_text())["traceEvents"]
-        pulls = [e for e in events if e["name"] == "pull"]
+    # one trace for the job: servers and workers, every applied gradient's staleness
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    names = {0: "server 0", 1: "server 1", 2: "worker 0", 3: "worker 1"}
+    spans = merged_trace_spans(trace, names)
+    for server in (0, 1):
+        applied = [e for e in spans[server] if e["name"] == "apply"]
+        assert applied and all("staleness" in e["args"] for e in applied)
+        assert {e["name"] for e in spans[server]} >= {"apply", "pull"}
+    for worker in (2, 3):  # and each worker's timeline the staleness of every pull
+        pulls = [e for e in spans[worker] if e["name"] == "pull"]
         assert pulls and all("staleness" in e["args"] for e in pulls)
+        assert {"forward", "backward"} <= {e["name"] for e in spans[worker]}
 
 
 def _training_workers(root: psutil.Process) -> dict[int, psutil.Process]:
