@@ -128,6 +128,10 @@ BENCHES = {
         "native allreduce over emulated hosts, as a fraction of the link",
         "gradmesh.bench.link",
     ),
+    "observe": (
+        "the default job's step time with and without --tensorboard and --timeline",
+        "gradmesh.bench.observe",
+    ),
     "scaling": (
         "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's "
         "prediction",
@@ -154,6 +158,18 @@ def _cmd_plan(args: argparse.Namespace, _command: list[str]) -> int:
 
 def _cmd_simulate(args: argparse.Namespace, _command: list[str]) -> int:
     return int(import_module("gradmesh.simulate").run(args))
+
+
+def _cmd_report(args: argparse.Namespace, _command: list[str]) -> int:
+    from gradmesh.train.report import RunReport
+
+    report = RunReport.load(args.run)
+    if args.plot:
+        from gradmesh.plot import run_plot
+
+        run_plot(args.plot, report)
+    print(report.summary())
+    return 0
 
 
 def _interrupt(signum: int, _frame: object) -> None:
@@ -253,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     import_module("gradmesh.simulate").add_arguments(simulate)
     simulate.set_defaults(handler=_cmd_simulate)
+    report = sub.add_parser("report", help="print a finished run's report (gradmesh train --json)")
+    report.add_argument("run", help="the run's JSON report")
+    report.add_argument("--plot", help="write its loss curve and per-rank step times here (PNG)")
+    report.set_defaults(handler=_cmd_report)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (summary, module) in BENCHES.items():

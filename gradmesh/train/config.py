@@ -190,7 +190,14 @@ class OptimizerConfig:
 class OutputConfig:
     """Output: what the run writes."""
 
-    timeline: str | None = option(None, "write a Chrome trace per rank to this path")
+    timeline: str | None = option(
+        None, "write one Chrome trace (Perfetto) of every rank, clocks aligned, to this path"
+    )
+    timeline_per_rank: bool = option(
+        False, "with --timeline: a file per rank (PATH.rankR.json), each on its own clock"
+    )
+    timeline_steps: int = option(1000, "with --timeline: keep each rank's last N steps (0: all)")
+    tensorboard: str | None = option(None, "write TensorBoard scalars to this folder")
     json: str | None = option(None, "write the run report as JSON to this path")
 
 
@@ -395,6 +402,13 @@ class TrainConfig(
             check_writable(self.json, "--json")
         if self.timeline:
             check_writable(self.timeline, "--timeline")
+        if self.tensorboard:
+            check_writable(self.tensorboard, "--tensorboard", directory=True)
+            from gradmesh.metrics import require_tensorboard
+
+            require_tensorboard()
+        if self.timeline_steps < 0:
+            raise GradmeshError(f"--timeline-steps must be >= 0, got {self.timeline_steps}")
         if self.checkpoint_dir:
             check_writable(self.checkpoint_dir, "--checkpoint-dir", directory=True)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline import bubble
 from gradmesh.runtime import Runtime
 from gradmesh.train.config import TrainConfig
@@ -117,6 +119,8 @@ class RunReport:
     faults: dict[str, Any] = field(default_factory=dict)
     """With checkpoints or restarts: restarts, steps redone, the step resumed from, and the
     reporting rank's checkpoint saves, their median stall and its file's bytes."""
+    steps: int = 0
+    """Steps the reporting rank took in this run (per-rank seconds / steps = a step's time)."""
 
     @classmethod
     def build(
@@ -131,6 +135,7 @@ class RunReport:
         stats: RankStats,
         layout: dict[str, Any] | None = None,
         faults: dict[str, Any] | None = None,
+        steps: int = 0,
     ) -> RunReport:
         figures = summarize_layout(stats.layout)
         given = figures.pop("compression_given_bytes_per_step", 0.0)
@@ -162,7 +167,28 @@ class RunReport:
             layout={**(layout or {}), **figures},
             slowest=_slowest(stats.compute_s, config.tensor_parallel * config.pipeline_parallel),
             faults=faults or {},
+            steps=steps,
         )
+
+    @classmethod
+    def load(cls, path: str) -> RunReport:
+        """The report `gradmesh train --json` wrote to `path` (a one-line error otherwise)."""
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as exc:
+            raise GradmeshError(f"cannot read {path}: {exc.strerror}") from None
+        except ValueError as exc:
+            raise GradmeshError(f"{path} is not JSON: {exc}") from None
+        names = {f.name for f in dataclasses.fields(cls)}
+        required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
+        required -= {f.name for f in dataclasses.fields(cls) if callable(f.default_factory)}
+        if not isinstance(raw, dict) or not required <= set(raw):
+            missing = sorted(required - set(raw)) if isinstance(raw, dict) else ["an object"]
+            raise GradmeshError(
+                f"{path} is not a gradmesh run report (gradmesh train --json): it lacks "
+                + ", ".join(missing[:4])
+            )
+        return cls(**{k: v for k, v in raw.items() if k in names})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)

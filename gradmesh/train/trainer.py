@@ -30,10 +30,11 @@ from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
 from gradmesh.layout.hybrid import load_plan
+from gradmesh.metrics import Metrics
 from gradmesh.models import build_model
 from gradmesh.process import restarts
 from gradmesh.runtime import MAX_WORLD_ENV, Runtime
-from gradmesh.timeline import start_timeline
+from gradmesh.timeline import span, start_timeline
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
 from gradmesh.train.faults import injected_fault
@@ -188,6 +189,22 @@ def _report_epoch(
         )
 
 
+def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
+    """This process's timeline: in the job's merged trace (unless per rank) under its launcher
+    rank, a ps worker's after the servers'; a restarted job marks the restart."""
+    from gradmesh.parameter_server.roles import worker_role
+
+    pid, name = rt.rank, f"rank {rt.rank}"
+    role = worker_role() if config.strategy == "ps" else None
+    if role is not None:
+        pid, name = config.servers + role.index, f"worker {role.index}"
+    merged = not config.timeline_per_rank
+    assert config.timeline is not None
+    start_timeline(config.timeline, merged, config.timeline_steps, pid, name)
+    if restarts():
+        rt.timeline.instant("restart", attempt=restarts())
+
+
 @dataclass
 class Job:
     """Everything `setup` builds for one rank, which the other parts use."""
@@ -218,6 +235,10 @@ class Job:
     """An elastic job's [step, workers] each time its number of workers changed."""
     first_step_at: float = 0.0
     """Unix time at which this run's first step ended (a restart's first step)."""
+    metrics: Metrics | None = None
+    """With --tensorboard, on the process that writes per-step scalars (rank 0; a ps job's
+    worker 0)."""
+    evaluator: _Evaluator | None = None
 
 
 def setup(config: TrainConfig, rt: Runtime) -> Job:
@@ -228,7 +249,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     if most is not None and rt.dp.size < most:  # fewer replicas, the same global batch
         config = replace(config, microbatches=accumulation(config.batch_size, rt.dp.size, most))
     if config.timeline:
-        start_timeline(config.timeline)
+        _start_timeline(config, rt)
     data = load_data(config)
     whole = build_model(config.model, data).to(rt.device)  # the same on every rank (the seed)
     split = split_model(
@@ -265,6 +286,8 @@ def attach(job: Job) -> None:
     steps = job.sharder.steps_per_epoch()
     factor = job.lr / config.lr
     job.warmup = gradual_warmup(job.optimizer, round(config.warmup_epochs * steps), factor)
+    if config.tensorboard and job.place[0] == job.place[2]:
+        job.metrics = Metrics(config.tensorboard, f".rank{job.place[0]}")
 
 
 def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]]:
@@ -409,6 +432,10 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
         for k, (indices, global_count) in enumerate(sharder.batches(epoch)):
             if k < skip:  # done before the checkpoint this run resumed from
                 continue
+            if rt.timeline is not None:
+                rt.timeline.new_step()
+            if job.metrics is not None:
+                kinds_before = dict(rt.comm.by_kind)
             comm_before = rt.comm.comm_s
             step_started = time.perf_counter()
             x = job.data.train.x[indices].to(rt.device)
@@ -422,9 +449,12 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
             job.optimizer.step()
             if job.warmup is not None:
                 job.warmup.step()
-            clock.compute_s += time.perf_counter() - step_started - (rt.comm.comm_s - comm_before)
+            wall, comm = time.perf_counter() - step_started, rt.comm.comm_s - comm_before
+            clock.compute_s += wall - comm
             clock.steps += 1
             step += 1
+            if job.metrics is not None:
+                _step_scalars(job, step, wall, comm, kinds_before, loss, len(indices))
             if clock.steps == 1:
                 job.first_step_at = time.time()
             if split.owns_output:
@@ -442,8 +472,11 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
                 own_loss = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] else None
                 _report_epoch(epoch, config, own_loss, samples * job.replicas, started, bar, rt)
                 loss_sum = torch.zeros(2, dtype=torch.float64)
+                if config.tensorboard:
+                    _epoch_accuracy(job, step)
             if _due(config, step, end_of_epoch, last):
-                _checkpoint(job, clock, pending, step, loss_sum)
+                with span("checkpoint", "io", step=step):
+                    _checkpoint(job, clock, pending, step, loss_sum)
         skip = 0
     _reduce_losses(pending, clock)
     if job.checkpointer is not None:
@@ -453,6 +486,104 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
     if bar is not None:
         bar.close()
     return clock, samples, time.perf_counter() - started
+
+
+class _Evaluator:
+    """The test accuracy after each epoch, for TensorBoard, off the training path: the writer
+    (holding the whole model) keeps a copy of its parameters after each epoch and scores the
+    copies once training ends. Scoring in the step loop cost the default job 13 % of its step
+    time, and on a thread of its own (niced or not) 14-19 %, its CPU taken from the ranks'
+    (gradmesh bench observe, 2 cores): so the per-epoch curve appears at the end of the run."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.kept: list[tuple[int, dict[str, torch.Tensor]]] = []
+
+    def after(self, step: int, module: torch.nn.Module) -> None:
+        self.kept.append(
+            (step, {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()})
+        )
+
+    def close(self) -> None:
+        """Score every copy and write its accuracy at its step."""
+        job = self.job
+        assert job.metrics is not None
+        model = build_model(job.config.model, job.data).eval()
+        test = job.data.test
+        for step, state in self.kept:
+            model.load_state_dict(state)
+            correct = 0
+            with torch.no_grad():
+                for i in range(0, len(test), 512):
+                    logits = model(test.x[i : i + 512])
+                    correct += int((logits.argmax(dim=1) == test.y[i : i + 512]).sum())
+            job.metrics.scalars(step, {"accuracy/test": correct / max(len(test), 1)})
+        self.kept.clear()
+
+
+def _epoch_accuracy(job: Job, step: int) -> None:
+    """After an epoch, with --tensorboard: the test accuracy, scored by the writer in the
+    background where it holds the whole model, by every rank at once (a collective) where
+    the model is split."""
+    shape = job.rt.mesh.shape
+    if shape.tp * shape.pp > 1:
+        accuracy = evaluate(job.split, job.data.test, job.rt)
+        if job.metrics is not None:
+            job.metrics.scalars(step, {"accuracy/test": accuracy})
+    elif job.metrics is not None:
+        if job.evaluator is None:
+            job.evaluator = _Evaluator(job)
+        job.evaluator.after(step, job.split.module)
+
+
+def _step_scalars(
+    job: Job,
+    step: int,
+    wall: float,
+    comm: float,
+    kinds_before: dict[str, int],
+    loss: torch.Tensor,
+    count: int,
+) -> None:
+    """The step's scalars, in one event: this rank's loss, the job's samples/s, the learning
+    rate, seconds and bytes sent by kind."""
+    assert job.metrics is not None
+    by_kind = job.rt.comm.by_kind
+    sent = {k: v - kinds_before.get(k, 0) for k, v in by_kind.items()}
+    values = {
+        "throughput/samples_per_s": job.replicas * count / wall if wall > 0 else 0.0,
+        "lr": float(job.optimizer.param_groups[0]["lr"]),
+        "time/step_s": wall,
+        "time/comm_s": comm,
+        "time/compute_s": wall - comm,
+        "bytes/total": float(sum(sent.values())),
+        **{f"bytes/{k}": float(sent.get(k, 0)) for k in KINDS},
+    }
+    if job.split.owns_output and count:
+        values["loss/rank0_step"] = float(loss) / count
+    job.metrics.scalars(step, values)
+
+
+def _run_scalars(job: Job, report: RunReport, steps: int) -> None:
+    """What is known at the end: the world's mean loss per epoch, the test accuracy, a ps job's
+    staleness histogram and request rates, Hogwild!'s updates, restarts."""
+    metrics = job.metrics or Metrics(job.config.tensorboard or "", f".report{job.place[0]}")
+    per_epoch = job.sharder.steps_per_epoch() if job.sharder is not None else 1
+    for epoch, loss in enumerate(report.loss_history):
+        metrics.scalars((epoch + 1) * per_epoch, {"loss/epoch_mean": loss})
+    info = report.strategy_info
+    values = {"accuracy/test_final": report.test_accuracy, "job/restarts": float(restarts())}
+    if "updates_applied" in info:
+        values["hogwild/updates_applied"] = float(info["updates_applied"])
+    for server in info.get("server_stats", []):
+        values[f"ps/request_rate_server{server['server']}"] = server["request_rate"]
+    metrics.scalars(steps, values)
+    merged: dict[int, int] = {}
+    for counts in info.get("staleness_histogram", {}).values():
+        for gap, n in counts.items():
+            merged[int(gap)] = merged.get(int(gap), 0) + int(n)
+    metrics.histogram("ps/staleness", merged, steps)
+    metrics.close()
 
 
 def layout_figures(job: Job, steps: int) -> dict[str, float]:
@@ -496,8 +627,16 @@ def finish(job: Job, clock: _Clock, samples: int, wall_s: float) -> tuple[RunRep
         stats,
         job.split.info,
         _faults(job),
+        clock.steps,
     )
-    return report, job.strategy.writes_report(job.rt)
+    if job.evaluator is not None:
+        job.evaluator.close()
+    writes = job.strategy.writes_report(job.rt)
+    if job.config.tensorboard and writes:
+        _run_scalars(job, report, job.start_step + clock.steps)
+    elif job.metrics is not None:
+        job.metrics.close()
+    return report, writes
 
 
 def _faults(job: Job) -> dict[str, object]:

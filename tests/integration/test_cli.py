@@ -196,12 +196,13 @@ def test_a_checkpoint_of_the_wrong_structure_is_one_line_before_launch(
     assert message in line and line.endswith("no earlier complete checkpoint to fall back to")
 
 
-@pytest.mark.parametrize("flag", ["--json", "--timeline", "--checkpoint-dir"])
+@pytest.mark.parametrize("flag", ["--json", "--timeline", "--checkpoint-dir", "--tensorboard"])
 def test_unwritable_outputs_are_refused_before_training(flag: str, tmp_path: Path) -> None:
     """Checked at start-up: a run is never trained only to lose its results at the end."""
     afile = tmp_path / "a-file"
     afile.write_text("")
-    target = afile if flag == "--checkpoint-dir" else tmp_path / "missing" / "out.json"
+    folder = flag in ("--checkpoint-dir", "--tensorboard")
+    target = afile if folder else tmp_path / "missing" / "out.json"
     started = time.monotonic()
     out = gradmesh("train", flag, str(target), timeout=60)
     assert time.monotonic() - started < 10 and out.stdout == ""
@@ -376,21 +377,82 @@ def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
         "int8",
         "--timeline",
         str(tmp_path / "t.json"),
+        "--tensorboard",
+        str(tmp_path / "tb"),
         "--json",
         str(tmp_path / "r.json"),
     )
     assert out.returncode == 0, out.stderr
+    trace = json.loads((tmp_path / "t.json").read_text())  # one file for the job
+    spans = merged_trace_spans(trace, {0: "rank 0", 1: "rank 1"})
     for rank in (0, 1):
-        events = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["traceEvents"]
-        assert {"forward", "backward", "pack", "reduce", "unpack", "step"} <= {
-            e["name"] for e in events
-        }
-        assert {"compress", "decompress"} <= {e["name"] for e in events}
+        names = {e["name"] for e in spans[rank]}
+        assert {"forward", "backward", "pack", "reduce", "unpack", "step"} <= names
+        assert {"compress", "decompress"} <= names
+    # clocks aligned: the k-th reduce of each bucket on rank 1 overlaps rank 0's
+    reduces = [
+        sorted((e for e in spans[r] if e["name"] == "reduce"), key=lambda e: e["ts"])
+        for r in (0, 1)
+    ]
+    by_bucket = [
+        {b: [e for e in rs if e["args"]["bucket"] == b] for b in {e["args"]["bucket"] for e in rs}}
+        for rs in reduces
+    ]
+    assert len(by_bucket[0]) >= 2 and by_bucket[0].keys() == by_bucket[1].keys()
+    for bucket, mine in by_bucket[1].items():
+        theirs = by_bucket[0][bucket]
+        assert len(mine) == len(theirs) == 3 * 23  # every step of the 3 epochs
+        for a, b in zip(mine, theirs, strict=True):
+            assert a["ts"] <= b["ts"] + b["dur"] and b["ts"] <= a["ts"] + a["dur"], (bucket, a, b)
+    assert trace["otherData"]["clock"]["1"]["uncertainty_us"] < 1000
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["strategy_info"]["compression"] == "int8 with error feedback"
     # one byte per element and a float32 scale per 512 elements: 0.252 of the bytes given
     assert 0.25 < report["compression"]["ratio"] < 0.26
     assert report["final_loss"] < 1.0
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    per_step = ["loss/rank0_step", "throughput/samples_per_s", "lr", "time/step_s"]
+    per_step += ["time/comm_s", "time/compute_s", "bytes/total", "bytes/sync"]
+    for tag in per_step:
+        assert [s.step for s in scalars[tag]] == list(range(1, 3 * 23 + 1)), tag
+    for tag in ("accuracy/test", "loss/epoch_mean"):
+        assert [s.step for s in scalars[tag]] == [23, 46, 69], tag
+    assert scalars["accuracy/test"][-1].value == pytest.approx(report["test_accuracy"])
+    assert [s.value for s in scalars["loss/epoch_mean"]] == pytest.approx(report["loss_history"])
+    assert scalars["lr"][0].value < scalars["lr"][-1].value  # the warm-up, step by step
+    assert scalars["bytes/sync"][-1].value > 0 and scalars["job/restarts"][0].value == 0
+    shown = gradmesh("report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "run.png"))
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("gradmesh train: cnn on digits, strategy allreduce")
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def merged_trace_spans(trace: dict, names: dict[int, str]) -> dict[int, list[dict]]:
+    """The complete events of a merged trace by pid, after checking that every process in
+    `names` is there, named, and that each event is well-formed."""
+    events = trace["traceEvents"]
+    named = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert named == names
+    spans: dict[int, list[dict]] = {pid: [] for pid in names}
+    for e in events:
+        if e["ph"] == "X":
+            assert isinstance(e["tid"], int) and e["dur"] >= 0 and e["ts"] > -1e7, e
+            spans[e["pid"]].append(e)
+    threads = {(e["pid"], e["tid"]) for e in events if e.get("name") == "thread_name"}
+    assert {(e["pid"], e["tid"]) for es in spans.values() for e in es} <= threads
+    assert trace["otherData"]["missing_ranks"] == []
+    return spans
+
+
+def tensorboard_scalars(logdir: Path) -> dict[str, list]:
+    """Every scalar in the folder's event files, by tag, read with tensorboard's reader."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    runs = EventMultiplexer().AddRunsFromDirectory(str(logdir))
+    runs.Reload()
+    (run,) = runs.Runs()
+    accumulator = runs.GetAccumulator(run)
+    return {tag: accumulator.Scalars(tag) for tag in accumulator.Tags()["scalars"]}
 
 
 def test_horovod_script_runs_with_only_its_import_changed() -> None:

@@ -1,0 +1,83 @@
+"""`gradmesh bench observe`: what `--tensorboard` and `--timeline` cost a training step.
+
+The default job (`gradmesh train` with its defaults, or `--strategy`/`--epochs` given here) runs
+without either and with both, alternately, `--rounds` times each; a job's step time is its
+training wall (the report's `wall_s`: the loop, per-epoch evaluation for TensorBoard included,
+start-up and the trace's merge at the end not) over its steps. Reported: the medians, their
+ratio, and the machine's idle CPU during each job (under 10 %: `"limit": "cpu"`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from gradmesh.bench.common import CPU_BOUND_IDLE, cpu_jiffies, median, write_json
+from gradmesh.errors import GradmeshError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--strategy", default="allreduce", help="(default: allreduce)")
+    parser.add_argument("--epochs", type=int, default=12, help="(default: 12, train's default)")
+    parser.add_argument("--rounds", type=int, default=5, help="jobs of each kind (default: 5)")
+    parser.add_argument("--json", help="write the result here")
+
+
+def _job(args: argparse.Namespace, observed: bool, tmp: Path, n: int) -> dict[str, float]:
+    out = tmp / f"r{n}.json"
+    flags = ["--strategy", args.strategy, "--epochs", str(args.epochs), "--json", str(out)]
+    if args.strategy == "ps":
+        flags += ["--servers", "1"]
+    if observed:
+        flags += ["--tensorboard", str(tmp / f"tb{n}"), "--timeline", str(tmp / f"t{n}.json")]
+    before = cpu_jiffies()
+    done = subprocess.run(
+        [sys.executable, "-m", "gradmesh.cli", "train", *flags],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), before, strict=True))
+    if done.returncode != 0 or not out.exists():
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise GradmeshError(f"the {'observed' if observed else 'plain'} job failed: {last}")
+    report = json.loads(out.read_text())
+    return {"step_s": report["wall_s"] / max(report["steps"], 1), "cpu_idle": idle / total}
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.rounds < 1 or args.epochs < 1:
+        raise GradmeshError("--rounds and --epochs must be >= 1")
+    runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory(prefix="gradmesh-observe-") as tmp:
+        _job(args, True, Path(tmp), -1)  # warm-up: the page cache, tensorboard's import
+        for n in range(args.rounds):
+            for observed in (n % 2 == 1, n % 2 == 0):  # alternate which goes first
+                runs[observed].append(_job(args, observed, Path(tmp), 2 * n + observed))
+    plain = median([r["step_s"] for r in runs[False]])
+    seen = median([r["step_s"] for r in runs[True]])
+    idle = median([r["cpu_idle"] for rs in runs.values() for r in rs])
+    payload: dict[str, Any] = {
+        "strategy": args.strategy,
+        "epochs": args.epochs,
+        "rounds": args.rounds,
+        "plain_step_s": plain,
+        "observed_step_s": seen,
+        "overhead": seen / plain - 1,
+        "plain_step_s_rounds": [r["step_s"] for r in runs[False]],
+        "observed_step_s_rounds": [r["step_s"] for r in runs[True]],
+        "cpu_idle": idle,
+        "limit": "cpu" if idle < CPU_BOUND_IDLE else "not cpu",
+    }
+    write_json(args.json, payload)
+    print(
+        f"{args.strategy}: {plain * 1e3:.3f} ms a step plain, {seen * 1e3:.3f} ms with "
+        f"--tensorboard and --timeline: {payload['overhead']:+.1%} (medians of {args.rounds}; "
+        f"idle CPU {idle:.0%})"
+    )
+    return 0
