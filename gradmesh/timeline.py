@@ -171,7 +171,10 @@ class JobClock:
             host, port = self.listener.getsockname()[:2]
             self.store.set(f"{self.prefix}/clock", f"{host} {port}")
             return -origin
-        host, port = self.store.get(f"{self.prefix}/clock").decode().split()
+        try:
+            host, port = self.store.get(f"{self.prefix}/clock").decode().split()
+        except RuntimeError as exc:  # the store's timeout: rank 0 never started its timeline
+            raise GradmeshError(f"timeline: rank {self.pid}: no clock from rank 0: {exc}") from None
         offset, self.uncertainty_s = measure_offset(host, int(port), self.timeout_s)
         return offset
 
