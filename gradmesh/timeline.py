@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -191,18 +192,12 @@ class JobClock:
             key = f"{self.prefix}/part/{pid}"
             try:
                 left = max(0.01, deadline - time.monotonic())
-                self.store.wait([key], _timedelta(left))
+                self.store.wait([key], timedelta(seconds=left))
                 parts.append(json.loads(self.store.get(key)))
             except RuntimeError:  # it never came: that rank failed or was killed
                 missing.append(pid)
         write_trace(path, parts, max_steps, missing)
         return path
-
-
-def _timedelta(seconds: float) -> Any:
-    from datetime import timedelta
-
-    return timedelta(seconds=seconds)
 
 
 def _answer_time(listener: socket.socket, origin: float, stop: threading.Event) -> None:
