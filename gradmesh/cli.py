@@ -133,8 +133,7 @@ BENCHES = {
         "gradmesh.bench.observe",
     ),
     "scaling": (
-        "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's "
-        "prediction",
+        "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's prediction",
         "gradmesh.bench.scaling",
     ),
     "plan": (
@@ -161,9 +160,19 @@ def _cmd_simulate(args: argparse.Namespace, _command: list[str]) -> int:
 
 
 def _cmd_report(args: argparse.Namespace, _command: list[str]) -> int:
-    from gradmesh.train.report import RunReport
+    from gradmesh.train.report import RunReport, read_json
 
-    report = RunReport.load(args.run)
+    raw = read_json(args.run)
+    if isinstance(raw, dict) and "traceEvents" in raw:  # a --timeline file
+        from gradmesh.timeline import trace_summary
+
+        if args.plot:
+            from gradmesh.plot import timeline_plot
+
+            timeline_plot(args.plot, raw, args.steps)
+        print(trace_summary(raw))
+        return 0
+    report = RunReport.load(args.run, raw)
     if args.plot:
         from gradmesh.plot import run_plot
 
@@ -269,9 +278,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     import_module("gradmesh.simulate").add_arguments(simulate)
     simulate.set_defaults(handler=_cmd_simulate)
-    report = sub.add_parser("report", help="print a finished run's report (gradmesh train --json)")
-    report.add_argument("run", help="the run's JSON report")
-    report.add_argument("--plot", help="write its loss curve and per-rank step times here (PNG)")
+    report = sub.add_parser(
+        "report", help="print a finished run's report (--json) or timeline (--timeline)"
+    )
+    report.add_argument("run", help="the run's JSON report or merged timeline")
+    report.add_argument(
+        "--plot",
+        help="write a report's loss curve and per-rank step times, or a timeline's last "
+        "steps per process and thread, here (PNG)",
+    )
+    report.add_argument(
+        "--steps", type=int, default=3, help="steps of a timeline to plot (default 3)"
+    )
     report.set_defaults(handler=_cmd_report)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)

@@ -81,3 +81,65 @@ def scaling_plot(
     eff.legend()
     fig.suptitle(title)
     _save(fig, path)
+
+
+def timeline_plot(path: str, trace: dict[str, Any], steps: int = 3) -> None:
+    """The last `steps` steps of a merged timeline (`--timeline`) as one row per process and
+    thread, each span a bar coloured by its name: the overlap Perfetto shows, without a
+    browser. A step starts at the first process's `forward` (or its first span's name)."""
+    from gradmesh.timeline import trace_processes
+
+    processes = trace_processes(trace)
+    if not processes:
+        raise GradmeshError("the timeline has no spans to plot")
+    first = next(iter(processes.values()))[1]
+    marker = "forward" if any(e["name"] == "forward" for e in first) else first[0]["name"]
+    starts = [e["ts"] for e in first if e["name"] == marker]
+    begin = starts[-steps] if len(starts) >= steps else starts[0]
+    end = max(e["ts"] + e["dur"] for _n, events in processes.values() for e in events)
+    plt = _pyplot()
+    # a span that overlaps an earlier one on its thread (an asynchronous reduce under
+    # backward) goes to the first sub-row free at its start, as trace viewers nest them
+    lanes: dict[tuple[int, int, int], list[dict[str, Any]]] = {}
+    for pid, (_name, events) in processes.items():
+        ends: dict[tuple[int, int], list[float]] = {}
+        for e in events:
+            if e["ts"] + e["dur"] < begin:
+                continue
+            free = ends.setdefault((pid, e["tid"]), [])
+            lane = next((i for i, t in enumerate(free) if t <= e["ts"]), len(free))
+            free[lane : lane + 1] = [e["ts"] + e["dur"]]
+            lanes.setdefault((pid, e["tid"], lane), []).append(e)
+    rows = sorted(lanes)
+    fig, ax = plt.subplots(figsize=(11, 0.45 * len(rows) + 1.6))
+    colours: dict[str, Any] = {}
+    palette = plt.get_cmap("tab10")
+    for y, row in enumerate(rows):
+        for e in lanes[row]:
+            colour = colours.setdefault(e["name"], palette(len(colours) % 10))
+            start = (e["ts"] - begin) / 1e3
+            ax.broken_barh([(start, e["dur"] / 1e3)], (y - 0.4, 0.8), color=colour)
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"]
+        for e in trace["traceEvents"]
+        if e.get("ph") == "M" and e.get("name") == "thread_name"
+    }
+    labels = [
+        f"{processes[p][0]}: {threads.get((p, t), f'thread {t}')}" if lane == 0 else ""
+        for p, t, lane in rows
+    ]
+    ax.set_yticks(range(len(rows)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, (end - begin) / 1e3)
+    ax.set_xlabel("ms (rank 0's clock)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colours.values()]
+    ax.legend(
+        handles,
+        list(colours),
+        ncol=min(len(colours), 8),
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.15),
+        frameon=False,
+    )
+    ax.set_title(f"the last {min(steps, len(starts))} steps, every process and thread")
+    _save(fig, path)

@@ -351,3 +351,38 @@ def span(name: str, category: str = "compute", **args: Any) -> Iterator[None]:
         return
     with timeline.span(name, category, **args):
         yield
+
+
+def trace_processes(trace: dict[str, Any]) -> dict[int, tuple[str, list[dict[str, Any]]]]:
+    """A merged trace's processes by pid: name and complete ("X") events, in time order."""
+    names = {
+        e["pid"]: e["args"]["name"]
+        for e in trace.get("traceEvents", [])
+        if e.get("ph") == "M" and e.get("name") == "process_name"
+    }
+    found: dict[int, tuple[str, list[dict[str, Any]]]] = {}
+    for e in trace.get("traceEvents", []):
+        if e.get("ph") == "X":
+            pid = e["pid"]
+            found.setdefault(pid, (names.get(pid, f"pid {pid}"), []))[1].append(e)
+    for _name, events in found.values():
+        events.sort(key=lambda e: e["ts"])
+    return dict(sorted(found.items()))
+
+
+def trace_summary(trace: dict[str, Any]) -> str:
+    """Lines for `gradmesh report TRACE.json`: per process, the steps it kept and the mean
+    milliseconds per step in each span name (spans on different threads may overlap)."""
+    data = trace.get("otherData", {})
+    lines = [f"gradmesh timeline: {data.get('kept', 'every step')}"]
+    for pid, (name, events) in trace_processes(trace).items():
+        steps = max(int(data.get("steps", {}).get(str(pid), 0)), 1)
+        totals: dict[str, float] = {}
+        for e in events:
+            totals[e["name"]] = totals.get(e["name"], 0.0) + e["dur"] / 1e3
+        per_step = "  ".join(f"{k} {v / steps:.3f}" for k, v in sorted(totals.items()))
+        lines.append(f"  {name}: {steps} steps; ms per step: {per_step}")
+    missing = data.get("missing_ranks", [])
+    if missing:
+        lines.append(f"  missing (never delivered their part): {missing}")
+    return "\n".join(lines)

@@ -171,22 +171,18 @@ class RunReport:
         )
 
     @classmethod
-    def load(cls, path: str) -> RunReport:
-        """The report `gradmesh train --json` wrote to `path` (a one-line error otherwise)."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except OSError as exc:
-            raise GradmeshError(f"cannot read {path}: {exc.strerror}") from None
-        except ValueError as exc:
-            raise GradmeshError(f"{path} is not JSON: {exc}") from None
+    def load(cls, path: str, raw: Any = None) -> RunReport:
+        """The report `gradmesh train --json` wrote to `path` (a one-line error otherwise);
+        `raw` is its JSON where the caller has read it already."""
+        raw = read_json(path) if raw is None else raw
         names = {f.name for f in dataclasses.fields(cls)}
         required = {f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING}
         required -= {f.name for f in dataclasses.fields(cls) if callable(f.default_factory)}
         if not isinstance(raw, dict) or not required <= set(raw):
             missing = sorted(required - set(raw)) if isinstance(raw, dict) else ["an object"]
             raise GradmeshError(
-                f"{path} is not a gradmesh run report (gradmesh train --json): it lacks "
-                + ", ".join(missing[:4])
+                f"{path} is not a gradmesh run report (gradmesh train --json) or timeline "
+                "(--timeline): it lacks " + ", ".join(missing[:4])
             )
         return cls(**{k: v for k, v in raw.items() if k in names})
 
@@ -263,3 +259,13 @@ class RunReport:
             f"  per rank: parameters {lay.get('param_bytes', 0) / 1e6:.2f} MB; "
             f"sent per step: {per_step}",
         ]
+
+
+def read_json(path: str) -> Any:
+    """`path`'s JSON, or a one-line error saying why not."""
+    try:
+        return json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise GradmeshError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise GradmeshError(f"{path} is not JSON: {exc}") from None

@@ -425,6 +425,12 @@ def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("gradmesh train: cnn on digits, strategy allreduce")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
+    shown = gradmesh("report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png"))
+    assert shown.returncode == 0, shown.stderr
+    for rank in (0, 1):  # the trace's own spans, per step
+        line = next(x for x in shown.stdout.splitlines() if x.startswith(f"  rank {rank}: "))
+        assert line.startswith(f"  rank {rank}: 69 steps; ms per step: backward "), line
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def merged_trace_spans(trace: dict, names: dict[int, str]) -> dict[int, list[dict]]:
@@ -445,14 +451,17 @@ def merged_trace_spans(trace: dict, names: dict[int, str]) -> dict[int, list[dic
 
 
 def tensorboard_scalars(logdir: Path) -> dict[str, list]:
-    """Every scalar in the folder's event files, by tag, read with tensorboard's reader."""
+    """Every scalar and histogram in the folder's event files (one run, however many
+    processes wrote to it), by tag, read with tensorboard's reader."""
     from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
 
     runs = EventMultiplexer().AddRunsFromDirectory(str(logdir))
     runs.Reload()
     (run,) = runs.Runs()
     accumulator = runs.GetAccumulator(run)
-    return {tag: accumulator.Scalars(tag) for tag in accumulator.Tags()["scalars"]}
+    tags = accumulator.Tags()
+    found = {tag: accumulator.Scalars(tag) for tag in tags["scalars"]}
+    return found | {tag: accumulator.Histograms(tag) for tag in tags["histograms"]}
 
 
 def test_horovod_script_runs_with_only_its_import_changed() -> None:
@@ -598,6 +607,8 @@ def test_hogwild_trains_the_sparse_problem_and_counts_updates(tmp_path: Path) ->
         "--batch-size=64",
         "--epochs=6",
         "--lock",
+        "--tensorboard",
+        str(tmp_path / "tb"),
         "--json",
         str(tmp_path / "h.json"),
     )
@@ -609,6 +620,11 @@ def test_hogwild_trains_the_sparse_problem_and_counts_updates(tmp_path: Path) ->
     steps_per_epoch = -(-len(DATASETS.get("docstrings")(DataOptions()).train) // 64)
     assert got["strategy_info"]["updates_applied"] == 2 * 6 * steps_per_epoch
     assert got["strategy_info"]["lock"] is True
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    (updates,) = scalars["hogwild/updates_applied"]
+    assert updates.value == got["strategy_info"]["updates_applied"]
+    epochs = [s.step for s in scalars["loss/epoch_mean"]]
+    assert epochs == [(e + 1) * steps_per_epoch for e in range(6)]
     assert got["bytes_sent"] < 10_000  # no weights cross a socket, only the loss sums
     assert "needs real-valued inputs" in one_line_error(
         gradmesh("train", "--strategy=hogwild", "--dataset=docstrings", "--model=cnn")

@@ -17,6 +17,7 @@ from tests.integration.test_cli import (
     gradmesh,
     merged_trace_spans,
     one_line_error,
+    tensorboard_scalars,
 )
 
 
@@ -33,6 +34,7 @@ def test_async_and_ssp_learn_digits_at_the_defaults(mode: str, tmp_path: Path) -
         f"--mode={mode}",
         "--seed=1",
         f"--timeline={tmp_path / 'trace.json'}",
+        f"--tensorboard={tmp_path / 'tb'}",
         "--json",
         str(tmp_path / "r.json"),
     )
@@ -60,6 +62,16 @@ def test_async_and_ssp_learn_digits_at_the_defaults(mode: str, tmp_path: Path) -
         pulls = [e for e in spans[worker] if e["name"] == "pull"]
         assert pulls and all("staleness" in e["args"] for e in pulls)
         assert {"forward", "backward"} <= {e["name"] for e in spans[worker]}
+    # TensorBoard: worker 0's steps, each server's request rate, the staleness histogram
+    scalars = tensorboard_scalars(tmp_path / "tb")
+    for server in info["server_stats"]:
+        (rate,) = scalars[f"ps/request_rate_server{server['server']}"]
+        assert rate.value == pytest.approx(server["request_rate"])
+    (staleness,) = scalars["ps/staleness"]
+    applied = sum(int(n) for h in info["staleness_histogram"].values() for n in h.values())
+    assert staleness.histogram_value.num == applied > 0
+    steps = [s.step for s in scalars["loss/rank0_step"]]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 20
 
 
 def _training_workers(root: psutil.Process) -> dict[int, psutil.Process]:

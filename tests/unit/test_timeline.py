@@ -8,6 +8,9 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
+
+from gradmesh.cli import main
 from gradmesh.timeline import Timeline, _answer_time, measure_offset, write_trace
 
 
@@ -65,3 +68,20 @@ def test_a_merged_trace_names_processes_and_threads(tmp_path: Path) -> None:
     assert (0, "thread_name", {"name": "communication"}) in meta
     assert trace["otherData"]["missing_ranks"] == [2]
     assert trace["otherData"]["kept"] == "every step"
+
+
+def test_report_refuses_what_is_neither_a_report_nor_a_timeline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cases = {
+        "text.json": ("not json", "is not JSON"),
+        "list.json": ("[1, 2]", "is not a gradmesh run report (gradmesh train --json) or timeline"),
+        "empty.json": ('{"traceEvents": []}', "the timeline has no spans to plot"),
+    }
+    for name, (text, message) in cases.items():
+        (tmp_path / name).write_text(text)
+        assert main(["report", str(tmp_path / name), "--plot", str(tmp_path / "p.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    assert "cannot read" in capsys.readouterr().err
