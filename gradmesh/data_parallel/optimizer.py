@@ -418,6 +418,12 @@ class _DistributedMixin:
             gm.reset()
 
 
+def is_distributed(optimizer: object) -> bool:
+    """Whether `optimizer` came from `DistributedOptimizer` (its step reduces, then spans the
+    update as `step` on the timeline)."""
+    return isinstance(optimizer, _DistributedMixin)
+
+
 def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     optimizer: Optimizer,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,

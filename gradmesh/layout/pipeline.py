@@ -319,7 +319,8 @@ class PipelineEngine:
                 out = outputs.pop(i)
                 grad = None if self.last else received(("B", i), self.stage + 1)
                 t0 = time.perf_counter()
-                out.backward(grad)  # type: ignore[no-untyped-call]
+                with span("backward", microbatch=i):
+                    out.backward(grad)  # type: ignore[no-untyped-call]
                 busy += time.perf_counter() - t0
                 inp = inputs.pop(i)
                 if not self.first:

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from gradmesh.collectives import allreduce
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
+from gradmesh.data_parallel.optimizer import is_distributed
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
@@ -446,7 +447,11 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
                 time.sleep(config.emulate_compute_ms / 1000)  # labelled emulation (benchmarks)
             if fault is not None and fault.kind == "slow":
                 fault.check(job.place[0], step)
-            job.optimizer.step()
+            if is_distributed(job.optimizer):  # it spans its update itself, not its wait
+                job.optimizer.step()
+            else:
+                with span("step"):
+                    job.optimizer.step()
             if job.warmup is not None:
                 job.warmup.step()
             wall, comm = time.perf_counter() - step_started, rt.comm.comm_s - comm_before

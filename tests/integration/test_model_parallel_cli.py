@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_cli import ROOT, gradmesh, one_line_error
+from tests.integration.test_cli import ROOT, gradmesh, merged_trace_spans, one_line_error
 
 ALEXNET = [
     "train",
@@ -47,7 +47,10 @@ def test_split_layouts_train_the_data_parallel_loss_curve(tmp_path: Path) -> Non
     plan.write_text(json.dumps({"model": "alexnet", "tensor_parallel": 2, "layers": layers}))
     dp = report(tmp_path, "dp")
     tp = report(tmp_path, "tp", "--plan", str(plan))
-    pp = report(tmp_path, "pp", "--pipeline-parallel", "2", "--microbatches", "2")
+    trace = tmp_path / "pp-trace.json"
+    pp = report(
+        tmp_path, "pp", "--pipeline-parallel", "2", "--microbatches", "2", "--timeline", str(trace)
+    )
     assert tp["layout"]["plan"] == layers
     for split in (tp, pp):
         assert split["loss_history"] == pytest.approx(dp["loss_history"], rel=1e-5)
@@ -59,6 +62,14 @@ def test_split_layouts_train_the_data_parallel_loss_curve(tmp_path: Path) -> Non
     assert tp["layout"]["tensor_parallel_bytes_per_step"] > 0
     assert pp["layout"]["pipeline_bytes_per_step"] > 0 and 0 < pp["layout"]["bubble"] < 1
     assert dp["layout"]["tensor_parallel_bytes_per_step"] == 0
+    # every stage's timeline: forward and backward per microbatch, the optimizer's step
+    spans = merged_trace_spans(json.loads(trace.read_text()), {r: f"rank {r}" for r in range(4)})
+    steps = pp["steps"]
+    for rank, events in spans.items():
+        for name in ("forward", "backward"):
+            micro = [e["args"]["microbatch"] for e in events if e["name"] == name]
+            assert sorted(micro) == sorted([0, 1] * steps), (rank, name)
+        assert sum(e["name"] == "step" for e in events) == steps, rank
 
 
 def example_losses(*flags: str) -> list[float]:
