@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml constraints.txt
 		 (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 ethtool >/dev/null 2>&1)) || \
 		echo "could not install iproute2/ethtool: emulated-cluster tests will be skipped"; fi
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,plot,tensorboard]'
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test,plot,tensorboard,ray,spark]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -75,11 +75,11 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
         from gradmesh.train.trainer import check_resume
 
         check_resume(config)
-    module, nproc, roles = "gradmesh.train.worker", config.workers, {}
-    if config.strategy == "ps":  # servers and workers, all through the same launcher
-        module, nproc = "gradmesh.parameter_server.node", config.servers + config.workers
-        roles = {i: f"parameter server {i}" for i in range(config.servers)}
-        roles.update({config.servers + i: f"ps worker {i}" for i in range(config.workers)})
+    from gradmesh.integrations import entry_point, train_on
+
+    if config.engine != "local":
+        return train_on(config)
+    module, nproc, roles = entry_point(config)  # a ps job's servers and workers alike
     worker = [sys.executable, "-m", module, "--config", config.to_json()]
     spec = LaunchSpec(
         **{"nproc": nproc, **where},
@@ -200,9 +200,25 @@ def _cmd_emulate(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
-    from gradmesh.launch.run import LaunchSpec, launch, parse_nnodes
+    from gradmesh.launch.run import (
+        LaunchSpec,
+        cluster_defaults,
+        kubernetes_sources,
+        launch,
+        parse_nnodes,
+    )
 
     min_nodes, nnodes = parse_nnodes(args.nnodes)
+    # a flag that contradicts what Kubernetes set for this pod is a mistake, not an override
+    given = {"nproc": args.np, "nnodes": (min_nodes, nnodes), "node_rank": args.node_rank}
+    given["master"] = args.master
+    env = cluster_defaults()
+    env["nnodes"] = (env.get("min_nodes"), env.get("nnodes"))
+    flags = {"nproc": "-np", "nnodes": "--nnodes", "node_rank": "--node-rank", "master": "--master"}
+    for key, source in kubernetes_sources().items():
+        if key in flags and given[key] != env[key]:
+            shown = args.nnodes if key == "nnodes" else given[key]
+            raise GradmeshError(f"{flags[key]} {shown} contradicts {source}")
     spec = LaunchSpec(
         nproc=args.np,
         nnodes=nnodes,
@@ -222,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     from gradmesh.launch.run import cluster_defaults
     from gradmesh.runtime import default_timeout_s
 
-    on_cluster = cluster_defaults()  # set by gradmesh emulate on each emulated host
+    on_cluster = cluster_defaults()  # gradmesh emulate's host, or a Kubernetes pod
     run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
     run.add_argument(
         "-np",
@@ -309,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    try:  # the parser's defaults come from the environment, which can be wrong
+        parser = build_parser()
+    except GradmeshError as exc:
+        print(f"gradmesh: error: {exc}", file=sys.stderr)
+        return USAGE_ERROR
+    args = parser.parse_args(argv)
     if args.command not in ("run", "emulate") and command:
         print(f"gradmesh {args.command}: error: unexpected arguments after --", file=sys.stderr)
         return USAGE_ERROR

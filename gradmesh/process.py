@@ -88,3 +88,21 @@ def connect_store(host: str, port: int, timeout_s: float) -> TCPStore:
         )
     except (RuntimeError, ValueError) as exc:
         raise GradmeshError(f"cannot reach the job's store at {host}:{port}: {exc}") from None
+
+
+def interface_of(address: str) -> str | None:
+    """The name of this host's interface that holds `address` (None when none does): what
+    GLOO_SOCKET_IFNAME must name for Gloo to use the address an engine (Ray) chose. Read with
+    the SIOCGIFADDR ioctl, which needs no package (psutil is only a test dependency)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _index, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(probe.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address on this interface
+                continue
+            if socket.inet_ntoa(raw[20:24]) == address:
+                return name
+    return None

@@ -209,6 +209,8 @@ def _pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.de
 
 
 _joins = 0
+_adopted = False
+"""Whether the world group was formed by an engine (Ray Train) rather than by `init()`."""
 """How many times this process has joined a job of more than one rank (see `_connect`)."""
 
 
@@ -218,6 +220,16 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
     # `shutdown()` could not free it (see `Runtime.release_groups`). Imported first, it holds None.
     import torch.distributed.nn.functional  # noqa: F401
 
+    global _adopted
+    if dist.is_initialized():  # an engine (Ray Train) formed the job's group before us: join it
+        have = (dist.get_rank(), dist.get_world_size())
+        if have != (rank, size):
+            raise GradmeshError(
+                f"rank {rank}: a process group already exists with rank {have[0]} of "
+                f"{have[1]}, but RANK={rank} WORLD_SIZE={size}"
+            )
+        _adopted = True
+        return
     if size == 1 and "MASTER_ADDR" not in os.environ:
         store = dist.HashStore()  # type: ignore[attr-defined]
         dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
@@ -465,7 +477,8 @@ def shutdown() -> None:
         if _runtime._executor is not None:
             _runtime._executor.shutdown(wait=not failing, cancel_futures=True)
     if dist.is_initialized() and not failing:
-        dist.destroy_process_group()
+        if not _adopted:  # the engine that formed the world group ends it
+            dist.destroy_process_group()
         if _runtime is not None:
             _runtime.release_groups()
     _runtime = None

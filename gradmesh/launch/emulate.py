@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
 
@@ -398,10 +399,16 @@ class EmulatedCluster:
         }
 
     def start(
-        self, command: list[str], procs_per_host: int = 1, min_hosts: int | None = None
+        self,
+        command: list[str],
+        procs_per_host: int = 1,
+        min_hosts: int | None = None,
+        host_env: Callable[[int], dict[str, str]] | None = None,
     ) -> HostJob:
         """Start `command` on every host (a gradmesh command, or any program under gradmesh run);
-        with `min_hosts`, as an elastic job that goes on while that many hosts remain."""
+        with `min_hosts`, as an elastic job that goes on while that many hosts remain.
+        `host_env(host)` replaces the GRADMESH_* variables that place each host in the job (a
+        test giving each host what a Kubernetes pod would get instead)."""
         if not command:
             raise GradmeshError("no command to run: put it after --, like: -- gradmesh train")
         if procs_per_host < 1:
@@ -416,7 +423,12 @@ class EmulatedCluster:
         )
         procs, threads = [], []
         for host in range(self.hosts):
-            env = {**os.environ, **self.host_env(host, procs_per_host, min_hosts)}
+            placed = (
+                self.host_env(host, procs_per_host, min_hosts)
+                if host_env is None
+                else host_env(host)
+            )
+            env = {**os.environ, **placed}
             if self.tmpdir is not None:
                 env["TMPDIR"] = self.tmpdir
             # every emulated host shares this machine's cores: do not let each think it has all

@@ -83,24 +83,78 @@ def parse_nnodes(text: str) -> tuple[int | None, int]:
     return (values[0] if colon else None), values[-1]
 
 
+KUBEFLOW_ENV = {
+    "nnodes": "PET_NNODES",
+    "nproc": "PET_NPROC_PER_NODE",
+    "node_rank": "PET_NODE_RANK",
+}
+"""What Kubeflow's training operator (PyTorchJob, TrainJob) sets for torchrun in every pod; the
+master is PET_MASTER_ADDR and PET_MASTER_PORT."""
+INDEX_ENV = "JOB_COMPLETION_INDEX"
+"""A Kubernetes Indexed Job's pod index: this host's rank where nothing else gives one."""
+
+
 def cluster_defaults() -> dict[str, Any]:
-    """Where this host sits in a multi-host job, from the GRADMESH_* variables that
-    `gradmesh emulate` (or a cluster script) sets; empty when none are set."""
+    """Where this host sits in a multi-host job: from the GRADMESH_* variables that
+    `gradmesh emulate` (or a cluster script) sets, the PET_* variables Kubeflow sets, and an
+    Indexed Job's JOB_COMPLETION_INDEX; empty when none are set. Two of them that disagree are
+    a one-line error naming both. `sources` (see `kubernetes_sources`) says which came from
+    Kubernetes."""
+    return _cluster_env()[0]
+
+
+def kubernetes_sources() -> dict[str, str]:
+    """For each setting Kubernetes gave (PET_* or JOB_COMPLETION_INDEX), `VAR=value`: a flag of
+    `gradmesh run` that contradicts it is an error, not a silent override."""
+    return _cluster_env()[1]
+
+
+def _cluster_env() -> tuple[dict[str, Any], dict[str, str]]:
     from gradmesh.launch.emulate import CLUSTER_ENV
 
-    found: dict[str, Any] = {}
+    given: dict[str, list[tuple[str, str]]] = {}
     for key, var in CLUSTER_ENV.items():
-        raw = os.environ.get(var)
-        if raw and key == "nnodes":
-            found["min_nodes"], found["nnodes"] = parse_nnodes(raw)
-        elif raw:
-            try:
-                found[key] = raw if key in ("master", "iface") else int(raw)
-            except ValueError:
-                raise GradmeshError(
-                    f"environment variable {var}={raw!r} is not an integer"
-                ) from None
-    return found
+        if os.environ.get(var):
+            given.setdefault(key, []).append((var, os.environ[var]))
+    for key, var in KUBEFLOW_ENV.items():
+        if os.environ.get(var):
+            given.setdefault(key, []).append((var, os.environ[var]))
+    addr, port = os.environ.get("PET_MASTER_ADDR"), os.environ.get("PET_MASTER_PORT")
+    if addr:
+        pair = f"{addr}:{port}" if port else addr
+        given.setdefault("master", []).append(("PET_MASTER_ADDR/PORT", pair))
+    if os.environ.get(INDEX_ENV) and "node_rank" not in given:
+        given["node_rank"] = [(INDEX_ENV, os.environ[INDEX_ENV])]
+    found: dict[str, Any] = {}
+    kube: dict[str, str] = {}
+    for key, values in given.items():
+        (var, raw), *others = values
+        value = _cluster_value(key, var, raw)
+        for other, their_raw in others:
+            if _cluster_value(key, other, their_raw) != value:
+                raise GradmeshError(f"{var}={raw} and {other}={their_raw} disagree: set one")
+        if key == "nnodes":
+            found["min_nodes"], found["nnodes"] = value
+        else:
+            found[key] = value
+        for source, raw in values:
+            if not source.startswith("GRADMESH_"):
+                kube[key] = f"{source}={raw}"
+    return found, kube
+
+
+def _cluster_value(key: str, var: str, raw: str) -> Any:
+    if key == "nnodes":
+        return parse_nnodes(raw)
+    if key in ("master", "iface"):
+        return raw
+    if key == "nproc" and raw in ("auto", "cpu", "gpu"):  # torchrun's words
+        gpus = len([d for d in os.listdir("/dev") if d.removeprefix("nvidia").isdigit()])
+        return gpus if raw == "gpu" or (raw == "auto" and gpus) else (os.cpu_count() or 1)
+    try:
+        return int(raw)
+    except ValueError:
+        raise GradmeshError(f"environment variable {var}={raw!r} is not an integer") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -104,6 +104,9 @@ class JobConfig:
     emulate_compute_ms: float = option(
         0.0, "benchmarks: sleep this long per step, standing in for a bigger model's compute"
     )
+    engine: str = option(
+        "local", "what starts the workers: local (gradmesh's launcher), ray or spark"
+    )
 
 
 @dataclass
@@ -280,6 +283,15 @@ class TrainConfig(
         from gradmesh.train.strategies import STRATEGIES
 
         STRATEGIES.get(self.strategy)
+        from gradmesh.integrations import check_engine
+
+        check_engine(self.engine)
+        if self.engine == "ray" and self.strategy == "ps":
+            raise GradmeshError(
+                "--engine ray cannot run --strategy ps: Ray runs each rank on a thread of its "
+                "worker, where a ps worker's supervisor cannot take its signals (use --engine "
+                "local or spark)"
+            )
         ALGORITHMS.get(self.allreduce)
         ALGORITHMS.get(self.averaging_algorithm)
         if self.sync_every < 1 or self.warmup_sync_steps < 0:

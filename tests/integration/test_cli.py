@@ -30,9 +30,17 @@ REPORT_KEYS = {
 }
 
 
-def gradmesh(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+def gradmesh(
+    *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """`gradmesh ARGS` in a subprocess, with `env` added to this process's environment."""
     return subprocess.run(
-        [*GRADMESH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
+        [*GRADMESH, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        env={**os.environ, **env} if env else None,
     )
 
 
