@@ -32,13 +32,28 @@ PASSED_ENV = ("GRADMESH_", "GLOO_", "NCCL_", "OMP_NUM_THREADS")
 started by its raylet, not by the caller)."""
 
 
+class _Result:
+    """Holds rank 0's return value for the driver (a Ray actor of no CPU: Train v2 keeps
+    reported metrics only with a checkpoint)."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+    def put(self, value: Any) -> None:
+        self.value = value
+
+    def get(self) -> Any:
+        return self.value
+
+
 def _call(payload: dict[str, Any]) -> None:
     """Every Ray worker: run the function, hand rank 0's result to the driver."""
+    import ray
     import ray.train
 
     result = payload["fn"](*payload["args"])
-    rank = ray.train.get_context().get_world_rank()
-    ray.train.report({"gradmesh_result": result if rank == 0 else None})
+    if ray.train.get_context().get_world_rank() == 0:
+        ray.get(payload["result"].put.remote(result))
 
 
 def run(
@@ -69,9 +84,11 @@ def run(
             iface = interface_of(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]
             if iface is not None:
                 env["GLOO_SOCKET_IFNAME"] = iface
+        actor: Any = ray.remote(num_cpus=0)(_Result)
+        holder = actor.remote()
         trainer = TorchTrainer(
             _call,
-            train_loop_config={"fn": fn, "args": args},
+            train_loop_config={"fn": fn, "args": args, "result": holder},
             scaling_config=ScalingConfig(
                 num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": 1}
             ),
@@ -89,7 +106,7 @@ def run(
             raise GradmeshError(f"ray job failed: {_failure(exc)}") from None
         if result.error is not None:
             raise GradmeshError(f"ray job failed: {failed_rank_line(str(result.error))}")
-        return (result.metrics or {}).get("gradmesh_result")
+        return ray.get(holder.get.remote())
     finally:
         if own:
             ray.shutdown()
@@ -137,12 +154,13 @@ def _train_rank(module: str, config_json: str) -> int:
 def train(config: TrainConfig) -> int:
     """`gradmesh train --engine ray`."""
     module, ranks, _roles = entry_point(config)
-    run(
-        _train_rank,
-        module,
-        config.to_json(),
-        workers=ranks,
-        timeout_s=config.timeout_s,
-        max_restarts=config.max_restarts,
-    )
-    return 0
+    return int(
+        run(
+            _train_rank,
+            module,
+            config.to_json(),
+            workers=ranks,
+            timeout_s=config.timeout_s,
+            max_restarts=config.max_restarts,
+        )
+    )  # rank 0's exit code, through the same channel a script's function returns by
