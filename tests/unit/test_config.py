@@ -100,3 +100,27 @@ def test_models_accept_other_input_shapes(name: str) -> None:
 
     model = MODELS.get(name)((3, 12, 10), 5)
     assert model(torch.zeros(2, 3, 12, 10)).shape == (2, 5)
+
+
+def test_an_engine_whose_extra_is_missing_names_the_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import importlib
+
+    from gradmesh.integrations import check_engine
+
+    real = importlib.import_module
+
+    def without_engines(name: str, *args: object) -> object:
+        if name.startswith(("ray", "pyspark")):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(importlib, "import_module", without_engines)
+    with pytest.raises(
+        GradmeshError, match=r"--engine ray needs Ray Train: pip install 'gradmesh\[ray\]'"
+    ):
+        check_engine("ray")
+    with pytest.raises(GradmeshError, match=r"pip install 'gradmesh\[spark\]'"):
+        check_engine("spark")
+    check_engine("local")
