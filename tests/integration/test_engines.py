@@ -13,10 +13,13 @@ import psutil
 import pytest
 import yaml
 
+from gradmesh.cli import main
+from gradmesh.errors import GradmeshError
 from gradmesh.launch import emulate
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.run import cluster_defaults
-from tests.integration.test_cli import ROOT, gradmesh, one_line_error
+from gradmesh.train.config import TrainConfig
+from tests.integration.test_cli import ROOT, gradmesh
 
 MANIFESTS = ROOT / "deploy" / "kubernetes"
 OPERATOR_PORT = 23456  # Kubeflow's PET_MASTER_PORT when the Master declares pytorchjob-port
@@ -150,8 +153,24 @@ def test_a_manifest_s_pods_train_on_the_emulated_cluster(name: str, tmp_path: Pa
     assert report["workers"] == 2 and report["test_accuracy"] >= 0.9
 
 
-def test_kubernetes_variables_that_contradict_flags_are_one_line(tmp_path: Path) -> None:
+def cli_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, args: list[str], **env: str
+) -> str:
+    """`gradmesh ARGS` in this process, with `env` set: its one line on stderr (exit code 2)."""
+    with monkeypatch.context() as patch:
+        for key, value in env.items():
+            patch.setenv(key, value)
+        assert main(args) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_kubernetes_variables_that_contradict_flags_are_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     pod = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1"}
+    run = ["run", "-np", "1", "--", "true"]
     checks = [
         (
             ["run", "-np", "1", "--node-rank", "0", "--", "true"],
@@ -160,27 +179,27 @@ def test_kubernetes_variables_that_contradict_flags_are_one_line(tmp_path: Path)
         ),
         (["run", "-np", "2", "--", "true"], pod, "-np 2 contradicts PET_NPROC_PER_NODE=1"),
         (
-            ["run", "-np", "1", "--", "true"],
+            run,
             {"PET_NODE_RANK": "1", "GRADMESH_NODE_RANK": "0"},
             "GRADMESH_NODE_RANK=0 and PET_NODE_RANK=1 disagree",
         ),
         (
-            ["run", "-np", "1", "--", "true"],
+            run,
             {"GRADMESH_NNODES": "2", "JOB_COMPLETION_INDEX": "x"},
             "JOB_COMPLETION_INDEX='x' is not an integer",
         ),
     ]
     for args, env, message in checks:
-        assert message in one_line_error(gradmesh(*args, env=env)), (args, env)
+        assert message in cli_error(capsys, monkeypatch, args, **env), (args, env)
 
 
-def test_engine_input_is_checked_before_anything_starts() -> None:
-    assert "unknown engine 'yarn' (valid: local, ray, spark)" in one_line_error(
-        gradmesh("train", "--engine", "yarn")
-    )
-    assert "--engine ray cannot run --strategy ps" in one_line_error(
-        gradmesh("train", "--engine", "ray", "--strategy", "ps")
-    )
+def test_engine_input_is_checked_before_anything_starts(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    unknown = cli_error(capsys, monkeypatch, ["train", "--engine", "yarn"])
+    assert "unknown engine 'yarn' (valid: local, ray, spark)" in unknown
+    ps = cli_error(capsys, monkeypatch, ["train", "--engine", "ray", "--strategy", "ps"])
+    assert "--engine ray cannot run --strategy ps" in ps
 
 
 def _ray_or_spark_processes() -> set[int]:
@@ -193,58 +212,76 @@ def _ray_or_spark_processes() -> set[int]:
     return found
 
 
-def engine_run(engine: str, tmp_path: Path, *flags: str, env: dict[str, str] | None = None):
-    started = time.monotonic()
-    out = gradmesh(
-        "train",
-        "--engine",
-        engine,
-        "--epochs",
-        "4",
-        "--json",
-        str(tmp_path / f"{engine}.json"),
-        *flags,
-        env=env,
-        timeout=300,
-    )
-    return out, time.monotonic() - started
+EPOCHS = "3"
 
 
 @pytest.fixture(scope="module")
 def local_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """The report of the job both engines run, started by gradmesh's own launcher."""
-    folder = tmp_path_factory.mktemp("local")
-    out, _ = engine_run("local", folder)
+    report = tmp_path_factory.mktemp("local") / "local.json"
+    out = gradmesh("train", "--epochs", EPOCHS, "--json", str(report))
     assert out.returncode == 0, out.stderr[-2000:]
-    return json.loads((folder / "local.json").read_text())
+    return json.loads(report.read_text())
 
 
-@pytest.mark.parametrize("engine", ["ray", "spark"])
-def test_an_engine_trains_what_local_trains_and_names_a_dead_worker(
-    engine: str, local_run: dict[str, Any], tmp_path: Path
+def same_model(report: Path, local: dict[str, Any]) -> None:
+    """A synchronous strategy with the same seed: the same model, whatever started the ranks."""
+    mine = json.loads(report.read_text())
+    assert mine["workers"] == 2
+    assert mine["test_accuracy"] == local["test_accuracy"]
+    assert mine["loss_history"] == local["loss_history"]
+
+
+def test_spark_trains_what_local_trains_and_names_a_dead_worker(
+    local_run: dict[str, Any], tmp_path: Path
 ) -> None:
-    pytest.importorskip("ray.train.torch" if engine == "ray" else "pyspark.ml.torch")
-    if engine == "spark" and shutil.which("java") is None:
+    pytest.importorskip("pyspark.ml.torch.distributor")
+    if shutil.which("java") is None:
         pytest.skip("Spark needs Java (17 or newer)")
     before = _ray_or_spark_processes()
-    out, _ = engine_run(engine, tmp_path)
+    report = tmp_path / "spark.json"
+    out = gradmesh(
+        "train", "--engine", "spark", "--epochs", EPOCHS, "--json", str(report), timeout=300
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    mine = json.loads((tmp_path / f"{engine}.json").read_text())
-    # a synchronous strategy with the same seed: the same model, whatever started the ranks
-    assert mine["test_accuracy"] == local_run["test_accuracy"]
-    assert mine["loss_history"] == local_run["loss_history"]
+    same_model(report, local_run)
     # a worker killed by SIGKILL: the job fails naming it, and leaves nothing running
     dead = gradmesh(
         "train",
         "--engine",
-        engine,
+        "spark",
         "--epochs",
-        "2",
+        "1",
         env={"GRADMESH_FAULT": "kill:1:5"},
         timeout=300,
     )
-    assert dead.returncode != 0 and "Traceback" not in dead.stderr.splitlines()[-1]
-    line = dead.stderr.splitlines()[-1]  # the engine's own log lines come before it
-    assert line.startswith(f"gradmesh train: error: {engine} job failed: rank 1"), line
+    line = dead.stderr.splitlines()[-1]  # Spark's own log lines come before it
+    assert dead.returncode == 2 and line.startswith(
+        "gradmesh train: error: spark job failed: rank 1"
+    ), line
+    time.sleep(1)
+    assert _ray_or_spark_processes() <= before
+
+
+def test_ray_trains_what_local_trains_and_names_a_dead_worker(
+    local_run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the library on one local Ray instance (`gradmesh train --engine ray` calls the
+    same `train(config)`, starting its own instance): start-up is most of the cost."""
+    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray.train.torch")
+    from gradmesh.integrations import ray as engine
+
+    before = _ray_or_spark_processes()
+    config = TrainConfig(engine="ray", epochs=int(EPOCHS), json=str(tmp_path / "ray.json"))
+    ray.init(num_cpus=2, include_dashboard=False)
+    try:
+        assert engine.train(config) == 0
+        same_model(tmp_path / "ray.json", local_run)
+        monkeypatch.setenv("GRADMESH_FAULT", "kill:1:5")  # passed on to Ray's workers
+        with pytest.raises(GradmeshError, match=r"^ray job failed: rank 1: its Ray worker died"):
+            engine.train(TrainConfig(engine="ray", epochs=1))
+    finally:
+        ray.shutdown()
     time.sleep(1)
     assert _ray_or_spark_processes() <= before
