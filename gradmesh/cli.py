@@ -200,22 +200,16 @@ def _cmd_emulate(args: argparse.Namespace, command: list[str]) -> int:
 
 
 def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
-    from gradmesh.launch.run import (
-        LaunchSpec,
-        cluster_defaults,
-        kubernetes_sources,
-        launch,
-        parse_nnodes,
-    )
+    from gradmesh.launch.run import LaunchSpec, cluster_env, launch, parse_nnodes
 
     min_nodes, nnodes = parse_nnodes(args.nnodes)
     # a flag that contradicts what Kubernetes set for this pod is a mistake, not an override
     given = {"nproc": args.np, "nnodes": (min_nodes, nnodes), "node_rank": args.node_rank}
     given["master"] = args.master
-    env = cluster_defaults()
+    env, kubernetes = cluster_env()
     env["nnodes"] = (env.get("min_nodes"), env.get("nnodes"))
     flags = {"nproc": "-np", "nnodes": "--nnodes", "node_rank": "--node-rank", "master": "--master"}
-    for key, source in kubernetes_sources().items():
+    for key, source in kubernetes.items():
         if key in flags and given[key] != env[key]:
             shown = args.nnodes if key == "nnodes" else given[key]
             raise GradmeshError(f"{flags[key]} {shown} contradicts {source}")

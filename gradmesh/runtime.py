@@ -209,9 +209,9 @@ def _pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.de
 
 
 _joins = 0
+"""How many times this process has joined a job of more than one rank (see `_connect`)."""
 _adopted = False
 """Whether the world group was formed by an engine (Ray Train) rather than by `init()`."""
-"""How many times this process has joined a job of more than one rank (see `_connect`)."""
 
 
 def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:

@@ -95,21 +95,16 @@ INDEX_ENV = "JOB_COMPLETION_INDEX"
 
 
 def cluster_defaults() -> dict[str, Any]:
+    """Where this host sits in a multi-host job (see `cluster_env`); empty when nothing says."""
+    return cluster_env()[0]
+
+
+def cluster_env() -> tuple[dict[str, Any], dict[str, str]]:
     """Where this host sits in a multi-host job: from the GRADMESH_* variables that
     `gradmesh emulate` (or a cluster script) sets, the PET_* variables Kubeflow sets, and an
-    Indexed Job's JOB_COMPLETION_INDEX; empty when none are set. Two of them that disagree are
-    a one-line error naming both. `sources` (see `kubernetes_sources`) says which came from
-    Kubernetes."""
-    return _cluster_env()[0]
-
-
-def kubernetes_sources() -> dict[str, str]:
-    """For each setting Kubernetes gave (PET_* or JOB_COMPLETION_INDEX), `VAR=value`: a flag of
-    `gradmesh run` that contradicts it is an error, not a silent override."""
-    return _cluster_env()[1]
-
-
-def _cluster_env() -> tuple[dict[str, Any], dict[str, str]]:
+    Indexed Job's JOB_COMPLETION_INDEX; two that disagree are a one-line error naming both.
+    Also, for each setting Kubernetes gave, `VAR=value`: a flag of `gradmesh run` that
+    contradicts it is an error, not a silent override."""
     from gradmesh.launch.emulate import CLUSTER_ENV
 
     given: dict[str, list[tuple[str, str]]] = {}
