@@ -26,6 +26,20 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 _PR_SET_PDEATHSIG = 1
 
 
+def cpu_jiffies() -> tuple[int, int]:
+    """(idle, total) CPU time of the whole machine so far, in jiffies, from /proc/stat (network
+    namespaces share it: on an emulated cluster it is every host's)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return fields[3] + fields[4], sum(fields)
+
+
+def idle_since(before: tuple[int, int]) -> float:
+    """The machine's idle CPU share since `before` (a `cpu_jiffies()`)."""
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), before, strict=True))
+    return idle / total if total else 0.0
+
+
 def _env_int(name: str, default: int) -> int:
     raw = os.environ.get(name)
     if raw is None or raw == "":

@@ -27,8 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.common import CPU_BOUND_IDLE, cpu_jiffies, median, write_json
+from gradmesh.bench.common import CPU_BOUND_IDLE, median, write_json
 from gradmesh.errors import GradmeshError
+from gradmesh.process import cpu_jiffies
 
 MODES = ("none", "sync", "async")
 _KILLED = re.compile(r"killed after step \d+ at unix time ([0-9.]+)")

@@ -14,6 +14,7 @@ from typing import Any, NamedTuple, NoReturn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
+from gradmesh.process import cpu_jiffies, idle_since
 
 _UNITS = {
     "": 1,
@@ -85,13 +86,6 @@ def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
         r["limit"] = "link" if r["link_utilization"] >= LINK_BOUND else "compute"
 
 
-def cpu_jiffies() -> tuple[int, int]:
-    """(idle, total) CPU time of the whole machine so far, in jiffies, from /proc/stat."""
-    with open("/proc/stat") as f:
-        fields = [int(v) for v in f.readline().split()[1:]]
-    return fields[3] + fields[4], sum(fields)
-
-
 class Timed(NamedTuple):
     step_s: float
     """Median step seconds."""
@@ -126,8 +120,7 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
         job.optimizer.step()
         times.append(time.perf_counter() - started)
         outside.append(times[-1] - (rt.comm.comm_s - comm_before))
-    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu_before, strict=True))
-    return Timed(median(times[warmup:]), idle / total if total else 0.0, median(outside[warmup:]))
+    return Timed(median(times[warmup:]), idle_since(cpu_before), median(outside[warmup:]))
 
 
 def interleaved_jobs(

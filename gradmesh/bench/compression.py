@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmesh.bench.common import (
-    cpu_jiffies,
     emulated_cluster,
     label,
     median,
@@ -39,6 +38,7 @@ from gradmesh.bench.common import (
     write_json,
 )
 from gradmesh.errors import GradmeshError
+from gradmesh.process import cpu_jiffies
 
 TORCH_HOOK = "torch-powersgd"
 """DDP with torch's PowerSGD hook."""

@@ -14,7 +14,6 @@ import time
 from typing import Any
 
 from gradmesh.bench.common import (
-    cpu_jiffies,
     emulated_cluster,
     label,
     median,
@@ -23,6 +22,7 @@ from gradmesh.bench.common import (
     worker_main,
     write_json,
 )
+from gradmesh.process import cpu_jiffies
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

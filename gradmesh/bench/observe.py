@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.common import CPU_BOUND_IDLE, cpu_jiffies, median, write_json
+from gradmesh.bench.common import CPU_BOUND_IDLE, median, write_json
 from gradmesh.errors import GradmeshError
+from gradmesh.process import cpu_jiffies, idle_since
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,12 +43,12 @@ def _job(args: argparse.Namespace, observed: bool, tmp: Path, n: int) -> dict[st
         text=True,
         timeout=600,
     )
-    idle, total = (a - b for a, b in zip(cpu_jiffies(), before, strict=True))
+    idle = idle_since(before)
     if done.returncode != 0 or not out.exists():
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise GradmeshError(f"the {'observed' if observed else 'plain'} job failed: {last}")
     report = json.loads(out.read_text())
-    return {"step_s": report["wall_s"] / max(report["steps"], 1), "cpu_idle": idle / total}
+    return {"step_s": report["wall_s"] / max(report["steps"], 1), "cpu_idle": idle}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -4,7 +4,8 @@ allreduce at the same number of workers, measured in the same run.
 Each configuration is a real `gradmesh train` job. With `--emulate-hosts` every server and every
 worker gets its own emulated host with a `--bandwidth` link, so a single server's link carries
 every worker's gradients in and parameters out: the bottleneck that sharding removes. Compute is
-EMULATED: each step sleeps `--compute-ms` (the MLP's own arithmetic is a few ms), so the figures
+EMULATED: each step's forward and backward sleep `--compute-ms` more, spread over the layers
+(`gradmesh.train.emulated`; the MLP's own arithmetic is a few ms), so the figures
 show communication, as on a cluster whose workers compute for that long. The model is an MLP on
 synthetic inputs sized to `--model-mb` of float32 parameters. Configurations are interleaved
 round by round; medians are reported. samples/s of a ps job = all workers' samples / the slowest
@@ -32,11 +33,12 @@ from statistics import mean
 from typing import Any
 
 from gradmesh.bench import ps_micro
-from gradmesh.bench.common import CPU_BOUND_IDLE, cpu_jiffies, median, parse_ints, write_json
+from gradmesh.bench.common import CPU_BOUND_IDLE, median, parse_ints, write_json
 from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster, parse_rate
 from gradmesh.parameter_server.cost import step_time
+from gradmesh.process import cpu_jiffies
 
 HIDDEN = 128  # the mlp model's hidden width
 PER_WORKER_BATCH = 16
@@ -135,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         "allreduce_cpu_idle": median([r["cpu_idle"] for r in ring]),
         "network": f"{args.bandwidth} emulated links" if args.emulate_hosts else "loopback",
         "link_model": {"alpha_s": link.alpha, "beta_s_per_byte": link.beta},
-        "compute": f"EMULATED: {args.compute_ms} ms sleep per step",
+        "compute": f"EMULATED: {args.compute_ms} ms sleep per step in forward and backward",
         "model_mb": args.model_mb,
         "mode": args.mode,
         "steps_per_worker": args.steps,

@@ -120,6 +120,9 @@ class Links:
     ranks_per_host: int
     intra_by_size: dict[int, Curve] = field(default_factory=dict)
     inter_by_size: dict[int, Curve] = field(default_factory=dict)
+    point_to_point: CostParams | None = None
+    """One message between two hosts where a probe fitted it (`plan.loaded_pingpong`): what a
+    parameter server's pushes and pulls meet; None: the inter figures."""
 
     def over(self, ranks: list[int], nbytes: float = 0.0) -> CostParams:
         """The figures that price a message of `nbytes` over the group `ranks`."""

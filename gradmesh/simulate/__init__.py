@@ -40,6 +40,7 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner import Links, Profile, Unit, predict
+from gradmesh.models.flops import Layer, layer_flops
 from gradmesh.registry import Registry
 
 
@@ -83,20 +84,10 @@ def _input(model: str, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], 
     return shape, 1000 if shape[-1] >= 64 else 10
 
 
-@dataclass(frozen=True)
-class Layer:
-    name: str
-    fwd_flops: float
-    bwd_flops: float
-    param_bytes: int
-
-
 def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -> list[Layer]:
     """Every module that holds weights, in forward order, with its FLOPs at `batch` (forward,
-    backward) and parameter bytes, from the model built on the meta device and run under
-    torch's FLOP counter."""
+    backward) and parameter bytes, from the model built on the meta device (`layer_flops`)."""
     import torch
-    from torch.utils.flop_counter import FlopCounterMode
 
     from gradmesh.models import FEATURE_ID_MODELS, MODELS
 
@@ -107,36 +98,7 @@ def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -
     with torch.device("meta"):
         net = builder(shape, classes)
         x = torch.randn(batch, *shape)
-    owners = [(n, m) for n, m in net.named_modules() if any(True for _ in m.parameters(False))]
-    order: list[str] = []
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, _a, n=n: order.append(n) if n not in order else None)
-        for n, m in owners
-    ]
-    root = type(net).__name__
-    with FlopCounterMode(display=False) as counter:
-        out = net(x)
-        fwd = {k: float(sum(v.values())) for k, v in counter.get_flop_counts().items()}
-        out.sum().backward()
-        backward = counter.get_total_flops() - fwd["Global"]
-    for h in hooks:
-        h.remove()
-    mine = [fwd.get(f"{root}.{n}", 0.0) for n in order]
-    # backward per layer: the weight's gradient and the input's (the first layer's input needs
-    # none), each as much work as forward; scaled to the counter's own backward total (the
-    # counter's per-module backward figures count a shortcut's work twice in residual models)
-    shares = [f * (1 if i == 0 else 2) for i, f in enumerate(mine)]
-    scale = backward / sum(shares) if sum(shares) else 0.0
-    params = dict(owners)
-    return [
-        Layer(
-            n,
-            f,
-            share * scale,
-            sum(p.numel() * p.element_size() for p in params[n].parameters(False)),
-        )
-        for n, f, share in zip(order, mine, shares, strict=True)
-    ]
+    return layer_flops(net, x)
 
 
 def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -> Device:
@@ -194,6 +156,9 @@ class Job:
     """ps: parameter servers (0: one per node)."""
     sync_every: int = 8
     """local-sgd: steps between parameter averages."""
+    servers_apart: bool = False
+    """ps: the servers have hosts of their own (BytePS's layout, and `gradmesh bench scaling`'s
+    emulated jobs), so pushes and pulls cross the link between nodes even on one node."""
 
 
 def compute_s(prof: Profile) -> float:
@@ -217,8 +182,8 @@ def _ps(job: Job) -> float:
     nbytes = sum(u.param_bytes for u in job.prof.units)
     nodes = max(1, n // per_node)
     servers = job.servers or nodes
-    spans = nodes > 1
-    link = job.links.inter if spans else job.links.intra
+    spans = nodes > 1 or job.servers_apart
+    link = (job.links.point_to_point or job.links.inter) if spans else job.links.intra
     shared = min(per_node, n)  # a node's GPUs share its link
     worker = CostParams(link.alpha, link.beta * shared, link.gamma)
     return step_time(n, servers, nbytes, worker, compute_s(job.prof), server_link=link).step_s

@@ -102,7 +102,9 @@ class JobConfig:
     seed: int = option(0, "seed for model initialisation and data order")
     timeout_s: float = option(60.0, "seconds before a rendezvous or collective is declared failed")
     emulate_compute_ms: float = option(
-        0.0, "benchmarks: sleep this long per step, standing in for a bigger model's compute"
+        0.0,
+        "benchmarks: each step's forward and backward sleep this much longer, spread over the "
+        "layers by their FLOPs, standing in for a bigger model's compute",
     )
     engine: str = option(
         "local", "what starts the workers: local (gradmesh's launcher), ray or spark"
@@ -349,6 +351,14 @@ class TrainConfig(
             )
         if self.stages and shape.pp == 1:
             raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
+        if self.emulate_compute_ms < 0:
+            raise GradmeshError(f"--emulate-compute-ms must be >= 0, got {self.emulate_compute_ms}")
+        if self.emulate_compute_ms and (split or self.plan):
+            raise GradmeshError(
+                "--emulate-compute-ms spreads one step's compute over the whole model's layers: "
+                "it needs every worker to hold the whole model (no --tensor-parallel, "
+                "--pipeline-parallel or --plan)"
+            )
         if self.microbatches < 1:
             raise GradmeshError(f"--microbatches must be >= 1, got {self.microbatches}")
         if self.microbatches > 1 and shape.pp == 1:
@@ -441,8 +451,8 @@ class TrainConfig(
             )
         if self.mode == "sync" and (self.push_every, self.pull_every) != (1, 1):
             raise GradmeshError("--mode sync pushes and pulls every step: drop --push/pull-every")
-        if self.lost_after_s <= 0 or self.emulate_compute_ms < 0:
-            raise GradmeshError("--lost-after-s must be > 0 and --emulate-compute-ms >= 0")
+        if self.lost_after_s <= 0:
+            raise GradmeshError(f"--lost-after-s must be > 0, got {self.lost_after_s}")
 
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must share with the run that resumes from it."""

@@ -121,6 +121,13 @@ class RunReport:
     reporting rank's checkpoint saves, their median stall and its file's bytes."""
     steps: int = 0
     """Steps the reporting rank took in this run (per-rank seconds / steps = a step's time)."""
+    cpu_idle: float = 0.0
+    """The machine's idle CPU share while the reporting rank trained (every process on this
+    machine counts: on an emulated cluster, every host's); under 10 % the cores, not the links,
+    were the limit."""
+    emulated_compute_ms: float = 0.0
+    """EMULATED compute (`--emulate-compute-ms`): the sleep each step's forward and backward
+    took on top of the real arithmetic; 0 for a run that only computed."""
 
     @classmethod
     def build(
@@ -136,6 +143,7 @@ class RunReport:
         layout: dict[str, Any] | None = None,
         faults: dict[str, Any] | None = None,
         steps: int = 0,
+        cpu_idle: float = 0.0,
     ) -> RunReport:
         figures = summarize_layout(stats.layout)
         given = figures.pop("compression_given_bytes_per_step", 0.0)
@@ -168,6 +176,8 @@ class RunReport:
             slowest=_slowest(stats.compute_s, config.tensor_parallel * config.pipeline_parallel),
             faults=faults or {},
             steps=steps,
+            emulated_compute_ms=config.emulate_compute_ms,
+            cpu_idle=cpu_idle,
         )
 
     @classmethod
@@ -205,6 +215,11 @@ class RunReport:
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
+                *(
+                    [f"  EMULATED compute: {self.emulated_compute_ms:g} ms of sleep per step"]
+                    if self.emulated_compute_ms
+                    else []
+                ),
                 *self._layout_lines(),
                 *self._fault_lines(),
                 *self._straggler_line(),

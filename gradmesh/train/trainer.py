@@ -33,11 +33,12 @@ from gradmesh.layout import split_model
 from gradmesh.layout.hybrid import load_plan
 from gradmesh.metrics import Metrics
 from gradmesh.models import build_model
-from gradmesh.process import restarts
+from gradmesh.process import cpu_jiffies, idle_since, restarts
 from gradmesh.runtime import MAX_WORLD_ENV, Runtime
 from gradmesh.timeline import span, start_timeline
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
+from gradmesh.train.emulated import emulate_compute
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.optimizers import build_optimizer
 from gradmesh.train.report import KINDS, RunReport, gather_rank_stats
@@ -55,6 +56,8 @@ class _Clock:
     """Samples trained on by all replicas together in this run (from the reduced loss counts)."""
     steps: int = 0
     """Steps this rank took in this run."""
+    cpu_idle: float = 0.0
+    """The machine's idle CPU share over this rank's training loop."""
 
 
 def load_data(config: TrainConfig) -> DataSpec:
@@ -253,6 +256,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         _start_timeline(config, rt)
     data = load_data(config)
     whole = build_model(config.model, data).to(rt.device)  # the same on every rank (the seed)
+    if config.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
+        emulate_compute(whole, data.train.x[:1], config.emulate_compute_ms)
     split = split_model(
         whole,
         config.model,
@@ -423,7 +428,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
         bar.update(min(job.start_step, last))
     clock = _Clock(losses=job.losses)
     fault = injected_fault()
-    started = time.perf_counter()
+    started, cpu_before = time.perf_counter(), cpu_jiffies()
     samples, step = 0, job.start_step
     pending: list[torch.Tensor] = []  # per-epoch (loss sum, count) not yet summed over ranks
     first_epoch, skip = divmod(job.start_step, steps)
@@ -443,8 +448,6 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
             y = job.data.train.y[indices].to(rt.device)
             job.optimizer.zero_grad(set_to_none=False)
             loss = split.engine.step(x, y, job.replicas / global_count)
-            if config.emulate_compute_ms:
-                time.sleep(config.emulate_compute_ms / 1000)  # labelled emulation (benchmarks)
             if fault is not None and fault.kind == "slow":
                 fault.check(job.place[0], step)
             if is_distributed(job.optimizer):  # it spans its update itself, not its wait
@@ -490,6 +493,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
         job.progress.close()
     if bar is not None:
         bar.close()
+    clock.cpu_idle = idle_since(cpu_before)
     return clock, samples, time.perf_counter() - started
 
 
@@ -633,6 +637,7 @@ def finish(job: Job, clock: _Clock, samples: int, wall_s: float) -> tuple[RunRep
         job.split.info,
         _faults(job),
         clock.steps,
+        clock.cpu_idle,
     )
     if job.evaluator is not None:
         job.evaluator.close()

@@ -44,6 +44,11 @@ def test_registry_lists_valid_names_on_unknown() -> None:
         ({"workers": 4, "batch_size": 3}, "global batch 3 is smaller than the number of workers 4"),
         ({"lr": 0.0}, "--lr and --timeout-s must be > 0"),
         ({"synthetic_shape": "3xy"}, "bad shape '3xy'"),
+        ({"emulate_compute_ms": -1.0}, "--emulate-compute-ms must be >= 0, got -1.0"),
+        (
+            {"emulate_compute_ms": 5.0, "tensor_parallel": 2},
+            "--emulate-compute-ms spreads one step's compute over the whole model's layers",
+        ),
     ],
 )
 def test_validate_rejects(change: dict[str, object], message: str) -> None:
