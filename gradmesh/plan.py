@@ -102,6 +102,8 @@ class ProbeRequest:
     """Sizes of the groups the candidates reduce over (each fitted on its own)."""
     data_layers: dict[str, str]
     """The pure data-parallel placement, whose real step the probe times."""
+    point_to_point: bool = False
+    """Also fit one message between two hosts (`loaded_pingpong`: a parameter server's link)."""
 
 
 def probe_emulated(
@@ -126,15 +128,18 @@ def probe_links(request: ProbeRequest, cluster: Any, per_host: int) -> tuple[Any
 
     config = {**dataclasses.asdict(request), "setting": dataclasses.asdict(request.setting)}
     workers = request.setting.workers
-    gamma, by_size, outside = run_workers("gradmesh.plan", max(2, workers), config, 300.0, cluster)
+    gamma, by_size, outside, pair = run_workers(
+        "gradmesh.plan", max(2, workers), config, 300.0, cluster
+    )
     fitted = {
         int(p): [(int(upto), CostParams(alpha, beta, gamma)) for upto, alpha, beta in pieces]
         for p, pieces in by_size.items()
     }
     world = fitted[max(fitted)][-1][1]  # the largest group's figures for its largest messages
+    p2p = CostParams(pair[0], pair[1], gamma) if pair else None
     if cluster is None:
-        return Links(world, world, workers, fitted, fitted), outside
-    return Links(DEFAULT_PARAMS, world, per_host, {}, fitted), outside
+        return Links(world, world, workers, fitted, fitted, p2p), outside
+    return Links(DEFAULT_PARAMS, world, per_host, {}, fitted, p2p), outside
 
 
 def placement_config(setting: Setting, tp: int, layers: dict[str, str]) -> Any:
@@ -164,12 +169,13 @@ COMPUTE_BETWEEN = 160
 
 def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
     """[gamma; {group size: its pieces}; the seconds one real data-parallel step spends outside
-    communication]. Gamma is `probe`'s; the pieces are `loaded_fit`'s, which times allreduces of
-    the sizes the plan's candidates exchange between stretches of compute on every rank at once,
-    for the world and for each smaller group size on groups of that many ranks (strided, so they
-    span hosts) reducing at once. The ping-pong fit of an idle pair is not what a step meets: on
-    4 emulated hosts its intercept fell to nothing (1e-7 s, clamped) while each allreduce of
-    16 KB or more took 2.8 ms or more."""
+    communication; where asked, `loaded_pingpong`'s [alpha, beta], else None]. Gamma is
+    `probe`'s; the pieces are `loaded_fit`'s, which times allreduces of the sizes the plan's
+    candidates exchange between stretches of compute on every rank at once, for the world and
+    for each smaller group size on groups of that many ranks (strided, so they span hosts)
+    reducing at once. The ping-pong fit of an idle pair is not what a step meets: on 4 emulated
+    hosts its intercept fell to nothing (1e-7 s, clamped) while each allreduce of 16 KB or more
+    took 2.8 ms or more."""
     import torch.distributed as dist
 
     from gradmesh.bench.common import timed_steps
@@ -192,8 +198,9 @@ def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
         job = setup(placement_config(setting, 1, config["data_layers"]), rt)
         attach(job)
         outside = timed_steps(job, setting.batch, 3, 8).outside_comm_s
+    pair = loaded_pingpong(sizes) if config.get("point_to_point") else None
     shutdown()
-    return rt.rank, [c.gamma, by_size, outside]
+    return rt.rank, [c.gamma, by_size, outside, pair]
 
 
 def loaded_fit(
@@ -201,10 +208,61 @@ def loaded_fit(
 ) -> list[list[float]]:
     """A piecewise fit, [[largest size, alpha, beta], ...] by size, of what an allreduce of each
     of `sizes` bytes over `group` (None: the world; every rank is in one group of the same size,
-    all reducing at once) costs through the algorithm's registered formula. Each size is timed
-    as a loop of (compute, allreduce) against the same compute with one 4-byte allreduce per
-    loop, the difference per iteration its cost; `fit_segments` puts alpha and beta through
-    each pair of neighbouring sizes."""
+    all reducing at once) costs through the algorithm's registered formula (`loaded_seconds`
+    times each size); `fit_segments` puts alpha and beta through each pair of neighbouring
+    sizes."""
+    import torch
+    import torch.distributed as dist
+
+    one = torch.zeros(1)
+    spent = []
+    for nbytes in sizes:
+        msg = torch.zeros(max(1, nbytes // 4))
+        spent.append(
+            loaded_seconds(
+                lambda m=msg: dist.all_reduce(m, group=group),
+                lambda: dist.all_reduce(one, group=group),
+                rounds,
+            )
+        )
+    return fit_segments(algorithm, dist.get_world_size(group), sizes, spent, idle)
+
+
+def loaded_pingpong(sizes: list[int], rounds: int = 3) -> list[float]:
+    """[alpha, beta] of one message between ranks 0 and 1 (on emulated hosts, two hosts) as a
+    parameter server's push and pull meet it: each size sent from 1 to 0 and back between
+    stretches of compute (`loaded_seconds`), half the round trip's cost its one-way time, a
+    line through the sizes (`fit_alpha_beta`). The idle ping-pong of `probe` is not it: on
+    emulated hosts its intercept falls to nothing. Every rank calls this; the others compute."""
+    import torch
+    import torch.distributed as dist
+
+    from gradmesh.collectives.cost import fit_alpha_beta
+
+    rank = dist.get_rank()
+
+    def round_trip(buf: torch.Tensor) -> None:
+        if rank == 1:
+            dist.send(buf, 0)
+            dist.recv(buf, 0)
+        elif rank == 0:
+            dist.recv(buf, 1)
+            dist.send(buf, 1)
+
+    one = torch.zeros(1)
+    one_way = []
+    for nbytes in sizes:
+        msg = torch.zeros(max(1, nbytes // 4))
+        one_way.append(loaded_seconds(lambda m=msg: round_trip(m), lambda: round_trip(one)) / 2)
+    alpha, beta = fit_alpha_beta([max(4, n) for n in sizes], one_way)
+    return [alpha, beta]
+
+
+def loaded_seconds(exchange: Any, settle: Any, rounds: int = 3) -> float:
+    """What `exchange()` costs between stretches of compute on every rank at once: a loop of
+    (compute, exchange) timed against the same compute with one `settle()` (the smallest
+    exchange) at the end, the difference per iteration; medians of `rounds`, the largest over
+    the ranks (every rank gets the same figure)."""
     import statistics
     import time
 
@@ -212,35 +270,29 @@ def loaded_fit(
     import torch.distributed as dist
 
     a = torch.randn(96, 96)
-    one = torch.zeros(1)
 
-    def loop(each: torch.Tensor | None) -> float:
-        """Seconds per (compute, allreduce of `each`); None: one 4-byte allreduce at the end."""
+    def loop(each: Any) -> float:
         dist.barrier()
         started = time.perf_counter()
         for _ in range(4):
             for _ in range(COMPUTE_BETWEEN):
                 torch.mm(a, a)
             if each is not None:
-                dist.all_reduce(each, group=group)
+                each()
         if each is None:
-            dist.all_reduce(one, group=group)
+            settle()
         return (time.perf_counter() - started) / 4
 
-    spent = []
-    for nbytes in sizes:
-        msg = torch.zeros(max(1, nbytes // 4))
-        synced, free = [], []
-        for _ in range(rounds):
-            synced.append(loop(msg))
-            free.append(loop(None))
-        figures = torch.tensor(
-            [statistics.median(free), statistics.median(synced)], dtype=torch.float64
-        )
-        dist.all_reduce(figures, op=dist.ReduceOp.MAX)  # every rank fits the same figures
-        compute, total = figures.tolist()
-        spent.append(max(total - compute, 1e-6))
-    return fit_segments(algorithm, dist.get_world_size(group), sizes, spent, idle)
+    synced, free = [], []
+    for _ in range(rounds):
+        synced.append(loop(exchange))
+        free.append(loop(None))
+    figures = torch.tensor(
+        [statistics.median(free), statistics.median(synced)], dtype=torch.float64
+    )
+    dist.all_reduce(figures, op=dist.ReduceOp.MAX)
+    compute, total = figures.tolist()
+    return max(float(total) - float(compute), 1e-6)
 
 
 def fit_segments(

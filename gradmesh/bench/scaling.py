@@ -7,8 +7,11 @@ figures are medians over rounds. Per point: time per iteration (training wall ov
 worker took), samples/s, scaling efficiency T(1)/T(n) and communication overhead T(n) - T(1),
 T(1) being one worker alone (a 1-worker job, run every round), bytes sent per worker per step,
 the test accuracy after `--epochs` (local SGD and asynchronous servers change the mathematics),
-and the machine's idle CPU during the job: under 10 % the point is labelled `"limit": "cpu"`
-(the hosts share this machine's cores), never passed off as a network figure.
+and the machine's idle CPU while the job trained (its report's `cpu_idle`): under 10 % the
+point is labelled `"limit": "cpu"` (the hosts share this machine's cores), never passed off as
+a network figure. `--emulate-compute MS` makes each step's compute MS longer by sleeping
+(`gradmesh.train.emulated`), labelled EMULATED in the JSON, table and plot: 4 hosts on 2 cores
+then leave the cores idle enough for the links to be the limit.
 
 The prediction is the simulator's (`gradmesh.simulate.STRATEGIES`) given this machine's own
 measured compute (the job's own compute seconds per step, spread over the layers by their
@@ -19,6 +22,7 @@ FLOPs) and the link probed on the same emulated hosts
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import tempfile
 from pathlib import Path
@@ -26,7 +30,6 @@ from typing import Any
 
 from gradmesh.bench.common import (
     CPU_BOUND_IDLE,
-    cpu_jiffies,
     median,
     parse_ints,
     parse_list,
@@ -47,6 +50,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-worker", type=int, default=32, help="(default: 32)")
     parser.add_argument("--epochs", type=int, default=8, help="epochs per job (default: 8)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
+    parser.add_argument(
+        "--emulate-compute",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="EMULATED compute: each step sleeps MS more, spread over forward and backward "
+        "(more hosts than cores without the cores becoming the limit)",
+    )
     parser.add_argument("--json", help="write the study here")
     parser.add_argument("--plot", help="write efficiency and overhead against hosts here (PNG)")
 
@@ -62,17 +73,18 @@ def _train(strategy: str, hosts: int, args: argparse.Namespace, tmp: Path) -> di
     flags = ["--strategy", "allreduce" if strategy == BASELINE else strategy]
     flags += ["--workers", str(hosts), "--batch-size", str(args.batch_per_worker * hosts)]
     flags += ["--model", args.model, "--epochs", str(args.epochs), "--json", str(out)]
+    if args.emulate_compute:
+        flags += ["--emulate-compute-ms", str(args.emulate_compute)]
     machines = hosts
     if strategy == "ps":
         flags += ["--servers", "1"]
         machines += 1
-    before = cpu_jiffies()
     with EmulatedCluster(hosts=machines, bandwidth=args.bandwidth) as cluster:
         code = cluster.run(["gradmesh", "train", *flags], procs_per_host=1, timeout=600)
-    idle, total = (a - b for a, b in zip(cpu_jiffies(), before, strict=True))
     if code != 0 or not out.exists():
         raise GradmeshError(f"the {strategy} job on {hosts} hosts failed with code {code}")
-    return {"report": json.loads(out.read_text()), "cpu_idle": idle / total if total else 0.0}
+    report = json.loads(out.read_text())
+    return {"report": report, "cpu_idle": report["cpu_idle"]}
 
 
 def _point(run: dict[str, Any], steps: int) -> dict[str, float]:
@@ -92,7 +104,7 @@ def _probe(hosts: int, args: argparse.Namespace, grad_bytes: int) -> Any:
 
     setting = Setting(args.model, "digits", "", hosts, args.batch_per_worker * hosts, 1)
     sizes = sorted({16 << 10, max(16 << 10, grad_bytes)})
-    request = ProbeRequest(setting, "native", sizes, [], {})
+    request = ProbeRequest(setting, "native", sizes, [], {}, point_to_point=True)
     return probe_emulated(hosts, args.bandwidth, 1, request)[0]
 
 
@@ -110,7 +122,7 @@ def _predict(
     flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
     device = Device(flops / measured["compute_step_s"] / 1e12, 1.0, "measured")
     prof = device_profile(layers, device, args.batch_per_worker, args.model)
-    return STRATEGIES.get(strategy)(Job(prof, hosts, links, "native", 64.0, 1, 8))
+    return STRATEGIES.get(strategy)(Job(prof, hosts, links, "native", 64.0, 1, 8, True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         STRATEGIES.get(s)
     if min(args.batch_per_worker, args.epochs, args.rounds) < 1:
         raise GradmeshError("--batch-per-worker, --epochs and --rounds must be >= 1")
+    if args.emulate_compute < 0:
+        raise GradmeshError(f"--emulate-compute must be >= 0 ms, got {args.emulate_compute}")
     train = len(DATASETS.get("digits")(DataOptions()).train)
     points = [(BASELINE, 1)] + [(s, h) for h in hosts for s in strategies]
     runs: dict[tuple[str, int], list[dict[str, float]]] = {p: [] for p in points}
@@ -152,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
                 "prediction_error": (predicted - f["step_s"]) / f["step_s"]
                 if predicted is not None
                 else None,
-                "limit": "cpu"
-                if f["cpu_idle"] < CPU_BOUND_IDLE
-                else ("link" if h > 1 or s == "ps" else "compute"),
+                "limit": "compute"  # one worker alone has no link to wait for
+                if h == 1 and s != "ps"
+                else ("cpu" if f["cpu_idle"] < CPU_BOUND_IDLE else "link"),
                 "step_s_rounds": [r["step_s"] for r in runs[(s, h)]],
             }
         )
@@ -164,11 +178,24 @@ def run(args: argparse.Namespace) -> int:
         "batch_per_worker": args.batch_per_worker,
         "epochs": args.epochs,
         "rounds": args.rounds,
+        "compute": f"EMULATED: the real arithmetic and {args.emulate_compute:g} ms of sleep per "
+        "step, spread over forward and backward by FLOPs"
+        if args.emulate_compute
+        else "real: this machine's cores",
         "one_worker_step_s": alone,
-        "links": {h: {"alpha": c.inter.alpha, "beta": c.inter.beta} for h, c in links.items()},
+        "links": {
+            h: {
+                "alpha": c.inter.alpha,
+                "beta": c.inter.beta,
+                "point_to_point": c.point_to_point and dataclasses.asdict(c.point_to_point),
+            }
+            for h, c in links.items()
+        },
         "strategies": results,
     }
     write_json(args.json, payload)
+    if args.emulate_compute:
+        print(f"compute {payload['compute']}")
     print(markdown_table(results, "hosts"))
     for s, rows in results.items():
         for r in rows:
@@ -182,8 +209,12 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         from gradmesh.plot import scaling_plot
 
+        emulated = f", EMULATED compute +{args.emulate_compute:g} ms" * bool(args.emulate_compute)
         scaling_plot(
-            args.plot, f"{args.model}, emulated hosts at {args.bandwidth}", results, "hosts"
+            args.plot,
+            f"{args.model}, emulated hosts at {args.bandwidth}{emulated}",
+            results,
+            "hosts",
         )
     return 0
 

@@ -82,6 +82,40 @@ def test_bench_link_measures_a_shaped_link(tmp_path: Path) -> None:
     assert 0.3 < got["link_utilization"] < 1.1
 
 
+def test_the_simulator_predicts_the_scaling_study_within_10_percent(tmp_path: Path) -> None:
+    """Issue 16's check on a small configuration (the full study, 1 to 4 hosts and local SGD,
+    is in docs/scaling.md): each strategy's step on 2 emulated hosts at 1 Gbit/s, next to the
+    simulator's prediction from the job's own compute and the probed links. Compute is EMULATED
+    (20 ms of sleep per step over the real arithmetic) so the links, not the 2 cores, bound it."""
+    out = gradmesh(
+        "bench",
+        "scaling",
+        "--strategies",
+        "allreduce,ps",
+        "--hosts",
+        "2",
+        "--rounds",
+        "1",
+        "--epochs",
+        "2",
+        "--emulate-compute",
+        "20",
+        "--json",
+        str(tmp_path / "s.json"),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads((tmp_path / "s.json").read_text())
+    assert got["compute"].startswith("EMULATED")
+    assert got["links"]["2"]["point_to_point"]["beta"] > 0  # the ps link: a loaded ping-pong
+    for strategy in ("allreduce", "ps"):
+        (point,) = got["strategies"][strategy]
+        assert point["hosts"] == 2 and point["limit"] == "link", point
+        assert point["bytes_per_worker_step"] > 100e3  # the CNN's 150 KB gradient left each step
+        assert point["compute_step_s"] >= 0.020  # the sleep is in the step's compute
+        assert abs(point["prediction_error"]) <= 0.10, (strategy, point)
+
+
 ALLREDUCE_LOOP = (
     "import gradmesh, torch, time\n"
     "from gradmesh.collectives import allreduce\n"
