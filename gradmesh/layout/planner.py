@@ -267,43 +267,17 @@ def _measure(
 ) -> tuple[list[Unit], float]:
     """`profile`'s measurement in this process, with `threads` threads."""
     layers = layers_of(model, model_name)
-    starts = units(layers)
-    if not starts:
-        raise GradmeshError(f"model {model_name} has no layers with weights to place")
     shapes = sample_shapes(layers, sample)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     out: list[Unit] = []
     try:
-        bounds = [*starts, len(layers)]
-        for u, (first, end) in enumerate(zip(bounds, bounds[1:], strict=False)):
-            at = next(i for i in range(first, end) if any(True for _ in layers[i][1].parameters()))
-            name, layer = layers[at]
-            if not isinstance(layer, nn.Linear | nn.Conv2d):
-                raise GradmeshError(
-                    f"model {model_name}: layer {name} is a {type(layer).__name__}; the planner "
-                    "places Linear and Conv2d layers"
-                )
+        for u, (unit, first, at, end) in enumerate(describe_units(layers, shapes, model_name)):
+            layer = layers[at][1]
+            dims = unit.dims
             before_layers = [m for _, m in layers[first:at]]
             after_layers = [m for _, m in layers[at + 1 : end]]
-            dims = (int(layer.weight.shape[0]), int(layer.weight.shape[1]))
-            bias = layer.bias.numel() * 4 if layer.bias is not None else 0
-            unit = Unit(
-                name=name,
-                kind=type(layer).__name__,
-                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                bias_bytes=bias,
-                in_bytes=int(math.prod(shapes[at])) * 4,
-                mid_bytes=int(math.prod(shapes[at + 1])) * 4,
-                out_bytes=int(math.prod(shapes[end])) * 4,
-                dims=dims,
-            )
-            options = [("data", 1)] + [
-                (c, t) for t in tps if t > 1 for c in ("replicate", "colwise", "rowwise")
-            ]
-            for choice, t in options:
-                if choice == "colwise" and dims[0] % t or choice == "rowwise" and dims[1] % t:
-                    continue
+            for choice, t in placements(dims, tps):
                 per_rank = max(1, batch // workers if choice == "data" else batch * t // workers)
                 shape = shapes[at]
                 if choice == "rowwise":  # the input's features or channels are split
@@ -326,6 +300,51 @@ def _measure(
     finally:
         torch.set_num_threads(before)
     return out, update
+
+
+def describe_units(
+    layers: list[tuple[str, nn.Module]], shapes: list[torch.Size], model_name: str
+) -> list[tuple[Unit, int, int, int]]:
+    """Each unit of the layer sequence, untimed (sizes, shapes, dims), with where it starts, its
+    weighted layer and where it ends in `layers` (`shapes`: `sample_shapes`'); works on the meta
+    device."""
+    starts = units(layers)
+    if not starts:
+        raise GradmeshError(f"model {model_name} has no layers with weights to place")
+    bounds = [*starts, len(layers)]
+    found = []
+    for first, end in zip(bounds, bounds[1:], strict=False):
+        at = next(i for i in range(first, end) if any(True for _ in layers[i][1].parameters()))
+        name, layer = layers[at]
+        if not isinstance(layer, nn.Linear | nn.Conv2d):
+            raise GradmeshError(
+                f"model {model_name}: layer {name} is a {type(layer).__name__}; the planner "
+                "places Linear and Conv2d layers"
+            )
+        bias = layer.bias.numel() * 4 if layer.bias is not None else 0
+        unit = Unit(
+            name=name,
+            kind=type(layer).__name__,
+            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            bias_bytes=bias,
+            in_bytes=int(math.prod(shapes[at])) * 4,
+            mid_bytes=int(math.prod(shapes[at + 1])) * 4,
+            out_bytes=int(math.prod(shapes[end])) * 4,
+            dims=(int(layer.weight.shape[0]), int(layer.weight.shape[1])),
+        )
+        found.append((unit, first, at, end))
+    return found
+
+
+def placements(dims: tuple[int, int], tps: list[int]) -> list[tuple[str, int]]:
+    """(choice, tp) a unit of these (output, input) dims can take at each tp in `tps`."""
+    return [("data", 1)] + [
+        (c, t)
+        for t in tps
+        if t > 1
+        for c in ("replicate", "colwise", "rowwise")
+        if not (c == "colwise" and dims[0] % t or c == "rowwise" and dims[1] % t)
+    ]
 
 
 SMALLEST_FIT = 16 << 10

@@ -6,6 +6,7 @@ A model that can be split over tensor-parallel ranks declares its plan next to i
 (`TP_PLANS`: layer name -> colwise or rowwise, see `gradmesh.layout.tensor_parallel`); every
 `nn.Sequential` model can be cut into pipeline stages."""
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -106,7 +107,7 @@ TP_PLANS.register("alexnet")({"10": "colwise", "12": "rowwise"})
 @MODELS.register("mlp")
 def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """One hidden layer of 128 units on the flattened input."""
-    features = int(torch.tensor(input_shape).prod())
+    features = math.prod(input_shape)
     return nn.Sequential(
         nn.Flatten(), nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, num_classes)
     )
@@ -118,7 +119,7 @@ TP_PLANS.register("mlp")({"1": "colwise", "3": "rowwise"})
 @MODELS.register("linear")
 def linear(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
     """Multinomial logistic regression on the flattened input."""
-    features = int(torch.tensor(input_shape).prod())
+    features = math.prod(input_shape)
     return nn.Sequential(nn.Flatten(), nn.Linear(features, num_classes))
 
 

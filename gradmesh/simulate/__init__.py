@@ -23,6 +23,11 @@ link), `hierarchical` as its two levels.
   and pulling through S servers) on the same alpha-beta terms; the G GPUs of a node share its
   link.
 - `local-sgd`: compute every step, the parameters' allreduce every `--sync-every` steps.
+- `tensor`: the model's own tensor-parallel plan within groups of `--tensor-parallel` GPUs (a
+  node's by default), data parallelism across groups; `hybrid`: the planner's choice per layer
+  (`gradmesh.layout.planner.plan`, its exact search), both priced by the planner's `predict`
+  on a profile whose seconds come from FLOPs (`layout_profile`). Pipeline parallelism is not
+  simulated.
 
 Efficiency at n GPUs is T(1) / T(n), T(1) one GPU's step with no communication (weak scaling:
 each GPU keeps its batch); the overhead is T(n) - T(1) (the lectures' definitions).
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -143,6 +149,49 @@ def device_profile(layers: list[Layer], device: Device, batch: int, model: str) 
 
 
 @dataclass(frozen=True)
+class Split:
+    """What the layouts that split layers need: a one-GPU profile with every placement's
+    seconds (`layout_profile`), the model on the meta device, its tensor-parallel plan."""
+
+    prof: Profile
+    model: Any
+    tp_plan: dict[str, str] | None
+
+
+def layout_profile(
+    model: str, batch: int, shape: tuple[int, ...] | None, tps: list[int], device: Device
+) -> Split:
+    """The planner's `Profile` of one GPU at `batch`, each unit's seconds from its FLOPs for
+    every placement at each tp in `tps`: data-parallel at `batch`; a colwise or rowwise slice
+    at tp t works on t times the samples and 1/t of the weights (the same FLOPs); `replicate`
+    on t times the samples. Sizes and dims are the planner's own (`describe_units`)."""
+    import torch
+
+    from gradmesh.layout.pipeline import layers_of, sample_shapes
+    from gradmesh.layout.planner import describe_units, placements
+    from gradmesh.models import MODELS, TP_PLANS
+
+    shape, classes = _input(model, shape)
+    with torch.device("meta"):
+        net = MODELS.get(model)(shape, classes)
+        x = torch.randn(batch, *shape)
+    flops = {la.name: la for la in layer_flops(net, x)}
+    layers = layers_of(net, model)
+    rate = device.flops_per_s
+    found = []
+    for unit, *_ in describe_units(layers, sample_shapes(layers, x[:1]), model):
+        la = flops[unit.name]
+        for choice, t in placements(unit.dims, tps):
+            times = t if choice == "replicate" else 1
+            key = "data" if choice == "data" else f"{choice}@{t}"
+            unit.fwd[key] = la.fwd_flops * times / rate
+            unit.bwd[key] = la.bwd_flops * times / rate
+        found.append(unit)
+    prof = Profile(model, 1, batch, found, threads=0, concurrent=1, update_s_per_byte=0.0)
+    return Split(prof, net, TP_PLANS.get(model) if model in TP_PLANS.names() else None)
+
+
+@dataclass(frozen=True)
 class Job:
     """What a strategy needs to price one step on n GPUs."""
 
@@ -156,6 +205,10 @@ class Job:
     """ps: parameter servers (0: one per node)."""
     sync_every: int = 8
     """local-sgd: steps between parameter averages."""
+    tensor_parallel: int = 0
+    """tensor, hybrid: the largest tp group (0: a node's GPUs)."""
+    split: Split | None = None
+    """tensor, hybrid: the model's per-placement profile (`layout_profile`)."""
     servers_apart: bool = False
     """ps: the servers have hosts of their own (BytePS's layout, and `gradmesh bench scaling`'s
     emulated jobs), so pushes and pulls cross the link between nodes even on one node."""
@@ -195,10 +248,59 @@ def _local_sgd(job: Job) -> float:
     return compute_s(job.prof) + average / job.sync_every
 
 
+def _tp_of(job: Job) -> int:
+    """The tp group size at this GPU count: the largest asked for that divides it."""
+    return math.gcd(job.gpus, job.tensor_parallel or job.links.ranks_per_host)
+
+
+def _split_profile(job: Job) -> Profile:
+    if job.split is None:
+        raise GradmeshError("the tensor and hybrid layouts need the model's layer sequence")
+    return dataclasses.replace(
+        job.split.prof, workers=job.gpus, batch=job.split.prof.batch * job.gpus
+    )
+
+
+def _tensor(job: Job) -> float:
+    """The model's own tensor-parallel plan within groups of `_tp_of` GPUs (adjacent: a node's),
+    data parallelism across them: the planner's `predict`."""
+    from gradmesh.layout.planner import tp_plan_layers
+
+    assert job.split is not None
+    if not job.split.tp_plan:
+        raise GradmeshError(f"model {job.split.prof.model} declares no tensor-parallel plan")
+    prof, tp = _split_profile(job), _tp_of(job)
+    layers = tp_plan_layers(prof, job.split.tp_plan) if tp > 1 else {}
+    layers = layers or {u.name: "data" for u in prof.units}
+    return predict(prof, layers, tp, job.links, job.algorithm, job.fusion_mb).step_s
+
+
+def _hybrid(job: Job) -> float:
+    """The planner's own choice (per layer: data-parallel, replicated or split, at each tp up to
+    `_tp_of`), by its search over the same cost model."""
+    from gradmesh.layout.planner import plan
+
+    assert job.split is not None
+    prof = _split_profile(job)
+    best, _ = plan(
+        prof,
+        job.links,
+        _tp_of(job),
+        job.split.model,
+        job.split.tp_plan,
+        job.algorithm,
+        job.fusion_mb,
+    )
+    return best.prediction.step_s
+
+
 STRATEGIES: Registry[Callable[[Job], float]] = Registry("simulated strategy")
 STRATEGIES.register("allreduce")(_allreduce)
 STRATEGIES.register("ps")(_ps)
 STRATEGIES.register("local-sgd")(_local_sgd)
+STRATEGIES.register("tensor")(_tensor)
+STRATEGIES.register("hybrid")(_hybrid)
+SPLITTING = {"tensor", "hybrid"}
 
 
 def scaling(strategy: str, base: Job, gpus: list[int]) -> list[dict[str, Any]]:
@@ -252,6 +354,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-per-gpu", type=int, default=32, help="(default: 32)")
     parser.add_argument("--servers", type=int, default=0, help="ps: servers (default: 1/node)")
     parser.add_argument("--sync-every", type=int, default=8, help="local-sgd: K (default: 8)")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=0,
+        help="tensor, hybrid: the largest tp group (default: --gpus-per-node)",
+    )
     parser.add_argument("--json", help="write the prediction here")
     parser.add_argument("--plot", help="write efficiency and overhead against GPUs here (PNG)")
 
@@ -317,9 +425,14 @@ def run(args: argparse.Namespace) -> int:
     for s in strategies:
         STRATEGIES.get(s)
     COSTS.get(args.algorithm)
-    if min(args.batch_per_gpu, args.sync_every) < 1 or args.servers < 0 or args.fusion_mb <= 0:
+    if (
+        min(args.batch_per_gpu, args.sync_every) < 1
+        or min(args.servers, args.tensor_parallel) < 0
+        or args.fusion_mb <= 0
+    ):
         raise GradmeshError(
-            "--batch-per-gpu and --sync-every must be >= 1, --servers >= 0, --fusion-mb > 0"
+            "--batch-per-gpu and --sync-every must be >= 1, --servers and --tensor-parallel "
+            ">= 0, --fusion-mb > 0"
         )
     started = time.perf_counter()
     shape = _shape(args.input_shape)
@@ -327,7 +440,27 @@ def run(args: argparse.Namespace) -> int:
     device = _device(args, shape)
     links = _links(args, 0.0)
     prof = device_profile(layers, device, args.batch_per_gpu, args.model)
-    base = Job(prof, 1, links, args.algorithm, args.fusion_mb, args.servers, args.sync_every)
+    split = None
+    if SPLITTING & set(strategies):
+        most = args.tensor_parallel or per_node
+        tps = [t for t in range(2, most + 1) if most % t == 0]
+        split = layout_profile(args.model, args.batch_per_gpu, shape, tps, device)
+        if "tensor" in strategies and not split.tp_plan:
+            raise GradmeshError(
+                f"model {args.model} declares no tensor-parallel plan (--strategy hybrid "
+                "places its layers itself)"
+            )
+    base = Job(
+        prof,
+        1,
+        links,
+        args.algorithm,
+        args.fusion_mb,
+        args.servers,
+        args.sync_every,
+        args.tensor_parallel,
+        split,
+    )
     results = {s: scaling(s, base, gpus) for s in strategies}
     payload = {
         "model": args.model,

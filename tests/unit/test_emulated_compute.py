@@ -4,6 +4,8 @@ they would on a device that slow)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -18,12 +20,14 @@ def test_sleep_is_split_by_flops_and_precedes_each_gradient(
     torch.manual_seed(0)
     model = MODELS.get("cnn")((1, 8, 8), 10)
     x = torch.randn(32, 1, 8, 8)
-    events: list[tuple[str, float]] = []
-    monkeypatch.setattr(emulated.time, "sleep", lambda s: events.append(("sleep", s)))
+    events: list[tuple[str, Any]] = []
+    monkeypatch.setattr("gradmesh.train.emulated.time.sleep", lambda s: events.append(("sleep", s)))
     handles = emulated.emulate_compute(model, x[:1], 30.0)
     names = {id(p): n.split(".")[0] for n, p in model.named_parameters()}
     for p in model.parameters():
-        p.register_post_accumulate_grad_hook(lambda p: events.append(("grad", names[id(p)])))
+        p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            lambda p: events.append(("grad", names[id(p)]))
+        )
 
     model(x).sum().backward()
 
