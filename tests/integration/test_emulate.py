@@ -27,29 +27,6 @@ def gradmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[st
     )
 
 
-def test_train_on_emulated_hosts_reaches_the_local_accuracy(tmp_path: Path) -> None:
-    """Two hosts here; four in the elastic test's uninterrupted run."""
-    hosts = 2
-    report = tmp_path / "r.json"
-    out = gradmesh(
-        "emulate",
-        "--hosts",
-        str(hosts),
-        "--bandwidth",
-        "1gbit",
-        "--",
-        "gradmesh",
-        "train",
-        "--json",
-        str(report),
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
-    got = json.loads(report.read_text())
-    assert got["workers"] == hosts
-    assert got["test_accuracy"] >= 0.95
-    assert "[h0] " in out.stdout
-
-
 def test_bench_link_measures_a_shaped_link(tmp_path: Path) -> None:
     out = gradmesh(
         "bench",
@@ -83,15 +60,17 @@ def test_bench_link_measures_a_shaped_link(tmp_path: Path) -> None:
 
 
 def test_the_simulator_predicts_the_scaling_study_within_10_percent(tmp_path: Path) -> None:
-    """Issue 16's check on a small configuration (the full study, 1 to 4 hosts and local SGD,
-    is in docs/scaling.md): each strategy's step on 2 emulated hosts at 1 Gbit/s, next to the
+    """Issue 16's check on a small configuration (the full study, every strategy at 1 to 4
+    hosts, is in docs/scaling.md): the asynchronous parameter server, the strategy the model
+    once priced worst, on 2 emulated hosts at 1 Gbit/s (and a host for its server), next to the
     simulator's prediction from the job's own compute and the probed links. Compute is EMULATED
-    (20 ms of sleep per step over the real arithmetic) so the links, not the 2 cores, bound it."""
+    (20 ms of sleep per step over the real arithmetic) so the links, not the 2 cores, bound it.
+    One strategy only: each job costs the suite about 5 s."""
     out = gradmesh(
         "bench",
         "scaling",
         "--strategies",
-        "allreduce,ps",
+        "ps",
         "--hosts",
         "2",
         "--rounds",
@@ -108,12 +87,11 @@ def test_the_simulator_predicts_the_scaling_study_within_10_percent(tmp_path: Pa
     got = json.loads((tmp_path / "s.json").read_text())
     assert got["compute"].startswith("EMULATED")
     assert got["links"]["2"]["point_to_point"]["beta"] > 0  # the ps link: a loaded ping-pong
-    for strategy in ("allreduce", "ps"):
-        (point,) = got["strategies"][strategy]
-        assert point["hosts"] == 2 and point["limit"] == "link", point
-        assert point["bytes_per_worker_step"] > 100e3  # the CNN's 150 KB gradient left each step
-        assert point["compute_step_s"] >= 0.020  # the sleep is in the step's compute
-        assert abs(point["prediction_error"]) <= 0.10, (strategy, point)
+    (point,) = got["strategies"]["ps"]
+    assert point["hosts"] == 2 and point["limit"] == "link", point
+    assert point["bytes_per_worker_step"] > 100e3  # the CNN's 150 KB gradient pushed each step
+    assert point["compute_step_s"] >= 0.020  # the sleep is in the step's compute
+    assert abs(point["prediction_error"]) <= 0.10, point
 
 
 ALLREDUCE_LOOP = (
