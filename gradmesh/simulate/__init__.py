@@ -26,8 +26,8 @@ link), `hierarchical` as its two levels.
 - `tensor`: the model's own tensor-parallel plan within groups of `--tensor-parallel` GPUs (a
   node's by default), data parallelism across groups; `hybrid`: the planner's choice per layer
   (`gradmesh.layout.planner.plan`, its exact search), both priced by the planner's `predict`
-  on a profile whose seconds come from FLOPs (`layout_profile`). Pipeline parallelism is not
-  simulated.
+  on a profile whose seconds come from FLOPs (`layout_profile`).
+- `pipeline`: gradmesh's own pipeline schedule, action by action (`_pipeline`).
 
 Efficiency at n GPUs is T(1) / T(n), T(1) one GPU's step with no communication (weak scaling:
 each GPU keeps its batch); the overhead is T(n) - T(1) (the lectures' definitions).
@@ -209,6 +209,12 @@ class Job:
     """tensor, hybrid: the largest tp group (0: a node's GPUs)."""
     split: Split | None = None
     """tensor, hybrid: the model's per-placement profile (`layout_profile`)."""
+    stages: int = 0
+    """pipeline: stages (0: a node's GPUs)."""
+    microbatches: int = 8
+    """pipeline: micro-batches per replica's batch."""
+    schedule: str = "1f1b"
+    """pipeline: gpipe or 1f1b (`gradmesh.layout.pipeline.schedule_actions`)."""
     servers_apart: bool = False
     """ps: the servers have hosts of their own (BytePS's layout, and `gradmesh bench scaling`'s
     emulated jobs), so pushes and pulls cross the link between nodes even on one node."""
@@ -294,13 +300,83 @@ def _hybrid(job: Job) -> float:
     return best.prediction.step_s
 
 
+def _pipeline(job: Job) -> float:
+    """Pipeline parallelism as gradmesh runs it: the layer sequence cut into S stages balanced
+    on their FLOPs (`pipeline.balance`; S the largest asked for that divides the GPU count,
+    adjacent GPUs, so a node's), each replica's batch (S GPUs' worth) in `microbatches`, every
+    stage running its schedule's actions in order (`pipeline.schedule_actions`) as a discrete-
+    event simulation: a forward waits for the stage before it and its activation's transfer, a
+    backward for the stage after it and its gradient's; then each stage's parameters are
+    averaged over the S-strided replicas, after its last backward."""
+    from gradmesh.layout.pipeline import balance, schedule_actions
+
+    assert job.split is not None
+    n = job.gpus
+    stages = math.gcd(n, job.stages or job.links.ranks_per_host)
+    units_ = job.split.prof.units
+    if stages > len(units_):
+        stages = max(d for d in range(1, len(units_) + 1) if n % d == 0)
+    m = job.microbatches
+    samples = job.split.prof.batch * stages / m  # per micro-batch (the profile is at one GPU's)
+    scale = stages / m
+    per_unit = [(u.fwd["data"] * scale, u.bwd["data"] * scale) for u in units_]
+    starts = balance([f + b for f, b in per_unit], stages) if stages > 1 else [0]
+    bounds = [*starts, len(units_)]
+    fwd = [sum(f for f, _ in per_unit[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+    bwd = [sum(b for _, b in per_unit[a:c]) for a, c in zip(bounds, bounds[1:], strict=False)]
+    sends = [
+        _p2p_s(job.links, [s, s + 1], samples * units_[bounds[s + 1] - 1].out_bytes)
+        for s in range(stages - 1)
+    ]
+    done: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * stages
+    queues = [schedule_actions(job.schedule, s, stages, m) for s in range(stages)]
+    while any(queues):
+        progressed = False
+        for s in range(stages):
+            while queues[s]:
+                kind, i = queues[s][0]
+                if kind == "F":
+                    need = [done.get(("F", s - 1, i))] if s else []
+                    ready = [t + sends[s - 1] for t in need if t is not None] if s else [0.0]
+                else:
+                    need = (
+                        [done.get(("B", s + 1, i))] if s < stages - 1 else [done.get(("F", s, i))]
+                    )
+                    ready = [
+                        t + (sends[s] if s < stages - 1 else 0.0) for t in need if t is not None
+                    ]
+                if not ready:
+                    break
+                start = max(free[s], *ready)
+                free[s] = done[(kind, s, i)] = start + (fwd[s] if kind == "F" else bwd[s])
+                queues[s].pop(0)
+                progressed = True
+        if not progressed:
+            raise GradmeshError(f"pipeline schedule {job.schedule} deadlocked (a bug)")
+    replicas = list(range(0, n, stages))
+    step = 0.0
+    for s in range(stages):
+        nbytes = sum(u.param_bytes for u in units_[bounds[s] : bounds[s + 1]])
+        sync = job.links.allreduce_s(job.algorithm, [r + s for r in replicas], nbytes)
+        step = max(step, free[s] + sync)
+    return step + job.split.prof.step_overhead_s
+
+
+def _p2p_s(links: Links, ranks: list[int], nbytes: float) -> float:
+    """One message between two ranks: its alpha and beta (within a node or across)."""
+    c = links.over(ranks, nbytes)
+    return c.alpha + nbytes * c.beta
+
+
 STRATEGIES: Registry[Callable[[Job], float]] = Registry("simulated strategy")
 STRATEGIES.register("allreduce")(_allreduce)
 STRATEGIES.register("ps")(_ps)
 STRATEGIES.register("local-sgd")(_local_sgd)
 STRATEGIES.register("tensor")(_tensor)
 STRATEGIES.register("hybrid")(_hybrid)
-SPLITTING = {"tensor", "hybrid"}
+STRATEGIES.register("pipeline")(_pipeline)
+SPLITTING = {"tensor", "hybrid", "pipeline"}
 
 
 def scaling(strategy: str, base: Job, gpus: list[int]) -> list[dict[str, Any]]:
@@ -360,6 +436,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="tensor, hybrid: the largest tp group (default: --gpus-per-node)",
     )
+    parser.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=0,
+        help="pipeline: stages (default: --gpus-per-node)",
+    )
+    parser.add_argument("--microbatches", type=int, default=8, help="pipeline (default: 8)")
+    parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe or 1f1b (default)")
     parser.add_argument("--json", help="write the prediction here")
     parser.add_argument("--plot", help="write efficiency and overhead against GPUs here (PNG)")
 
@@ -427,13 +511,18 @@ def run(args: argparse.Namespace) -> int:
     COSTS.get(args.algorithm)
     if (
         min(args.batch_per_gpu, args.sync_every) < 1
-        or min(args.servers, args.tensor_parallel) < 0
+        or min(args.servers, args.tensor_parallel, args.pipeline_parallel) < 0
         or args.fusion_mb <= 0
+        or args.microbatches < 1
     ):
         raise GradmeshError(
-            "--batch-per-gpu and --sync-every must be >= 1, --servers and --tensor-parallel "
-            ">= 0, --fusion-mb > 0"
+            "--batch-per-gpu, --sync-every and --microbatches must be >= 1, --servers, "
+            "--tensor-parallel and --pipeline-parallel >= 0, --fusion-mb > 0"
         )
+    from gradmesh.layout.pipeline import SCHEDULES
+
+    if args.schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown --schedule {args.schedule!r} (valid: {', '.join(SCHEDULES)})")
     started = time.perf_counter()
     shape = _shape(args.input_shape)
     layers = model_layers(args.model, args.batch_per_gpu, shape)
@@ -460,6 +549,9 @@ def run(args: argparse.Namespace) -> int:
         args.sync_every,
         args.tensor_parallel,
         split,
+        args.pipeline_parallel,
+        args.microbatches,
+        args.schedule,
     )
     results = {s: scaling(s, base, gpus) for s in strategies}
     payload = {

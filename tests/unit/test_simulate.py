@@ -3,6 +3,7 @@ published scaling results docs/scaling.md lists (set-ups as the papers state the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -131,6 +132,33 @@ def test_splitting_the_fully_connected_layers_pays_across_slow_links(tmp_path: P
     for n in (1, 2):
         assert got["hybrid"][n] < got["allreduce"][n] / 4
         assert got["hybrid"][n] < got["tensor"][n] / 2
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
+    """4 equal stages (1 ms forward, 2 ms backward per GPU's batch), 8 micro-batches, free
+    links: each micro-batch takes 3 ms x 4/8 on a stage, and the step is (m + p - 1) of them:
+    the bubble of (p - 1) / (m + p - 1) that docs/model_parallel.md states. One micro-batch
+    runs the stages one after another; a link that costs time delays every hand-over."""
+    from gradmesh.layout.planner import Profile, Unit
+    from gradmesh.simulate import STRATEGIES, Split
+
+    units = [
+        Unit(str(i), "Linear", 0, 0, 4, 4, 4, (1, 1), {"data": 1e-3}, {"data": 2e-3})
+        for i in range(4)
+    ]
+    prof = Profile("toy", 1, 32, units, 0, 1, 0.0)
+    free = CostParams(0.0, 0.0, 0.0)
+    job = Job(prof, 4, Links(free, free, 4), split=Split(prof, None, None), stages=4)
+    pipeline = STRATEGIES.get("pipeline")
+    job = dataclasses.replace(job, schedule=schedule)
+    assert pipeline(job) == pytest.approx((8 + 4 - 1) * 3e-3 * 4 / 8)
+    assert pipeline(dataclasses.replace(job, microbatches=1)) == pytest.approx(4 * 3e-3 * 4)
+    slow = Links(CostParams(1e-3, 0.0, 0.0), free, 4)  # 1 ms per message within the node
+    # each micro-batch's activations cross 3 boundaries forward and 3 back, one after another
+    assert pipeline(dataclasses.replace(job, links=slow, microbatches=1)) == pytest.approx(
+        4 * 3e-3 * 4 + 6e-3
+    )
 
 
 @pytest.mark.parametrize(
