@@ -259,12 +259,14 @@ def _tp_of(job: Job) -> int:
     return math.gcd(job.gpus, job.tensor_parallel or job.links.ranks_per_host)
 
 
-def _split_profile(job: Job) -> Profile:
+def _split_of(job: Job) -> tuple[Split, Profile]:
+    """The job's `Split`, and its profile at this GPU count (each GPU keeps its batch)."""
     if job.split is None:
-        raise GradmeshError("the tensor and hybrid layouts need the model's layer sequence")
-    return dataclasses.replace(
+        raise GradmeshError("the tensor, hybrid and pipeline layouts need `Job.split`")
+    prof = dataclasses.replace(
         job.split.prof, workers=job.gpus, batch=job.split.prof.batch * job.gpus
     )
+    return job.split, prof
 
 
 def _tensor(job: Job) -> float:
@@ -272,11 +274,11 @@ def _tensor(job: Job) -> float:
     data parallelism across them: the planner's `predict`."""
     from gradmesh.layout.planner import tp_plan_layers
 
-    assert job.split is not None
-    if not job.split.tp_plan:
-        raise GradmeshError(f"model {job.split.prof.model} declares no tensor-parallel plan")
-    prof, tp = _split_profile(job), _tp_of(job)
-    layers = tp_plan_layers(prof, job.split.tp_plan) if tp > 1 else {}
+    split, prof = _split_of(job)
+    if not split.tp_plan:
+        raise GradmeshError(f"model {prof.model} declares no tensor-parallel plan")
+    tp = _tp_of(job)
+    layers = tp_plan_layers(prof, split.tp_plan) if tp > 1 else {}
     layers = layers or {u.name: "data" for u in prof.units}
     return predict(prof, layers, tp, job.links, job.algorithm, job.fusion_mb).step_s
 
@@ -286,14 +288,13 @@ def _hybrid(job: Job) -> float:
     `_tp_of`), by its search over the same cost model."""
     from gradmesh.layout.planner import plan
 
-    assert job.split is not None
-    prof = _split_profile(job)
+    split, prof = _split_of(job)
     best, _ = plan(
         prof,
         job.links,
         _tp_of(job),
-        job.split.model,
-        job.split.tp_plan,
+        split.model,
+        split.tp_plan,
         job.algorithm,
         job.fusion_mb,
     )
@@ -310,14 +311,14 @@ def _pipeline(job: Job) -> float:
     averaged over the S-strided replicas, after its last backward."""
     from gradmesh.layout.pipeline import balance, schedule_actions
 
-    assert job.split is not None
+    split, _ = _split_of(job)
     n = job.gpus
     stages = math.gcd(n, job.stages or job.links.ranks_per_host)
-    units_ = job.split.prof.units
+    units_ = split.prof.units
     if stages > len(units_):
         stages = max(d for d in range(1, len(units_) + 1) if n % d == 0)
     m = job.microbatches
-    samples = job.split.prof.batch * stages / m  # per micro-batch (the profile is at one GPU's)
+    samples = split.prof.batch * stages / m  # per micro-batch (the profile is at one GPU's)
     scale = stages / m
     per_unit = [(u.fwd["data"] * scale, u.bwd["data"] * scale) for u in units_]
     starts = balance([f + b for f, b in per_unit], stages) if stages > 1 else [0]
@@ -360,7 +361,7 @@ def _pipeline(job: Job) -> float:
         nbytes = sum(u.param_bytes for u in units_[bounds[s] : bounds[s + 1]])
         sync = job.links.allreduce_s(job.algorithm, [r + s for r in replicas], nbytes)
         step = max(step, free[s] + sync)
-    return step + job.split.prof.step_overhead_s
+    return step + split.prof.step_overhead_s
 
 
 def _p2p_s(links: Links, ranks: list[int], nbytes: float) -> float:
