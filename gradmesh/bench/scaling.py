@@ -122,7 +122,8 @@ def _predict(
     flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
     device = Device(flops / measured["compute_step_s"] / 1e12, 1.0, "measured")
     prof = device_profile(layers, device, args.batch_per_worker, args.model)
-    return STRATEGIES.get(strategy)(Job(prof, hosts, links, "native", 64.0, 1, 8, True))
+    job = Job(prof, hosts, links, "native", 64.0, servers=1, servers_apart=True)
+    return STRATEGIES.get(strategy)(job)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -201,6 +201,7 @@ class Job:
     links: Links
     algorithm: str = "ring"
     fusion_mb: float = 25.0
+    _: dataclasses.KW_ONLY  # each strategy's own settings by name: a new one cannot shift them
     servers: int = 0
     """ps: parameter servers (0: one per node)."""
     sync_every: int = 8
@@ -208,7 +209,7 @@ class Job:
     tensor_parallel: int = 0
     """tensor, hybrid: the largest tp group (0: a node's GPUs)."""
     split: Split | None = None
-    """tensor, hybrid: the model's per-placement profile (`layout_profile`)."""
+    """tensor, hybrid, pipeline: the model's per-placement profile (`layout_profile`)."""
     stages: int = 0
     """pipeline: stages (0: a node's GPUs)."""
     microbatches: int = 8
@@ -546,13 +547,13 @@ def run(args: argparse.Namespace) -> int:
         links,
         args.algorithm,
         args.fusion_mb,
-        args.servers,
-        args.sync_every,
-        args.tensor_parallel,
-        split,
-        args.pipeline_parallel,
-        args.microbatches,
-        args.schedule,
+        servers=args.servers,
+        sync_every=args.sync_every,
+        tensor_parallel=args.tensor_parallel,
+        split=split,
+        stages=args.pipeline_parallel,
+        microbatches=args.microbatches,
+        schedule=args.schedule,
     )
     results = {s: scaling(s, base, gpus) for s in strategies}
     payload = {

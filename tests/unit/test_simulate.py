@@ -92,6 +92,19 @@ def test_communication_overlaps_backward_and_slow_links_show() -> None:
     assert two_level[0]["step_s"] < flat
 
 
+def test_servers_on_their_own_hosts_are_reached_over_the_slow_link() -> None:
+    """One worker whose server has a host of its own (the scaling bench's ps jobs) pays the link
+    between nodes; a server on the worker's own node does not; a fitted point-to-point link,
+    where there is one, prices the messages."""
+    slow = _job("v100", 1, 1000, 1, 5e-6, "ring")
+    together = scaling("ps", dataclasses.replace(slow, servers=1), [1])[0]["step_s"]
+    apart = dataclasses.replace(slow, servers=1, servers_apart=True)
+    alone = scaling("ps", apart, [1])[0]["step_s"]
+    assert alone > together + 25_557_032 * 4 * 8 / 1e9  # at least the push at 1 Gbit/s
+    faster = dataclasses.replace(slow.links, point_to_point=CostParams(5e-6, 8 / 10e9, 0.0))
+    assert scaling("ps", dataclasses.replace(apart, links=faster), [1])[0]["step_s"] < alone
+
+
 def test_simulate_writes_json_for_1024_gpus(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     args = [
