@@ -168,8 +168,8 @@ COMPUTE_BETWEEN = 160
 
 
 def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
-    """[gamma; {group size: its pieces}; the seconds one real data-parallel step spends outside
-    communication; where asked, `loaded_pingpong`'s [alpha, beta], else None]. Gamma is
+    """[gamma; {group size: its pieces}; the seconds a real data-parallel step spends outside
+    communication on its slowest rank (`timed_steps`); where asked, `loaded_pingpong`'s [alpha, beta], else None]. Gamma is
     `probe`'s; the pieces are `loaded_fit`'s, which times allreduces of the sizes the plan's
     candidates exchange between stretches of compute on every rank at once, for the world and
     for each smaller group size on groups of that many ranks (strided, so they span hosts)

@@ -92,7 +92,8 @@ class Timed(NamedTuple):
     cpu_idle: float
     """The machine's idle CPU fraction over the measured steps."""
     outside_comm_s: float
-    """Median seconds per step outside communication calls (compute, the loop's own work)."""
+    """Median seconds per step outside communication calls (compute, the loop's own work) on the
+    slowest rank of each step."""
 
 
 def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
@@ -120,7 +121,10 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
         job.optimizer.step()
         times.append(time.perf_counter() - started)
         outside.append(times[-1] - (rt.comm.comm_s - comm_before))
-    return Timed(median(times[warmup:]), idle_since(cpu_before), median(outside[warmup:]))
+    slowest = torch.tensor(outside[warmup:], dtype=torch.float64)
+    if torch.distributed.is_initialized():  # a step waits for its slowest rank's compute
+        torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
+    return Timed(median(times[warmup:]), idle_since(cpu_before), median(slowest.tolist()))
 
 
 def interleaved_jobs(

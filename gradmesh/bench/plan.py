@@ -5,12 +5,14 @@ measured next to the planner's prediction for it.
 The links are probed first (on the emulated cluster when `--emulate-hosts` is given, else on
 loopback), the model is profiled on this machine, and the planner predicts a step time for
 each of the four placements. Each is then a job of its own (a mesh is fixed when a job starts),
-interleaved round by round; a job takes `--warmup` steps, then measures `--steps` through the
-trainer's own setup (split, optimizer, strategy). A placement's figure is the median over rounds
-of each job's median step (rank 0; steps are synchronous). The JSON holds, per placement, the
-measured and predicted step, the prediction's error, the step's time outside communication
-calls (`outside_comm_s`), the bytes sent per step by kind, and the
-machine's idle CPU during the measured steps: under 10 % the figure is labelled `"limit": "cpu"`.
+interleaved round by round (a placement chosen twice, as when the planner's plan is a
+reference's, is one job measured once); a job takes `--warmup` steps, then measures `--steps`
+through the trainer's own setup (split, optimizer, strategy). A placement's figure is the
+median over rounds of each job's median step (rank 0; steps are synchronous). The JSON holds,
+per placement, the measured and predicted step, the prediction's error, the step's time outside
+communication calls on its slowest rank (`outside_comm_s`), the bytes sent per step by kind,
+and the machine's idle CPU during the measured steps: under 10 % the figure is labelled
+`"limit": "cpu"`.
 """
 
 from __future__ import annotations
@@ -94,6 +96,12 @@ def run(args: argparse.Namespace) -> int:
         _, request, outside = probed[0]
         print(describe(best, refs, prof))
         choices = [best, *refs]
+        # a placement chosen twice (the planner's plan is often a reference's) is one job:
+        # measured once, so that the comparison between them is not noise between two runs
+        first: dict[str, str] = {}
+        for choice in choices:
+            first.setdefault(_placement(choice), choice.name)
+        unique = [c for c in choices if first[_placement(c)] == c.name]
         configs = [
             {
                 "setting": dataclasses.asdict(setting),
@@ -102,12 +110,16 @@ def run(args: argparse.Namespace) -> int:
                 "steps": args.steps,
                 "warmup": args.warmup,
             }
-            for choice in choices
+            for choice in unique
         ]
-        rounds = interleaved_jobs("gradmesh.bench.plan", args.world, configs, args.rounds, cluster)
+        measured = interleaved_jobs(
+            "gradmesh.bench.plan", args.world, configs, args.rounds, cluster
+        )
         notes = cluster.notes if cluster is not None else None
+    by_name = {c.name: runs for c, runs in zip(unique, measured, strict=True)}
     results = {}
-    for choice, runs in zip(choices, rounds, strict=True):
+    for choice in choices:
+        runs = by_name[first[_placement(choice)]]
         step = median([r["step_s"] for r in runs])
         idle = median([r["cpu_idle"] for r in runs])
         predicted = choice.prediction.step_s
@@ -128,6 +140,9 @@ def run(args: argparse.Namespace) -> int:
             "bytes_per_step": runs[0]["bytes_per_step"],
             "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
             "cpu_idle": idle,
+            "same_placement_as": first[_placement(choice)]
+            if first[_placement(choice)] != choice.name
+            else None,
             "limit": "cpu"
             if idle < CPU_BOUND_IDLE
             else ("link" if cluster is not None else "loopback"),
@@ -165,10 +180,11 @@ def run(args: argparse.Namespace) -> int:
     write_json(args.json, payload)
     for name, r in results.items():
         sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
+        same = f"  (= {r['same_placement_as']}: one job)" if r["same_placement_as"] else ""
         print(
             f"{name:16} tp{r['tp']} dp{r['dp']}: step {r['step_s'] * 1e3:7.1f} ms, predicted "
             f"{r['predicted_step_s'] * 1e3:7.1f} ({r['prediction_error'] * 100:+.0f}%)  MB/step/"
-            f"rank: {sent}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+            f"rank: {sent}  cpu idle {r['cpu_idle']:.2f} ({r['limit']}){same}"
         )
     print(
         f"planner: {payload['planner_vs_fastest']:.2f}x the fastest, "
@@ -176,6 +192,12 @@ def run(args: argparse.Namespace) -> int:
         f"{payload['worst_prediction_error'] * 100:.0f}%"
     )
     return 0
+
+
+def _placement(choice: Any) -> str:
+    import json
+
+    return json.dumps([choice.tp, choice.layers], sort_keys=True)
 
 
 if __name__ == "__main__":

@@ -93,9 +93,10 @@ class Profile:
     """Optimizer tensors per parameter (SGD with momentum: 1) for the memory estimate."""
     step_overhead_s: float = 0.0
     """A step's work that the units timed alone do not show (the trainer's loop, hooks and
-    bookkeeping under the job's own contention): measured by `gradmesh.plan` as one real
-    data-parallel step's time outside communication less its predicted compute; every placement
-    pays it once per step."""
+    bookkeeping under the job's own contention, and the slowest rank's share of it: ranks
+    time-sliced on shared cores do not finish their compute together, and a step waits for the
+    last): measured by `gradmesh.plan` as real data-parallel steps' time outside communication
+    on their slowest rank, less the predicted compute; every placement pays it once per step."""
 
     def key(self, choice: str, tp: int) -> str:
         return "data" if choice == "data" or tp == 1 else f"{choice}@{tp}"
