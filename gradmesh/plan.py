@@ -169,13 +169,13 @@ COMPUTE_BETWEEN = 160
 
 def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
     """[gamma; {group size: its pieces}; the seconds a real data-parallel step spends outside
-    communication on its slowest rank (`timed_steps`); where asked, `loaded_pingpong`'s [alpha, beta], else None]. Gamma is
-    `probe`'s; the pieces are `loaded_fit`'s, which times allreduces of the sizes the plan's
-    candidates exchange between stretches of compute on every rank at once, for the world and
-    for each smaller group size on groups of that many ranks (strided, so they span hosts)
-    reducing at once. The ping-pong fit of an idle pair is not what a step meets: on 4 emulated
-    hosts its intercept fell to nothing (1e-7 s, clamped) while each allreduce of 16 KB or more
-    took 2.8 ms or more."""
+    communication on its slowest rank (`timed_steps`); where asked, `loaded_pingpong`'s
+    [alpha, beta], else None]. Gamma is `probe`'s; the pieces are `loaded_fit`'s, which times
+    allreduces of the sizes the plan's candidates exchange between stretches of compute on every
+    rank at once, for the world and for each smaller group size on groups of that many ranks
+    (strided, so they span hosts) reducing at once. The ping-pong fit of an idle pair is not
+    what a step meets: on 4 emulated hosts its intercept fell to nothing (1e-7 s, clamped) while
+    each allreduce of 16 KB or more took 2.8 ms or more."""
     import torch.distributed as dist
 
     from gradmesh.bench.common import timed_steps
