@@ -1,0 +1,40 @@
+"""The benches' step timing (`gradmesh.bench.common.timed_steps`), on real gloo ranks."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from tests.harness import run_ranks
+
+SLOW_S = 0.04
+
+
+def slow_rank_one() -> tuple[float, float]:
+    """Two data-parallel ranks of the digits CNN, rank 1 sleeping `SLOW_S` before each forward:
+    (step seconds, seconds outside communication) as `timed_steps` reports them here."""
+    from gradmesh.bench.common import timed_steps
+    from gradmesh.runtime import get_runtime
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.trainer import attach, setup
+
+    rt = get_runtime()
+    job = setup(TrainConfig(workers=2, model="cnn", dataset="digits", batch_size=32), rt)
+    attach(job)
+    if rt.rank == 1:
+
+        def late(*_: Any) -> None:
+            time.sleep(SLOW_S)
+
+        job.split.module.register_forward_pre_hook(late)
+    timed = timed_steps(job, 32, 1, 3)
+    return timed.step_s, timed.outside_comm_s
+
+
+def test_time_outside_communication_is_the_slowest_ranks() -> None:
+    """A step waits for its slowest rank, so the time outside communication that the planner
+    adds to every placement (`Profile.step_overhead_s`) is that rank's: rank 0, which computes
+    fast and then waits in the gradient allreduce, reports rank 1's compute, not its own."""
+    for step, outside in run_ranks(slow_rank_one, 2, timeout=120):
+        assert outside >= SLOW_S
+        assert step >= outside
