@@ -9,7 +9,7 @@ import gradmesh
 from tests.distributed.sgd_steps import cnn, run_steps
 from tests.harness import run_ranks
 
-STEPS = 20
+STEPS = 10
 
 
 def _setup() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
