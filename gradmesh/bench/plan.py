@@ -98,10 +98,10 @@ def run(args: argparse.Namespace) -> int:
         choices = [best, *refs]
         # a placement chosen twice (the planner's plan is often a reference's) is one job:
         # measured once, so that the comparison between them is not noise between two runs
-        first: dict[str, str] = {}
+        first: dict[str, Any] = {}  # a placement -> the first choice that has it
         for choice in choices:
-            first.setdefault(_placement(choice), choice.name)
-        unique = [c for c in choices if first[_placement(c)] == c.name]
+            first.setdefault(_placement(choice), choice)
+        unique = list(first.values())
         configs = [
             {
                 "setting": dataclasses.asdict(setting),
@@ -116,10 +116,10 @@ def run(args: argparse.Namespace) -> int:
             "gradmesh.bench.plan", args.world, configs, args.rounds, cluster
         )
         notes = cluster.notes if cluster is not None else None
-    by_name = {c.name: runs for c, runs in zip(unique, measured, strict=True)}
+    runs_of = dict(zip(first, measured, strict=True))
     results = {}
     for choice in choices:
-        runs = by_name[first[_placement(choice)]]
+        runs, shared = runs_of[_placement(choice)], first[_placement(choice)].name
         step = median([r["step_s"] for r in runs])
         idle = median([r["cpu_idle"] for r in runs])
         predicted = choice.prediction.step_s
@@ -140,9 +140,7 @@ def run(args: argparse.Namespace) -> int:
             "bytes_per_step": runs[0]["bytes_per_step"],
             "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
             "cpu_idle": idle,
-            "same_placement_as": first[_placement(choice)]
-            if first[_placement(choice)] != choice.name
-            else None,
+            "same_placement_as": shared if shared != choice.name else None,
             "limit": "cpu"
             if idle < CPU_BOUND_IDLE
             else ("link" if cluster is not None else "loopback"),
