@@ -347,8 +347,8 @@ def make_plan(
     `Links` priced on).
     `links` may be a probe: once the model is profiled it is called with a `ProbeRequest` (the
     sizes the candidates exchange, `exchange_sizes`, and the sizes of the groups they reduce
-    over) and returns the Links and one real data-parallel step's seconds outside
-    communication, whose excess over the predicted compute becomes the profile's
+    over) and returns the Links and real data-parallel steps' seconds outside communication on
+    their slowest rank, whose excess over the predicted compute becomes the profile's
     `step_overhead_s`."""
     import torch
 
