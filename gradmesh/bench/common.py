@@ -88,7 +88,7 @@ def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
 
 class Timed(NamedTuple):
     step_s: float
-    """Median step seconds."""
+    """Median step seconds on this rank."""
     cpu_idle: float
     """The machine's idle CPU fraction over the measured steps."""
     outside_comm_s: float
@@ -121,8 +121,14 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
         job.optimizer.step()
         times.append(time.perf_counter() - started)
         outside.append(times[-1] - (rt.comm.comm_s - comm_before))
+    # The step is this rank's own: its steps run back to back, so their median is the job's
+    # period. A per-step maximum over the ranks would not be: a rank that starts a step early
+    # waits for the others inside it, and the maximum keeps that wait (`bench plan` on alexnet,
+    # 4 emulated hosts: tensor parallelism read 203 ms that way, 150 ms this way, in two runs).
+    # The time outside communication is the slowest rank's, step by step, since that rank's
+    # compute is what a synchronous step waits for.
     slowest = torch.tensor(outside[warmup:], dtype=torch.float64)
-    if torch.distributed.is_initialized():  # a step waits for its slowest rank's compute
+    if torch.distributed.is_initialized():
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
     return Timed(median(times[warmup:]), idle_since(cpu_before), median(slowest.tolist()))
 

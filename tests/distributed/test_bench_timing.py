@@ -34,7 +34,9 @@ def slow_rank_one() -> tuple[float, float]:
 def test_time_outside_communication_is_the_slowest_ranks() -> None:
     """A step waits for its slowest rank, so the time outside communication that the planner
     adds to every placement (`Profile.step_overhead_s`) is that rank's: rank 0, which computes
-    fast and then waits in the gradient allreduce, reports rank 1's compute, not its own."""
-    for step, outside in run_ranks(slow_rank_one, 2, timeout=120):
-        assert outside >= SLOW_S
-        assert step >= outside
+    fast and then waits in the gradient allreduce, reports rank 1's compute, not its own. The
+    step itself is each rank's own median, so it is not compared with that figure: the two are
+    medians of different ranks' steps, and rank 0's came out 0.08 ms below rank 1's compute."""
+    (step0, outside0), (step1, outside1) = run_ranks(slow_rank_one, 2, timeout=120)
+    assert outside0 == outside1 >= SLOW_S
+    assert step0 >= SLOW_S and step1 >= SLOW_S  # rank 0 waits for rank 1 inside its step
