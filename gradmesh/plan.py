@@ -19,11 +19,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.errors import GradmeshError
+from gradmesh.registry import canonical_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="alexnet", help="model (default: alexnet)")
-    parser.add_argument("--dataset", default="synthetic", help="dataset (default: synthetic)")
+    parser.add_argument(
+        "--model", type=canonical_name, default="alexnet", help="model (default: alexnet)"
+    )
+    parser.add_argument(
+        "--dataset", type=canonical_name, default="synthetic", help="dataset (default: synthetic)"
+    )
     parser.add_argument(
         "--synthetic-shape", default="3x32x32", help="synthetic input shape (default: 3x32x32)"
     )

@@ -1,4 +1,9 @@
-"""Fixtures every test gets: no process may outlive the test that started it."""
+"""Fixtures every test gets: nothing a test starts or changes may outlive it.
+
+Modelled on Lightning Fabric's leak fixtures: a test fails if it leaves behind a process (found by
+a tag in its environment, so grandchildren count too), a child process, a Python thread, a
+changed environment variable, a network namespace of an emulated host, or a temporary folder of
+the launcher."""
 
 from __future__ import annotations
 
@@ -7,9 +12,10 @@ import multiprocessing
 import os
 import signal
 import subprocess
+import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,6 +36,21 @@ def tagged_processes(tag: str) -> list[int]:
         except OSError:  # gone, or not ours to read
             continue
     return found
+
+
+@pytest.fixture
+def cli(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], int]:
+    """`gradmesh ARGS...` run in this process: the log levels the command sets for its process
+    are put back after the test."""
+    from gradmesh.cli import main
+    from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
+
+    for name in (CPP_LOG_ENV, WORKER_CPP_LOG_ENV):  # recorded, so the teardown restores them
+        was = os.environ.get(name)
+        monkeypatch.setenv(name, was or "")  # an unset name is recorded only when set here
+        if was is None:
+            monkeypatch.delenv(name)
+    return main
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -53,6 +74,56 @@ def emulated_namespaces() -> set[str]:
     from gradmesh.launch import emulate
 
     return set(emulate.our_namespaces()) if emulate.missing_capability() is None else set()
+
+
+THREAD_GRACE_S = 5.0
+"""How long a thread a test told to stop may take to end before it counts as leaked."""
+
+
+def leaked_threads(before: set[threading.Thread]) -> list[threading.Thread]:
+    """Threads started during the test that are still alive after a grace period."""
+    deadline = time.monotonic() + THREAD_GRACE_S
+    while True:
+        alive = [t for t in threading.enumerate() if t not in before and t.is_alive()]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.05)
+
+
+OWN_ENVIRONMENT = {
+    TAG,
+    "PYTEST_CURRENT_TEST",  # pytest's own
+    "TORCHINDUCTOR_CACHE_DIR",  # torch memoises its cache folder here on first use
+}
+"""Variables the harness or a library sets, which no test is to blame for."""
+
+
+def changed_environment(before: dict[str, str]) -> list[str]:
+    """Names of environment variables the test added, removed or changed (put back here)."""
+    changed = sorted(
+        name
+        for name in (set(before) | set(os.environ)) - OWN_ENVIRONMENT
+        if before.get(name) != os.environ.get(name)
+    )
+    for name in changed:
+        if name in before:
+            os.environ[name] = before[name]
+        else:
+            del os.environ[name]
+    return changed
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_threads_or_environment() -> Iterator[None]:
+    """Fail a test that leaves a thread running or the environment changed (monkeypatch's
+    changes are undone before this check runs, so they do not count)."""
+    threads = set(threading.enumerate())
+    environment = dict(os.environ)
+    yield
+    changed = changed_environment(environment)
+    alive = leaked_threads(threads)
+    assert not alive, f"threads left running by the test: {[t.name for t in alive]}"
+    assert not changed, f"environment variables changed by the test: {changed}"
 
 
 @pytest.fixture(autouse=True)

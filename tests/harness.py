@@ -20,6 +20,9 @@ from typing import Any
 
 from gradmesh.launch.run import free_port
 
+CLI = Callable[[list[str]], int]
+"""The `cli` fixture: `gradmesh ARGS...` run in the test's own process, its exit code back."""
+
 _CTX = mp.get_context("forkserver")
 # torch._dynamo too: torch.optim's optimizers import it on their first add_param_group (0.8 s of
 # CPU in every rank otherwise; 34 s -> 25.5 s for the data-parallel and local-SGD tests)
@@ -45,7 +48,13 @@ def _rank_main(
     os.environ.update(env)
     rank = int(env["RANK"])
     try:
+        import torch
+
         import gradmesh
+
+        # the forkserver imported torch before this rank's OMP_NUM_THREADS was set: pin the
+        # thread count itself, since it changes the rounding of every reduction inside an op
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
         gradmesh.init(**init)
         # pickled by value here: the queue's own pickler would send tensors as shared-memory

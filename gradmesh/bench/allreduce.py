@@ -25,6 +25,7 @@ from gradmesh.bench.common import (
     worker_main,
     write_json,
 )
+from gradmesh.registry import canonical_name
 
 DEFAULT_ALGORITHMS = "ring,tree,butterfly,star,hierarchical,native"
 
@@ -32,7 +33,12 @@ DEFAULT_ALGORITHMS = "ring,tree,butterfly,star,hierarchical,native"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", default="2,4", help="world sizes, like 2,4 (default: 2,4)")
     parser.add_argument("--sizes", default="4KB,256KB,4MB,32MB", help="message sizes")
-    parser.add_argument("--algorithms", default=DEFAULT_ALGORITHMS, help="algorithms to compare")
+    parser.add_argument(
+        "--algorithms",
+        type=canonical_name,
+        default=DEFAULT_ALGORITHMS,
+        help="algorithms to compare",
+    )
     parser.add_argument("--reps", type=int, default=10, help="measured rounds (default: 10)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default: 2)")
     parser.add_argument("--json", help="write the results here")

@@ -30,20 +30,29 @@ from typing import Any
 from gradmesh.bench.common import CPU_BOUND_IDLE, median, write_json
 from gradmesh.errors import GradmeshError
 from gradmesh.process import cpu_jiffies
+from gradmesh.registry import canonical_name
 
 MODES = ("none", "sync", "async")
 _KILLED = re.compile(r"killed after step \d+ at unix time ([0-9.]+)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="alexnet", help="model (default: alexnet, the largest)")
-    parser.add_argument("--dataset", default="digits", help="dataset (default: digits)")
+    parser.add_argument(
+        "--model",
+        type=canonical_name,
+        default="alexnet",
+        help="model (default: alexnet, the largest)",
+    )
+    parser.add_argument(
+        "--dataset", type=canonical_name, default="digits", help="dataset (default: digits)"
+    )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
     parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default: 2)")
     parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (5)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode (default: 3)")
     parser.add_argument(
         "--modes",
+        type=canonical_name,
         default="sync,async",
         help="save modes to time against no checkpoints (default: sync,async)",
     )

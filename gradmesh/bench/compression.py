@@ -39,6 +39,7 @@ from gradmesh.bench.common import (
 )
 from gradmesh.errors import GradmeshError
 from gradmesh.process import cpu_jiffies
+from gradmesh.registry import canonical_name
 
 TORCH_HOOK = "torch-powersgd"
 """DDP with torch's PowerSGD hook."""
@@ -60,7 +61,12 @@ def engines() -> list[str]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
     parser.add_argument("--engines", help="comma-separated (default: all compressors and hooks)")
-    parser.add_argument("--model", default="alexnet", help="a registered model (default: alexnet)")
+    parser.add_argument(
+        "--model",
+        type=canonical_name,
+        default="alexnet",
+        help="a registered model (default: alexnet)",
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")

@@ -23,12 +23,17 @@ from gradmesh.bench.common import (
     write_json,
 )
 from gradmesh.process import cpu_jiffies
+from gradmesh.registry import canonical_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
-    parser.add_argument("--model", default="cnn", help="a registered model (default: cnn)")
-    parser.add_argument("--dataset", default="digits", help="input shape from this dataset")
+    parser.add_argument(
+        "--model", type=canonical_name, default="cnn", help="a registered model (default: cnn)"
+    )
+    parser.add_argument(
+        "--dataset", type=canonical_name, default="digits", help="input shape from this dataset"
+    )
     parser.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
     parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
     parser.add_argument("--rounds", type=int, default=10, help="timed rounds per engine")

@@ -23,6 +23,7 @@ from typing import Any
 
 from gradmesh.bench.common import median, parse_ints, parse_list, write_json
 from gradmesh.errors import GradmeshError
+from gradmesh.registry import canonical_name
 
 PROBLEMS: dict[str, dict[str, Any]] = {
     "sparse": {
@@ -47,8 +48,12 @@ MODES = ("hogwild", "locked")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="1,2", help="worker counts (default: 1,2)")
-    parser.add_argument("--modes", default="hogwild,locked", help="hogwild, locked or both")
-    parser.add_argument("--problems", default="sparse,dense", help="sparse, dense or both")
+    parser.add_argument(
+        "--modes", type=canonical_name, default="hogwild,locked", help="hogwild, locked or both"
+    )
+    parser.add_argument(
+        "--problems", type=canonical_name, default="sparse,dense", help="sparse, dense or both"
+    )
     parser.add_argument("--rounds", type=int, default=5, help="runs of each configuration")
     parser.add_argument("--epochs", type=int, help="override every problem's epochs")
     parser.add_argument("--batch-per-worker", type=int, help="override every problem's batch")

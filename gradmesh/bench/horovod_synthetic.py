@@ -19,6 +19,7 @@ import argparse
 
 from gradmesh.bench.common import write_json
 from gradmesh.bench.dataparallel import measure
+from gradmesh.registry import canonical_name
 
 ENGINES = ["horovod", "gradmesh", "ddp"]
 TARGET = 0.95
@@ -27,7 +28,12 @@ TARGET = 0.95
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
-    parser.add_argument("--model", default="alexnet", help="a registered model (default: alexnet)")
+    parser.add_argument(
+        "--model",
+        type=canonical_name,
+        default="alexnet",
+        help="a registered model (default: alexnet)",
+    )
     parser.add_argument("--image-size", type=int, default=32, help="square RGB images (default 32)")
     parser.add_argument("--batch-size", type=int, default=32, help="images per worker (default 32)")
     parser.add_argument("--batches-per-round", type=int, default=10, help="steps per timed round")

@@ -30,6 +30,7 @@ from gradmesh.bench.common import (
     worker_main,
     write_json,
 )
+from gradmesh.registry import canonical_name
 
 LAYOUTS = {
     "dp": (1, 1),
@@ -42,11 +43,15 @@ LAYOUTS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="alexnet", help="model (default: alexnet)")
+    parser.add_argument(
+        "--model", type=canonical_name, default="alexnet", help="model (default: alexnet)"
+    )
     parser.add_argument("--world", type=int, default=4, help="ranks (default: 4)")
     parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
     parser.add_argument("--microbatches", type=int, default=8, help="pipeline (default: 8)")
-    parser.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b (default: 1f1b)")
+    parser.add_argument(
+        "--schedule", type=canonical_name, default="1f1b", help="gpipe or 1f1b (default: 1f1b)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
     parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (default: 3)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")

@@ -20,10 +20,13 @@ from typing import Any
 from gradmesh.bench.common import CPU_BOUND_IDLE, median, write_json
 from gradmesh.errors import GradmeshError
 from gradmesh.process import cpu_jiffies, idle_since
+from gradmesh.registry import canonical_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--strategy", default="allreduce", help="(default: allreduce)")
+    parser.add_argument(
+        "--strategy", type=canonical_name, default="allreduce", help="(default: allreduce)"
+    )
     parser.add_argument("--epochs", type=int, default=12, help="(default: 12, train's default)")
     parser.add_argument("--rounds", type=int, default=5, help="jobs of each kind (default: 5)")
     parser.add_argument("--json", help="write the result here")

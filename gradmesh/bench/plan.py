@@ -29,11 +29,16 @@ from gradmesh.bench.common import (
     worker_main,
     write_json,
 )
+from gradmesh.registry import canonical_name
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="alexnet", help="model (default: alexnet)")
-    parser.add_argument("--dataset", default="synthetic", help="dataset (default: synthetic)")
+    parser.add_argument(
+        "--model", type=canonical_name, default="alexnet", help="model (default: alexnet)"
+    )
+    parser.add_argument(
+        "--dataset", type=canonical_name, default="synthetic", help="dataset (default: synthetic)"
+    )
     parser.add_argument("--synthetic-shape", default="3x32x32", help="(default: 3x32x32)")
     parser.add_argument("--world", type=int, default=4, help="ranks (default: 4)")
     parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")

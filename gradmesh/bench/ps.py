@@ -39,6 +39,7 @@ from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster, parse_rate
 from gradmesh.parameter_server.cost import step_time
 from gradmesh.process import cpu_jiffies
+from gradmesh.registry import canonical_name
 
 HIDDEN = 128  # the mlp model's hidden width
 PER_WORKER_BATCH = 16
@@ -56,7 +57,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compute-ms", type=float, default=10.0, help="emulated compute/step")
     parser.add_argument("--steps", type=int, default=40, help="steps per worker per run")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration")
-    parser.add_argument("--mode", default="async", help="ps mode (default: async)")
+    parser.add_argument(
+        "--mode", type=canonical_name, default="async", help="ps mode (default: async)"
+    )
     parser.add_argument("--json", help="write the result here")
     parser.add_argument(
         "--micro", action="store_true", help="the server's CPU per push+pull by shard size"

@@ -36,14 +36,18 @@ from gradmesh.bench.common import (
     write_json,
 )
 from gradmesh.errors import GradmeshError
+from gradmesh.registry import canonical_name
 
 BASELINE = "one worker"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="cnn", help="model (default: cnn)")
+    parser.add_argument("--model", type=canonical_name, default="cnn", help="model (default: cnn)")
     parser.add_argument(
-        "--strategies", default="allreduce,local-sgd,ps", help="(default: allreduce,local-sgd,ps)"
+        "--strategies",
+        type=canonical_name,
+        default="allreduce,local-sgd,ps",
+        help="(default: allreduce,local-sgd,ps)",
     )
     parser.add_argument("--hosts", default="1,2,4", help="emulated host counts (default: 1,2,4)")
     parser.add_argument("--bandwidth", default="1gbit", help="link rate per host (default: 1gbit)")

@@ -55,8 +55,10 @@ def make(
     the biased ones (int8, topk, sign, powersgd)."""
     if not 0 < ratio <= 1:
         raise GradmeshError(f"--compression-ratio must be in (0, 1], got {ratio}")
+    name = COMPRESSORS.canonical(name)
     if isinstance(error_feedback, bool):
         error_feedback = "on" if error_feedback else "off"
+    error_feedback = error_feedback.lower()
     if error_feedback not in ERROR_FEEDBACK:
         raise GradmeshError(
             f"unknown --error-feedback {error_feedback!r} (valid: {', '.join(ERROR_FEEDBACK)})"

@@ -47,7 +47,7 @@ from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner import Links, Profile, Unit, predict
 from gradmesh.models.flops import Layer, layer_flops
-from gradmesh.registry import Registry
+from gradmesh.registry import Registry, canonical_name
 
 
 @dataclass(frozen=True)
@@ -405,7 +405,9 @@ def scaling(strategy: str, base: Job, gpus: list[int]) -> list[dict[str, Any]]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="resnet50", help="model (default: resnet50)")
+    parser.add_argument(
+        "--model", type=canonical_name, default="resnet50", help="model (default: resnet50)"
+    )
     parser.add_argument(
         "--input-shape", help="CxHxW (default: the model's own, 3x224x224 for ImageNet models)"
     )
@@ -413,7 +415,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus", default="8,16,32,64,128,256,512,1024", help="GPU counts (default: 8..1024)"
     )
     parser.add_argument("--gpus-per-node", type=int, default=8, help="(default: 8)")
-    parser.add_argument("--device", default="v100", help="device name (default: v100; or cpu)")
+    parser.add_argument(
+        "--device", type=canonical_name, default="v100", help="device name (default: v100; or cpu)"
+    )
     parser.add_argument("--tflops", type=float, help="peak TFLOP/s (overrides the device's)")
     parser.add_argument("--achieved", type=float, help="fraction of peak reached (0..1]")
     parser.add_argument(
@@ -425,9 +429,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--latency", default="5us", help="per message (default: 5us)")
     parser.add_argument("--intra-node-latency", help="(default: --latency)")
     parser.add_argument(
-        "--strategy", default="allreduce", help="allreduce, ps, local-sgd, or a comma list"
+        "--strategy",
+        type=canonical_name,
+        default="allreduce",
+        help="allreduce, ps, local-sgd, or a comma list",
     )
-    parser.add_argument("--algorithm", default="ring", help="allreduce algorithm (default: ring)")
+    parser.add_argument(
+        "--algorithm",
+        type=canonical_name,
+        default="ring",
+        help="allreduce algorithm (default: ring)",
+    )
     parser.add_argument("--fusion-mb", type=float, default=25.0, help="bucket MiB (default: 25)")
     parser.add_argument("--batch-per-gpu", type=int, default=32, help="(default: 32)")
     parser.add_argument("--servers", type=int, default=0, help="ps: servers (default: 1/node)")
@@ -445,7 +457,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="pipeline: stages (default: --gpus-per-node)",
     )
     parser.add_argument("--microbatches", type=int, default=8, help="pipeline (default: 8)")
-    parser.add_argument("--schedule", default="1f1b", help="pipeline: gpipe or 1f1b (default)")
+    parser.add_argument(
+        "--schedule", type=canonical_name, default="1f1b", help="pipeline: gpipe or 1f1b (default)"
+    )
     parser.add_argument("--json", help="write the prediction here")
     parser.add_argument("--plot", help="write efficiency and overhead against GPUs here (PNG)")
 

@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from gradmesh.errors import GradmeshError
+from gradmesh.registry import canonical_name
 
 
-def option(default: Any, help: str) -> Any:
-    """A dataclass field with the help text the CLI shows for it."""
-    return field(default=default, metadata={"help": help})
+def option(default: Any, help: str, name: bool = False) -> Any:
+    """A dataclass field with the help text the CLI shows for it; `name`: its value is a name
+    from a fixed set (a registry, a mode), matched without regard to case."""
+    return field(default=default, metadata={"help": help, "name": name})
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
@@ -47,6 +49,10 @@ def field_kind(cls: type, name: str) -> tuple[type, bool]:
     return typing.cast(type, hint), False
 
 
+def _metadata(cls: type, name: str) -> Any:
+    return next(f.metadata for f in dataclasses.fields(cls) if f.name == name)
+
+
 def field_value(cls: type, name: str, value: Any, source: str | None) -> Any:
     """`value` checked against field `name`'s annotation: the one conversion every flag, TOML
     key and JSON key goes through. `source` names the file; None means a command-line flag,
@@ -63,7 +69,8 @@ def field_value(cls: type, name: str, value: Any, source: str | None) -> Any:
     elif kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        return value
+        is_name = isinstance(value, str) and _metadata(cls, name).get("name", False)
+        return canonical_name(value) if is_name else value
     shown = json.dumps(value) if not isinstance(value, str) else repr(value)
     what = f"--{name.replace('_', '-')}" if source is None else f"{source}: {name}"
     raise GradmeshError(f"{what} must be {_KIND_NAMES[kind]}, got {shown}")
@@ -107,7 +114,7 @@ class JobConfig:
         "layers by their FLOPs, standing in for a bigger model's compute",
     )
     engine: str = option(
-        "local", "what starts the workers: local (gradmesh's launcher), ray or spark"
+        "local", "what starts the workers: local (gradmesh's launcher), ray or spark", name=True
     )
 
 
@@ -119,7 +126,7 @@ class LayoutConfig:
     tensor_parallel: int = option(1, "ranks each layer of the model's plan is split over (tp)")
     pipeline_parallel: int = option(1, "pipeline stages the model's layers are cut into (pp)")
     microbatches: int = option(1, "pipeline: micro-batches per replica's batch")
-    schedule: str = option("1f1b", "pipeline schedule: gpipe or 1f1b")
+    schedule: str = option("1f1b", "pipeline schedule: gpipe or 1f1b", name=True)
     stages: str = option(
         "",
         "pipeline: first layer index of each stage after the first, like 4,9 (default: "
@@ -136,11 +143,11 @@ class LayoutConfig:
 class StrategyConfig:
     """Strategy: how the replicas agree."""
 
-    strategy: str = option("allreduce", "how workers cooperate (a registered strategy)")
-    allreduce: str = option("native", "allreduce algorithm for gradient averaging")
+    strategy: str = option("allreduce", "how workers cooperate (a registered strategy)", name=True)
+    allreduce: str = option("native", "allreduce algorithm for gradient averaging", name=True)
     fusion_mb: float = option(64.0, "gradient fusion buffer size in MiB")
     compression: str = option(
-        "none", "gradient compression: none, fp16, bf16, int8, topk, sign, powersgd"
+        "none", "gradient compression: none, fp16, bf16, int8, topk, sign, powersgd", name=True
     )
     compression_ratio: float = option(0.01, "topk: fraction of the elements sent, in (0, 1]")
     compression_rank: int = option(1, "powersgd: rank of the low-rank approximation")
@@ -148,19 +155,24 @@ class StrategyConfig:
         "auto",
         "keep what compression left out for the next step: auto (on for the biased "
         "int8, topk, sign, powersgd), on, off",
+        name=True,
     )
-    on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step")
+    on_nonfinite: str = option("error", "NaN/Inf in gradients: error, or skip the step", name=True)
     sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
-    averaging_algorithm: str = option("native", "local-sgd: allreduce algorithm for averaging")
+    averaging_algorithm: str = option(
+        "native", "local-sgd: allreduce algorithm for averaging", name=True
+    )
     warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
     lock: bool = option(False, "hogwild: serialise the shared-memory updates with a lock")
     servers: int = option(1, "ps: parameter-server processes")
-    mode: str = option("async", "ps: sync, async (Downpour) or ssp (bounded staleness)")
+    mode: str = option("async", "ps: sync, async (Downpour) or ssp (bounded staleness)", name=True)
     max_staleness: int = option(2, "ps --mode ssp: most clocks a worker may run ahead (K)")
     push_every: int = option(1, "ps: push the accumulated gradient every n steps")
     pull_every: int = option(1, "ps: pull the parameters every m steps")
     staleness_lr: bool = option(False, "ps: divide each gradient's step by its staleness")
-    server_optimizer: str = option("sgd", "ps: sgd (with --momentum), adagrad, adam, adarevision")
+    server_optimizer: str = option(
+        "sgd", "ps: sgd (with --momentum), adagrad, adam, adarevision", name=True
+    )
     lost_after_s: float = option(10.0, "ps: a worker silent this long is declared lost")
 
 
@@ -168,8 +180,8 @@ class StrategyConfig:
 class DataConfig:
     """Model and data: what is trained, on what."""
 
-    model: str = option("cnn", "model to train (a registered model)")
-    dataset: str = option("digits", "dataset to train on (a registered dataset)")
+    model: str = option("cnn", "model to train (a registered model)", name=True)
+    dataset: str = option("digits", "dataset to train on (a registered dataset)", name=True)
     batch_size: int = option(64, "global batch size, split across the data-parallel replicas")
     synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
     synthetic_classes: int = option(10, "number of classes of the synthetic dataset")
@@ -180,12 +192,12 @@ class DataConfig:
 class OptimizerConfig:
     """Optimizer: how each rank updates its own parameters."""
 
-    optimizer: str = option("sgd", "optimizer (a registered one: sgd, adam, adamw)")
+    optimizer: str = option("sgd", "optimizer (a registered one: sgd, adam, adamw)", name=True)
     lr: float = option(0.05, "learning rate")
     momentum: float = option(0.9, "SGD momentum")
     weight_decay: float = option(0.0, "L2 weight decay (decoupled for adamw)")
     lr_scaling: str = option(
-        "none", "large-batch rule: linear (lr x replicas or x batch/reference)"
+        "none", "large-batch rule: linear (lr x replicas or x batch/reference)", name=True
     )
     reference_batch: int = option(0, "with --lr-scaling linear: batch the base lr was tuned for")
     warmup_epochs: float = option(0.0, "gradual linear warm-up to the scaled lr over K epochs")

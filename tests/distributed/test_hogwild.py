@@ -21,6 +21,8 @@ def locked_updates(lock: bool) -> tuple[torch.Tensor, torch.Tensor, int, list[st
     model = nn.Linear(3, 2)
     shared = share_model(model, lock=lock)
     start = torch.cat([p.detach().clone().reshape(-1) for p in model.parameters()])
+    # every rank has its snapshot of rank 0's values before any rank steps the shared weights
+    gradmesh.barrier()
     opt = HogwildOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), shared)
     for _ in range(STEPS):
         for p in model.parameters():

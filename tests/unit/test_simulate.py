@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from gradmesh.cli import main
 from gradmesh.collectives.cost import CostParams
 from gradmesh.layout.planner import Links
 from gradmesh.simulate import DEVICES, Job, device_profile, model_layers, scaling
+from tests.harness import CLI
 
 
 def _job(
@@ -105,7 +105,7 @@ def test_servers_on_their_own_hosts_are_reached_over_the_slow_link() -> None:
     assert scaling("ps", dataclasses.replace(apart, links=faster), [1])[0]["step_s"] < alone
 
 
-def test_simulate_writes_json_for_1024_gpus(tmp_path: Path) -> None:
+def test_simulate_writes_json_for_1024_gpus(tmp_path: Path, cli: CLI) -> None:
     out = tmp_path / "sim.json"
     args = [
         "simulate",
@@ -120,14 +120,16 @@ def test_simulate_writes_json_for_1024_gpus(tmp_path: Path) -> None:
         "--json",
         str(out),
     ]
-    assert main(args) == 0
+    assert cli(args) == 0
     payload = json.loads(out.read_text())
     rows = payload["strategies"]["allreduce"]
     assert [r["gpus"] for r in rows] == [8, 1024] and rows[1]["efficiency"] <= 1.0
     assert payload["strategies"]["ps"][1]["step_s"] > rows[1]["step_s"]
 
 
-def test_splitting_the_fully_connected_layers_pays_across_slow_links(tmp_path: Path) -> None:
+def test_splitting_the_fully_connected_layers_pays_across_slow_links(
+    tmp_path: Path, cli: CLI
+) -> None:
     """Krizhevsky's trick, simulated with the planner's cost model: ImageNet AlexNet's 244 MB of
     gradients (94% in the fully connected layers) across 10 Gbit/s links. Within one node (8
     GPUs on NVLink) data parallelism is already right, and the planner keeps it; across nodes
@@ -136,7 +138,7 @@ def test_splitting_the_fully_connected_layers_pays_across_slow_links(tmp_path: P
     out = tmp_path / "sim.json"
     flags = ["--model", "alexnet-imagenet", "--gpus", "8,16,64", "--json", str(out)]
     args = ["simulate", *flags, "--inter-node-bandwidth", "10gbit", "--strategy"]
-    assert main([*args, "allreduce,tensor,hybrid"]) == 0
+    assert cli([*args, "allreduce,tensor,hybrid"]) == 0
     got = {
         s: [r["step_s"] for r in rows]
         for s, rows in json.loads(out.read_text())["strategies"].items()
@@ -194,9 +196,9 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
     ],
 )
 def test_bad_simulate_input_is_one_line(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], cli: CLI
 ) -> None:
-    assert main(["simulate", "--gpus", "8", *flags]) == 2
+    assert cli(["simulate", "--gpus", "8", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err
 
@@ -210,8 +212,8 @@ def test_bad_simulate_input_is_one_line(
     ],
 )
 def test_bad_scaling_bench_input_is_one_line_before_any_job(
-    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str], cli: CLI
 ) -> None:
-    assert main(["bench", "scaling", *flags]) == 2
+    assert cli(["bench", "scaling", *flags]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and message in err

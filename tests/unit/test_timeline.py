@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gradmesh.cli import main
 from gradmesh.timeline import Timeline, _answer_time, measure_offset, write_trace
+from tests.harness import CLI
 
 
 def test_a_timeline_keeps_its_setup_and_its_last_steps(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_a_merged_trace_names_processes_and_threads(tmp_path: Path) -> None:
 
 
 def test_report_refuses_what_is_neither_a_report_nor_a_timeline(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cli: CLI
 ) -> None:
     cases = {
         "text.json": ("not json", "is not JSON"),
@@ -80,8 +80,8 @@ def test_report_refuses_what_is_neither_a_report_nor_a_timeline(
     }
     for name, (text, message) in cases.items():
         (tmp_path / name).write_text(text)
-        assert main(["report", str(tmp_path / name), "--plot", str(tmp_path / "p.png")]) == 2
+        assert cli(["report", str(tmp_path / name), "--plot", str(tmp_path / "p.png")]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and message in err, err
-    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    assert cli(["report", str(tmp_path / "missing.json")]) == 2
     assert "cannot read" in capsys.readouterr().err
