@@ -4,6 +4,7 @@ mismatch names every rank's signature, a lost or silent peer is named."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,11 +67,11 @@ def test_a_later_mismatch_or_skipped_call_is_named_at_once(algorithm: str) -> No
     for rank, (message, seconds) in enumerate(shape):
         assert message.startswith(f"rank {rank}: {algorithm} allreduce #4 on world: ")
         assert "rank 0 has call #4 of 2x3 float32, rank 1 has call #4 of 3x2 float32" in message
-        assert seconds < 5, "found by the signature check, not by a timeout"
+        assert seconds < 15, "found by the signature check, before the 15 s timeout"
     skipped = run_ranks(later_call_goes_wrong, 2, algorithm, "skip", timeout=30, extra_env=env)
     for rank, (message, seconds) in enumerate(skipped):
         assert f"rank {rank}: " in message and "#4 on world: ranks disagree" in message
-        assert "another operation or name" in message and seconds < 5
+        assert "another operation or name" in message and seconds < 15
 
 
 def named_differently() -> str:
@@ -87,58 +88,84 @@ def test_a_different_name_is_a_mismatch() -> None:
         assert "rank 1 has call #1 of 3 float32, another operation or name than rank 0" in message
 
 
-def peer_leaves(algorithm: str, hang: bool) -> str:
+def stay_silent_until(flag: Path, limit_s: float = 60.0) -> None:
+    """Keep this rank alive without joining any call until `flag` exists (a peer has its error)
+    or `limit_s` passes: a silent peer for as long as the test needs, and no longer."""
+    deadline = time.monotonic() + limit_s
+    while not flag.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def peer_leaves(algorithm: str, flag: Path | None) -> str:
+    """Rank 1 leaves after one call (or, with `flag`, stays silent); rank 0 makes a second."""
     allreduce(torch.ones(1000), algorithm=algorithm)  # agree on the signature first
     if gradmesh.rank() == 1:
-        if hang:
-            time.sleep(6)  # alive but silent, past rank 0's timeout
+        if flag is not None:
+            stay_silent_until(flag)
         return "left"  # returning shuts this rank's process group down
     started = time.monotonic()
     try:
         allreduce(torch.ones(1000), algorithm=algorithm)
     except PeerFailure as exc:
         return f"{time.monotonic() - started:.1f}s {exc}"
+    finally:
+        if flag is not None:
+            flag.touch()
     return "no error"
 
 
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "star", "butterfly", "native"])
 def test_a_peer_that_exits_is_named(algorithm: str) -> None:
-    message, _ = run_ranks(peer_leaves, 2, algorithm, False, extra_env={"GRADMESH_TIMEOUT_S": "5"})
+    env = {"GRADMESH_TIMEOUT_S": "20"}
+    message, _ = run_ranks(peer_leaves, 2, algorithm, None, extra_env=env)
     seconds = float(message.split("s ")[0])
-    assert seconds < 3, "a peer that left is noticed at once, not after the timeout"
+    assert seconds < 20, "a peer that left is noticed at once, before the 20 s timeout"
     assert f"rank 0: {algorithm} allreduce #2 on world: " in message
     assert "rank(s) 1 did not join the call" in message
 
 
-def test_a_silent_peer_times_out_naming_it() -> None:
-    message, _ = run_ranks(peer_leaves, 2, "ring", True, extra_env={"GRADMESH_TIMEOUT_S": "2"})
+SILENT_TIMEOUT_S = 2
+LATE_S = 10
+"""How long after its timeout a call may end: much more than a busy machine adds, much less than
+the 30 minutes torch gives a group without one."""
+
+
+def test_a_silent_peer_times_out_naming_it(tmp_path: Path) -> None:
+    env = {"GRADMESH_TIMEOUT_S": str(SILENT_TIMEOUT_S)}
+    message, _ = run_ranks(peer_leaves, 2, "ring", tmp_path / "flag", extra_env=env)
     seconds = float(message.split("s ")[0])
-    assert 1.5 < seconds < 5.5
+    assert SILENT_TIMEOUT_S - 0.5 < seconds < SILENT_TIMEOUT_S + LATE_S  # never early
     assert "rank 0: ring allreduce #2 on world: rank(s) 1 did not join the call (timeout 2 s)" in (
         message
     )
 
 
-def hierarchical_with_a_silent_peer() -> str:
+def hierarchical_with_a_silent_peer(flag: Path) -> str:
     allreduce(torch.ones(10), algorithm="hierarchical")
     if gradmesh.rank() == 3:
-        time.sleep(6)
+        stay_silent_until(flag)
         return "left"
     started = time.monotonic()
     try:
         allreduce(torch.ones(10), algorithm="hierarchical")
     except PeerFailure as exc:
         return f"{time.monotonic() - started:.1f}s {exc}"
+    finally:
+        flag.touch()
     return "no error"
 
 
-def test_subgroups_have_the_jobs_timeout() -> None:
+def test_subgroups_have_the_jobs_timeout(tmp_path: Path) -> None:
     """hierarchical runs on the host-local and cross-host groups: they time out with the job."""
     messages = run_ranks(
-        hierarchical_with_a_silent_peer, 4, local_size=2, extra_env={"GRADMESH_TIMEOUT_S": "2"}
+        hierarchical_with_a_silent_peer,
+        4,
+        tmp_path / "flag",
+        local_size=2,
+        extra_env={"GRADMESH_TIMEOUT_S": str(SILENT_TIMEOUT_S)},
     )
     for message in messages[:3]:
-        assert float(message.split("s ")[0]) < 5.5, message
+        assert float(message.split("s ")[0]) < SILENT_TIMEOUT_S + LATE_S, message
         assert "hierarchical allreduce #2 on world" in message
 
 

@@ -213,7 +213,7 @@ def test_unwritable_outputs_are_refused_before_training(flag: str, tmp_path: Pat
     target = afile if folder else tmp_path / "missing" / "out.json"
     started = time.monotonic()
     out = gradmesh("train", flag, str(target), timeout=60)
-    assert time.monotonic() - started < 10 and out.stdout == ""
+    assert time.monotonic() - started < 30 and out.stdout == ""  # a hang guard; no report
     line = one_line_error(out)
     assert line.startswith(f"gradmesh train: error: {flag} {target}")
     assert "is not a folder" in line or "does not exist" in line

@@ -1,7 +1,8 @@
 """Failures fail fast and name the culprit, as a user sees them under `gradmesh run -np 2` with a
 8 s collective timeout: one line naming the rank and the operation, no traceback from gradmesh,
-the job over within timeout + 5 s (or 5 s when a rank dies), and no process left behind (the
-leak fixture checks every test)."""
+the job over soon after the timeout (before it, when a rank dies or the ranks disagree), and no
+process left behind (the leak fixture checks every test). Time bounds are the timeout itself, or
+it plus LATE_S: a busy machine moves neither."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from gradmesh.launch.run import free_port
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "faulty.py")
 TIMEOUT_S = 8
+LATE_S = 15
+"""How long after the timeout a job may take to end: starting and stopping Python processes on
+a loaded machine, never the 30 minutes a call without a timeout would wait."""
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
 
 
@@ -67,14 +71,14 @@ def test_horovod_api_later_mismatch_and_skipped_call(mode: str) -> None:
     code, err, seconds = job.finish()
     assert code == PEER_FAILED_EXIT
     assert "Traceback" not in err
-    assert seconds < TIMEOUT_S + 5
+    assert seconds < TIMEOUT_S + LATE_S
     if mode == "shape":  # found by the signature check at once, on both ranks
         want = (
             ": native allreduce #4 on world (comm thread): ranks disagree: rank 0 has call #4 of "
             "2x3 float32, rank 1 has call #4 of 3x2 float32"
         )
         assert f"[0] gradmesh: rank 0{want}" in err and f"[1] gradmesh: rank 1{want}" in err
-        assert seconds < 5
+        assert seconds < TIMEOUT_S, "found by the signature check, not by the timeout"
     else:  # rank 1 never comes: rank 0 gives up after the timeout, naming rank 1
         assert (
             "[0] gradmesh: rank 0: native allreduce #4 on world (comm thread): rank(s) 1 did not "
@@ -89,7 +93,7 @@ def test_rank_0_failing_ends_the_job_at_once_and_is_named(mode: str, code: int) 
     job.until("rank 1 pid")
     returncode, err, seconds = job.finish()
     assert returncode == code
-    assert seconds < 5, "not a timeout: the failed rank left at once and rank 1 was stopped"
+    assert seconds < TIMEOUT_S, "not a timeout: the failed rank left at once, rank 1 was stopped"
     assert (
         gradmesh_lines(err)[-1]
         == f"gradmesh run: rank 0 exited with code {code}; the job was stopped"
@@ -107,7 +111,7 @@ def test_a_killed_rank_is_named_with_its_signal() -> None:
     os.kill(pids[1], signal.SIGKILL)
     code, err, seconds = job.finish()
     assert code == 128 + signal.SIGKILL
-    assert seconds < 5
+    assert seconds < TIMEOUT_S, "the launcher stopped the job, not the survivor's timeout"
     assert gradmesh_lines(err)[-1] == (
         "gradmesh run: rank 1 was killed by signal SIGKILL; the job was stopped"
     )
@@ -143,7 +147,7 @@ def test_an_unreachable_master_fails_within_the_timeout() -> None:
         timeout=60,
         cwd=ROOT,
     )
-    assert time.monotonic() - started < 7
+    assert time.monotonic() - started < 5 + LATE_S  # the 5 s timeout, not torch's 15 minutes
     assert out.returncode != 0 and "Traceback" not in out.stderr
     assert out.stderr.strip() == (
         f"gradmesh run: error: node 1: rendezvous with master 127.0.0.1:{port} failed: nothing "

@@ -129,9 +129,9 @@ def test_layouts_that_cannot_work_are_refused_before_launch(flags: list[str], me
 def test_a_dying_stage_stops_the_pipeline_naming_it() -> None:
     script = str(ROOT / "tests" / "integration" / "scripts" / "dying_stage.py")
     started = time.monotonic()
-    out = gradmesh("run", "-np", "2", "--timeout", "20", "--", "python", script, timeout=60)
+    out = gradmesh("run", "-np", "2", "--timeout", "40", "--", "python", script, timeout=90)
     assert out.returncode != 0
-    assert time.monotonic() - started < 20
+    assert time.monotonic() - started < 40, "stopped when the stage died, not by the timeout"
     assert "rank 1 exited with code 3" in out.stderr
     assert "pipeline stage 0" in out.stderr and "rank 1" in out.stderr
 
