@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
@@ -238,38 +239,63 @@ def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
     port = os.environ.setdefault("MASTER_PORT", "29500")
     started = time.monotonic()
     global _joins
-    try:  # env:// also reuses the torchrun agent's store when the launcher offers it
-        store, _, _ = next(rendezvous("env://", rank, size, timeout=timeout))
-        store.set_timeout(timeout)
-        # each join of this process after a shutdown() gets keys of its own in the store: the
-        # agent's store outlives the job's groups, and Gloo reading the addresses the previous
-        # join published there connected to ports long closed (Horovod's init, shutdown, init)
-        # and so does each attempt of a job the launcher restarted (--max-restarts), or each
-        # round of an elastic job's rendezvous (there the attempt counts differ between hosts)
-        attempt = restarts()
-        round_ = os.environ.get(ROUND_ENV)
-        generation = f"round-{round_}" if round_ is not None else f"attempt-{attempt}"
-        fresh = attempt or _joins or round_ is not None
-        joined = f"gradmesh-{generation}-join-{_joins}/" if fresh else ""
-        prefix = joined + "default_pg"
-        dist.init_process_group(
-            backend,
-            store=PrefixStore(prefix, store),
-            rank=rank,
-            world_size=size,
-            timeout=timeout,
-        )
-        _joins += 1
-    except (
-        RuntimeError,
-        ValueError,
-    ) as exc:  # DistNetworkError and DistStoreError are RuntimeErrors
-        waited = time.monotonic() - started
-        first = first_line(exc)
-        raise GradmeshError(
-            f"rank {rank}: could not join the job at master {addr}:{port} "
-            f"after {waited:.0f} s (timeout {timeout.total_seconds():.0f} s): {first}"
-        ) from None
+    while True:
+        left = timeout.total_seconds() - (time.monotonic() - started)
+        count = c10d._world.group_count
+        try:
+            _join_default_group(backend, rank, size, timedelta(seconds=max(left, 1.0)))
+            _joins += 1
+            return
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError
+            if rank != 0 and _store_went_away(exc) and left > STORE_RETRY_S:
+                # a rank back from shutdown() before rank 0 reached an old store server in its
+                # last moments (Horovod's init, shutdown, init cycle): join rank 0's new one.
+                # torch named the failed group already (its store keys carry the name): forget
+                # it, or this rank would wait under a name rank 0 never uses
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                c10d._world.group_count = count
+                time.sleep(STORE_RETRY_S)
+                continue
+            waited = time.monotonic() - started
+            raise GradmeshError(
+                f"rank {rank}: could not join the job at master {addr}:{port} "
+                f"after {waited:.0f} s (timeout {timeout.total_seconds():.0f} s): "
+                f"{first_line(exc)}"
+            ) from None
+
+
+STORE_RETRY_S = 0.1
+_STORE_GONE = ("Connection was likely closed", "Connection reset by peer", "Broken pipe")
+
+
+def _store_went_away(exc: BaseException) -> bool:
+    """Whether `exc` says the rendezvous store closed the connection under us."""
+    return any(words in str(exc) for words in _STORE_GONE)
+
+
+def _join_default_group(backend: str, rank: int, size: int, timeout: timedelta) -> None:
+    """Rendezvous through env:// (which reuses the torchrun agent's store when the launcher
+    offers it) and form the default group."""
+    store, _, _ = next(rendezvous("env://", rank, size, timeout=timeout))
+    store.set_timeout(timeout)
+    # each join of this process after a shutdown() gets keys of its own in the store: the
+    # agent's store outlives the job's groups, and Gloo reading the addresses the previous
+    # join published there connected to ports long closed (Horovod's init, shutdown, init)
+    # and so does each attempt of a job the launcher restarted (--max-restarts), or each
+    # round of an elastic job's rendezvous (there the attempt counts differ between hosts)
+    attempt = restarts()
+    round_ = os.environ.get(ROUND_ENV)
+    generation = f"round-{round_}" if round_ is not None else f"attempt-{attempt}"
+    fresh = attempt or _joins or round_ is not None
+    joined = f"gradmesh-{generation}-join-{_joins}/" if fresh else ""
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(joined + "default_pg", store),
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+    )
 
 
 def _host_groups(
