@@ -15,10 +15,12 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.harness import CLI, kept_environment
 
 TAG = "GRADMESH_TEST_TAG"
 
@@ -39,18 +41,13 @@ def tagged_processes(tag: str) -> list[int]:
 
 
 @pytest.fixture
-def cli(monkeypatch: pytest.MonkeyPatch) -> Callable[[list[str]], int]:
-    """`gradmesh ARGS...` run in this process: the log levels the command sets for its process
-    are put back after the test."""
+def cli() -> Iterator[CLI]:
+    """`gradmesh ARGS...` run in this process; what the command sets in its process's
+    environment (its log levels, an engine's driver settings) is put back after the test."""
     from gradmesh.cli import main
-    from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
 
-    for name in (CPP_LOG_ENV, WORKER_CPP_LOG_ENV):  # recorded, so the teardown restores them
-        was = os.environ.get(name)
-        monkeypatch.setenv(name, was or "")  # an unset name is recorded only when set here
-        if was is None:
-            monkeypatch.delenv(name)
-    return main
+    with kept_environment():
+        yield main
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,19 +9,33 @@ within `timeout` are killed and named.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from gradmesh.launch.run import free_port
 
 CLI = Callable[[list[str]], int]
 """The `cli` fixture: `gradmesh ARGS...` run in the test's own process, its exit code back."""
+
+
+@contextlib.contextmanager
+def kept_environment() -> Iterator[None]:
+    """Put the environment back as it was, for code run in the test's own process that sets
+    variables of its process by design (the CLI's log levels, Ray's driver settings)."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
 
 _CTX = mp.get_context("forkserver")
 # torch._dynamo too: torch.optim's optimizers import it on their first add_param_group (0.8 s of

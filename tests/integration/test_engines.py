@@ -18,7 +18,7 @@ from gradmesh.launch import emulate
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.run import cluster_defaults
 from gradmesh.train.config import TrainConfig
-from tests.harness import CLI
+from tests.harness import CLI, kept_environment
 from tests.integration.test_cli import ROOT, gradmesh
 
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -278,14 +278,15 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
 
     before = _ray_or_spark_processes()
     config = TrainConfig(engine="ray", epochs=int(EPOCHS), json=str(tmp_path / "ray.json"))
-    ray.init(num_cpus=2, include_dashboard=False)
-    try:
-        assert engine.train(config) == 0
-        same_model(tmp_path / "ray.json", local_run)
-        monkeypatch.setenv("GRADMESH_FAULT", "kill:1:5")  # passed on to Ray's workers
-        with pytest.raises(GradmeshError, match=r"^ray job failed: rank 1: its Ray worker died"):
-            engine.train(TrainConfig(engine="ray", epochs=1))
-    finally:
-        ray.shutdown()
+    with kept_environment():  # Ray's driver sets variables of this process
+        ray.init(num_cpus=2, include_dashboard=False)
+        try:
+            assert engine.train(config) == 0
+            same_model(tmp_path / "ray.json", local_run)
+            monkeypatch.setenv("GRADMESH_FAULT", "kill:1:5")  # passed on to Ray's workers
+            with pytest.raises(GradmeshError, match=r"^ray job failed: rank 1: its Ray worker"):
+                engine.train(TrainConfig(engine="ray", epochs=1))
+        finally:
+            ray.shutdown()
     time.sleep(1)
     assert _ray_or_spark_processes() <= before
