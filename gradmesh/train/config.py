@@ -69,8 +69,9 @@ def field_value(cls: type, name: str, value: Any, source: str | None) -> Any:
     elif kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
-        is_name = isinstance(value, str) and _metadata(cls, name).get("name", False)
-        return canonical_name(value) if is_name else value
+        if isinstance(value, str) and _metadata(cls, name).get("name", False):
+            return canonical_name(value)
+        return value
     shown = json.dumps(value) if not isinstance(value, str) else repr(value)
     what = f"--{name.replace('_', '-')}" if source is None else f"{source}: {name}"
     raise GradmeshError(f"{what} must be {_KIND_NAMES[kind]}, got {shown}")
