@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from sklearn.datasets import load_digits
 from torch import nn
 
-from gradmesh import parameter_server as ps
+from gradmesh.sync import parameter_server as ps
 
 SERVERS = 1
 role = ps.join(servers=SERVERS, mode="ssp", max_staleness=2, lr=0.1, momentum=0.5)  ###

@@ -6,84 +6,64 @@ Horovod-style use from a script::
     gradmesh.init()
     gradmesh.broadcast_parameters(model.state_dict(), root_rank=0)
     opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+
+The names come from `gradmesh.api`, loaded on first use, so that `gradmesh --help` and the
+launcher start without importing torch (and the launcher can set torch's log level first).
+Module paths that moved in 0.2 still import, with a DeprecationWarning, until 0.3 (`MOVED`).
 """
 
-from importlib import import_module
+import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import warnings
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-# The public names are loaded on first use, so that `gradmesh --help` and the launcher start
-# without importing torch (and the launcher can set torch's log level before it loads).
-_EXPORTS = {
-    "Adasum": "gradmesh.data_parallel.optimizer",
-    "allgather": "gradmesh.horovod",
-    "allreduce": "gradmesh.horovod",
-    "allreduce_async": "gradmesh.horovod",
-    "broadcast": "gradmesh.horovod",
-    "broadcast_object": "gradmesh.collectives",
-    "broadcast_optimizer_state": "gradmesh.data_parallel.api",
-    "ddp_comm_hook": "gradmesh.data_parallel.ddp_hook",
-    "join": "gradmesh.horovod",
-    "poll": "gradmesh.data_parallel.api",
-    "synchronize": "gradmesh.data_parallel.api",
-    "start_timeline": "gradmesh.timeline",
-    "stop_timeline": "gradmesh.timeline",
-    "Average": "gradmesh.data_parallel.optimizer",
-    "DistributedOptimizer": "gradmesh.data_parallel.optimizer",
-    "Sum": "gradmesh.data_parallel.optimizer",
-    "broadcast_parameters": "gradmesh.data_parallel.optimizer",
-    "GradmeshError": "gradmesh.errors",
-    "barrier": "gradmesh.runtime",
-    "cross_rank": "gradmesh.runtime",
-    "cross_size": "gradmesh.runtime",
-    "init": "gradmesh.runtime",
-    "is_initialized": "gradmesh.runtime",
-    "local_rank": "gradmesh.runtime",
-    "local_size": "gradmesh.runtime",
-    "mesh": "gradmesh.runtime",
-    "parallelize": "gradmesh.layout.hybrid",
-    "rank": "gradmesh.runtime",
-    "get_runtime": "gradmesh.runtime",
-    "shutdown": "gradmesh.runtime",
-    "size": "gradmesh.runtime",
-}
-__all__ = sorted(_EXPORTS)
-
 if TYPE_CHECKING:
-    from gradmesh.collectives import broadcast_object
-    from gradmesh.data_parallel.api import (
-        broadcast_optimizer_state,
-        poll,
-        synchronize,
-    )
-    from gradmesh.data_parallel.ddp_hook import ddp_comm_hook
-    from gradmesh.data_parallel.optimizer import (
-        Adasum,
-        Average,
-        DistributedOptimizer,
-        Sum,
-        broadcast_parameters,
-    )
-    from gradmesh.errors import GradmeshError
-    from gradmesh.horovod import allgather, allreduce, allreduce_async, broadcast, join
-    from gradmesh.layout.hybrid import parallelize
-    from gradmesh.runtime import (
-        barrier,
-        cross_rank,
-        cross_size,
-        get_runtime,
-        init,
-        is_initialized,
-        local_rank,
-        local_size,
-        mesh,
-        rank,
-        shutdown,
-        size,
-    )
-    from gradmesh.timeline import start_timeline, stop_timeline
+    from gradmesh.api import *  # noqa: F403
+
+MOVED = {
+    "gradmesh.axes": "gradmesh.runtime.mesh",
+    "gradmesh.process": "gradmesh.runtime.process",
+    "gradmesh.timeline": "gradmesh.observe.timeline",
+    "gradmesh.metrics": "gradmesh.observe.metrics",
+    "gradmesh.hogwild": "gradmesh.sync.hogwild",
+    "gradmesh.local_sgd": "gradmesh.sync.local_sgd",
+    "gradmesh.data_parallel": "gradmesh.sync.data_parallel",
+    "gradmesh.parameter_server": "gradmesh.sync.parameter_server",
+    "gradmesh.horovod_elastic": "gradmesh.horovod.elastic",
+    "gradmesh.integrations": "gradmesh.launch.engines.choice",
+    "gradmesh.integrations.ray": "gradmesh.launch.engines.ray",
+    "gradmesh.integrations.spark": "gradmesh.launch.engines.spark",
+}
+"""Old module path -> new; a module under an old package path moved with it."""
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        return getattr(import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'gradmesh' has no attribute {name!r}")
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(importlib.import_module("gradmesh.api"), name)
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports an old module path as a copy of the new module's names, warning once."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        return importlib.machinery.ModuleSpec(name, self) if self._new(name) else None
+
+    def _new(self, name: str) -> str | None:
+        parent = name.rpartition(".")[0]
+        if name in MOVED:
+            return MOVED[name]
+        return f"{MOVED[parent]}{name[len(parent):]}" if parent in MOVED else None
+
+    def exec_module(self, module: ModuleType) -> None:
+        new = self._new(module.__name__) or ""
+        warnings.warn(f"{module.__name__} is now {new}", DeprecationWarning, stacklevel=2)
+        real = importlib.import_module(new)
+        module.__dict__.update({k: v for k, v in vars(real).items() if not k.startswith("__")})
+        module.__path__ = getattr(real, "__path__", [])
+
+
+sys.meta_path.insert(0, _MovedModules())

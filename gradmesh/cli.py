@@ -64,7 +64,7 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
         config.check_elastic()
     config.check_outputs()
     if config.plan:  # placed per layer: checked, inlined, and tp taken from it
-        from gradmesh.plan import resolve
+        from gradmesh.plan.command import resolve
 
         config = resolve(config)
     elif config.tensor_parallel * config.pipeline_parallel > 1 or config.microbatches > 1:
@@ -75,7 +75,7 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
         from gradmesh.train.trainer import check_resume
 
         check_resume(config)
-    from gradmesh.integrations import entry_point, train_on
+    from gradmesh.launch.engines.choice import entry_point, train_on
 
     if config.engine != "local":
         return train_on(config)
@@ -152,11 +152,11 @@ def _cmd_bench(args: argparse.Namespace, _command: list[str]) -> int:
 
 def _cmd_plan(args: argparse.Namespace, _command: list[str]) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # a probe on emulated hosts tears them down too
-    return int(import_module("gradmesh.plan").run(args))
+    return int(import_module("gradmesh.plan.command").run(args))
 
 
 def _cmd_simulate(args: argparse.Namespace, _command: list[str]) -> int:
-    return int(import_module("gradmesh.simulate").run(args))
+    return int(import_module("gradmesh.simulate.model").run(args))
 
 
 def _cmd_report(args: argparse.Namespace, _command: list[str]) -> int:
@@ -164,17 +164,17 @@ def _cmd_report(args: argparse.Namespace, _command: list[str]) -> int:
 
     raw = read_json(args.run)
     if isinstance(raw, dict) and "traceEvents" in raw:  # a --timeline file
-        from gradmesh.timeline import trace_summary
+        from gradmesh.observe.timeline import trace_summary
 
         if args.plot:
-            from gradmesh.plot import timeline_plot
+            from gradmesh.observe.plot import timeline_plot
 
             timeline_plot(args.plot, raw, args.steps)
         print(trace_summary(raw))
         return 0
     report = RunReport.load(args.run, raw)
     if args.plot:
-        from gradmesh.plot import run_plot
+        from gradmesh.observe.plot import run_plot
 
         run_plot(args.plot, report)
     print(report.summary())
@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from gradmesh.launch.run import cluster_defaults
-    from gradmesh.runtime import default_timeout_s
+    from gradmesh.runtime.world import default_timeout_s
 
     on_cluster = cluster_defaults()  # gradmesh emulate's host, or a Kubernetes pod
     run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
@@ -281,12 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan", help="choose data or tensor parallelism per layer from measured costs"
     )
-    import_module("gradmesh.plan").add_arguments(plan)
+    import_module("gradmesh.plan.command").add_arguments(plan)
     plan.set_defaults(handler=_cmd_plan)
     simulate = sub.add_parser(
         "simulate", help="predict step time and scaling on 8..1024 GPUs from the cost model"
     )
-    import_module("gradmesh.simulate").add_arguments(simulate)
+    import_module("gradmesh.simulate.model").add_arguments(simulate)
     simulate.set_defaults(handler=_cmd_simulate)
     report = sub.add_parser(
         "report", help="print a finished run's report (--json) or timeline (--timeline)"

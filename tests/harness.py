@@ -41,7 +41,13 @@ _CTX = mp.get_context("forkserver")
 # torch._dynamo too: torch.optim's optimizers import it on their first add_param_group (0.8 s of
 # CPU in every rank otherwise; 34 s -> 25.5 s for the data-parallel and local-SGD tests)
 _CTX.set_forkserver_preload(
-    ["torch", "torch._dynamo", "torch.distributed", "gradmesh.runtime", "gradmesh.collectives"]
+    [
+        "torch",
+        "torch._dynamo",
+        "torch.distributed",
+        "gradmesh.runtime.world",
+        "gradmesh.collectives",
+    ]
 )
 
 
@@ -77,9 +83,9 @@ def _rank_main(
     except BaseException:  # noqa: BLE001 - every failure goes back to the test
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        import gradmesh.runtime
+        import gradmesh.runtime.world
 
-        gradmesh.runtime.shutdown()
+        gradmesh.runtime.world.shutdown()
 
 
 def run_ranks(

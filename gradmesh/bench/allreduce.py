@@ -14,7 +14,7 @@ import argparse
 import time
 from typing import Any
 
-from gradmesh.bench.common import (
+from gradmesh.bench.harness import (
     emulated_cluster,
     median,
     parse_ints,
@@ -99,7 +99,7 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     import torch.distributed as dist
 
     from gradmesh.collectives import allreduce, cost, probe
-    from gradmesh.runtime import init, shutdown
+    from gradmesh.runtime.world import init, shutdown
 
     rt = init()
     p = rt.size

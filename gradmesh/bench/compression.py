@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradmesh.bench.common import (
+from gradmesh.bench.harness import (
     emulated_cluster,
     label,
     median,
@@ -38,8 +38,8 @@ from gradmesh.bench.common import (
     write_json,
 )
 from gradmesh.errors import GradmeshError
-from gradmesh.process import cpu_jiffies
 from gradmesh.registry import canonical_name
+from gradmesh.runtime.process import cpu_jiffies
 
 TORCH_HOOK = "torch-powersgd"
 """DDP with torch's PowerSGD hook."""
@@ -224,10 +224,10 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
 
     from gradmesh.compression import make
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.data_parallel.ddp_hook import ddp_comm_hook
-    from gradmesh.data_parallel.optimizer import DistributedOptimizer
     from gradmesh.models import MODELS
-    from gradmesh.runtime import init
+    from gradmesh.runtime.world import init
+    from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
+    from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer
 
     rt = init()
     spec = DATASETS.get("digits")(DataOptions())

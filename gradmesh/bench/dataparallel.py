@@ -13,7 +13,7 @@ import argparse
 import time
 from typing import Any
 
-from gradmesh.bench.common import (
+from gradmesh.bench.harness import (
     emulated_cluster,
     label,
     median,
@@ -22,8 +22,8 @@ from gradmesh.bench.common import (
     worker_main,
     write_json,
 )
-from gradmesh.process import cpu_jiffies
 from gradmesh.registry import canonical_name
+from gradmesh.runtime.process import cpu_jiffies
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,9 +105,9 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from torch import nn
 
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
     from gradmesh.models import MODELS
-    from gradmesh.runtime import init
+    from gradmesh.runtime.world import init
+    from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 
     rt = init()
     shape = tuple(config.get("shape", DataOptions.shape))

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.common import median, parse_ints, parse_list, write_json
+from gradmesh.bench.harness import median, parse_ints, parse_list, write_json
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import canonical_name
 

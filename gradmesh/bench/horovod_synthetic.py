@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import argparse
 
-from gradmesh.bench.common import write_json
 from gradmesh.bench.dataparallel import measure
+from gradmesh.bench.harness import write_json
 from gradmesh.registry import canonical_name
 
 ENGINES = ["horovod", "gradmesh", "ddp"]

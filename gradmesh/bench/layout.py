@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gradmesh.bench.common import (
+from gradmesh.bench.harness import (
     CPU_BOUND_IDLE,
     emulated_cluster,
     interleaved_jobs,
@@ -65,7 +65,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     """One layout's job, on one rank: the trainer's own setup (split, optimizer, strategy),
     steps on one fixed global batch, and the trainer's layout figures."""
 
-    from gradmesh.runtime import init, shutdown
+    from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.report import gather_rank_stats, summarize_layout
     from gradmesh.train.trainer import attach, layout_figures, setup

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from gradmesh.bench.common import emulated_cluster, parse_size, run_workers, write_json
+from gradmesh.bench.harness import emulated_cluster, parse_size, run_workers, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,10 +17,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.common import CPU_BOUND_IDLE, median, write_json
+from gradmesh.bench.harness import CPU_BOUND_IDLE, median, write_json
 from gradmesh.errors import GradmeshError
-from gradmesh.process import cpu_jiffies, idle_since
 from gradmesh.registry import canonical_name
+from gradmesh.runtime.process import cpu_jiffies, idle_since
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

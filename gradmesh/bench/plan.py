@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gradmesh.bench.common import (
+from gradmesh.bench.harness import (
     CPU_BOUND_IDLE,
     emulated_cluster,
     interleaved_jobs,
@@ -53,8 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
     """One placement's job, on one rank: the trainer's setup with the plan, steps on one fixed
     global batch, the bytes sent per step by kind."""
-    from gradmesh.plan import Setting, placement_config
-    from gradmesh.runtime import init, shutdown
+    from gradmesh.plan.command import Setting, placement_config
+    from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.report import gather_rank_stats, summarize_layout
     from gradmesh.train.trainer import attach, layout_figures, setup
 
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
 
     from gradmesh.errors import GradmeshError
     from gradmesh.layout.planner import Links
-    from gradmesh.plan import ProbeRequest, Setting, describe, make_plan, probe_links
+    from gradmesh.plan.command import ProbeRequest, Setting, describe, make_plan, probe_links
 
     if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
         raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")

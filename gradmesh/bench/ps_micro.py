@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.common import median, parse_list, parse_size, write_json
+from gradmesh.bench.harness import median, parse_list, parse_size, write_json
 from gradmesh.errors import GradmeshError
 
 DEFAULT_SIZES = "64KB,512KB,2MB,8MB"
@@ -45,8 +45,8 @@ def cpu_ns(pid: int) -> int:
 
 
 def _serve(numel: int) -> int:
-    from gradmesh.parameter_server.roles import launcher_token
-    from gradmesh.parameter_server.server import Server, ServerConfig
+    from gradmesh.sync.parameter_server.roles import launcher_token
+    from gradmesh.sync.parameter_server.server import Server, ServerConfig
 
     token = launcher_token()
     assert token is not None
@@ -60,8 +60,8 @@ def _serve(numel: int) -> int:
 def _measure(numel: int, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from gradmesh.parameter_server.client import Client
-    from gradmesh.parameter_server.roles import TOKEN_ENV
+    from gradmesh.sync.parameter_server.client import Client
+    from gradmesh.sync.parameter_server.roles import TOKEN_ENV
 
     token_hex = secrets.token_hex(16)
     # one thread each, as `gradmesh run` gives a job of more processes than cores

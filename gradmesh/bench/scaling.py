@@ -13,10 +13,10 @@ a network figure. `--emulate-compute MS` makes each step's compute MS longer by 
 (`gradmesh.train.emulated`), labelled EMULATED in the JSON, table and plot: 4 hosts on 2 cores
 then leave the cores idle enough for the links to be the limit.
 
-The prediction is the simulator's (`gradmesh.simulate.STRATEGIES`) given this machine's own
+The prediction is the simulator's (`gradmesh.simulate.model.STRATEGIES`) given this machine's own
 measured compute (the job's own compute seconds per step, spread over the layers by their
 FLOPs) and the link probed on the same emulated hosts
-(`gradmesh.plan.probe_links`).
+(`gradmesh.plan.command.probe_links`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.common import (
+from gradmesh.bench.harness import (
     CPU_BOUND_IDLE,
     median,
     parse_ints,
@@ -104,7 +104,7 @@ def _point(run: dict[str, Any], steps: int) -> dict[str, float]:
 
 
 def _probe(hosts: int, args: argparse.Namespace, grad_bytes: int) -> Any:
-    from gradmesh.plan import ProbeRequest, Setting, probe_emulated
+    from gradmesh.plan.command import ProbeRequest, Setting, probe_emulated
 
     setting = Setting(args.model, "digits", "", hosts, args.batch_per_worker * hosts, 1)
     sizes = sorted({16 << 10, max(16 << 10, grad_bytes)})
@@ -121,7 +121,7 @@ def _predict(
     args: argparse.Namespace,
 ) -> float:
     """The simulator's step for this point, given its measured compute and the probed link."""
-    from gradmesh.simulate import STRATEGIES, Device, Job, device_profile
+    from gradmesh.simulate.model import STRATEGIES, Device, Job, device_profile
 
     flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
     device = Device(flops / measured["compute_step_s"] / 1e12, 1.0, "measured")
@@ -132,7 +132,7 @@ def _predict(
 
 def run(args: argparse.Namespace) -> int:
     from gradmesh.data.registry import DATASETS, DataOptions
-    from gradmesh.simulate import STRATEGIES, markdown_table, model_layers
+    from gradmesh.simulate.model import STRATEGIES, markdown_table, model_layers
 
     hosts = parse_ints(args.hosts, "host count")
     strategies = parse_list(args.strategies, "strategy")
@@ -212,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['test_accuracy']:.3f}, cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
             )
     if args.plot:
-        from gradmesh.plot import scaling_plot
+        from gradmesh.observe.plot import scaling_plot
 
         emulated = f", EMULATED compute +{args.emulate_compute:g} ms" * bool(args.emulate_compute)
         scaling_plot(

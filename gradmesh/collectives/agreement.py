@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.errors import PeerFailure, first_line
-from gradmesh.runtime import Runtime
+from gradmesh.runtime.world import Runtime
 
 MAX_DIMS = 5
 """Dimensions carried one by one; a tensor with more is described by its element count."""

@@ -20,7 +20,7 @@ from gradmesh.collectives.channel import Channel, resolve_group
 from gradmesh.collectives.cost import COSTS, CostFn
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
-from gradmesh.runtime import get_runtime
+from gradmesh.runtime.world import get_runtime
 
 Op = Literal["sum", "average", "min", "max", "product"]
 OPS = ("average", "sum", "min", "max", "product")

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.errors import PeerFailure, first_line
-from gradmesh.runtime import Runtime, resolve_world
+from gradmesh.runtime.world import Runtime, resolve_world
 
 
 def resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

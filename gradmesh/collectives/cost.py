@@ -71,7 +71,7 @@ def probe(
     """Fit alpha and beta from ping-pongs between two ranks of the group, gamma from a local
     reduction; every member gets the same figures. Needs >= 2 ranks. On the whole world of a
     multi-host job the pair spans two hosts, so the fit describes the network, not loopback."""
-    from gradmesh.runtime import get_runtime
+    from gradmesh.runtime.world import get_runtime
 
     rt = get_runtime()
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(rt.size))

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from gradmesh.collectives.ring import allgather
 from gradmesh.collectives.tree import broadcast
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime import get_runtime
+from gradmesh.runtime.world import get_runtime
 
 _TUPLE = 1
 PLAIN = "None, bool, int (64-bit), float, str, bytes, and lists, tuples and dicts of them"

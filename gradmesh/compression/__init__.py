@@ -31,7 +31,7 @@ from gradmesh.compression.quantize import Cast, Int8, Sign
 from gradmesh.compression.topk import TopK
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
-from gradmesh.runtime import get_runtime, is_initialized
+from gradmesh.runtime.world import get_runtime, is_initialized
 
 Factory = Callable[[float, int], Compressor]
 """factory(ratio, rank) -> a compressor with those settings (each uses what applies to it)."""

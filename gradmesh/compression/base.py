@@ -32,8 +32,8 @@ from gradmesh.collectives.agreement import Check, FixedLayout
 from gradmesh.collectives.channel import resolve_group
 from gradmesh.collectives.ring import allgather
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime import get_runtime
-from gradmesh.timeline import span
+from gradmesh.observe.timeline import span
+from gradmesh.runtime.world import get_runtime
 
 Shape = tuple[int, ...]
 

@@ -28,7 +28,7 @@ from gradmesh.compression.base import (
     split_bytes,
 )
 from gradmesh.errors import GradmeshError
-from gradmesh.timeline import span
+from gradmesh.observe.timeline import span
 
 SEED = 0x5EED
 

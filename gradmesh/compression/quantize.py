@@ -27,7 +27,7 @@ from gradmesh.compression.base import (
     split_bytes,
 )
 from gradmesh.errors import GradmeshError
-from gradmesh.timeline import span
+from gradmesh.observe.timeline import span
 
 CHUNK = 512
 """Elements per scale: 4 bytes of scale per 512 elements keep int8 at 0.252 of float32's bytes."""

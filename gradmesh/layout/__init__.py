@@ -31,8 +31,8 @@ from gradmesh.layout.pipeline import (
 )
 from gradmesh.layout.tensor_parallel import check_plan, parallelize
 from gradmesh.models import TP_PLANS
-from gradmesh.runtime import Runtime
-from gradmesh.timeline import span
+from gradmesh.observe.timeline import span
+from gradmesh.runtime.world import Runtime
 
 
 class Engine(Protocol):

@@ -40,14 +40,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradmesh.axes import BATCH_SHARDED
 from gradmesh.collectives import allgather
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline import layers_of
 from gradmesh.layout.tensor_parallel import check_plan
 from gradmesh.layout.tensor_parallel import parallelize as split_layers
-from gradmesh.runtime import Runtime, get_runtime
+from gradmesh.runtime.mesh import BATCH_SHARDED
+from gradmesh.runtime.world import Runtime, get_runtime
 
 CHOICES = ("data", "replicate", "colwise", "rowwise")
 NEEDS = {"data": "S", "replicate": "R", "colwise": "R", "rowwise": "C"}

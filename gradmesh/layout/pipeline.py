@@ -39,8 +39,8 @@ from torch import nn
 from gradmesh.collectives import allreduce
 from gradmesh.collectives.channel import Channel
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime import Runtime
-from gradmesh.timeline import span
+from gradmesh.observe.timeline import span
+from gradmesh.runtime.world import Runtime
 
 SCHEDULES = ("gpipe", "1f1b")
 

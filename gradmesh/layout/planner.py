@@ -47,13 +47,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradmesh.axes import divisors as mesh_divisors
 from gradmesh.collectives.cost import COSTS, CostParams
 from gradmesh.collectives.hierarchical import two_level_cost
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.hybrid import CHOICES, GIVES, NEEDS, Plan, check, conversions
 from gradmesh.layout.pipeline import layers_of, sample_shapes, units
+from gradmesh.runtime.mesh import divisors as mesh_divisors
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Profile:
     """A step's work that the units timed alone do not show (the trainer's loop, hooks and
     bookkeeping under the job's own contention, and the slowest rank's share of it: ranks
     time-sliced on shared cores do not finish their compute together, and a step waits for the
-    last): measured by `gradmesh.plan` as real data-parallel steps' time outside communication
+    last): measured by `gradmesh plan` as real data-parallel steps' time outside communication
     on their slowest rank, less the predicted compute; every placement pays it once per step."""
 
     def key(self, choice: str, tp: int) -> str:

@@ -32,7 +32,7 @@ from torch import nn
 from gradmesh.collectives import allreduce
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime import get_runtime
+from gradmesh.runtime.world import get_runtime
 
 PLAN_STYLES = ("colwise", "rowwise")
 """colwise: Shard(0) of the weight (output features); rowwise: Shard(1) (input features)."""

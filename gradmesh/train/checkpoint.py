@@ -43,7 +43,7 @@ from torch import nn
 from gradmesh.errors import GradmeshError, first_line
 
 if TYPE_CHECKING:
-    from gradmesh.parameter_server.server import Server
+    from gradmesh.sync.parameter_server.server import Server
 
 FORMAT = 2
 META = "meta.json"

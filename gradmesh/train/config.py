@@ -298,7 +298,7 @@ class TrainConfig(
         from gradmesh.train.strategies import STRATEGIES
 
         STRATEGIES.get(self.strategy)
-        from gradmesh.integrations import check_engine
+        from gradmesh.launch.engines.choice import check_engine
 
         check_engine(self.engine)
         if self.engine == "ray" and self.strategy == "ps":
@@ -346,8 +346,8 @@ class TrainConfig(
             )
 
     def _validate_layout(self) -> None:
-        from gradmesh.axes import MeshShape
         from gradmesh.layout.pipeline import SCHEDULES
+        from gradmesh.runtime.mesh import MeshShape
         from gradmesh.train.strategies import SPLIT_LAYOUTS
 
         shape = MeshShape.for_world(self.workers, self.tensor_parallel, self.pipeline_parallel)
@@ -439,7 +439,7 @@ class TrainConfig(
             check_writable(self.timeline, "--timeline")
         if self.tensorboard:
             check_writable(self.tensorboard, "--tensorboard", directory=True)
-            from gradmesh.metrics import require_tensorboard
+            from gradmesh.observe.metrics import require_tensorboard
 
             require_tensorboard()
         if self.timeline_steps < 0:
@@ -448,8 +448,8 @@ class TrainConfig(
             check_writable(self.checkpoint_dir, "--checkpoint-dir", directory=True)
 
     def _validate_ps(self) -> None:
-        from gradmesh.parameter_server.optimizers import SERVER_OPTIMIZERS
-        from gradmesh.parameter_server.server import MODES
+        from gradmesh.sync.parameter_server.optimizers import SERVER_OPTIMIZERS
+        from gradmesh.sync.parameter_server.server import MODES
 
         if self.mode not in MODES:
             raise GradmeshError(f"unknown --mode {self.mode!r} (valid: {', '.join(MODES)})")

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 
 from gradmesh.errors import GradmeshError
-from gradmesh.process import restarts
+from gradmesh.runtime.process import restarts
 
 FAULT_ENV = "GRADMESH_FAULT"
 

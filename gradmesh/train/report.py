@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline import bubble
-from gradmesh.runtime import Runtime
+from gradmesh.runtime.world import Runtime
 from gradmesh.train.config import TrainConfig
 
 KINDS = ("sync", "tensor_parallel", "pipeline", "metrics")

@@ -17,14 +17,14 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
-from gradmesh.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 from gradmesh.errors import GradmeshError
-from gradmesh.hogwild import HogwildOptimizer, SharedModel, share_model
-from gradmesh.local_sgd import Averager, LocalSGDOptimizer
-from gradmesh.parameter_server.roles import worker_role
-from gradmesh.parameter_server.worker import PSWorker
 from gradmesh.registry import Registry
-from gradmesh.runtime import Runtime
+from gradmesh.runtime.world import Runtime
+from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+from gradmesh.sync.hogwild import HogwildOptimizer, SharedModel, share_model
+from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
+from gradmesh.sync.parameter_server.roles import worker_role
+from gradmesh.sync.parameter_server.worker import PSWorker
 from gradmesh.train.config import TrainConfig
 
 

@@ -26,16 +26,16 @@ from tqdm import tqdm
 
 from gradmesh.collectives import allreduce
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
-from gradmesh.data_parallel.optimizer import is_distributed
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout import Split as ModelSplit
 from gradmesh.layout import split_model
 from gradmesh.layout.hybrid import load_plan
-from gradmesh.metrics import Metrics
 from gradmesh.models import build_model
-from gradmesh.process import cpu_jiffies, idle_since, restarts
-from gradmesh.runtime import MAX_WORLD_ENV, Runtime
-from gradmesh.timeline import span, start_timeline
+from gradmesh.observe.metrics import Metrics
+from gradmesh.observe.timeline import span, start_timeline
+from gradmesh.runtime.process import cpu_jiffies, idle_since, restarts
+from gradmesh.runtime.world import MAX_WORLD_ENV, Runtime
+from gradmesh.sync.data_parallel.optimizer import is_distributed
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, parse_shape
 from gradmesh.train.emulated import emulate_compute
@@ -196,7 +196,7 @@ def _report_epoch(
 def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
     """This process's timeline: in the job's merged trace (unless per rank) under its launcher
     rank, a ps worker's after the servers'; a restarted job marks the restart."""
-    from gradmesh.parameter_server.roles import worker_role
+    from gradmesh.sync.parameter_server.roles import worker_role
 
     pid, name = rt.rank, f"rank {rt.rank}"
     role = worker_role() if config.strategy == "ps" else None

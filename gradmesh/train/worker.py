@@ -10,7 +10,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh.errors import GradmeshError, on_rank
-from gradmesh.runtime import exit_process, init, mark_failed, shutdown
+from gradmesh.runtime.world import exit_process, init, mark_failed, shutdown
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.trainer import train
 

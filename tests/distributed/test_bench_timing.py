@@ -1,4 +1,4 @@
-"""The benches' step timing (`gradmesh.bench.common.timed_steps`), on real gloo ranks."""
+"""The benches' step timing (`gradmesh.bench.harness.timed_steps`), on real gloo ranks."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ SLOW_S = 0.04
 def slow_rank_one() -> tuple[float, float]:
     """Two data-parallel ranks of the digits CNN, rank 1 sleeping `SLOW_S` before each forward:
     (step seconds, seconds outside communication) as `timed_steps` reports them here."""
-    from gradmesh.bench.common import timed_steps
-    from gradmesh.runtime import get_runtime
+    from gradmesh.bench.harness import timed_steps
+    from gradmesh.runtime.world import get_runtime
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.trainer import attach, setup
 

@@ -190,7 +190,7 @@ def optimizers_out_of_order() -> str:
     each rank waits for its partner on its optimizer's group (instead of reducing one
     optimizer's buckets with the other's, which Gloo answers by aborting the process) and the
     timeout names the optimizer."""
-    from gradmesh.data_parallel.optimizer import DistributedOptimizer
+    from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer
 
     models = [torch.nn.Linear(4, 2), torch.nn.Linear(8, 3)]
     opts = [

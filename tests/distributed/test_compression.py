@@ -18,10 +18,10 @@ from gradmesh.compression import COMPRESSORS, make
 from gradmesh.data import GlobalBatchSharder
 from gradmesh.data.digits import load_digits
 from gradmesh.data.registry import DataOptions
-from gradmesh.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.models import MODELS
-from gradmesh.parameter_server.roles import WorkerRole
-from gradmesh.parameter_server.worker import PSWorker
+from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
+from gradmesh.sync.parameter_server.roles import WorkerRole
+from gradmesh.sync.parameter_server.worker import PSWorker
 from tests.distributed.test_parameter_server import ENV, servers
 from tests.harness import run_ranks
 

@@ -9,7 +9,7 @@ from torch import nn
 
 import gradmesh
 from gradmesh.errors import GradmeshError
-from gradmesh.hogwild import SHM_DIR, HogwildOptimizer, share_model
+from gradmesh.sync.hogwild import SHM_DIR, HogwildOptimizer, share_model
 from tests.harness import run_ranks
 
 STEPS = 25

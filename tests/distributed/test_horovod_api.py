@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import torch
 
-import gradmesh.data_parallel.api
 import gradmesh.horovod as hvd
+import gradmesh.sync.data_parallel.api
 from tests.harness import run_ranks
 
 WORLDS = [2, 3]
@@ -237,7 +237,7 @@ def names_and_cycles() -> dict[str, Any]:
     r = hvd.rank()
     x = torch.ones(2)
     hold = threading.Event()  # keeps the communication thread busy: "loss" stays in flight
-    gradmesh.data_parallel.api.submit(hold.wait, 30)
+    gradmesh.sync.data_parallel.api.submit(hold.wait, 30)
     first = hvd.allreduce_async(x, name="loss", op=hvd.Sum)
     started = time.monotonic()
     try:

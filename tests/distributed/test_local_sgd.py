@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradmesh
-from gradmesh.local_sgd import Averager, LocalSGDOptimizer
+from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
 from tests.distributed.sgd_steps import cnn, run_steps
 from tests.harness import run_ranks
 

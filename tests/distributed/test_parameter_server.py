@@ -16,10 +16,10 @@ from torch import nn
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 import gradmesh
-from gradmesh.parameter_server.client import shard_ranges
-from gradmesh.parameter_server.roles import WorkerRole, key
-from gradmesh.parameter_server.server import Server, ServerConfig
-from gradmesh.parameter_server.worker import PSWorker
+from gradmesh.sync.parameter_server.client import shard_ranges
+from gradmesh.sync.parameter_server.roles import WorkerRole, key
+from gradmesh.sync.parameter_server.server import Server, ServerConfig
+from gradmesh.sync.parameter_server.worker import PSWorker
 from tests.distributed.sgd_steps import cnn, run_steps
 from tests.harness import run_ranks
 

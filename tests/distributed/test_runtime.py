@@ -167,7 +167,7 @@ def groups_left_after_shutdown() -> tuple[int, int, str]:
     import weakref
 
     from gradmesh.errors import GradmeshError
-    from gradmesh.runtime import resolve_world, shutdown
+    from gradmesh.runtime.world import resolve_world, shutdown
 
     rt = gradmesh.get_runtime()
     model = torch.nn.Linear(4, 2)

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gradmesh.axes import MeshShape
 from gradmesh.errors import GradmeshError
 from gradmesh.models import MODELS
 from gradmesh.registry import Registry
+from gradmesh.runtime.mesh import MeshShape
 from gradmesh.train.config import TrainConfig, parse_shape
 
 
@@ -112,7 +112,7 @@ def test_an_engine_whose_extra_is_missing_names_the_install(
 ) -> None:
     import importlib
 
-    from gradmesh.integrations import check_engine
+    from gradmesh.launch.engines.choice import check_engine
 
     real = importlib.import_module
 

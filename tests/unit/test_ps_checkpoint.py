@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gradmesh.errors import GradmeshError
-from gradmesh.parameter_server.protocol import Kind, Message
-from gradmesh.parameter_server.server import Server, ServerConfig
+from gradmesh.sync.parameter_server.protocol import Kind, Message
+from gradmesh.sync.parameter_server.server import Server, ServerConfig
 from gradmesh.train import checkpoint
 from gradmesh.train.checkpoint import ShardFolder
 from gradmesh.train.config import TrainConfig

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradmesh.collectives.cost import CostParams
-from gradmesh.parameter_server.cost import mean_value_analysis, step_time
-from gradmesh.parameter_server.optimizers import make_optimizer
+from gradmesh.sync.parameter_server.cost import mean_value_analysis, step_time
+from gradmesh.sync.parameter_server.optimizers import make_optimizer
 
 
 @pytest.mark.parametrize(("momentum", "weight_decay"), [(0.0, 0.0), (0.9, 0.0), (0.9, 1e-3)])

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradmesh.compression import make
-from gradmesh.parameter_server.client import Client, shard_ranges
-from gradmesh.parameter_server.optimizers import AdaRevision
-from gradmesh.parameter_server.protocol import (
+from gradmesh.sync.parameter_server.client import Client, shard_ranges
+from gradmesh.sync.parameter_server.optimizers import AdaRevision
+from gradmesh.sync.parameter_server.protocol import (
     HEADER,
     HEADER_BYTES,
     MAGIC,
@@ -27,8 +27,8 @@ from gradmesh.parameter_server.protocol import (
     decode,
     encode,
 )
-from gradmesh.parameter_server.server import Server, ServerConfig
-from gradmesh.parameter_server.transport import Peer, connect, endpoint_of, listen
+from gradmesh.sync.parameter_server.server import Server, ServerConfig
+from gradmesh.sync.parameter_server.transport import Peer, connect, endpoint_of, listen
 
 TOKEN = bytes(range(16))
 BOUND = 4096

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from gradmesh.timeline import Timeline, _answer_time, measure_offset, write_trace
+from gradmesh.observe.timeline import Timeline, _answer_time, measure_offset, write_trace
 from tests.harness import CLI
 
 

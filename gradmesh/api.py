@@ -1,0 +1,34 @@
+"""What `import gradmesh` offers a script: the Horovod-style API (init, the optimizer wrapper,
+broadcasts, collectives) and the mesh. This module is the one list of those names;
+`gradmesh/__init__.py` loads it on first use."""
+
+from gradmesh.collectives import broadcast_object
+from gradmesh.errors import GradmeshError
+from gradmesh.horovod.api import allgather, allreduce, allreduce_async, broadcast, join
+from gradmesh.layout.hybrid import parallelize
+from gradmesh.observe.timeline import start_timeline, stop_timeline
+from gradmesh.runtime.world import (
+    barrier,
+    cross_rank,
+    cross_size,
+    get_runtime,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mesh,
+    rank,
+    shutdown,
+    size,
+)
+from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, synchronize
+from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
+from gradmesh.sync.data_parallel.optimizer import (
+    Adasum,
+    Average,
+    DistributedOptimizer,
+    Sum,
+    broadcast_parameters,
+)
+
+__all__ = sorted(name for name in dir() if not name.startswith("_"))

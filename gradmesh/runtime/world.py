@@ -1,0 +1,535 @@
+"""The process world: who this rank is, its backend, its groups, its timeouts.
+
+`init()` reads the standard torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT, GROUP_RANK), picks Gloo on CPU or NCCL when every local rank has its own
+CUDA device, and builds the intra-host and cross-host process groups. Without a launcher it is a
+world of one, still backed by a real process group so that every code path is the same.
+
+The initialised `Runtime` is the one piece of module-level state in gradmesh; everything else is
+passed explicitly.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from torch.distributed.distributed_c10d import PrefixStore
+from torch.distributed.rendezvous import rendezvous
+
+from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
+from gradmesh.runtime.mesh import Axis, Mesh, MeshShape, build_mesh, group_of_lines
+from gradmesh.runtime.process import _env_int, bind_to_launcher, restarts
+
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
+BACKEND_ENV = "GRADMESH_BACKEND"
+ROUND_ENV = "GRADMESH_RDZV_ROUND"
+"""Set by an elastic job's agent: the rendezvous round its workers were started in."""
+MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
+"""Set by `gradmesh run --nnodes MIN:MAX` to the most workers the elastic job can have."""
+
+
+@dataclass
+class CommStats:
+    """What this rank has communicated: counted by the collectives, read by reports."""
+
+    bytes_sent: int = 0
+    """Bytes this rank put on the wire (exact for gradmesh's algorithms, modelled for native)."""
+    comm_s: float = 0.0
+    """Seconds spent waiting in communication calls."""
+    calls: int = 0
+    by_kind: dict[str, int] = field(default_factory=dict)
+    """Bytes sent by what they were for: 'sync' (replicas agreeing: gradients, parameters),
+    'tensor_parallel' (a split layer's activations), 'pipeline' (activations between stages),
+    'metrics' (losses and accuracies)."""
+
+    def add(self, nbytes: int, seconds: float, kind: str = "sync") -> None:
+        self.bytes_sent += nbytes
+        self.comm_s += seconds
+        self.calls += 1
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
+
+    compressed: dict[str, list[int]] = field(default_factory=dict)
+    """By kind: [bytes given to a compressor, bytes of the messages it sent for them]."""
+
+    def add_compressed(self, kind: str, given: int, payload: int) -> None:
+        totals = self.compressed.setdefault(kind, [0, 0])
+        totals[0] += given
+        totals[1] += payload
+
+
+@dataclass
+class Runtime:
+    """The initialised process world of this rank."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    cross_rank: int
+    cross_size: int
+    backend: str
+    device: torch.device
+    timeout: timedelta
+    local_group: dist.ProcessGroup | None
+    cross_group: dist.ProcessGroup | None
+    mesh: Mesh
+    widest_host: int = 1
+    """The most ranks any host holds: the same on every rank (unlike `local_size` when hosts
+    hold different numbers of ranks), so choices made from it agree across the world."""
+    """The world as dp x pp x tp (`gradmesh.mesh()`): `tensor_parallel` x `pipeline_parallel`
+    adjacent ranks hold one replica of the model, the rest of the world is data-parallel."""
+    comm: CommStats = field(default_factory=CommStats)
+    workspace: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
+    """Scratch buffers of the collectives, kept across calls so the hot path allocates nothing."""
+    sequence: dict[int, int] = field(default_factory=dict)
+    """Collective calls made so far on each group (by id): every call is numbered in messages."""
+    group_names: dict[int, str] = field(default_factory=dict)
+    owned: list[dist.ProcessGroup] = field(default_factory=list)
+    """Every group `new_group` made. The runtime holds the only strong references to its groups
+    (others keep weak ones), so that `shutdown()` can free them: see `release_groups`."""
+    failure: BaseException | None = None
+    """Set when this rank is failing: leaving then waits for nobody."""
+    async_group: dist.ProcessGroup | None = None
+    """A second group over the whole world for the communication thread, so that its
+    collectives never interleave with those the main thread issues on the default group."""
+    timeline: Any = None
+    """The running `gradmesh.observe.timeline.Timeline`, if any."""
+    _executor: ThreadPoolExecutor | None = None
+    joinable: Callable[[], None] | None = None
+    """What `gradmesh.join()` runs: the join of the most recently created DistributedOptimizer."""
+
+    def next_sequence(self, group: dist.ProcessGroup) -> int:
+        """Number the next collective call on `group` (1, 2, ...); every rank counts alike."""
+        n = self.sequence.get(id(group), 0) + 1
+        self.sequence[id(group)] = n
+        return n
+
+    def new_group(self, kind: str, axis: str | None = None) -> dist.ProcessGroup:
+        """A new group over the whole world (or over this rank's line of mesh `axis`) with the
+        job's timeout, named '<kind> <n>' in messages (n counts the groups of that kind). Every
+        rank must call it, in the same order."""
+        lines = [list(range(self.size))] if axis is None else self.mesh.shape.lines(axis)
+        return self._own(kind, group_of_lines(lines, self.rank, self.timeout))
+
+    def group_over(self, kind: str, ranks: list[int]) -> dist.ProcessGroup | None:
+        """A group over the global `ranks`, made and named as `new_group`'s are; None on a rank
+        outside it. Every rank of the world calls it, in the same order."""
+        group = dist.new_group(ranks, timeout=self.timeout)
+        return self._own(kind, group) if self.rank in ranks else None
+
+    def _own(self, kind: str, group: dist.ProcessGroup) -> dist.ProcessGroup:
+        n = 1 + sum(name.startswith(f"{kind} ") for name in self.group_names.values())
+        self.group_names[id(group)] = f"{kind} {n}"
+        self.owned.append(group)
+        return group
+
+    def free_group(self, group: dist.ProcessGroup) -> None:
+        """Destroy a group `new_group` or `group_over` made, before shutdown."""
+        self.owned = [g for g in self.owned if g is not group]
+        self.group_names.pop(id(group), None)
+        self.sequence.pop(id(group), None)
+        dist.destroy_process_group(group)
+
+    @property
+    def dp(self) -> Axis:
+        """This rank's data-parallel axis: the replicas that average with it."""
+        return self.mesh["dp"]
+
+    def release_groups(self) -> None:
+        """Drop every reference the runtime holds to a process group, after
+        `dist.destroy_process_group()`. A group's C++ object then ends at once, joining its
+        backend threads. Kept alive into interpreter exit, a Gloo worker thread still releasing
+        a finished call's tensors needs the GIL while Python finalizes, and the process aborts
+        ("terminate called without an active exception") after its work was done."""
+        self.local_group = self.cross_group = self.async_group = None
+        self.mesh.release()
+        self.owned.clear()
+        self.group_names.clear()
+        self.sequence.clear()
+        self.workspace.clear()
+
+    def group_label(self, group: dist.ProcessGroup) -> str:
+        """'world', 'host-local', ... or the group's ranks, for messages."""
+        name = self.group_names.get(id(group))
+        if name is None:
+            name = "ranks " + ",".join(str(r) for r in dist.get_process_group_ranks(group))
+        return name
+
+    def comm_executor(self) -> ThreadPoolExecutor:
+        """The one communication thread: asynchronous collectives run here, in submission order,
+        so every rank issues them in the same order."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradmesh-comm")
+        return self._executor
+
+
+_runtime: Runtime | None = None
+
+
+def default_timeout_s() -> float:
+    """GRADMESH_TIMEOUT_S when set, else 60 s."""
+    return _timeout_s(None)
+
+
+def _timeout_s(timeout_s: float | None) -> float:
+    if timeout_s is not None:
+        return timeout_s
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise GradmeshError(f"environment variable {TIMEOUT_ENV}={raw!r} is not a number") from None
+
+
+def _pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.device]:
+    backend = requested or os.environ.get(BACKEND_ENV) or ""
+    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= local_size
+    if not backend:
+        backend = "nccl" if cuda_ok else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise GradmeshError(f"unknown backend {backend!r} (valid: gloo, nccl)")
+    if backend == "nccl":
+        if not cuda_ok:
+            raise GradmeshError(f"backend nccl needs {local_size} CUDA devices on this host")
+        device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
+        torch.cuda.set_device(device)
+        return backend, device
+    return backend, torch.device("cpu")
+
+
+_joins = 0
+"""How many times this process has joined a job of more than one rank (see `_connect`)."""
+_adopted = False
+"""Whether the world group was formed by an engine (Ray Train) rather than by `init()`."""
+
+
+def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
+    # torch.distributed.nn.functional takes `group=group.WORLD` as a default argument: imported
+    # after init (torch._dynamo pulls it in lazily), it would hold the world group forever and
+    # `shutdown()` could not free it (see `Runtime.release_groups`). Imported first, it holds None.
+    import torch.distributed.nn.functional  # noqa: F401
+
+    global _adopted
+    if dist.is_initialized():  # an engine (Ray Train) formed the job's group before us: join it
+        have = (dist.get_rank(), dist.get_world_size())
+        if have != (rank, size):
+            raise GradmeshError(
+                f"rank {rank}: a process group already exists with rank {have[0]} of "
+                f"{have[1]}, but RANK={rank} WORLD_SIZE={size}"
+            )
+        _adopted = True
+        return
+    if size == 1 and "MASTER_ADDR" not in os.environ:
+        store = dist.HashStore()  # type: ignore[attr-defined]
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+        return
+    addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    port = os.environ.setdefault("MASTER_PORT", "29500")
+    started = time.monotonic()
+    global _joins
+    while True:
+        left = timeout.total_seconds() - (time.monotonic() - started)
+        count = c10d._world.group_count
+        try:
+            _join_default_group(backend, rank, size, timedelta(seconds=max(left, 1.0)))
+            _joins += 1
+            return
+        except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError
+            if rank != 0 and _store_went_away(exc) and left > STORE_RETRY_S:
+                # a rank back from shutdown() before rank 0 reached an old store server in its
+                # last moments (Horovod's init, shutdown, init cycle): join rank 0's new one.
+                # torch named the failed group already (its store keys carry the name): forget
+                # it, or this rank would wait under a name rank 0 never uses
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+                c10d._world.group_count = count
+                time.sleep(STORE_RETRY_S)
+                continue
+            waited = time.monotonic() - started
+            raise GradmeshError(
+                f"rank {rank}: could not join the job at master {addr}:{port} "
+                f"after {waited:.0f} s (timeout {timeout.total_seconds():.0f} s): "
+                f"{first_line(exc)}"
+            ) from None
+
+
+STORE_RETRY_S = 0.1
+_STORE_GONE = ("Connection was likely closed", "Connection reset by peer", "Broken pipe")
+
+
+def _store_went_away(exc: BaseException) -> bool:
+    """Whether `exc` says the rendezvous store closed the connection under us."""
+    return any(words in str(exc) for words in _STORE_GONE)
+
+
+def _join_default_group(backend: str, rank: int, size: int, timeout: timedelta) -> None:
+    """Rendezvous through env:// (which reuses the torchrun agent's store when the launcher
+    offers it) and form the default group."""
+    store, _, _ = next(rendezvous("env://", rank, size, timeout=timeout))
+    store.set_timeout(timeout)
+    # each join of this process after a shutdown() gets keys of its own in the store: the
+    # agent's store outlives the job's groups, and Gloo reading the addresses the previous
+    # join published there connected to ports long closed (Horovod's init, shutdown, init)
+    # and so does each attempt of a job the launcher restarted (--max-restarts), or each
+    # round of an elastic job's rendezvous (there the attempt counts differ between hosts)
+    attempt = restarts()
+    round_ = os.environ.get(ROUND_ENV)
+    generation = f"round-{round_}" if round_ is not None else f"attempt-{attempt}"
+    fresh = attempt or _joins or round_ is not None
+    joined = f"gradmesh-{generation}-join-{_joins}/" if fresh else ""
+    dist.init_process_group(
+        backend,
+        store=PrefixStore(joined + "default_pg", store),
+        rank=rank,
+        world_size=size,
+        timeout=timeout,
+    )
+
+
+def _host_groups(
+    rank: int, size: int, local_rank: int, device: torch.device, timeout: timedelta
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int, int]:
+    """Intra-host and cross-host groups, this rank's cross rank and size, and the most ranks
+    any host holds; hosts are found by all-gathering each rank's node id."""
+    node = _env_int("GROUP_RANK", -1)
+    mine = torch.tensor([node, local_rank], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(everyone, mine)
+    pairs = [(int(t[0]), int(t[1])) for t in everyone]
+    if any(n < 0 for n, _ in pairs):  # not started by torchrun: one host per LOCAL_WORLD_SIZE ranks
+        local_size = _env_int("LOCAL_WORLD_SIZE", size)
+        pairs = [(r // local_size, r % local_size) for r in range(size)]
+    nodes = sorted({n for n, _ in pairs})
+    by_node = [[r for r, (n, _) in enumerate(pairs) if n == node_id] for node_id in nodes]
+    local_ranks = sorted({lr for _, lr in pairs})
+    by_local = [[r for r, (_, lr) in enumerate(pairs) if lr == want] for want in local_ranks]
+    my_node, my_local = pairs[rank]
+    if size == 1:
+        return None, None, 0, 1, 1
+    # every group gets the job's timeout: without it torch gives subgroups its 30-minute default
+    local_group, _ = dist.new_subgroups_by_enumeration(by_node, timeout=timeout)  # type: ignore[no-untyped-call]
+    cross_group, _ = dist.new_subgroups_by_enumeration(by_local, timeout=timeout)  # type: ignore[no-untyped-call]
+    cross_members = by_local[local_ranks.index(my_local)]
+    widest = max(len(ranks) for ranks in by_node)
+    return local_group, cross_group, cross_members.index(rank), len(cross_members), widest
+
+
+def init(
+    timeout_s: float | None = None,
+    backend: str | None = None,
+    tensor_parallel: int = 1,
+    pipeline_parallel: int = 1,
+) -> Runtime:
+    """Join the job described by the torchrun environment (or a world of one) and return it.
+
+    `timeout_s` bounds rendezvous and every collective (default 60 s, or GRADMESH_TIMEOUT_S).
+    `tensor_parallel` x `pipeline_parallel` adjacent ranks hold one replica of the model; the
+    mesh (`gradmesh.mesh()`) has one group per axis. Calling `init()` again in an initialised
+    process returns the existing runtime.
+    """
+    global _runtime
+    if _runtime is not None:
+        asked = (tensor_parallel, pipeline_parallel)
+        if asked != (1, 1) and asked != (_runtime.mesh.shape.tp, _runtime.mesh.shape.pp):
+            raise GradmeshError(
+                f"gradmesh is already initialised with {_runtime.mesh.shape.describe()}: "
+                f"call shutdown() before init(tensor_parallel={asked[0]}, "
+                f"pipeline_parallel={asked[1]})"
+            )
+        return _runtime
+    rank = _env_int("RANK", 0)
+    size = _env_int("WORLD_SIZE", 1)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_size = _env_int("LOCAL_WORLD_SIZE", size)
+    if size < 1 or not 0 <= rank < size:
+        raise GradmeshError(f"bad process world: RANK={rank} WORLD_SIZE={size}")
+    timeout = timedelta(seconds=_timeout_s(timeout_s))
+    shape = MeshShape.for_world(size, tp=tensor_parallel, pp=pipeline_parallel)
+    bind_to_launcher(rank)
+    chosen, device = _pick_backend(local_size, backend)
+    _connect(chosen, rank, size, timeout)
+    local_group, cross_group, cross_rank, cross_size, widest = _host_groups(
+        rank, size, local_rank, device, timeout
+    )
+    if local_group is not None:
+        local_size = dist.get_world_size(local_group)
+    async_group = dist.new_group(list(range(size)), timeout=timeout) if size > 1 else None
+    owned: list[dist.ProcessGroup] = []
+    if not getattr(sys.excepthook, "gradmesh", False):  # once per process, however many inits
+        atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
+        sys.excepthook = _failing_hook(sys.excepthook)
+    _runtime = Runtime(
+        rank=rank,
+        size=size,
+        local_rank=local_rank,
+        local_size=local_size,
+        cross_rank=cross_rank,
+        cross_size=cross_size,
+        backend=chosen,
+        device=device,
+        timeout=timeout,
+        local_group=local_group,
+        cross_group=cross_group,
+        mesh=build_mesh(shape, rank, timeout, owned),
+        widest_host=widest,
+        async_group=async_group,
+        owned=owned,
+    )
+    world = resolve_world()
+    _runtime.group_names.update({id(world): "world"})
+    for axis in _runtime.mesh.axes.values():
+        _runtime.group_names[id(axis.group)] = f"{axis.name} axis"
+    for group, label in (
+        (async_group, "world (comm thread)"),
+        (local_group, "host-local"),
+        (cross_group, "cross-host"),
+    ):
+        if group is not None:
+            _runtime.group_names[id(group)] = label
+    return _runtime
+
+
+def resolve_world() -> dist.ProcessGroup:
+    """The default process group itself."""
+    world = dist.group.WORLD
+    if not isinstance(world, dist.ProcessGroup):
+        raise GradmeshError("torch.distributed is not initialised: call gradmesh.init() first")
+    return world
+
+
+def mark_failed(exc: BaseException) -> int:
+    """Record that this rank is failing with `exc` (so leaving waits for nobody); return the
+    exit code a worker should end with."""
+    if _runtime is not None:
+        _runtime.failure = exc
+    return PEER_FAILED_EXIT if isinstance(exc, PeerFailure) else 1
+
+
+def _failing_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
+    """sys.excepthook for scripts: an uncaught exception marks the rank failing; a gradmesh
+    error is printed as its one line (it names the rank), anything else as usual."""
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
+        mark_failed(exc)
+        if isinstance(exc, GradmeshError):
+            rank = _runtime.rank if _runtime is not None else "?"
+            print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
+        else:
+            previous(kind, exc, tb)
+
+    hook.gradmesh = True  # type: ignore[attr-defined]
+    return hook
+
+
+def is_initialized() -> bool:
+    return _runtime is not None
+
+
+def get_runtime() -> Runtime:
+    """The initialised runtime; a clear error when `init()` has not been called."""
+    if _runtime is None:
+        raise GradmeshError("gradmesh is not initialised: call gradmesh.init() first")
+    return _runtime
+
+
+def mesh() -> Mesh:
+    """The world as dp x pp x tp: `gradmesh.mesh()["dp"].group`, `.size`, `.index`."""
+    return get_runtime().mesh
+
+
+def rank() -> int:
+    return get_runtime().rank
+
+
+def size() -> int:
+    return get_runtime().size
+
+
+def local_rank() -> int:
+    return get_runtime().local_rank
+
+
+def local_size() -> int:
+    return get_runtime().local_size
+
+
+def cross_rank() -> int:
+    return get_runtime().cross_rank
+
+
+def cross_size() -> int:
+    return get_runtime().cross_size
+
+
+def barrier() -> None:
+    """Wait until every rank reaches this point (bounded by the collective timeout)."""
+    rt = get_runtime()
+    world = resolve_world()
+    sequence = rt.next_sequence(world)
+    try:
+        dist.barrier(group=world)
+    except RuntimeError as exc:
+        raise PeerFailure(
+            f"rank {rt.rank}: barrier #{sequence} on world: {first_line(exc)}"
+        ) from None
+
+
+def shutdown() -> None:
+    """Leave the job and free the process groups; safe to call twice.
+
+    No rank waits for the others here: a rank that leaves early (it failed, or the user's script
+    exited) must not sit in a barrier while its peers wait in a collective for it. A failing rank
+    does not free its groups either, since a collective stuck in a backend thread would hold it.
+    """
+    global _runtime
+    failing = _runtime is not None and _runtime.failure is not None
+    if _runtime is not None:
+        if _runtime.timeline is not None:
+            from gradmesh.observe.timeline import stop_timeline
+
+            stop_timeline()
+        if _runtime._executor is not None:
+            _runtime._executor.shutdown(wait=not failing, cancel_futures=True)
+    if dist.is_initialized() and not failing:
+        if not _adopted:  # the engine that formed the world group ends it
+            dist.destroy_process_group()
+        if _runtime is not None:
+            _runtime.release_groups()
+    _runtime = None
+
+
+def _leave_at_exit() -> None:
+    """atexit: leave the job; a rank failing on an uncaught exception then ends at once, since
+    interpreter teardown would wait for any collective still stuck in a backend thread."""
+    code = mark_failed(_runtime.failure) if _runtime and _runtime.failure else None
+    shutdown()
+    if code is not None:
+        exit_process(code)
+
+
+PEER_GRACE_S = 1.0
+"""How long a rank that stopped on a peer's failure lingers before exiting, so that the launcher
+sees the rank that caused it end first and names that one."""
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a worker process of gradmesh's own entry points after `shutdown()`: flush output and
+    leave without running C++ static destructors, one of which (in a c10d/Gloo thread) aborted
+    now and then at interpreter exit ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == PEER_FAILED_EXIT:
+        time.sleep(PEER_GRACE_S)
+    os._exit(code)

@@ -1,0 +1,323 @@
+"""Tensor- and object-level operations with Horovod's names and semantics.
+
+Asynchronous operations run on the runtime's one communication thread, in submission order, so
+every rank issues them in the same order. Objects travel as JSON, never pickle: gradmesh does
+not unpickle anything that came over the network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
+from gradmesh.collectives import allgather as gather_equal
+from gradmesh.compression import Compressor, Link, NoCompression, reduce, resolve
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime.world import get_runtime
+
+Handle = Future[torch.Tensor]
+
+
+def members(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
+    """(the group an operation runs on, this rank's place in it, its size): `group` itself, or
+    for None the world as the communication thread's group."""
+    rt = get_runtime()
+    if group is None:
+        return rt.async_group, rt.rank, rt.size
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def compressed_allreduce(
+    tensor: torch.Tensor,
+    compressor: Compressor,
+    op: Op,
+    algorithm: str,
+    group: dist.ProcessGroup | None,
+    name: str | None = None,
+) -> torch.Tensor:
+    """Reduce `tensor` in place through `compressor` (a fresh state: no error feedback carries
+    over between calls). Integer tensors and min/max/product travel uncompressed."""
+    if isinstance(compressor, NoCompression) or not tensor.is_floating_point():
+        return allreduce(tensor, op=op, algorithm=algorithm, group=group, name=name)
+    if op not in ("sum", "average"):
+        raise GradmeshError(f"compression {compressor.name} sums; it cannot reduce with {op}")
+    flat = tensor.detach().reshape(-1)  # a copy when `tensor` is not contiguous
+    link = Link(group, algorithm, name=name)
+    reduce(flat, compressor, compressor.new_state(flat.numel()), link)
+    if op == "average":
+        flat.div_(link.size)
+    if flat.data_ptr() != tensor.data_ptr():
+        tensor.copy_(flat.view_as(tensor))
+    return tensor
+
+
+def _reduce_copy(
+    tensor: torch.Tensor,
+    op: Op,
+    algorithm: str,
+    compression: Compressor | str | None,
+    name: str | None,
+    prescale: float,
+    postscale: float,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    copy = tensor.detach().clone()
+    if prescale != 1.0:
+        copy.mul_(prescale)
+    on, _, size = members(group)
+    if size > 1:
+        copy = compressed_allreduce(copy, resolve(compression), op, algorithm, on, name)
+    return copy.mul_(postscale) if postscale != 1.0 else copy
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
+    """Run `fn(*args)` on the communication thread, after every operation submitted before it
+    (so every rank runs them in the same order); at once in a world of one."""
+    rt = get_runtime()
+    if rt.size == 1:
+        done: Future[Any] = Future()
+        done.set_result(fn(*args))
+        return done
+    return rt.comm_executor().submit(fn, *args)
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    op: Op = "average",
+    algorithm: str = "native",
+    compression: Compressor | str | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> Handle:
+    """Start reducing a copy of `tensor` (times `prescale_factor` before, `postscale_factor`
+    after, as Horovod does) over the world or `group`; `synchronize(handle)` returns the
+    result. `name`, if given, must be the same on every rank for the same call."""
+    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor, group)
+    return submit(_reduce_copy, *args)
+
+
+def _reduce_group(
+    tensors: list[torch.Tensor],
+    op: Op,
+    algorithm: str,
+    compression: Compressor | str | None,
+    name: str | None,
+    prescale: float,
+    postscale: float,
+    group: dist.ProcessGroup | None,
+) -> list[torch.Tensor]:
+    """The tensors of each dtype fused into one flat buffer, reduced in one operation, split."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
+        label = None if name is None else f"{name}.{str(dtype).removeprefix('torch.')}"
+        reduced = _reduce_copy(flat, op, algorithm, compression, label, prescale, postscale, group)
+        for i, part in zip(
+            members, torch.split(reduced, [tensors[i].numel() for i in members]), strict=True
+        ):
+            out[i] = part.view_as(tensors[i])
+    return [t for t in out if t is not None]
+
+
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    op: Op = "average",
+    algorithm: str = "native",
+    compression: Compressor | str | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> Future[list[torch.Tensor]]:
+    """Reduce several tensors as one operation (one fused buffer per dtype); `synchronize`
+    returns the list of results in the order given."""
+    if not tensors:
+        raise GradmeshError("grouped allreduce needs at least one tensor")
+    args = (op, algorithm, compression, name, prescale_factor, postscale_factor, group)
+    return submit(_reduce_group, list(tensors), *args)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    op: Op = "average",
+    algorithm: str = "native",
+    compression: Compressor | str | None = None,
+    name: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    group: dist.ProcessGroup | None = None,
+) -> Handle:
+    """Reduce `tensor` over every rank (of `group`) and give each rank its block of rows: with
+    n rows over W ranks, rank r gets n // W rows, plus one for the first n % W ranks (Horovod's
+    split). The sum is computed whole (an allreduce), then sliced: simple, and twice the bytes
+    a ring reduce-scatter would send."""
+    if op not in ("average", "sum"):
+        raise GradmeshError(f"reducescatter reduces with average or sum, not {op}")
+    if tensor.dim() == 0:
+        raise GradmeshError("reducescatter needs a tensor with a first dimension to split")
+    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor, group)
+
+    def scatter() -> torch.Tensor:
+        reduced = _reduce_copy(*args)
+        _, me, size = members(group)
+        base, extra = divmod(reduced.shape[0], size)
+        start = me * base + min(me, extra)
+        return reduced[start : start + base + (me < extra)].clone()
+
+    return submit(scatter)
+
+
+MAX_DIMS = 8
+"""Alltoall describes each rank's tensor in a fixed-size row: at most this many dimensions."""
+
+
+def _alltoall(
+    tensor: torch.Tensor, splits: list[int] | None, group: dist.ProcessGroup | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    group, me, world = members(group)
+    rows = tensor.shape[0] if tensor.dim() else 0
+    sends = [rows // world] * world if splits is None else list(splits)
+    problem = ""
+    if not 1 <= tensor.dim() <= MAX_DIMS:
+        problem = f"a tensor of {tensor.dim()} dimensions (1 to {MAX_DIMS})"
+    elif splits is None and rows % world:
+        problem = f"{rows} rows that do not split equally over {world} ranks (give splits=)"
+    elif len(sends) != world or min(sends) < 0 or sum(sends) != rows:
+        problem = f"splits {sends} for {rows} rows over {world} ranks"
+    dims = [] if problem else list(tensor.shape[1:])
+    row = [0 if problem else 1, 0 if problem else tensor.dim(), *dims]
+    row += [-1] * (MAX_DIMS - len(dims)) + ([0] * world if problem else sends)
+    # every rank sees every rank's row
+    table = gather_equal(torch.tensor(row), group) if world > 1 else torch.tensor([row])
+    bad = [r for r in range(world) if int(table[r, 0]) == 0]
+    if bad:
+        mine = f": {problem}" if problem else ""
+        raise GradmeshError(f"rank {me}: alltoall: rank {bad[0]} gave bad input{mine}")
+    if any(
+        not torch.equal(table[r, 1 : 2 + MAX_DIMS], table[0, 1 : 2 + MAX_DIMS])
+        for r in range(world)
+    ):
+        raise GradmeshError(
+            f"rank {me}: alltoall: the ranks' tensors differ beyond the first dimension "
+            f"(rank {me}: {tuple(tensor.shape[1:])})"
+        )
+    received = [int(table[r, 2 + MAX_DIMS + me]) for r in range(world)]
+    out = tensor.new_empty((sum(received), *tensor.shape[1:]))
+    if world > 1:
+        dist.all_to_all_single(
+            out,
+            tensor.detach().contiguous(),
+            output_split_sizes=received,
+            input_split_sizes=sends,
+            group=group,
+        )
+    else:
+        out.copy_(tensor.detach())
+    return out, torch.tensor(received, dtype=torch.int32)
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: torch.Tensor | list[int] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+    """Send rows of `tensor` to every rank (`splits[r]` rows to rank r, in order; without
+    splits, equal parts) and receive theirs, concatenated in rank order; `synchronize` returns
+    (rows received, how many came from each rank). Every rank's splits are checked first, so
+    bad ones are one error on every rank, not a hang."""
+    wanted = None if splits is None else [int(s) for s in torch.as_tensor(splits).reshape(-1)]
+    return submit(_alltoall, tensor, wanted, group)
+
+
+def synchronize(handle: Handle) -> torch.Tensor:
+    """Wait for an asynchronous operation and return its result (each collective it runs is
+    bounded by the job's timeout, so this wait is too)."""
+    return handle.result()
+
+
+def poll(handle: Handle) -> bool:
+    """Whether an asynchronous operation has finished."""
+    return handle.done()
+
+
+def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Concatenate every rank's tensor along dimension 0; first dimensions may differ."""
+    if members(group)[2] == 1:
+        return tensor.detach().clone()
+    rows = gather_equal(torch.tensor([tensor.shape[0] if tensor.dim() else 1]), group)
+    lengths = [int(n) for n in rows.reshape(-1)]
+    longest = max(lengths)
+    item = tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.reshape(1)
+    padded = torch.zeros((longest, *item.shape[1:]), dtype=item.dtype, device=item.device)
+    padded[: item.shape[0]] = item
+    everyone = gather_equal(padded, group)
+    return torch.cat([everyone[r, :n] for r, n in enumerate(lengths)])
+
+
+def allgather_async(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
+    """`allgather_tensor` of a copy of `tensor`, on the communication thread."""
+    return submit(allgather_tensor, tensor.detach().clone(), members(group)[0])
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    in_place: bool = False,
+    group: dist.ProcessGroup | None = None,
+) -> Handle:
+    """Root's (a global rank's) value of `tensor`: written into `tensor` itself with
+    `in_place`, else into a copy (the argument left as it was)."""
+    target = tensor.data if in_place else tensor.detach().clone()
+    on, _, size = members(group)
+    if size == 1:
+        return submit(lambda: target)
+    return submit(broadcast, target, root_rank, on)
+
+
+def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:
+    """Give every rank the root's optimizer state (hyper-parameters, step counts, buffers such as
+    momentum), creating state entries a rank does not have yet."""
+    rt = get_runtime()
+    if rt.size == 1:
+        return
+    state = optimizer.state_dict()
+    manifest = None
+    if rt.rank == root_rank:
+        entries = {}
+        for index, values in state["state"].items():
+            entries[str(index)] = {
+                key: (
+                    {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                    if isinstance(v, torch.Tensor)
+                    else {"value": v}
+                )
+                for key, v in values.items()
+            }
+        manifest = {"param_groups": state["param_groups"], "state": entries}
+    manifest = broadcast_object(manifest, root_rank)
+    new_state: dict[int, dict[str, Any]] = {}
+    for index, values in manifest["state"].items():
+        mine = state["state"].get(int(index), {})
+        rebuilt: dict[str, Any] = {}
+        for key, spec in values.items():
+            if "value" in spec:
+                rebuilt[key] = spec["value"]
+                continue
+            dtype = getattr(torch, spec["dtype"])
+            tensor = mine.get(key)
+            if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != spec["shape"]:
+                tensor = torch.zeros(spec["shape"], dtype=dtype)
+            tensor = tensor.to(dtype).contiguous()
+            broadcast(tensor, root=root_rank)
+            rebuilt[key] = tensor
+        new_state[int(index)] = rebuilt
+    optimizer.load_state_dict({"state": new_state, "param_groups": manifest["param_groups"]})

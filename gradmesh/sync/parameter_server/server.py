@@ -1,0 +1,517 @@
+"""One parameter server: owns a contiguous shard of the flat parameter vector and its optimizer.
+
+A single-threaded loop over the workers' TCP connections (`transport`). Every message is checked
+by `protocol.decode`; one that fails is dropped and counted, and the loop serves on (a header that
+fails closes its connection: the stream cannot be followed past it). Modes:
+
+- `sync`: the gradients of step t from every live worker are averaged (summed in worker order, so
+  the result does not depend on their arrival) and applied once; a worker's pull for step t + 1
+  is answered after that update. Only this mode checkpoints: at step t the first worker asks
+  (SAVE) for the shard's part after update t, before its own gradient of step t + 1, so no
+  later update can be in it.
+- `async` (Downpour): each gradient is applied as it arrives; pulls are answered at once.
+- `ssp`: as async, but a pull from a worker whose clock (pushes so far) is more than K ahead of the
+  slowest live worker's waits until that worker catches up.
+
+Staleness of a gradient = the clock gap of the read it was computed from: how many clocks the
+reading worker was ahead of the slowest live worker (SSP's own measure, at most K in `ssp`, 0 in
+`sync`). With `staleness_lr` a gradient's step is divided by max(1, staleness) (Zhang et al.).
+A worker silent for `lost_after_s` with no request waiting (or, before its first message, for
+`timeout_s`) is declared lost and no longer waited for; its last gradients stay applied.
+
+The path of a request allocates nothing per message after warm-up: a push is read into a buffer
+its connection reuses (`transport`), SGD updates the shard in place, a sync step copies each
+gradient into a buffer kept per worker and sums into one reused buffer, and a pull's answer is
+written to the kernel from the shard itself (only what the kernel does not take at once is copied,
+into a reused buffer, before the shard can change).
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from gradmesh.compression import DECODERS
+from gradmesh.errors import GradmeshError
+from gradmesh.observe.timeline import Timeline
+from gradmesh.sync.parameter_server.optimizers import make_optimizer
+from gradmesh.sync.parameter_server.protocol import Kind, Message, WireError, decode, encode
+from gradmesh.sync.parameter_server.transport import Closed, Peer, endpoint_of, listen
+
+MODES = ("sync", "async", "ssp")
+PUSHES = (Kind.PUSH, Kind.PUSH_PULL)
+REQUESTS = {kind: (kind.name.lower(),) for kind in Kind} | {Kind.PUSH_PULL: ("push", "pull")}
+"""What the server's stats count a message as: a push-and-pull is a push and a pull."""
+JSON_LIMIT = 1 << 16
+POLL_S = 0.05
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    index: int
+    workers: int
+    numel: int
+    mode: str = "async"
+    max_staleness: int = 0
+    staleness_lr: bool = False
+    optimizer: str = "sgd"
+    lr: float = 0.05
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+    lost_after_s: float = 10.0
+    timeout_s: float = 60.0
+
+
+class ShardCheckpoints(Protocol):
+    """Where a server's part of each checkpoint goes (the trainer's checkpoint folder)."""
+
+    def save(self, index: int, step: int, state: dict[str, Any]) -> None:
+        """Write server `index`'s `state_dict()` as its part of the checkpoint after `step`."""
+
+    def restore(self, server: Server) -> None:
+        """Load the newest complete checkpoint's part of `server` into it, if there is one."""
+
+
+class Progress:
+    """Server 0's live bar on a terminal: updates applied, push and pull rates, and the
+    staleness of the gradients applied so far (its mean and largest)."""
+
+    def __init__(self, stats: ServerStats) -> None:
+        from tqdm import tqdm
+
+        self.stats = stats
+        self.bar = tqdm(unit="update", dynamic_ncols=True, leave=False, desc="ps server 0")
+        self.shown = 0.0
+
+    def update(self) -> None:
+        self.bar.update(1)
+        now = time.monotonic()
+        if now - self.shown < 0.5:
+            return
+        self.shown = now
+        span = max(self.stats.last - self.stats.first, 1e-9)
+        counts = Counter[int]()
+        for per_worker in self.stats.staleness.values():
+            counts.update(per_worker)
+        applied = sum(counts.values())
+        self.bar.set_postfix(
+            push_s=f"{self.stats.requests['push'] / span:.0f}",
+            pull_s=f"{self.stats.requests['pull'] / span:.0f}",
+            staleness=f"mean {sum(k * n for k, n in counts.items()) / max(applied, 1):.2f} "
+            f"max {max(counts, default=0)}",
+            refresh=False,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@dataclass
+class ServerStats:
+    requests: Counter[str] = field(default_factory=Counter)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    dropped: int = 0
+    decoded: int = 0
+    depth_max: int = 0
+    depth_sum: int = 0
+    wakeups: int = 0
+    first: float = 0.0
+    last: float = 0.0
+    cpu_first: float = 0.0
+    cpu_last: float = 0.0
+    """The process's CPU time at the first and the last message (serving, not starting)."""
+    staleness: dict[int, Counter[int]] = field(default_factory=dict)
+
+    def as_dict(self, index: int, lost: list[int]) -> dict[str, Any]:
+        span = max(self.last - self.first, 1e-9)
+        total = sum(self.requests.values())
+        return {
+            "server": index,
+            "requests": dict(self.requests),
+            "request_rate": total / span,
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "dropped_messages": self.dropped,
+            "decompressed_pushes": self.decoded,
+            "queue_depth_max": self.depth_max,
+            "queue_depth_mean": self.depth_sum / max(self.wakeups, 1),
+            "staleness": {
+                str(w): {str(k): v for k, v in sorted(h.items())}
+                for w, h in sorted(self.staleness.items())
+            },
+            "lost_workers": lost,
+            "cpu_s": self.cpu_last - self.cpu_first,
+        }
+
+
+class Server:
+    """Serve one shard until the workers are done (see the module docstring)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        token: bytes,
+        host: str,
+        checkpoints: ShardCheckpoints | None = None,
+        on_update: Callable[[int, int], None] | None = None,
+        timeline: Timeline | None = None,
+    ) -> None:
+        """`on_update(index, version)` runs after every update (fault injection); `timeline`
+        records each push, apply and pull (with the staleness of the gradient or read)."""
+        self.cfg = config
+        self.timeline = timeline
+        self.progress: Progress | None = None
+        self.checkpoints = checkpoints
+        self.on_update = on_update
+        self.token = token
+        self.values = nn.Parameter(torch.zeros(config.numel), requires_grad=True)
+        self.optimizer = make_optimizer(
+            config.optimizer, self.values, config.lr, config.momentum, config.weight_decay
+        )
+        self.max_payload = max(config.numel * 4, JSON_LIMIT)
+        self.listener = listen(host)
+        self.endpoint = endpoint_of(self.listener)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.stats = ServerStats()
+        self.initialized = False
+        self.version = 0
+        self.clocks = [0] * config.workers
+        self.read_gap = [0] * config.workers
+        self.last_seen = [time.monotonic()] * config.workers
+        self.heard: set[int] = set()
+        self.finished: dict[int, dict[str, Any]] = {}
+        self.lost: set[int] = set()
+        self.pending_pulls: list[tuple[Peer, Message]] = []
+        self.pending_done: list[tuple[Peer, int]] = []
+        self.round: dict[int, torch.Tensor] = {}
+        """sync: the gradients of the step under way, by worker (in `held`)."""
+        self.held: dict[int, torch.Tensor] = {}
+        """sync: a buffer per worker its gradient is copied into (the connection's is reused)."""
+        self.total = torch.empty(config.numel) if config.mode == "sync" else torch.empty(0)
+        """sync: the step's sum, reused."""
+        self.done_at: float | None = None
+        self.closed = False
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def serve(self) -> dict[str, Any]:
+        """Run until CLOSE (or until the workers are all gone); return this server's stats."""
+        idle_since = time.monotonic()
+        if self.cfg.index == 0 and sys.stderr.isatty():
+            self.progress = Progress(self.stats)
+        try:
+            while not self.closed:
+                events = self.selector.select(POLL_S)
+                if events:
+                    idle_since = time.monotonic()
+                    self._wakeup(events)
+                now = time.monotonic()
+                self._find_lost(now)
+                self._release_pulls()
+                self._maybe_done()
+                quiet = now - idle_since
+                if self.done_at is not None and quiet > self.cfg.lost_after_s:
+                    break  # done was sent and nobody closed: the reporter is gone
+                if quiet > self.cfg.timeout_s:
+                    break
+        finally:
+            self.close()
+            if self.progress is not None:
+                self.progress.close()
+        return self.stats.as_dict(self.cfg.index, sorted(self.lost))
+
+    def close(self) -> None:
+        """Close the listening socket and every connection."""
+        for key in list(self.selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self.selector.close()
+
+    def _wakeup(self, events: list[tuple[selectors.SelectorKey, int]]) -> None:
+        handled = 0
+        for key, mask in events:
+            if key.fileobj is self.listener:
+                self._accept()
+                continue
+            peer: Peer = key.data
+            try:
+                if mask & selectors.EVENT_WRITE and peer.flush():
+                    self.selector.modify(peer.sock, selectors.EVENT_READ, peer)
+                if mask & selectors.EVENT_READ:
+                    while (frames := peer.receive()) is not None:
+                        handled += 1
+                        self._handle(peer, frames)
+            except WireError:  # a header that fails: the rest of the stream cannot be read
+                self.stats.dropped += 1
+                self._disconnect(peer)
+            except Closed:
+                self.stats.dropped += peer.partial  # a message cut off by the close
+                self._disconnect(peer)
+        self.stats.wakeups += 1
+        self.stats.depth_sum += handled
+        self.stats.depth_max = max(self.stats.depth_max, handled)
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            peer = Peer(sock, self.token, self.max_payload)
+            self.selector.register(sock, selectors.EVENT_READ, peer)
+
+    def _disconnect(self, peer: Peer) -> None:
+        if peer.sock.fileno() >= 0:
+            self.selector.unregister(peer.sock)
+            peer.close()
+        self.pending_pulls = [(p, m) for p, m in self.pending_pulls if p is not peer]
+        self.pending_done = [(p, w) for p, w in self.pending_done if p is not peer]
+
+    def _send(self, peer: Peer, frames: list[bytes | memoryview], volatile: bool = False) -> None:
+        if peer.sock.fileno() < 0:
+            return  # its connection is gone
+        self.stats.bytes_out += sum(memoryview(f).nbytes for f in frames)
+        waiting = bool(peer.out)
+        try:
+            peer.send(frames, volatile)
+        except Closed:
+            self._disconnect(peer)
+            return
+        if peer.out and not waiting:
+            self.selector.modify(peer.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, peer)
+
+    def _reply(self, peer: Peer, kind: Kind, worker: int, **fields: Any) -> None:
+        self._send(peer, encode(kind, self.token, worker, **fields))
+
+    def _handle(self, peer: Peer, frames: list[memoryview]) -> None:
+        self.stats.bytes_in += sum(f.nbytes for f in frames)
+        try:
+            msg = self._check(decode(frames, self.token, self.max_payload))
+        except WireError:
+            self.stats.dropped += 1
+            return
+        now = time.monotonic()
+        self.stats.first = self.stats.first or now
+        self.stats.last = now
+        self.stats.cpu_last = time.process_time()
+        self.stats.cpu_first = self.stats.cpu_first or self.stats.cpu_last
+        self.stats.requests.update(REQUESTS[msg.kind])
+        self.last_seen[msg.worker] = now
+        self.heard.add(msg.worker)
+        if msg.kind is Kind.INIT:
+            if not self.initialized:
+                with torch.no_grad():
+                    self.values.copy_(msg.payload)  # type: ignore[arg-type]
+                self.initialized = True
+            self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
+        elif msg.kind is Kind.PUSH:
+            self._push(msg)
+            self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
+        elif msg.kind is Kind.PUSH_PULL:  # the step's one message: answered by the pull alone
+            self._push(msg)
+            self.pending_pulls.append((peer, msg))
+        elif msg.kind is Kind.PULL:
+            self.pending_pulls.append((peer, msg))
+        elif msg.kind is Kind.FINISH:
+            self.finished[msg.worker] = json.loads(bytes(msg.raw or b"{}"))
+            self.pending_done.append((peer, msg.worker))
+        elif msg.kind is Kind.CLOSE:
+            self.closed = self.done_at is not None
+        elif msg.kind is Kind.SAVE:
+            assert self.checkpoints is not None
+            self.checkpoints.save(self.cfg.index, msg.clock, self.state_dict())
+            self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
+
+    def _check(self, msg: Message) -> Message:
+        """What decode cannot know: worker index, shard size, dtype, a JSON payload's text; a
+        compressed push comes back decoded to a dense shard."""
+        if not 0 <= msg.worker < self.cfg.workers:
+            raise WireError(f"no worker {msg.worker}")
+        if msg.codec:
+            if msg.kind not in PUSHES:
+                raise WireError(f"{msg.kind.name} carries no codec")
+            msg = replace(msg, payload=self._decompress(msg))
+        if msg.kind in (Kind.INIT, *PUSHES):
+            p = msg.payload
+            if p is None or p.dtype != torch.float32 or p.numel() != self.cfg.numel:
+                raise WireError("a shard of the wrong size or dtype")
+            if msg.kind in PUSHES and not self.initialized:
+                raise WireError("push before init")
+        elif msg.kind is Kind.FINISH:
+            try:
+                json.loads(bytes(msg.raw or b"{}"))
+            except (ValueError, UnicodeDecodeError):
+                raise WireError("finish stats are not JSON") from None
+        elif msg.kind is Kind.SAVE:
+            if self.checkpoints is None or self.cfg.mode != "sync":
+                raise WireError("this server keeps no checkpoints")
+            if msg.clock != self.version:
+                raise WireError(f"SAVE of step {msg.clock} at version {self.version}")
+        elif msg.kind not in (Kind.PULL, Kind.CLOSE):
+            raise WireError(f"a server does not take {msg.kind.name}")
+        return msg
+
+    def _decompress(self, msg: Message) -> torch.Tensor:
+        """The dense shard a compressed push stands for; WireError if it does not parse."""
+        decoder = DECODERS.get(msg.codec)
+        if decoder is None or msg.payload is None:
+            raise WireError(f"unknown codec {msg.codec}")
+        dense = torch.zeros(self.cfg.numel)
+        try:
+            decoder.decode(msg.payload, msg.ctx, dense)
+        except (ValueError, RuntimeError) as exc:
+            raise WireError(f"codec {decoder.name}: {exc}") from None
+        self.stats.decoded += 1
+        return dense
+
+    # -- the modes --------------------------------------------------------------------------
+
+    def _span(self, name: str, **args: Any) -> AbstractContextManager[None]:
+        return self.timeline.span(name, "serve", **args) if self.timeline else nullcontext()
+
+    def _live(self) -> list[int]:
+        return [w for w in range(self.cfg.workers) if w not in self.lost and w not in self.finished]
+
+    def _push(self, msg: Message) -> None:
+        grad = msg.payload
+        assert grad is not None
+        w = msg.worker
+        self.clocks[w] = max(self.clocks[w], msg.clock)
+        gap = self.read_gap[w]
+        self.stats.staleness.setdefault(w, Counter())[gap] += 1
+        if self.cfg.mode == "sync":
+            # the connection's buffer is read into again by its next message: keep a copy
+            with self._span("push", worker=w):
+                if w in self.round:
+                    self.round[w] += grad
+                else:
+                    held = self.held.setdefault(w, torch.empty(self.cfg.numel))
+                    self.round[w] = held.copy_(grad)
+            self._close_round()
+            return
+        scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
+        with self._span("apply", worker=w, staleness=gap):
+            self.optimizer.apply(grad, w, scale)  # a view of the connection's buffer: unwritten
+        self._updated()
+
+    def _updated(self) -> None:
+        self.version += 1
+        if self.timeline is not None:
+            self.timeline.new_step()
+        if self.progress is not None:
+            self.progress.update()
+        if self.on_update is not None:
+            self.on_update(self.cfg.index, self.version)
+
+    def _close_round(self) -> None:
+        """sync: once every live worker has pushed this step, apply their average."""
+        if not self.round or not set(self._live()) <= set(self.round):
+            return
+        first, *rest = sorted(self.round)
+        with self._span("apply", workers=len(self.round), staleness=0):
+            total = self.total.copy_(self.round[first])
+            for w in rest:
+                total += self.round[w]
+            self.optimizer.apply(total.div_(len(self.round)), -1, 1.0)
+        self.round.clear()
+        self._updated()
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The shard's part of a checkpoint, in the trainer's rank-file form."""
+        return {
+            "model": {"values": self.values.detach()},
+            "optimizer": self.optimizer.state_dict(),
+            "strategy": {"version": self.version},
+            "rng": {"torch": torch.get_rng_state()},
+            "progress": {},
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        """Resume from `state_dict()`'s output; a GradmeshError (before any change) when it is
+        not a part of this shard."""
+        values = saved["model"].get("values")
+        version = saved["strategy"].get("version")
+        if not isinstance(values, torch.Tensor) or values.shape != (self.cfg.numel,):
+            raise GradmeshError(f"the shard's 'values' are not {self.cfg.numel} numbers")
+        if values.dtype != torch.float32 or type(version) is not int or version < 0:
+            raise GradmeshError("the shard's values are not float32 or its version not a count")
+        self.optimizer.load_state_dict(saved["optimizer"])
+        with torch.no_grad():
+            self.values.copy_(values)
+        self.version = version
+        self.initialized = True
+
+    def _may_read(self, msg: Message) -> bool:
+        if not self.initialized:
+            return False
+        if self.cfg.mode == "sync":
+            return self.version >= msg.clock
+        if self.cfg.mode == "ssp":
+            others = [self.clocks[w] for w in self._live() if w != msg.worker]
+            return not others or msg.clock - min(others) <= self.cfg.max_staleness
+        return True
+
+    def _release_pulls(self) -> None:
+        waiting = []
+        for peer, msg in self.pending_pulls:
+            if not self._may_read(msg):
+                waiting.append((peer, msg))
+                continue
+            others = [self.clocks[w] for w in self._live() if w != msg.worker]
+            gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
+            self.read_gap[msg.worker] = gap
+            self.optimizer.on_read(msg.worker)
+            with self._span("pull", worker=msg.worker, staleness=gap):
+                frames = encode(
+                    Kind.PARAMS,
+                    self.token,
+                    msg.worker,
+                    seen=self.version,
+                    staleness=gap,
+                    tensor=self.values.detach(),
+                )
+                self._send(peer, frames, volatile=True)  # the shard changes with the next push
+        self.pending_pulls = waiting
+
+    def _find_lost(self, now: float) -> None:
+        waiting = {msg.worker for _, msg in self.pending_pulls}
+        for w in self._live():
+            # a worker still starting up (never heard from) gets the whole timeout
+            patience = self.cfg.lost_after_s if w in self.heard else self.cfg.timeout_s
+            if w not in waiting and now - self.last_seen[w] > patience:
+                self.lost.add(w)
+                print(
+                    f"gradmesh ps: server {self.cfg.index}: worker {w} lost "
+                    f"(silent for {now - self.last_seen[w]:.0f} s)",
+                    flush=True,
+                )
+                if self.cfg.mode == "sync":
+                    self._close_round()
+
+    def _maybe_done(self) -> None:
+        if self.done_at is not None or self._live() or not self.pending_done:
+            return
+        reporter = min(w for _, w in self.pending_done)
+        summary = {
+            "reporter": reporter,
+            "lost_workers": sorted(self.lost),
+            "workers": {str(w): s for w, s in sorted(self.finished.items())},
+            "server": self.stats.as_dict(self.cfg.index, sorted(self.lost)),
+        }
+        data = json.dumps(summary).encode()
+        for peer, w in self.pending_done:
+            self._reply(peer, Kind.DONE, w, data=data)
+        self.done_at = time.monotonic()
