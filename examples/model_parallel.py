@@ -14,8 +14,8 @@ import torch
 
 import gradmesh
 from gradmesh.data import DATASETS, DataOptions
-from gradmesh.layout import split_model
-from gradmesh.models import build_model
+from gradmesh.layout.engine import split_model
+from gradmesh.models.registry import build_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--tensor-parallel", type=int, default=1)

@@ -56,7 +56,7 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         parent = name.rpartition(".")[0]
         if name in MOVED:
             return MOVED[name]
-        return f"{MOVED[parent]}{name[len(parent):]}" if parent in MOVED else None
+        return f"{MOVED[parent]}{name[len(parent) :]}" if parent in MOVED else None
 
     def exec_module(self, module: ModuleType) -> None:
         new = self._new(module.__name__) or ""

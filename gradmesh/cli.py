@@ -7,14 +7,14 @@ Errors are one line on stderr and a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
 import sys
 from importlib import import_module
 from typing import NoReturn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.train.config import COMPONENTS, TrainConfig, field_kind, field_value
+from gradmesh.options import add_flags, from_flags
+from gradmesh.train.config import TrainConfig
 
 USAGE_ERROR = 2
 
@@ -27,65 +27,47 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(USAGE_ERROR)
 
 
-def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """One flag per config field, grouped in the help by the component that owns the field."""
-    parser.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
-    for title, component in COMPONENTS:
-        group = parser.add_argument_group(title, (component.__doc__ or "").split("\n")[0])
-        for f in dataclasses.fields(component):
-            flag = "--" + f.name.replace("_", "-")
-            if field_kind(TrainConfig, f.name)[0] is bool:
-                group.add_argument(
-                    flag, dest=f.name, action="store_true", default=None, help=f.metadata["help"]
-                )
-                continue
-            shown = f" (default: {f.default})" if f.default not in ("", None) else ""
-            group.add_argument(flag, dest=f.name, default=None, help=f.metadata["help"] + shown)
-
-
 def _train_config(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the TOML file, then the flags: every value through `field_value`."""
+    """Defaults, then the TOML file, then the flags: every value checked against its type."""
     config = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
-    given = {}
-    for f in dataclasses.fields(TrainConfig):
-        raw = getattr(args, f.name)
-        if raw is not None:
-            given[f.name] = field_value(TrainConfig, f.name, raw, None)
-    return dataclasses.replace(config, **given)
+    return from_flags(TrainConfig, args, config)
 
 
 def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
+    from gradmesh.launch.engines.choice import check_engine
     from gradmesh.launch.run import LaunchSpec, cluster_defaults, launch
+    from gradmesh.train.checks import check_train
 
     config = _train_config(args)
-    config.validate()
+    check_engine(config.job.engine)
+    check_train(config)
     where = cluster_defaults()
     if where.get("min_nodes") is not None:
         config.check_elastic()
     config.check_outputs()
-    if config.plan:  # placed per layer: checked, inlined, and tp taken from it
+    if config.layout.plan:  # placed per layer: checked, inlined, and tp taken from it
         from gradmesh.plan.command import resolve
 
         config = resolve(config)
-    elif config.tensor_parallel * config.pipeline_parallel > 1 or config.microbatches > 1:
+    elif config.layout.split or config.layout.microbatches > 1:
         from gradmesh.train.trainer import check_layout
 
         check_layout(config)  # builds the model: the launcher imports torch only when needed
-    if config.checkpoint_dir:
+    if config.checkpoint.dir:
         from gradmesh.train.trainer import check_resume
 
         check_resume(config)
     from gradmesh.launch.engines.choice import entry_point, train_on
 
-    if config.engine != "local":
+    if config.job.engine != "local":
         return train_on(config)
     module, nproc, roles = entry_point(config)  # a ps job's servers and workers alike
     worker = [sys.executable, "-m", module, "--config", config.to_json()]
     spec = LaunchSpec(
         **{"nproc": nproc, **where},
-        timeout_s=config.timeout_s,
+        timeout_s=config.job.timeout_s,
         passthrough_rank0=True,
-        max_restarts=config.max_restarts,
+        max_restarts=config.checkpoint.max_restarts,
         roles=roles,
     )
     return launch(spec, worker)
@@ -230,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     from gradmesh.launch.run import cluster_defaults
-    from gradmesh.runtime.world import default_timeout_s
+    from gradmesh.runtime.process import default_timeout_s
 
     on_cluster = cluster_defaults()  # gradmesh emulate's host, or a Kubernetes pod
     run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
@@ -264,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     run.set_defaults(handler=_cmd_run, **{k: v for k, v in on_cluster.items() if k != "nproc"})
     train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")
-    _add_train_flags(train)
+    train.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
+    add_flags(train, TrainConfig)
     train.set_defaults(handler=_cmd_train)
     emulate = sub.add_parser(
         "emulate", help="run a command on emulated hosts: gradmesh emulate --hosts H -- CMD ..."

@@ -14,18 +14,10 @@ import argparse
 import time
 from typing import Any
 
-from gradmesh.bench.harness import (
-    emulated_cluster,
-    median,
-    parse_ints,
-    parse_list,
-    parse_size,
-    quantile,
-    run_workers,
-    worker_main,
-    write_json,
-)
+from gradmesh.bench.harness import median, quantile
+from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.registry import canonical_name
+from gradmesh.units import parse_ints, parse_list, parse_size
 
 DEFAULT_ALGORITHMS = "ring,tree,butterfly,star,hierarchical,native"
 

@@ -27,19 +27,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradmesh.bench.harness import (
-    emulated_cluster,
-    label,
-    median,
-    parse_list,
-    run_workers,
-    shutdown_after_ddp,
-    worker_main,
-    write_json,
-)
+from gradmesh.bench.harness import label, median, shutdown_after_ddp
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.registry import canonical_name
 from gradmesh.runtime.process import cpu_jiffies
+from gradmesh.units import parse_list
 
 TORCH_HOOK = "torch-powersgd"
 """DDP with torch's PowerSGD hook."""
@@ -53,7 +46,7 @@ and hangs on gloo)."""
 
 
 def engines() -> list[str]:
-    from gradmesh.compression import COMPRESSORS
+    from gradmesh.compression.registry import COMPRESSORS
 
     return [REFERENCE, *(n for n in COMPRESSORS.names() if n != REFERENCE), OUR_HOOK, TORCH_HOOK]
 
@@ -84,8 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradmesh.collectives import ALGORITHMS
-    from gradmesh.compression import make
-    from gradmesh.models import MODELS, check_pairing
+    from gradmesh.compression.registry import make
+    from gradmesh.models.registry import MODELS, check_pairing
 
     MODELS.get(args.model)
     check_pairing(args.model, "digits")
@@ -222,9 +215,9 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    from gradmesh.compression import make
+    from gradmesh.compression.registry import make
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.models import MODELS
+    from gradmesh.models.registry import MODELS
     from gradmesh.runtime.world import init
     from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
     from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer

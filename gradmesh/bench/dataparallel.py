@@ -13,15 +13,8 @@ import argparse
 import time
 from typing import Any
 
-from gradmesh.bench.harness import (
-    emulated_cluster,
-    label,
-    median,
-    run_workers,
-    shutdown_after_ddp,
-    worker_main,
-    write_json,
-)
+from gradmesh.bench.harness import label, median, shutdown_after_ddp
+from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.registry import canonical_name
 from gradmesh.runtime.process import cpu_jiffies
 
@@ -47,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from gradmesh.collectives import ALGORITHMS
     from gradmesh.data import DATASETS
     from gradmesh.errors import GradmeshError
-    from gradmesh.models import MODELS, check_pairing
+    from gradmesh.models.registry import MODELS, check_pairing
 
     MODELS.get(args.model)
     DATASETS.get(args.dataset)
@@ -105,7 +98,7 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     from torch import nn
 
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.models import MODELS
+    from gradmesh.models.registry import MODELS
     from gradmesh.runtime.world import init
     from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 

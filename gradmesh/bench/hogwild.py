@@ -21,9 +21,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import median, parse_ints, parse_list, write_json
+from gradmesh.bench.harness import median
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.jobs import write_json
 from gradmesh.registry import canonical_name
+from gradmesh.units import parse_ints, parse_list
 
 PROBLEMS: dict[str, dict[str, Any]] = {
     "sparse": {

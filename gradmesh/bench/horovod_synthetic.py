@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from gradmesh.bench.dataparallel import measure
-from gradmesh.bench.harness import write_json
+from gradmesh.launch.jobs import write_json
 from gradmesh.registry import canonical_name
 
 ENGINES = ["horovod", "gradmesh", "ddp"]
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from gradmesh.errors import GradmeshError
-    from gradmesh.models import MODELS
+    from gradmesh.models.registry import MODELS
 
     MODELS.get(args.model)
     if args.world < 2 or args.batches_per_round < 1 or args.rounds < 1 or args.batch_size < 1:

@@ -21,16 +21,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gradmesh.bench.harness import (
-    CPU_BOUND_IDLE,
-    emulated_cluster,
-    interleaved_jobs,
-    median,
-    timed_steps,
-    worker_main,
-    write_json,
-)
+from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved_jobs, median
+from gradmesh.launch.jobs import emulated_cluster, worker_main, write_json
 from gradmesh.registry import canonical_name
+from gradmesh.train.timing import timed_steps
 
 LAYOUTS = {
     "dp": (1, 1),
@@ -72,7 +66,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
 
     tp, pp = config["tp"], config["pp"]
     batch = config["batch"]
-    train = TrainConfig(
+    train = TrainConfig.of(
         workers=config["world"],
         model=config["model"],
         dataset="synthetic",

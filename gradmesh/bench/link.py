@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from gradmesh.bench.harness import emulated_cluster, parse_size, run_workers, write_json
+from gradmesh.launch.jobs import emulated_cluster, run_workers, write_json
+from gradmesh.units import parse_size
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,8 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import CPU_BOUND_IDLE, median, write_json
+from gradmesh.bench.harness import CPU_BOUND_IDLE, median
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.jobs import write_json
 from gradmesh.registry import canonical_name
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 

@@ -20,16 +20,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from gradmesh.bench.harness import (
-    CPU_BOUND_IDLE,
-    emulated_cluster,
-    interleaved_jobs,
-    median,
-    timed_steps,
-    worker_main,
-    write_json,
-)
+from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved_jobs, median
+from gradmesh.launch.jobs import emulated_cluster, worker_main, write_json
 from gradmesh.registry import canonical_name
+from gradmesh.train.timing import timed_steps
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

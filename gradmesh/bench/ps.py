@@ -33,13 +33,15 @@ from statistics import mean
 from typing import Any
 
 from gradmesh.bench import ps_micro
-from gradmesh.bench.harness import CPU_BOUND_IDLE, median, parse_ints, write_json
+from gradmesh.bench.harness import CPU_BOUND_IDLE, median
 from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
-from gradmesh.launch.emulate import EmulatedCluster, parse_rate
+from gradmesh.launch.emulate import EmulatedCluster
+from gradmesh.launch.jobs import write_json
 from gradmesh.registry import canonical_name
 from gradmesh.runtime.process import cpu_jiffies
 from gradmesh.sync.parameter_server.cost import step_time
+from gradmesh.units import parse_ints, parse_rate
 
 HIDDEN = 128  # the mlp model's hidden width
 PER_WORKER_BATCH = 16

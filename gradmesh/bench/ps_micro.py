@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import median, parse_list, parse_size, write_json
+from gradmesh.bench.harness import median
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.jobs import write_json
+from gradmesh.units import parse_list, parse_size
 
 DEFAULT_SIZES = "64KB,512KB,2MB,8MB"
 WARMUP = 20

@@ -28,15 +28,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import (
-    CPU_BOUND_IDLE,
-    median,
-    parse_ints,
-    parse_list,
-    write_json,
-)
+from gradmesh.bench.harness import CPU_BOUND_IDLE, median
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.jobs import write_json
 from gradmesh.registry import canonical_name
+from gradmesh.units import parse_ints, parse_list
 
 BASELINE = "one worker"
 

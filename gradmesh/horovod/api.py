@@ -23,7 +23,7 @@ import gradmesh.horovod.elastic as elastic
 from gradmesh.collectives import allgather as _gather_rows
 from gradmesh.collectives import allgather_object as _allgather_object
 from gradmesh.collectives import broadcast_object as _broadcast_object
-from gradmesh.compression import make
+from gradmesh.compression.registry import make
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import barrier as _barrier
 from gradmesh.runtime.world import (

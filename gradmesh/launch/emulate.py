@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import IO
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError
+from gradmesh.units import parse_latency, parse_rate
 
 PREFIX = "gmesh-"
 SUBNET = "10.77.0"
@@ -52,40 +53,6 @@ CLUSTER_ENV = {
 """How an emulated host tells `gradmesh run` / `train` / `bench` where it sits in the job."""
 JOB_TOKEN_ENV = "GRADMESH_JOB_TOKEN"
 """The job's random token (hex), drawn at launch; parameter-server messages carry it."""
-
-_RATE_UNITS = {
-    "bit": 1,
-    "kbit": 10**3,
-    "mbit": 10**6,
-    "gbit": 10**9,
-    "tbit": 10**12,
-    "k": 10**3,
-    "m": 10**6,
-    "g": 10**9,
-    "bps": 8,
-    "kbps": 8 * 10**3,
-    "mbps": 8 * 10**6,
-    "gbps": 8 * 10**9,
-}
-
-
-def parse_rate(text: str) -> int:
-    """A tc-style rate ('1gbit', '100mbit', '250mbps') in bits per second."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*", text.lower())
-    if not m or m.group(2) not in _RATE_UNITS:
-        raise GradmeshError(f"bad bandwidth {text!r}: expected a rate like 1gbit or 100mbit")
-    bits = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-    if bits < 8000:
-        raise GradmeshError(f"bandwidth {text!r} is too low to emulate (minimum 8kbit)")
-    return bits
-
-
-def parse_latency(text: str) -> float:
-    """'1ms', '250us', '0.5s' in seconds."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(us|ms|s)\s*", text.lower())
-    if not m:
-        raise GradmeshError(f"bad latency {text!r}: expected a time like 1ms or 250us")
-    return float(m.group(1)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[m.group(2)]
 
 
 def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:

@@ -36,7 +36,7 @@ from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from gradmesh.runtime.world import ROUND_ENV
+from gradmesh.runtime.process import ROUND_ENV
 
 BACKEND = "gradmesh-static"
 ELASTIC_BACKEND = "gradmesh-elastic"

@@ -28,8 +28,7 @@ from typing import Any
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
-from gradmesh.runtime.process import LAUNCHER_PID_ENV
-from gradmesh.runtime.world import MAX_WORLD_ENV, TIMEOUT_ENV
+from gradmesh.runtime.process import LAUNCHER_PID_ENV, MAX_WORLD_ENV, TIMEOUT_ENV
 
 DEFAULT_PORT = 29500
 PYTHON_NAMES = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")

@@ -42,8 +42,6 @@ from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
 
-SCHEDULES = ("gpipe", "1f1b")
-
 
 def layers_of(model: nn.Module, name: str) -> list[tuple[str, nn.Module]]:
     """The model's layer sequence, or one line saying the model cannot be cut into stages."""

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.models import MODELS, TP_PLANS
+from gradmesh.models.registry import MODELS, TP_PLANS
 
 NATIVE_SHAPES = {
     "resnet50": (3, 224, 224),

@@ -330,6 +330,8 @@ def start_timeline(
     target = Path(path) if merged else rank_path(path, rt.rank, rt.size)
     timeline = Timeline(target, pid, name or f"rank {pid}", max_steps, job=job)
     rt.timeline = timeline
+    if stop_timeline not in rt.on_shutdown:  # leaving the job writes the timeline out
+        rt.on_shutdown.append(stop_timeline)
     return timeline.path
 
 

@@ -65,8 +65,8 @@ def links_for(args: argparse.Namespace, workers: int) -> tuple[Any, int]:
     parallel step's time outside communication; ranks sharing this machine's cores) for the
     flags given."""
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
-    from gradmesh.launch.emulate import parse_latency, parse_rate
     from gradmesh.layout.planner import Links
+    from gradmesh.units import parse_latency, parse_rate
 
     if args.emulate_hosts:
         hosts = args.emulate_hosts
@@ -115,7 +115,7 @@ def probe_emulated(
     hosts: int | None, bandwidth: str, per_host: int, request: ProbeRequest
 ) -> tuple[Any, float]:
     """`probe_links` on an emulated cluster of `hosts` (None: on loopback, one host)."""
-    from gradmesh.bench.harness import emulated_cluster
+    from gradmesh.launch.jobs import emulated_cluster
 
     with emulated_cluster(hosts, bandwidth) as cluster:
         return probe_links(request, cluster, per_host)
@@ -127,8 +127,8 @@ def probe_links(request: ProbeRequest, cluster: Any, per_host: int) -> tuple[Any
     outside communication)."""
     import dataclasses
 
-    from gradmesh.bench.harness import run_workers
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
+    from gradmesh.launch.jobs import run_workers
     from gradmesh.layout.planner import Links
 
     config = {**dataclasses.asdict(request), "setting": dataclasses.asdict(request.setting)}
@@ -153,7 +153,7 @@ def placement_config(setting: Setting, tp: int, layers: dict[str, str]) -> Any:
 
     from gradmesh.train.config import TrainConfig
 
-    return TrainConfig(
+    return TrainConfig.of(
         workers=setting.workers,
         model=setting.model,
         dataset=setting.dataset,
@@ -183,9 +183,9 @@ def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
     each allreduce of 16 KB or more took 2.8 ms or more."""
     import torch.distributed as dist
 
-    from gradmesh.bench.harness import timed_steps
     from gradmesh.collectives import probe
     from gradmesh.runtime.world import init, shutdown
+    from gradmesh.train.timing import timed_steps
     from gradmesh.train.trainer import attach, setup
 
     rt = init()
@@ -359,8 +359,8 @@ def make_plan(
 
     from gradmesh.data import DATASETS, DataOptions
     from gradmesh.layout.planner import divisors, exchange_sizes, plan, predict, profile
-    from gradmesh.models import TP_PLANS, build_model, check_pairing
-    from gradmesh.train.config import parse_shape
+    from gradmesh.models.registry import TP_PLANS, build_model, check_pairing
+    from gradmesh.units import parse_shape
 
     if setting.workers < 1 or setting.batch < setting.workers:
         raise GradmeshError(
@@ -427,8 +427,8 @@ def describe(best: Any, refs: list[Any], prof: Any) -> str:
 def run(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from gradmesh.bench.harness import parse_size
     from gradmesh.layout.planner import to_plan
+    from gradmesh.units import parse_size
 
     if args.workers < 1:
         raise GradmeshError(f"--workers must be >= 1, got {args.workers}")
@@ -466,46 +466,45 @@ def run(args: argparse.Namespace) -> int:
 def resolve(config: Any) -> Any:
     """Before launch: `config` with its `--plan` (a file, or auto: planned now for this host's
     loopback) checked against the model and world and inlined, and tp set from it."""
-    import dataclasses
     import json
 
     from gradmesh.layout.hybrid import check, load_plan
-    from gradmesh.models import build_model
+    from gradmesh.models.registry import build_model
     from gradmesh.train.trainer import load_data
 
-    if config.plan == "auto":
+    if config.layout.plan == "auto":
         from gradmesh.collectives.cost import DEFAULT_PARAMS
         from gradmesh.layout.planner import Links, to_plan
 
         setting = Setting(
-            config.model,
-            config.dataset,
-            config.synthetic_shape,
-            config.workers,
-            config.batch_size,
-            config.workers,
+            config.data.model,
+            config.data.dataset,
+            config.data.synthetic_shape,
+            config.job.workers,
+            config.data.batch_size,
+            config.job.workers,
         )
-        links = Links(DEFAULT_PARAMS, DEFAULT_PARAMS, config.workers)
-        best, refs, prof, links = make_plan(setting, links, config.workers)
+        links = Links(DEFAULT_PARAMS, DEFAULT_PARAMS, config.job.workers)
+        best, refs, prof, links = make_plan(setting, links, config.job.workers)
         print(describe(best, refs, prof), file=sys.stderr)
         plan = to_plan(best, prof, links, refs)
     else:
-        plan = load_plan(config.plan)
-    if plan.model != config.model:
-        raise GradmeshError(f"--plan is for model {plan.model}, not --model {config.model}")
-    if config.tensor_parallel not in (1, plan.tensor_parallel):
+        plan = load_plan(config.layout.plan)
+    if plan.model != config.data.model:
+        raise GradmeshError(f"--plan is for model {plan.model}, not --model {config.data.model}")
+    if config.layout.tensor_parallel not in (1, plan.tensor_parallel):
         raise GradmeshError(
-            f"--tensor-parallel {config.tensor_parallel} contradicts the plan's tensor_parallel "
-            f"{plan.tensor_parallel}"
+            f"--tensor-parallel {config.layout.tensor_parallel} contradicts the plan's "
+            f"tensor_parallel {plan.tensor_parallel}"
         )
-    check(plan, build_model(config.model, load_data(config)), config.workers)
+    check(plan, build_model(config.data.model, load_data(config)), config.job.workers)
     inline = json.dumps(
         {"model": plan.model, "tensor_parallel": plan.tensor_parallel, "layers": plan.layers}
     )
-    return dataclasses.replace(config, plan=inline, tensor_parallel=plan.tensor_parallel)
+    return config.with_options(plan=inline, tensor_parallel=plan.tensor_parallel)
 
 
 if __name__ == "__main__":
-    from gradmesh.bench.harness import worker_main
+    from gradmesh.launch.jobs import worker_main
 
     worker_main(_probe_worker)

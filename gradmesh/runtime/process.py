@@ -23,6 +23,13 @@ STORE_ENV = "GRADMESH_PS_STORE"
 world of its own)."""
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 """Set by torch's elastic agent: how many times it has restarted the job (0 at first)."""
+DEFAULT_TIMEOUT_S = 60.0
+TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
+BACKEND_ENV = "GRADMESH_BACKEND"
+ROUND_ENV = "GRADMESH_RDZV_ROUND"
+"""Set by an elastic job's agent: the rendezvous round its workers were started in."""
+MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
+"""Set by `gradmesh run --nnodes MIN:MAX` to the most workers the elastic job can have."""
 _PR_SET_PDEATHSIG = 1
 
 
@@ -120,3 +127,18 @@ def interface_of(address: str) -> str | None:
             if socket.inet_ntoa(raw[20:24]) == address:
                 return name
     return None
+
+
+def default_timeout_s() -> float:
+    """GRADMESH_TIMEOUT_S when set, else 60 s."""
+    return timeout_s(None)
+
+
+def timeout_s(timeout_s: float | None) -> float:
+    if timeout_s is not None:
+        return timeout_s
+    raw = os.environ.get(TIMEOUT_ENV)
+    try:
+        return float(raw) if raw else DEFAULT_TIMEOUT_S
+    except ValueError:
+        raise GradmeshError(f"environment variable {TIMEOUT_ENV}={raw!r} is not a number") from None

@@ -23,50 +23,13 @@ from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
-from torch.distributed.distributed_c10d import PrefixStore
-from torch.distributed.rendezvous import rendezvous
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
+from gradmesh.runtime.connect import connect, host_groups, pick_backend
 from gradmesh.runtime.mesh import Axis, Mesh, MeshShape, build_mesh, group_of_lines
-from gradmesh.runtime.process import _env_int, bind_to_launcher, restarts
-
-DEFAULT_TIMEOUT_S = 60.0
-TIMEOUT_ENV = "GRADMESH_TIMEOUT_S"
-BACKEND_ENV = "GRADMESH_BACKEND"
-ROUND_ENV = "GRADMESH_RDZV_ROUND"
-"""Set by an elastic job's agent: the rendezvous round its workers were started in."""
-MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
-"""Set by `gradmesh run --nnodes MIN:MAX` to the most workers the elastic job can have."""
-
-
-@dataclass
-class CommStats:
-    """What this rank has communicated: counted by the collectives, read by reports."""
-
-    bytes_sent: int = 0
-    """Bytes this rank put on the wire (exact for gradmesh's algorithms, modelled for native)."""
-    comm_s: float = 0.0
-    """Seconds spent waiting in communication calls."""
-    calls: int = 0
-    by_kind: dict[str, int] = field(default_factory=dict)
-    """Bytes sent by what they were for: 'sync' (replicas agreeing: gradients, parameters),
-    'tensor_parallel' (a split layer's activations), 'pipeline' (activations between stages),
-    'metrics' (losses and accuracies)."""
-
-    def add(self, nbytes: int, seconds: float, kind: str = "sync") -> None:
-        self.bytes_sent += nbytes
-        self.comm_s += seconds
-        self.calls += 1
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
-
-    compressed: dict[str, list[int]] = field(default_factory=dict)
-    """By kind: [bytes given to a compressor, bytes of the messages it sent for them]."""
-
-    def add_compressed(self, kind: str, given: int, payload: int) -> None:
-        totals = self.compressed.setdefault(kind, [0, 0])
-        totals[0] += given
-        totals[1] += payload
+from gradmesh.runtime.process import _env_int, bind_to_launcher
+from gradmesh.runtime.process import timeout_s as timeout_s_of
+from gradmesh.runtime.stats import CommStats
 
 
 @dataclass
@@ -105,7 +68,11 @@ class Runtime:
     """A second group over the whole world for the communication thread, so that its
     collectives never interleave with those the main thread issues on the default group."""
     timeline: Any = None
-    """The running `gradmesh.observe.timeline.Timeline`, if any."""
+    """The running timeline (`gradmesh.observe.timeline`), if any."""
+    on_shutdown: list[Callable[[], object]] = field(default_factory=list)
+    """Run by `shutdown()` before the groups go (a timeline writes itself out there)."""
+    adopted: bool = False
+    """Whether an engine (Ray Train) formed the world group: it, not `shutdown()`, ends it."""
     _executor: ThreadPoolExecutor | None = None
     joinable: Callable[[], None] | None = None
     """What `gradmesh.join()` runs: the join of the most recently created DistributedOptimizer."""
@@ -178,154 +145,6 @@ class Runtime:
 _runtime: Runtime | None = None
 
 
-def default_timeout_s() -> float:
-    """GRADMESH_TIMEOUT_S when set, else 60 s."""
-    return _timeout_s(None)
-
-
-def _timeout_s(timeout_s: float | None) -> float:
-    if timeout_s is not None:
-        return timeout_s
-    raw = os.environ.get(TIMEOUT_ENV)
-    try:
-        return float(raw) if raw else DEFAULT_TIMEOUT_S
-    except ValueError:
-        raise GradmeshError(f"environment variable {TIMEOUT_ENV}={raw!r} is not a number") from None
-
-
-def _pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.device]:
-    backend = requested or os.environ.get(BACKEND_ENV) or ""
-    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= local_size
-    if not backend:
-        backend = "nccl" if cuda_ok else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise GradmeshError(f"unknown backend {backend!r} (valid: gloo, nccl)")
-    if backend == "nccl":
-        if not cuda_ok:
-            raise GradmeshError(f"backend nccl needs {local_size} CUDA devices on this host")
-        device = torch.device("cuda", _env_int("LOCAL_RANK", 0))
-        torch.cuda.set_device(device)
-        return backend, device
-    return backend, torch.device("cpu")
-
-
-_joins = 0
-"""How many times this process has joined a job of more than one rank (see `_connect`)."""
-_adopted = False
-"""Whether the world group was formed by an engine (Ray Train) rather than by `init()`."""
-
-
-def _connect(backend: str, rank: int, size: int, timeout: timedelta) -> None:
-    # torch.distributed.nn.functional takes `group=group.WORLD` as a default argument: imported
-    # after init (torch._dynamo pulls it in lazily), it would hold the world group forever and
-    # `shutdown()` could not free it (see `Runtime.release_groups`). Imported first, it holds None.
-    import torch.distributed.nn.functional  # noqa: F401
-
-    global _adopted
-    if dist.is_initialized():  # an engine (Ray Train) formed the job's group before us: join it
-        have = (dist.get_rank(), dist.get_world_size())
-        if have != (rank, size):
-            raise GradmeshError(
-                f"rank {rank}: a process group already exists with rank {have[0]} of "
-                f"{have[1]}, but RANK={rank} WORLD_SIZE={size}"
-            )
-        _adopted = True
-        return
-    if size == 1 and "MASTER_ADDR" not in os.environ:
-        store = dist.HashStore()  # type: ignore[attr-defined]
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
-        return
-    addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    port = os.environ.setdefault("MASTER_PORT", "29500")
-    started = time.monotonic()
-    global _joins
-    while True:
-        left = timeout.total_seconds() - (time.monotonic() - started)
-        count = c10d._world.group_count
-        try:
-            _join_default_group(backend, rank, size, timedelta(seconds=max(left, 1.0)))
-            _joins += 1
-            return
-        except (RuntimeError, ValueError) as exc:  # DistNetworkError, DistStoreError
-            if rank != 0 and _store_went_away(exc) and left > STORE_RETRY_S:
-                # a rank back from shutdown() before rank 0 reached an old store server in its
-                # last moments (Horovod's init, shutdown, init cycle): join rank 0's new one.
-                # torch named the failed group already (its store keys carry the name): forget
-                # it, or this rank would wait under a name rank 0 never uses
-                if dist.is_initialized():
-                    dist.destroy_process_group()
-                c10d._world.group_count = count
-                time.sleep(STORE_RETRY_S)
-                continue
-            waited = time.monotonic() - started
-            raise GradmeshError(
-                f"rank {rank}: could not join the job at master {addr}:{port} "
-                f"after {waited:.0f} s (timeout {timeout.total_seconds():.0f} s): "
-                f"{first_line(exc)}"
-            ) from None
-
-
-STORE_RETRY_S = 0.1
-_STORE_GONE = ("Connection was likely closed", "Connection reset by peer", "Broken pipe")
-
-
-def _store_went_away(exc: BaseException) -> bool:
-    """Whether `exc` says the rendezvous store closed the connection under us."""
-    return any(words in str(exc) for words in _STORE_GONE)
-
-
-def _join_default_group(backend: str, rank: int, size: int, timeout: timedelta) -> None:
-    """Rendezvous through env:// (which reuses the torchrun agent's store when the launcher
-    offers it) and form the default group."""
-    store, _, _ = next(rendezvous("env://", rank, size, timeout=timeout))
-    store.set_timeout(timeout)
-    # each join of this process after a shutdown() gets keys of its own in the store: the
-    # agent's store outlives the job's groups, and Gloo reading the addresses the previous
-    # join published there connected to ports long closed (Horovod's init, shutdown, init)
-    # and so does each attempt of a job the launcher restarted (--max-restarts), or each
-    # round of an elastic job's rendezvous (there the attempt counts differ between hosts)
-    attempt = restarts()
-    round_ = os.environ.get(ROUND_ENV)
-    generation = f"round-{round_}" if round_ is not None else f"attempt-{attempt}"
-    fresh = attempt or _joins or round_ is not None
-    joined = f"gradmesh-{generation}-join-{_joins}/" if fresh else ""
-    dist.init_process_group(
-        backend,
-        store=PrefixStore(joined + "default_pg", store),
-        rank=rank,
-        world_size=size,
-        timeout=timeout,
-    )
-
-
-def _host_groups(
-    rank: int, size: int, local_rank: int, device: torch.device, timeout: timedelta
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int, int]:
-    """Intra-host and cross-host groups, this rank's cross rank and size, and the most ranks
-    any host holds; hosts are found by all-gathering each rank's node id."""
-    node = _env_int("GROUP_RANK", -1)
-    mine = torch.tensor([node, local_rank], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(everyone, mine)
-    pairs = [(int(t[0]), int(t[1])) for t in everyone]
-    if any(n < 0 for n, _ in pairs):  # not started by torchrun: one host per LOCAL_WORLD_SIZE ranks
-        local_size = _env_int("LOCAL_WORLD_SIZE", size)
-        pairs = [(r // local_size, r % local_size) for r in range(size)]
-    nodes = sorted({n for n, _ in pairs})
-    by_node = [[r for r, (n, _) in enumerate(pairs) if n == node_id] for node_id in nodes]
-    local_ranks = sorted({lr for _, lr in pairs})
-    by_local = [[r for r, (_, lr) in enumerate(pairs) if lr == want] for want in local_ranks]
-    my_node, my_local = pairs[rank]
-    if size == 1:
-        return None, None, 0, 1, 1
-    # every group gets the job's timeout: without it torch gives subgroups its 30-minute default
-    local_group, _ = dist.new_subgroups_by_enumeration(by_node, timeout=timeout)  # type: ignore[no-untyped-call]
-    cross_group, _ = dist.new_subgroups_by_enumeration(by_local, timeout=timeout)  # type: ignore[no-untyped-call]
-    cross_members = by_local[local_ranks.index(my_local)]
-    widest = max(len(ranks) for ranks in by_node)
-    return local_group, cross_group, cross_members.index(rank), len(cross_members), widest
-
-
 def init(
     timeout_s: float | None = None,
     backend: str | None = None,
@@ -349,35 +168,44 @@ def init(
                 f"pipeline_parallel={asked[1]})"
             )
         return _runtime
-    rank = _env_int("RANK", 0)
-    size = _env_int("WORLD_SIZE", 1)
-    local_rank = _env_int("LOCAL_RANK", 0)
-    local_size = _env_int("LOCAL_WORLD_SIZE", size)
+    rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if size < 1 or not 0 <= rank < size:
         raise GradmeshError(f"bad process world: RANK={rank} WORLD_SIZE={size}")
-    timeout = timedelta(seconds=_timeout_s(timeout_s))
+    timeout = timedelta(seconds=timeout_s_of(timeout_s))
     shape = MeshShape.for_world(size, tp=tensor_parallel, pp=pipeline_parallel)
     bind_to_launcher(rank)
-    chosen, device = _pick_backend(local_size, backend)
-    _connect(chosen, rank, size, timeout)
-    local_group, cross_group, cross_rank, cross_size, widest = _host_groups(
-        rank, size, local_rank, device, timeout
-    )
-    if local_group is not None:
-        local_size = dist.get_world_size(local_group)
-    async_group = dist.new_group(list(range(size)), timeout=timeout) if size > 1 else None
-    owned: list[dist.ProcessGroup] = []
+    chosen, device = pick_backend(_env_int("LOCAL_WORLD_SIZE", size), backend)
+    adopted = connect(chosen, rank, size, timeout)
     if not getattr(sys.excepthook, "gradmesh", False):  # once per process, however many inits
         atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
         sys.excepthook = _failing_hook(sys.excepthook)
-    _runtime = Runtime(
+    _runtime = _build(rank, size, chosen, device, timeout, shape)
+    _runtime.adopted = adopted
+    return _runtime
+
+
+def _build(
+    rank: int, size: int, backend: str, device: torch.device, timeout: timedelta, shape: MeshShape
+) -> Runtime:
+    """The runtime of a joined job: its host groups, mesh and communication-thread group, each
+    named for messages."""
+    local_rank = _env_int("LOCAL_RANK", 0)
+    local_group, cross_group, cross_rank, cross_size, widest = host_groups(
+        rank, size, local_rank, device, timeout
+    )
+    local_size = (
+        dist.get_world_size(local_group) if local_group else _env_int("LOCAL_WORLD_SIZE", size)
+    )
+    async_group = dist.new_group(list(range(size)), timeout=timeout) if size > 1 else None
+    owned: list[dist.ProcessGroup] = []
+    rt = Runtime(
         rank=rank,
         size=size,
         local_rank=local_rank,
         local_size=local_size,
         cross_rank=cross_rank,
         cross_size=cross_size,
-        backend=chosen,
+        backend=backend,
         device=device,
         timeout=timeout,
         local_group=local_group,
@@ -387,18 +215,17 @@ def init(
         async_group=async_group,
         owned=owned,
     )
-    world = resolve_world()
-    _runtime.group_names.update({id(world): "world"})
-    for axis in _runtime.mesh.axes.values():
-        _runtime.group_names[id(axis.group)] = f"{axis.name} axis"
+    rt.group_names[id(resolve_world())] = "world"
+    for axis in rt.mesh.axes.values():
+        rt.group_names[id(axis.group)] = f"{axis.name} axis"
     for group, label in (
         (async_group, "world (comm thread)"),
         (local_group, "host-local"),
         (cross_group, "cross-host"),
     ):
         if group is not None:
-            _runtime.group_names[id(group)] = label
-    return _runtime
+            rt.group_names[id(group)] = label
+    return rt
 
 
 def resolve_world() -> dist.ProcessGroup:
@@ -495,15 +322,15 @@ def shutdown() -> None:
     """
     global _runtime
     failing = _runtime is not None and _runtime.failure is not None
+    adopted = _runtime is not None and _runtime.adopted
     if _runtime is not None:
-        if _runtime.timeline is not None:
-            from gradmesh.observe.timeline import stop_timeline
-
-            stop_timeline()
+        for hook in _runtime.on_shutdown:
+            hook()
+        _runtime.on_shutdown.clear()
         if _runtime._executor is not None:
             _runtime._executor.shutdown(wait=not failing, cancel_futures=True)
     if dist.is_initialized() and not failing:
-        if not _adopted:  # the engine that formed the world group ends it
+        if not adopted:  # the engine that formed the world group ends it
             dist.destroy_process_group()
         if _runtime is not None:
             _runtime.release_groups()

@@ -95,7 +95,7 @@ def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -
     backward) and parameter bytes, from the model built on the meta device (`layer_flops`)."""
     import torch
 
-    from gradmesh.models import FEATURE_ID_MODELS, MODELS
+    from gradmesh.models.registry import FEATURE_ID_MODELS, MODELS
 
     builder = MODELS.get(model)
     if model in FEATURE_ID_MODELS:
@@ -112,7 +112,7 @@ def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -
     backward passes (after one warm-up), on real tensors."""
     import torch
 
-    from gradmesh.models import MODELS
+    from gradmesh.models.registry import MODELS
 
     shape, classes = _input(model, shape)
     net = MODELS.get(model)(shape, classes)
@@ -169,7 +169,7 @@ def layout_profile(
 
     from gradmesh.layout.pipeline import layers_of, sample_shapes
     from gradmesh.layout.planner import describe_units, placements
-    from gradmesh.models import MODELS, TP_PLANS
+    from gradmesh.models.registry import MODELS, TP_PLANS
 
     shape, classes = _input(model, shape)
     with torch.device("meta"):
@@ -477,7 +477,7 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
 
 
 def _links(args: argparse.Namespace, gamma: float) -> Links:
-    from gradmesh.launch.emulate import parse_latency, parse_rate
+    from gradmesh.units import parse_latency, parse_rate
 
     rates = {
         f: parse_rate(getattr(args, f)) for f in ("intra_node_bandwidth", "inter_node_bandwidth")
@@ -509,8 +509,9 @@ def _device(args: argparse.Namespace, shape: tuple[int, ...] | None) -> Device:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradmesh.bench.harness import parse_ints, parse_list, write_json
     from gradmesh.collectives.cost import COSTS
+    from gradmesh.launch.jobs import write_json
+    from gradmesh.units import parse_ints, parse_list
 
     gpus = parse_ints(args.gpus, "GPU count")
     per_node = args.gpus_per_node
@@ -535,7 +536,7 @@ def run(args: argparse.Namespace) -> int:
             "--batch-per-gpu, --sync-every and --microbatches must be >= 1, --servers, "
             "--tensor-parallel and --pipeline-parallel >= 0, --fusion-mb > 0"
         )
-    from gradmesh.layout.pipeline import SCHEDULES
+    from gradmesh.layout.config import SCHEDULES
 
     if args.schedule not in SCHEDULES:
         raise GradmeshError(f"unknown --schedule {args.schedule!r} (valid: {', '.join(SCHEDULES)})")

@@ -21,15 +21,15 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.collectives.flat import flat_buffers, unpack
-from gradmesh.compression import (
+from gradmesh.compression.base import (
     Compressor,
     Link,
     NoCompression,
     State,
     load_states,
-    reduce,
     save_states,
 )
+from gradmesh.compression.registry import reduce
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.wrapping import wrap_optimizer

@@ -38,4 +38,4 @@ def adamw(params: Iterable[torch.nn.Parameter], lr: float, config: OptimizerConf
 def build_optimizer(
     config: OptimizerConfig, params: Iterable[torch.nn.Parameter], lr: float
 ) -> Optimizer:
-    return OPTIMIZERS.get(config.optimizer)(params, lr, config)
+    return OPTIMIZERS.get(config.name)(params, lr, config)

@@ -43,33 +43,37 @@ def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> 
 
     fault = injected_fault()
     timeline = None
-    if config.timeline:
+    if config.output.timeline:
         from gradmesh.observe.timeline import Timeline, job_clock
 
-        merged = not config.timeline_per_rank
-        job = job_clock(index, config.timeout_s) if merged else None
-        path = config.timeline if merged else role_path(config.timeline, f"server{index}")
+        merged = not config.output.timeline_per_rank
+        job = job_clock(index, config.job.timeout_s) if merged else None
+        path = (
+            config.output.timeline
+            if merged
+            else role_path(config.output.timeline, f"server{index}")
+        )
         name = f"server {index}"
-        timeline = Timeline(path, index, name, config.timeline_steps, "serving", job)
+        timeline = Timeline(path, index, name, config.output.timeline_steps, "serving", job)
     run_server(
         index,
-        config.servers,
-        config.workers,
+        config.sync.ps.servers,
+        config.job.workers,
         store_host,
         store_port,
-        config.timeout_s,
-        checkpoints=ShardFolder(config.checkpoint_dir, config.identity())
-        if config.checkpoint_dir
+        config.job.timeout_s,
+        checkpoints=ShardFolder(config.checkpoint.dir, config.identity())
+        if config.checkpoint.dir
         else None,
         on_update=fault.check if fault is not None and fault.kind == "kill" else None,
-        mode=config.mode,
-        max_staleness=config.max_staleness,
-        staleness_lr=config.staleness_lr,
-        optimizer=config.server_optimizer,
-        lr=gradient_lr(config.lr, config.mode, config.workers),
-        momentum=config.momentum,
-        weight_decay=config.weight_decay,
-        lost_after_s=config.lost_after_s,
+        mode=config.sync.ps.mode,
+        max_staleness=config.sync.ps.max_staleness,
+        staleness_lr=config.sync.ps.staleness_lr,
+        optimizer=config.sync.ps.server_optimizer,
+        lr=gradient_lr(config.optimizer.lr, config.sync.ps.mode, config.job.workers),
+        momentum=config.optimizer.momentum,
+        weight_decay=config.optimizer.weight_decay,
+        lost_after_s=config.sync.ps.lost_after_s,
         timeline=timeline,
     )
     if timeline is not None:
@@ -86,21 +90,24 @@ def main(argv: list[str] | None = None) -> int:
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     bind_to_launcher(rank)  # servers and supervisors join no process group, so say it here
     try:
-        if world != config.servers + config.workers:
+        servers, workers = config.sync.ps.servers, config.job.workers
+        if world != servers + workers:
             raise GradmeshError(
-                f"a ps job of {config.servers} servers and {config.workers} workers needs "
-                f"{config.servers + config.workers} ranks, the launcher started {world}"
+                f"a ps job of {servers} servers and {workers} workers needs "
+                f"{servers + workers} ranks, the launcher started {world}"
             )
-        if rank < config.servers:
+        if rank < config.sync.ps.servers:
             return serve(config, rank, host, port)
-        index = rank - config.servers
+        index = rank - config.sync.ps.servers
         # a supervisor imports no torch when the launcher drew the token: it starts faster
-        token = launcher_token() or job_token(connect_store(host, port, config.timeout_s), False)
-        if config.timeline and config.timeline_per_rank:
-            config.timeline = role_path(config.timeline, f"worker{index}")
+        token = launcher_token() or job_token(
+            connect_store(host, port, config.job.timeout_s), False
+        )
+        if config.output.timeline and config.output.timeline_per_rank:
+            config.output.timeline = role_path(config.output.timeline, f"worker{index}")
         command = [sys.executable, "-m", "gradmesh.train.worker", "--config", config.to_json()]
-        survivable = not config.checkpoint_dir  # a checkpoint needs every worker's part
-        return supervise_worker(command, index, config.workers, token, survivable)
+        survivable = not config.checkpoint.dir  # a checkpoint needs every worker's part
+        return supervise_worker(command, index, config.job.workers, token, survivable)
     except GradmeshError as exc:
         print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return 1

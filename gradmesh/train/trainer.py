@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 from torch.optim import Optimizer
@@ -27,23 +27,25 @@ from tqdm import tqdm
 from gradmesh.collectives import allreduce
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
 from gradmesh.errors import GradmeshError, first_line
-from gradmesh.layout import Split as ModelSplit
-from gradmesh.layout import split_model
+from gradmesh.layout.engine import Split as ModelSplit
+from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
-from gradmesh.models import build_model
+from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
 from gradmesh.observe.timeline import span, start_timeline
-from gradmesh.runtime.process import cpu_jiffies, idle_since, restarts
-from gradmesh.runtime.world import MAX_WORLD_ENV, Runtime
+from gradmesh.options import with_value
+from gradmesh.runtime.process import MAX_WORLD_ENV, cpu_jiffies, idle_since, restarts
+from gradmesh.runtime.world import Runtime
 from gradmesh.sync.data_parallel.optimizer import is_distributed
+from gradmesh.sync.strategies import STRATEGIES, Strategy
 from gradmesh.train import checkpoint
-from gradmesh.train.config import TrainConfig, parse_shape
+from gradmesh.train.config import TrainConfig
 from gradmesh.train.emulated import emulate_compute
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.optimizers import build_optimizer
 from gradmesh.train.report import KINDS, RunReport, gather_rank_stats
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
-from gradmesh.train.strategies import STRATEGIES, Strategy
+from gradmesh.units import parse_shape
 
 
 @dataclass
@@ -62,11 +64,11 @@ class _Clock:
 
 def load_data(config: TrainConfig) -> DataSpec:
     options = DataOptions(
-        shape=parse_shape(config.synthetic_shape),
-        classes=config.synthetic_classes,
-        samples=config.synthetic_samples,
+        shape=parse_shape(config.data.synthetic_shape),
+        classes=config.data.synthetic_classes,
+        samples=config.data.synthetic_samples,
     )
-    return DATASETS.get(config.dataset)(options)
+    return DATASETS.get(config.data.dataset)(options)
 
 
 def _load_optimizer(optimizer: Optimizer, saved: dict[str, object], path: object) -> None:
@@ -82,13 +84,15 @@ def check_resume(config: TrainConfig) -> None:
     """Before launch: the checkpoint a run would resume from belongs to this run and its rank
     files load (into this run's model and optimizer, for a model every rank holds whole), or
     one line says why not; a broken newest checkpoint falls back to the one before it."""
-    if not config.checkpoint_dir:
+    if not config.checkpoint.dir:
         return
-    whole = config.tensor_parallel * config.pipeline_parallel == 1
-    model = build_model(config.model, load_data(config))
-    optimizer = build_optimizer(config, model.parameters(), config.lr)
+    whole = config.layout.tensor_parallel * config.layout.pipeline_parallel == 1
+    model = build_model(config.data.model, load_data(config))
+    optimizer = build_optimizer(config.optimizer, model.parameters(), config.optimizer.lr)
 
-    servers = config.servers if config.strategy == "ps" else 0  # parts 0..S-1 are shards
+    servers = (
+        config.sync.ps.servers if config.sync.strategy == "ps" else 0
+    )  # parts 0..S-1 are shards
 
     def usable(meta: checkpoint.Meta) -> None:
         for rank in range(meta.world):
@@ -98,7 +102,7 @@ def check_resume(config: TrainConfig) -> None:
                 path = checkpoint.rank_file(meta.checkpoint, rank)
                 _load_optimizer(optimizer, state["optimizer"], path)
 
-    checkpoint.choose(config.checkpoint_dir, config.identity(), usable)
+    checkpoint.choose(config.checkpoint.dir, config.identity(), usable)
 
 
 def elastic_world() -> int | None:
@@ -116,14 +120,14 @@ def accumulation(global_batch: int, replicas: int, most: int) -> int:
 
 def check_layout(config: TrainConfig) -> None:
     """Before launch: the layout can split this model (its plan, its layers), or one line."""
-    from gradmesh.layout import check_layout as check
+    from gradmesh.layout.engine import check_layout as check
 
     check(
-        build_model(config.model, load_data(config)),
-        config.model,
-        config.tensor_parallel,
-        config.pipeline_parallel,
-        config.stages,
+        build_model(config.data.model, load_data(config)),
+        config.data.model,
+        config.layout.tensor_parallel,
+        config.layout.pipeline_parallel,
+        config.layout.stages,
     )
 
 
@@ -145,7 +149,7 @@ def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float:
 def _progress(config: TrainConfig, steps: int, rt: Runtime) -> tqdm | None:
     if rt.rank != 0 or not sys.stderr.isatty():
         return None
-    return tqdm(total=config.epochs * steps, unit="step", dynamic_ncols=True, leave=False)
+    return tqdm(total=config.job.epochs * steps, unit="step", dynamic_ncols=True, leave=False)
 
 
 def _reduce_losses(pending: list[torch.Tensor], clock: _Clock) -> None:
@@ -179,13 +183,13 @@ def _report_epoch(
     rate = samples / elapsed if elapsed > 0 else 0.0
     if bar is not None:
         bar.set_postfix(
-            epoch=f"{epoch + 1}/{config.epochs}",
+            epoch=f"{epoch + 1}/{config.job.epochs}",
             loss="n/a" if own_loss is None else f"{own_loss:.4f}",
             samples_s=f"{rate:.0f}",
         )
     elif rt.rank == 0:
         print(
-            f"epoch {epoch + 1}/{config.epochs}  "
+            f"epoch {epoch + 1}/{config.job.epochs}  "
             + ("" if own_loss is None else f"rank-0 loss {own_loss:.4f}  ")
             + f"{rate:.0f} samples/s",
             file=sys.stderr,
@@ -199,12 +203,12 @@ def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
     from gradmesh.sync.parameter_server.roles import worker_role
 
     pid, name = rt.rank, f"rank {rt.rank}"
-    role = worker_role() if config.strategy == "ps" else None
+    role = worker_role() if config.sync.strategy == "ps" else None
     if role is not None:
-        pid, name = config.servers + role.index, f"worker {role.index}"
-    merged = not config.timeline_per_rank
-    assert config.timeline is not None
-    start_timeline(config.timeline, merged, config.timeline_steps, pid, name)
+        pid, name = config.sync.ps.servers + role.index, f"worker {role.index}"
+    merged = not config.output.timeline_per_rank
+    assert config.output.timeline is not None
+    start_timeline(config.output.timeline, merged, config.output.timeline_steps, pid, name)
     if restarts():
         rt.timeline.instant("restart", attempt=restarts())
 
@@ -248,35 +252,38 @@ class Job:
 def setup(config: TrainConfig, rt: Runtime) -> Job:
     """Data, the model split by the layout (tensor, then pipeline), the optimizer over this
     rank's own parameters, the strategy's wrapping: in that order, on every rank."""
-    torch.manual_seed(config.seed)
+    torch.manual_seed(config.job.seed)
     most = elastic_world()
     if most is not None and rt.dp.size < most:  # fewer replicas, the same global batch
-        config = replace(config, microbatches=accumulation(config.batch_size, rt.dp.size, most))
-    if config.timeline:
+        accumulate = accumulation(config.data.batch_size, rt.dp.size, most)
+        config = with_value(config, ("layout", "microbatches"), accumulate)
+    if config.output.timeline:
         _start_timeline(config, rt)
     data = load_data(config)
-    whole = build_model(config.model, data).to(rt.device)  # the same on every rank (the seed)
-    if config.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
-        emulate_compute(whole, data.train.x[:1], config.emulate_compute_ms)
+    whole = build_model(config.data.model, data).to(rt.device)  # the same on every rank (the seed)
+    if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
+        emulate_compute(whole, data.train.x[:1], config.job.emulate_compute_ms)
     split = split_model(
         whole,
-        config.model,
+        config.data.model,
         rt,
-        config.microbatches,
-        config.schedule,
-        config.stages,
+        config.layout.microbatches,
+        config.layout.schedule,
+        config.layout.stages,
         data.train.x[:1].to(rt.device),
-        load_plan(config.plan) if config.plan else None,
+        load_plan(config.layout.plan) if config.layout.plan else None,
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
-        config.lr,
-        config.lr_scaling,
+        config.optimizer.lr,
+        config.optimizer.lr_scaling,
         most or rt.dp.size,
-        config.batch_size,
-        config.reference_batch or None,
+        config.data.batch_size,
+        config.optimizer.reference_batch or None,
     )
-    optimizer = build_optimizer(config, split.module.parameters(), lr)
-    strategy = STRATEGIES.get(config.strategy)(config)
+    optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
+    strategy = STRATEGIES.get(config.sync.strategy)(
+        config.sync, config.layout.microbatches, config.job.timeout_s
+    )
     return Job(config, rt, data, split, optimizer, strategy, lr)
 
 
@@ -287,13 +294,15 @@ def attach(job: Job) -> None:
     index, job.replicas = job.strategy.shard(job.rt)
     job.place = job.strategy.place(job.rt)
     job.sharder = GlobalBatchSharder(
-        len(job.data.train), config.batch_size, index, job.replicas, config.seed
+        len(job.data.train), config.data.batch_size, index, job.replicas, config.job.seed
     )
     steps = job.sharder.steps_per_epoch()
-    factor = job.lr / config.lr
-    job.warmup = gradual_warmup(job.optimizer, round(config.warmup_epochs * steps), factor)
-    if config.tensorboard and job.place[0] == job.place[2]:
-        job.metrics = Metrics(config.tensorboard, f".rank{job.place[0]}")
+    factor = job.lr / config.optimizer.lr
+    job.warmup = gradual_warmup(
+        job.optimizer, round(config.optimizer.warmup_epochs * steps), factor
+    )
+    if config.output.tensorboard and job.place[0] == job.place[2]:
+        job.metrics = Metrics(config.output.tensorboard, f".rank{job.place[0]}")
 
 
 def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]]:
@@ -348,9 +357,9 @@ def resume(job: Job) -> None:
     strategy's wrapping: its state, compressor residuals included, is part of it), and the
     run continues at the step after it; the learning-rate warm-up is replayed to there."""
     config, rt = job.config, job.rt
-    if config.checkpoint_dir:
+    if config.checkpoint.dir:
         chosen = checkpoint.choose(
-            config.checkpoint_dir, config.identity(), lambda m: _restore(job, m), _agree
+            config.checkpoint.dir, config.identity(), lambda m: _restore(job, m), _agree
         )
         if chosen is not None:
             meta, (job.loss_sum, job.losses) = chosen
@@ -361,16 +370,16 @@ def resume(job: Job) -> None:
             job.membership.append([job.start_step, rt.size])
         rank, world, writer = job.place
         if rank == writer:
-            job.progress = checkpoint.Progress(config.checkpoint_dir)
+            job.progress = checkpoint.Progress(config.checkpoint.dir)
             job.redone = job.progress.resumed_at(job.start_step)
         job.checkpointer = checkpoint.Checkpointer(
-            config.checkpoint_dir,
+            config.checkpoint.dir,
             rank,
             world,
             config.identity(),
-            config.keep_checkpoints,
-            config.checkpoint_async,
-            config.timeout_s,
+            config.checkpoint.keep,
+            config.checkpoint.asynchronous,
+            config.job.timeout_s,
             writer,
         )
     if job.warmup is not None:  # a resumed run continues its warm-up where it was
@@ -410,9 +419,9 @@ def _checkpoint(
 def _due(config: TrainConfig, step: int, end_of_epoch: bool, last: int) -> bool:
     """Whether a checkpoint is written after `step`: every N steps, or after every epoch, and
     after the last step."""
-    if not config.checkpoint_dir:
+    if not config.checkpoint.dir:
         return False
-    every = config.checkpoint_every
+    every = config.checkpoint.every
     return step == last or (step % every == 0 if every else end_of_epoch)
 
 
@@ -422,7 +431,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
     config, rt, split, sharder = job.config, job.rt, job.split, job.sharder
     assert sharder is not None, "attach(job) first"
     steps = sharder.steps_per_epoch()
-    last = config.epochs * steps
+    last = config.job.epochs * steps
     bar = _progress(config, steps, rt)
     if bar is not None:
         bar.update(min(job.start_step, last))
@@ -432,7 +441,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
     samples, step = 0, job.start_step
     pending: list[torch.Tensor] = []  # per-epoch (loss sum, count) not yet summed over ranks
     first_epoch, skip = divmod(job.start_step, steps)
-    for epoch in range(first_epoch, config.epochs):
+    for epoch in range(first_epoch, config.job.epochs):
         fresh = torch.zeros(2, dtype=torch.float64)
         loss_sum = job.loss_sum if skip and job.loss_sum is not None else fresh
         for k, (indices, global_count) in enumerate(sharder.batches(epoch)):
@@ -480,7 +489,7 @@ def loop(job: Job) -> tuple[_Clock, int, float]:
                 own_loss = float(loss_sum[0] / loss_sum[1]) if loss_sum[1] else None
                 _report_epoch(epoch, config, own_loss, samples * job.replicas, started, bar, rt)
                 loss_sum = torch.zeros(2, dtype=torch.float64)
-                if config.tensorboard:
+                if config.output.tensorboard:
                     _epoch_accuracy(job, step)
             if _due(config, step, end_of_epoch, last):
                 with span("checkpoint", "io", step=step):
@@ -517,7 +526,7 @@ class _Evaluator:
         """Score every copy and write its accuracy at its step."""
         job = self.job
         assert job.metrics is not None
-        model = build_model(job.config.model, job.data).eval()
+        model = build_model(job.config.data.model, job.data).eval()
         test = job.data.test
         for step, state in self.kept:
             model.load_state_dict(state)
@@ -576,7 +585,7 @@ def _step_scalars(
 def _run_scalars(job: Job, report: RunReport, steps: int) -> None:
     """What is known at the end: the world's mean loss per epoch, the test accuracy, a ps job's
     staleness histogram and request rates, Hogwild!'s updates, restarts."""
-    metrics = job.metrics or Metrics(job.config.tensorboard or "", f".report{job.place[0]}")
+    metrics = job.metrics or Metrics(job.config.output.tensorboard or "", f".report{job.place[0]}")
     per_epoch = job.sharder.steps_per_epoch() if job.sharder is not None else 1
     for epoch, loss in enumerate(report.loss_history):
         metrics.scalars((epoch + 1) * per_epoch, {"loss/epoch_mean": loss})
@@ -642,7 +651,7 @@ def finish(job: Job, clock: _Clock, samples: int, wall_s: float) -> tuple[RunRep
     if job.evaluator is not None:
         job.evaluator.close()
     writes = job.strategy.writes_report(job.rt)
-    if job.config.tensorboard and writes:
+    if job.config.output.tensorboard and writes:
         _run_scalars(job, report, job.start_step + clock.steps)
     elif job.metrics is not None:
         job.metrics.close()
@@ -651,7 +660,7 @@ def finish(job: Job, clock: _Clock, samples: int, wall_s: float) -> tuple[RunRep
 
 def _faults(job: Job) -> dict[str, object]:
     """Restarts, the steps they redid, and what this rank's checkpoints cost."""
-    if not job.config.checkpoint_dir and not job.config.max_restarts:
+    if not job.config.checkpoint.dir and not job.config.checkpoint.max_restarts:
         return {}
     saves = job.checkpointer.stats.summary() if job.checkpointer is not None else {}
     return {
@@ -659,7 +668,7 @@ def _faults(job: Job) -> dict[str, object]:
         "steps_redone": job.redone,
         "resumed_from_step": job.start_step,
         "first_step_unix_s": job.first_step_at,
-        "checkpoint_async": job.config.checkpoint_async,
+        "checkpoint_async": job.config.checkpoint.asynchronous,
         **{f"checkpoint_{k}": v for k, v in saves.items()},
         **({"membership": job.membership} if job.membership else {}),
     }

@@ -24,16 +24,16 @@ def main(argv: list[str] | None = None) -> int:
     rank = "?"
     try:
         rt = init(
-            timeout_s=config.timeout_s,
-            tensor_parallel=config.tensor_parallel,
-            pipeline_parallel=config.pipeline_parallel,
+            timeout_s=config.job.timeout_s,
+            tensor_parallel=config.layout.tensor_parallel,
+            pipeline_parallel=config.layout.pipeline_parallel,
         )
         rank = str(rt.rank)
         report, writes = train(config, rt)
         if writes:
             print(report.summary(), flush=True)
-            if config.json:
-                Path(config.json).write_text(report.to_json() + "\n")
+            if config.output.json:
+                Path(config.output.json).write_text(report.to_json() + "\n")
     except GradmeshError as exc:
         print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return mark_failed(exc)

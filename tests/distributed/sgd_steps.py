@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from gradmesh.data import GlobalBatchSharder
-from gradmesh.models import small_cnn
+from gradmesh.models.small import small_cnn
 
 GLOBAL_BATCH = 12
 

@@ -13,13 +13,13 @@ SLOW_S = 0.04
 def slow_rank_one() -> tuple[float, float]:
     """Two data-parallel ranks of the digits CNN, rank 1 sleeping `SLOW_S` before each forward:
     (step seconds, seconds outside communication) as `timed_steps` reports them here."""
-    from gradmesh.bench.harness import timed_steps
     from gradmesh.runtime.world import get_runtime
     from gradmesh.train.config import TrainConfig
+    from gradmesh.train.timing import timed_steps
     from gradmesh.train.trainer import attach, setup
 
     rt = get_runtime()
-    job = setup(TrainConfig(workers=2, model="cnn", dataset="digits", batch_size=32), rt)
+    job = setup(TrainConfig.of(workers=2, model="cnn", dataset="digits", batch_size=32), rt)
     attach(job)
     if rt.rank == 1:
 

@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradmesh
-from gradmesh.compression import COMPRESSORS, make
+from gradmesh.compression.registry import COMPRESSORS, make
 from gradmesh.data import GlobalBatchSharder
 from gradmesh.data.digits import load_digits
 from gradmesh.data.registry import DataOptions
-from gradmesh.models import MODELS
+from gradmesh.models.registry import MODELS
 from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.sync.parameter_server.roles import WorkerRole
 from gradmesh.sync.parameter_server.worker import PSWorker

@@ -7,7 +7,6 @@ put back together and compared with the single process's, to 1e-5 relative.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 import pytest
@@ -21,7 +20,7 @@ from gradmesh.train.trainer import attach, loop, resume, setup
 from tests.harness import run_ranks
 
 # 320 training samples at a global batch of 16: one epoch is 20 steps
-BASE = TrainConfig(
+BASE = TrainConfig.of(
     model="cnn",
     dataset="synthetic",
     synthetic_samples=400,
@@ -116,12 +115,12 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_split_training_equals_one_process(layout: str, reference: dict[str, torch.Tensor]) -> None:
     world, fields = LAYOUTS[layout]
-    config = dataclasses.replace(BASE, workers=world, **fields)
+    config = BASE.with_options(workers=world, **fields)
     init = {k: v for k, v in fields.items() if k in ("tensor_parallel", "pipeline_parallel")}
     results = run_ranks(train_parts, world, config, init=init, timeout=120)
     assert_same(whole(results), reference)
-    if config.tensor_parallel > 1:  # the split layers really are split
-        assert results[0][1]["6.weight"].shape == (64 // config.tensor_parallel, 512)
+    if config.layout.tensor_parallel > 1:  # the split layers really are split
+        assert results[0][1]["6.weight"].shape == (64 // config.layout.tensor_parallel, 512)
 
 
 def column_row_pair() -> tuple[torch.Tensor, ...]:

@@ -154,7 +154,7 @@ def bad_checkpoint(folder: Path, kind: str) -> Path:
     import torch
 
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.models import build_model
+    from gradmesh.models.registry import build_model
     from gradmesh.train import checkpoint
     from gradmesh.train.config import TrainConfig
 

@@ -277,7 +277,7 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
     from gradmesh.launch.engines.choice import ray as engine
 
     before = _ray_or_spark_processes()
-    config = TrainConfig(engine="ray", epochs=int(EPOCHS), json=str(tmp_path / "ray.json"))
+    config = TrainConfig.of(engine="ray", epochs=int(EPOCHS), json=str(tmp_path / "ray.json"))
     with kept_environment():  # Ray's driver sets variables of this process
         ray.init(num_cpus=2, include_dashboard=False)
         try:
@@ -285,7 +285,7 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
             same_model(tmp_path / "ray.json", local_run)
             monkeypatch.setenv("GRADMESH_FAULT", "kill:1:5")  # passed on to Ray's workers
             with pytest.raises(GradmeshError, match=r"^ray job failed: rank 1: its Ray worker"):
-                engine.train(TrainConfig(engine="ray", epochs=1))
+                engine.train(TrainConfig.of(engine="ray", epochs=1))
         finally:
             ray.shutdown()
     time.sleep(1)

@@ -9,8 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradmesh.compression import COMPRESSORS, Link, make, reduce
+from gradmesh.compression.base import Link
 from gradmesh.compression.quantize import CHUNK, SIGN_CHUNK, Int8
+from gradmesh.compression.registry import COMPRESSORS, make, reduce
 from gradmesh.errors import GradmeshError
 
 NAMES = COMPRESSORS.names()

@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from gradmesh.errors import GradmeshError
-from gradmesh.models import MODELS
+from gradmesh.models.registry import MODELS
 from gradmesh.registry import Registry
 from gradmesh.runtime.mesh import MeshShape
-from gradmesh.train.config import TrainConfig, parse_shape
+from gradmesh.train.checks import check_train
+from gradmesh.train.config import TrainConfig
+from gradmesh.units import parse_shape
 
 
 def test_registry_lists_valid_names_on_unknown() -> None:
@@ -52,16 +54,16 @@ def test_registry_lists_valid_names_on_unknown() -> None:
     ],
 )
 def test_validate_rejects(change: dict[str, object], message: str) -> None:
-    config = TrainConfig(**change)  # type: ignore[arg-type]
+    config = TrainConfig.of(**change)
     with pytest.raises(GradmeshError) as err:
-        config.validate()
+        check_train(config)
     assert message in str(err.value)
     assert "\n" not in str(err.value)
 
 
 def test_defaults_are_valid_and_round_trip_through_json() -> None:
     config = TrainConfig()
-    config.validate()
+    check_train(config)
     import json
 
     assert TrainConfig.from_mapping(json.loads(config.to_json()), "json") == config
@@ -71,7 +73,19 @@ def test_toml_fills_fields_and_rejects_unknown_keys(tmp_path: Path) -> None:
     good = tmp_path / "good.toml"
     good.write_text('[train]\nworkers = 3\nmodel = "mlp"\nlr = 0.2\n')
     config = TrainConfig.from_toml(str(good))
-    assert (config.workers, config.model, config.lr) == (3, "mlp", 0.2)
+    assert (config.job.workers, config.data.model, config.optimizer.lr) == (3, "mlp", 0.2)
+    nested = tmp_path / "nested.toml"  # the same names, in tables by component
+    nested.write_text('[train.job]\nworkers = 3\n[train.sync.ps]\nmode = "SSP"\nservers = 2\n')
+    config = TrainConfig.from_toml(str(nested))
+    assert (config.job.workers, config.sync.ps.mode, config.sync.ps.servers) == (3, "ssp", 2)
+    for text, key in (
+        ("[train.job]\nwrokers = 3\n", "job.wrokers"),
+        ("[train.sync.ps]\nmode = 1\n", ""),
+    ):
+        bad = tmp_path / "bad.toml"
+        bad.write_text(text)
+        with pytest.raises(GradmeshError, match=key or "mode must be a string, got 1"):
+            TrainConfig.from_toml(str(bad))
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nwrokers = 3\n")
     with pytest.raises(GradmeshError, match="unknown option.*wrokers"):

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from gradmesh import units
 from gradmesh.errors import GradmeshError
 from gradmesh.launch import emulate
 
 
 def test_rates_and_latencies() -> None:
-    assert emulate.parse_rate("1gbit") == 10**9
-    assert emulate.parse_rate("100mbit") == 10**8
-    assert emulate.parse_rate("2.5gbit") == 2_500_000_000
-    assert emulate.parse_rate("10mbps") == 80_000_000
-    assert emulate.parse_latency("250us") == pytest.approx(250e-6)
+    assert units.parse_rate("1gbit") == 10**9
+    assert units.parse_rate("100mbit") == 10**8
+    assert units.parse_rate("2.5gbit") == 2_500_000_000
+    assert units.parse_rate("10mbps") == 80_000_000
+    assert units.parse_latency("250us") == pytest.approx(250e-6)
     for bad in ("fast", "1 parsec", "10"):
         with pytest.raises(GradmeshError):
-            emulate.parse_rate(bad) if bad != "10" else emulate.parse_latency(bad)
+            units.parse_rate(bad) if bad != "10" else units.parse_latency(bad)
 
 
 def test_missing_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from gradmesh.models import MODELS
 from gradmesh.models.flops import layer_flops
+from gradmesh.models.registry import MODELS
 from gradmesh.train import emulated
 
 

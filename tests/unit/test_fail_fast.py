@@ -15,7 +15,8 @@ from gradmesh.collectives.agreement import describe, encode
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line, on_rank
 from gradmesh.launch.run import _failure_message, _first_failure
 from gradmesh.train import checkpoint
-from gradmesh.train.config import TrainConfig, check_writable, field_value
+from gradmesh.options import convert, option_named
+from gradmesh.train.config import TrainConfig, check_writable
 
 
 @pytest.mark.parametrize(
@@ -30,7 +31,7 @@ from gradmesh.train.config import TrainConfig, check_writable, field_value
     ],
 )
 def test_field_values_of_the_right_type_pass(name: str, value: Any, source: Any, want: Any) -> None:
-    got = field_value(TrainConfig, name, value, source)
+    got = convert(option_named(TrainConfig, name), value, source)
     assert got == want and type(got) is type(want)
 
 
@@ -51,7 +52,7 @@ def test_field_values_of_the_wrong_type_are_one_line(
     name: str, value: Any, source: Any, message: str
 ) -> None:
     with pytest.raises(GradmeshError) as err:
-        field_value(TrainConfig, name, value, source)
+        convert(option_named(TrainConfig, name), value, source)
     assert str(err.value) == message
 
 

@@ -3,7 +3,6 @@ against every placement, predictions read from the collectives' formulas."""
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import random
@@ -153,7 +152,7 @@ def test_a_plan_that_cannot_run_is_one_line_before_launch(
 ) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps({**CNN, **change}))
-    config = TrainConfig(model="cnn", workers=workers, batch_size=256, plan=str(path))
+    config = TrainConfig.of(model="cnn", workers=workers, batch_size=256, plan=str(path))
     with pytest.raises(GradmeshError, match=None) as err:
         resolve(config)
     assert message in str(err.value) and "\n" not in str(err.value)
@@ -162,10 +161,13 @@ def test_a_plan_that_cannot_run_is_one_line_before_launch(
 def test_a_plan_file_is_inlined_and_sets_tensor_parallel(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     path.write_text(json.dumps(CNN))
-    config = resolve(TrainConfig(model="cnn", workers=4, plan=str(path)))
-    assert config.tensor_parallel == 2 and json.loads(config.plan)["layers"] == CNN["layers"]
+    config = resolve(TrainConfig.of(model="cnn", workers=4, plan=str(path)))
+    assert (
+        config.layout.tensor_parallel == 2
+        and json.loads(config.layout.plan)["layers"] == CNN["layers"]
+    )
     with pytest.raises(GradmeshError, match="--tensor-parallel 4 contradicts the plan's"):
-        resolve(dataclasses.replace(config, tensor_parallel=4))
+        resolve(config.with_options(tensor_parallel=4))
 
 
 def test_a_memory_limit_no_plan_meets_is_one_line() -> None:

@@ -58,7 +58,7 @@ def complete(folder: Path, config: TrainConfig, step: int, state: dict[str, obje
 
 @pytest.mark.parametrize("optimizer", ["sgd", "adarevision"])
 def test_a_shard_resumes_whole_from_its_part(tmp_path: Path, optimizer: str) -> None:
-    config = TrainConfig(strategy="ps", mode="sync", checkpoint_dir=str(tmp_path))
+    config = TrainConfig.of(strategy="ps", mode="sync", checkpoint_dir=str(tmp_path))
     with server(optimizer=optimizer, momentum=0.9) as first:
         trained(first, 3)
         complete(tmp_path, config, first.version, first.state_dict())
@@ -79,7 +79,7 @@ def test_a_shard_resumes_whole_from_its_part(tmp_path: Path, optimizer: str) -> 
 def test_a_malformed_part_is_one_line_or_fallen_back_from(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    config = TrainConfig(strategy="ps", mode="sync", checkpoint_dir=str(tmp_path))
+    config = TrainConfig.of(strategy="ps", mode="sync", checkpoint_dir=str(tmp_path))
     with server() as first:
         trained(first, 2)
         good = first.state_dict()

@@ -14,7 +14,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradmesh.compression import make
+from gradmesh.compression.registry import make
 from gradmesh.sync.parameter_server.client import Client, shard_ranges
 from gradmesh.sync.parameter_server.optimizers import AdaRevision
 from gradmesh.sync.parameter_server.protocol import (

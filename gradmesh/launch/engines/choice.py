@@ -47,17 +47,17 @@ def check_engine(name: str) -> None:
 def entry_point(config: TrainConfig) -> tuple[str, int, dict[int, str]]:
     """What every rank of `config`'s job runs, whatever starts it: the module, how many ranks,
     and the roles of those that are more than a rank (a ps job's servers and workers)."""
-    if config.strategy != "ps":
-        return "gradmesh.train.worker", config.workers, {}
-    roles = {i: f"parameter server {i}" for i in range(config.servers)}
-    roles.update({config.servers + i: f"ps worker {i}" for i in range(config.workers)})
-    return "gradmesh.train.ps_node", config.servers + config.workers, roles
+    if config.sync.strategy != "ps":
+        return "gradmesh.train.worker", config.job.workers, {}
+    roles = {i: f"parameter server {i}" for i in range(config.sync.ps.servers)}
+    roles.update({config.sync.ps.servers + i: f"ps worker {i}" for i in range(config.job.workers)})
+    return "gradmesh.train.ps_node", config.sync.ps.servers + config.job.workers, roles
 
 
 def train_on(config: TrainConfig) -> int:
     """Run `config`'s job on its engine (not local); the exit code."""
-    check_engine(config.engine)
-    engine = importlib.import_module(f"gradmesh.launch.engines.{config.engine}")
+    check_engine(config.job.engine)
+    engine = importlib.import_module(f"gradmesh.launch.engines.{config.job.engine}")
     return int(engine.train(config))
 
 

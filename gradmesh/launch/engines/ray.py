@@ -160,7 +160,7 @@ def train(config: TrainConfig) -> int:
             module,
             config.to_json(),
             workers=ranks,
-            timeout_s=config.timeout_s,
-            max_restarts=config.max_restarts,
+            timeout_s=config.job.timeout_s,
+            max_restarts=config.checkpoint.max_restarts,
         )
     )  # rank 0's exit code, through the same channel a script's function returns by

@@ -95,7 +95,7 @@ class _Tee(io.TextIOBase):
 
 def train(config: TrainConfig) -> int:
     """`gradmesh train --engine spark`: the job's entry point as a file under TorchDistributor."""
-    if config.max_restarts:
+    if config.checkpoint.max_restarts:
         raise GradmeshError(
             "--engine spark does not restart workers: use --max-restarts with --engine local or ray"
         )

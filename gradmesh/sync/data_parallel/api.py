@@ -17,7 +17,8 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
-from gradmesh.compression import Compressor, Link, NoCompression, reduce, resolve
+from gradmesh.compression.base import Compressor, Link, NoCompression
+from gradmesh.compression.registry import reduce, resolve
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import get_runtime
 

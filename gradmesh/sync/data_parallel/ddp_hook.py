@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from gradmesh.collectives import ALGORITHMS
-from gradmesh.compression import Compressor, Link, State, reduce, resolve
+from gradmesh.compression.base import Compressor, Link, State
+from gradmesh.compression.registry import reduce, resolve
 from gradmesh.runtime.world import get_runtime
 
 Hook = Callable[[Any, Any], torch.futures.Future[torch.Tensor]]

@@ -34,16 +34,15 @@ from gradmesh.collectives import ALGORITHMS, Op, allreduce, broadcast
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.collectives.native import modelled_bytes_sent
-from gradmesh.compression import (
+from gradmesh.compression.base import (
     Compressor,
     Link,
     NoCompression,
     State,
     load_states,
-    reduce,
-    resolve,
     save_states,
 )
+from gradmesh.compression.registry import reduce, resolve
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.mesh import BATCH_SHARDED

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from gradmesh.compression import Compressor, NoCompression
+from gradmesh.compression.base import Compressor, NoCompression
 from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import get_runtime, is_initialized

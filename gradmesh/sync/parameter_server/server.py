@@ -41,7 +41,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from gradmesh.compression import DECODERS
+from gradmesh.compression.registry import DECODERS
 from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import Timeline
 from gradmesh.sync.parameter_server.optimizers import make_optimizer

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.compression import Compressor, load_states, save_states
+from gradmesh.compression.base import Compressor, load_states, save_states
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.process import connect_store
 from gradmesh.runtime.world import get_runtime, is_initialized

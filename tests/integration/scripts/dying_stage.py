@@ -5,8 +5,8 @@ import os
 import torch
 
 import gradmesh
-from gradmesh.layout import split_model
-from gradmesh.models import MODELS
+from gradmesh.layout.engine import split_model
+from gradmesh.models.registry import MODELS
 
 rt = gradmesh.init(pipeline_parallel=2)
 torch.manual_seed(0)

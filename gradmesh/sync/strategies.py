@@ -1,10 +1,11 @@
-"""Strategies by name: how replicas agree; the loop itself exists once (trainer.py).
+"""Strategies by name: how replicas agree; the training loop exists once (`gradmesh.train`).
 
 A strategy prepares this rank's part of the model and the optimizer built over it (broadcasts,
 wrappers) and adds what it knows to the report; the trainer steps the same way for all of them.
 Replicas are the ranks of the mesh's `dp` axis: under tensor or pipeline parallelism a strategy
 averages each part of the model with the ranks holding the same part, never with the world.
-Strategies that need the whole model on every rank say so in `SPLIT_LAYOUTS`.
+Each is built from its own options in `SyncConfig` (with the layout's micro-batches and the
+job's timeout, the two things it needs from outside the sync layer).
 """
 
 from __future__ import annotations
@@ -17,15 +18,18 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
+from gradmesh.compression.base import Compressor
+from gradmesh.compression.config import CompressionConfig
+from gradmesh.compression.registry import make
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 from gradmesh.runtime.world import Runtime
+from gradmesh.sync.config import SyncConfig
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 from gradmesh.sync.hogwild import HogwildOptimizer, SharedModel, share_model
 from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.sync.parameter_server.roles import worker_role
 from gradmesh.sync.parameter_server.worker import PSWorker
-from gradmesh.train.config import TrainConfig
 
 
 class Strategy(Protocol):
@@ -66,6 +70,11 @@ class Strategy(Protocol):
         ...
 
 
+def compressor(config: CompressionConfig) -> Compressor:
+    """The compressor `config` asks for, with its settings."""
+    return make(config.method, config.ratio, config.rank, config.error_feedback)
+
+
 class _Defaults:
     """What most strategies do: one data shard per rank, nothing to finish, rank 0 reports."""
 
@@ -88,9 +97,9 @@ class _Defaults:
         pass
 
 
-STRATEGIES: Registry[Callable[[TrainConfig], Strategy]] = Registry("strategy")
-SPLIT_LAYOUTS = {"allreduce", "local-sgd"}
-"""The strategies that carry a model split by tensor or pipeline parallelism."""
+StrategyFactory = Callable[[SyncConfig, int, float], "Strategy"]
+"""factory(sync options, micro-batches per step, timeout in seconds) -> a strategy."""
+STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
 
 
 def broadcast_replica(model: nn.Module, rt: Runtime) -> None:
@@ -102,8 +111,10 @@ def broadcast_replica(model: nn.Module, rt: Runtime) -> None:
 class AllreduceStrategy(_Defaults):
     """Synchronous data parallelism: rank 0's initial weights everywhere, gradients averaged."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: SyncConfig, microbatches: int, timeout_s: float) -> None:
         self.config = config
+        self.microbatches = microbatches
+        self.timeout_s = timeout_s
         self.optimizer: Optimizer | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
@@ -111,13 +122,13 @@ class AllreduceStrategy(_Defaults):
         self.optimizer = DistributedOptimizer(
             optimizer,
             named_parameters=model.named_parameters(),
-            allreduce=self.config.allreduce,
-            fusion_mb=self.config.fusion_mb,
-            compression=self.config.compressor(),
-            on_nonfinite="skip" if self.config.on_nonfinite == "skip" else "error",
+            allreduce=self.config.allreduce.algorithm,
+            fusion_mb=self.config.allreduce.fusion_mb,
+            compression=compressor(self.config.compression),
+            on_nonfinite="skip" if self.config.allreduce.on_nonfinite == "skip" else "error",
             # one backward per micro-batch before the step: a pipeline stage's, or an elastic
             # job's gradient accumulation when it has fewer replicas than it started with
-            backward_passes_per_step=self.config.microbatches,
+            backward_passes_per_step=self.microbatches,
         )
         return self.optimizer
 
@@ -132,8 +143,8 @@ class AllreduceStrategy(_Defaults):
     def report(self) -> dict[str, Any]:
         skipped = self.optimizer._gm.skipped_steps if self.optimizer is not None else 0  # type: ignore[attr-defined]
         return {
-            "allreduce": self.config.allreduce,
-            "compression": self.config.compressor().describe(),
+            "allreduce": self.config.allreduce.algorithm,
+            "compression": compressor(self.config.compression).describe(),
             "skipped_steps": skipped,
         }
 
@@ -142,8 +153,10 @@ class AllreduceStrategy(_Defaults):
 class LocalSGDStrategy(_Defaults):
     """K local steps, then parameter averaging; synchronous for the first T steps if asked."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: SyncConfig, microbatches: int, timeout_s: float) -> None:
         self.config = config
+        self.microbatches = microbatches
+        self.timeout_s = timeout_s
         self.averager: Averager | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
@@ -151,10 +164,10 @@ class LocalSGDStrategy(_Defaults):
         params = [p for p in model.parameters() if p.requires_grad]
         self.averager = Averager(
             params,
-            self.config.sync_every,
-            self.config.warmup_sync_steps,
-            self.config.averaging_algorithm,
-            compressor=self.config.compressor(),
+            self.config.local_sgd.sync_every,
+            self.config.local_sgd.warmup_sync_steps,
+            self.config.local_sgd.averaging_algorithm,
+            compressor=compressor(self.config.compression),
         )
         return LocalSGDOptimizer(optimizer, self.averager)
 
@@ -169,11 +182,11 @@ class LocalSGDStrategy(_Defaults):
     def report(self) -> dict[str, Any]:
         rounds = self.averager.averaging_rounds if self.averager else 0
         return {
-            "sync_every": self.config.sync_every,
-            "warmup_sync_steps": self.config.warmup_sync_steps,
-            "averaging_algorithm": self.config.averaging_algorithm,
+            "sync_every": self.config.local_sgd.sync_every,
+            "warmup_sync_steps": self.config.local_sgd.warmup_sync_steps,
+            "averaging_algorithm": self.config.local_sgd.averaging_algorithm,
             "averaging_rounds": rounds,
-            "compression": self.config.compressor().describe(),
+            "compression": compressor(self.config.compression).describe(),
         }
 
 
@@ -181,12 +194,14 @@ class LocalSGDStrategy(_Defaults):
 class HogwildStrategy(_Defaults):
     """Lock-free updates of one model in this host's shared memory (`--lock` serialises them)."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: SyncConfig, microbatches: int, timeout_s: float) -> None:
         self.config = config
+        self.microbatches = microbatches
+        self.timeout_s = timeout_s
         self.shared: SharedModel | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
-        self.shared = share_model(model, lock=self.config.lock)
+        self.shared = share_model(model, lock=self.config.hogwild.lock)
         return HogwildOptimizer(optimizer, self.shared)
 
     def report(self) -> dict[str, Any]:
@@ -195,7 +210,7 @@ class HogwildStrategy(_Defaults):
         updates = torch.tensor([float(self.shared.updates)], dtype=torch.float64)
         allreduce(updates, op="sum")
         return {
-            "lock": self.config.lock,
+            "lock": self.config.hogwild.lock,
             "updates_applied": int(updates[0]),
             "shared_bytes": self.shared.nbytes,
         }
@@ -205,8 +220,10 @@ class HogwildStrategy(_Defaults):
 class ParameterServerStrategy:
     """A worker of a parameter-server job: pull parameters, push gradients; the servers update."""
 
-    def __init__(self, config: TrainConfig) -> None:
+    def __init__(self, config: SyncConfig, microbatches: int, timeout_s: float) -> None:
         self.config = config
+        self.microbatches = microbatches
+        self.timeout_s = timeout_s
         self.worker: PSWorker | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
@@ -217,11 +234,11 @@ class ParameterServerStrategy:
             )
         self.worker = PSWorker(
             role,
-            self.config.servers,
-            self.config.push_every,
-            self.config.pull_every,
-            self.config.timeout_s,
-            self.config.compressor(),
+            self.config.ps.servers,
+            self.config.ps.push_every,
+            self.config.ps.pull_every,
+            self.timeout_s,
+            compressor(self.config.compression),
         )
         return self.worker.attach(model, optimizer)
 
@@ -240,7 +257,7 @@ class ParameterServerStrategy:
         """Servers are parts 0..S-1 (they write their shards), workers S..S+W-1; the first
         worker writes the metadata."""
         assert self.worker is not None
-        servers = self.config.servers
+        servers = self.config.ps.servers
         return servers + self.worker.role.index, servers + self.worker.role.workers, servers
 
     def state_dict(self) -> dict[str, Any]:
@@ -258,10 +275,10 @@ class ParameterServerStrategy:
     def report(self) -> dict[str, Any]:
         assert self.worker is not None
         return {
-            "mode": self.config.mode,
-            "max_staleness": self.config.max_staleness,
-            "staleness_lr": self.config.staleness_lr,
-            "server_optimizer": self.config.server_optimizer,
-            "compression": self.config.compressor().describe(),
+            "mode": self.config.ps.mode,
+            "max_staleness": self.config.ps.max_staleness,
+            "staleness_lr": self.config.ps.staleness_lr,
+            "server_optimizer": self.config.ps.server_optimizer,
+            "compression": compressor(self.config.compression).describe(),
             **self.worker.report(),
         }

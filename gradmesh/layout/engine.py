@@ -1,0 +1,144 @@
+"""The step engine and the layout's order: `split_model` splits one replica over the mesh (tensor
+parallelism, then pipeline stages, or a hybrid plan's placement per layer) and returns this
+rank's part with the engine that runs it: `PlainEngine` (forward, backward) or the pipeline's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import SCHEDULES
+from gradmesh.layout.hybrid import Plan, apply_plan
+from gradmesh.layout.pipeline import (
+    PipelineEngine,
+    cut_stages,
+    layers_of,
+    parse_stages,
+    sample_shapes,
+    stage_module,
+    sum_cross_entropy,
+)
+from gradmesh.layout.tensor_parallel import check_plan, parallelize
+from gradmesh.models.registry import TP_PLANS
+from gradmesh.observe.timeline import span
+from gradmesh.runtime.world import Runtime
+
+
+class Engine(Protocol):
+    """What the training loop and evaluation call instead of `model(x)` / `backward()`."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        """Forward and backward of (x, y), the loss scaled by `scale` before backward; returns
+        the unscaled loss summed over the samples (zero on ranks that do not see it)."""
+        ...
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Logits of `x` (None on ranks that do not produce them)."""
+        ...
+
+
+class PlainEngine:
+    """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward
+    per micro-batch (more than one: an elastic job's gradient accumulation)."""
+
+    def __init__(self, module: nn.Module, microbatches: int = 1) -> None:
+        self.module = module
+        self.microbatches = microbatches
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
+        m = self.microbatches
+        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+            with span("forward"):
+                loss = sum_cross_entropy(self.module(xs), ys)
+            with span("backward"):
+                (loss * scale).backward()  # type: ignore[no-untyped-call]
+            total += loss.detach().double()
+        return total
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+        out: torch.Tensor = self.module(x)
+        return out
+
+
+def tp_plan(model_name: str) -> dict[str, str]:
+    if model_name not in TP_PLANS:
+        raise GradmeshError(
+            f"model {model_name} has no tensor-parallel plan (models with one: "
+            f"{', '.join(TP_PLANS.names())})"
+        )
+    return TP_PLANS.get(model_name)
+
+
+@dataclass
+class Split:
+    """This rank's part of the model and how to run it."""
+
+    module: nn.Module
+    engine: Engine
+    info: dict[str, Any]
+    """For the report: the layout, and the stage's layers under pipeline parallelism."""
+    owns_output: bool
+    """Whether this rank's loss and logits are the replica's (the last stage, tp index 0):
+    the others' are not counted, so that sums over the world count each replica once."""
+
+
+def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: str) -> None:
+    """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
+    layers make `pp` stages (the flags alone are checked by `TrainConfig.validate`)."""
+    if tp > 1:
+        check_plan(model, tp_plan(model_name), tp, model_name)
+    if pp > 1:
+        parse_stages(stages, layers_of(model, model_name), pp)
+
+
+def split_model(
+    model: nn.Module,
+    model_name: str,
+    rt: Runtime,
+    microbatches: int,
+    schedule: str,
+    stages: str,
+    sample: torch.Tensor,
+    plan: Plan | None = None,
+) -> Split:
+    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut,
+    or a hybrid `plan`'s placement per layer. Collective over the world when stages are
+    balanced (the layer times are averaged)."""
+    tp, pp = rt.mesh["tp"], rt.mesh["pp"]
+    info: dict[str, Any] = {
+        "dp": rt.mesh.shape.dp,
+        "tp": tp.size,
+        "pp": pp.size,
+        "microbatches": microbatches if pp.size > 1 else 1,
+        "schedule": schedule if pp.size > 1 else None,
+    }
+    if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
+        info["plan"] = dict(plan.layers)
+        module = apply_plan(model, plan, rt)
+        return Split(module, PlainEngine(module), info, tp.index == 0)
+    if schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
+    module = model
+    if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
+        uniform = tp_plan(model_name)
+        check_plan(model, uniform, tp.size, model_name)
+        module = parallelize(model, uniform, tp.size, tp.index)
+    owns = tp.index == 0 and pp.index == pp.size - 1
+    if starts is None:
+        if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
+            info["accumulation"] = microbatches
+        return Split(module, PlainEngine(module, microbatches), info, owns)
+    shapes = sample_shapes(layers_of(module, model_name), sample[:1])
+    stage = stage_module(module, starts, pp.index)
+    first = starts[pp.index]
+    last = first + len(stage)
+    info["stage_layers"] = [[s, (starts + [len(shapes) - 1])[i + 1]] for i, s in enumerate(starts)]
+    engine = PipelineEngine(rt, stage, [shapes[first], shapes[last]], microbatches, schedule)
+    return Split(stage, engine, info, owns)

@@ -1,0 +1,109 @@
+"""Each sync strategy's options, and `SyncConfig`, which picks a strategy and holds them all.
+No torch here: the CLI builds its flags from this."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradmesh.compression.config import CompressionConfig
+from gradmesh.errors import GradmeshError
+from gradmesh.options import component, option
+
+MODES = ("sync", "async", "ssp")
+"""Parameter-server modes: synchronous, Downpour's asynchronous, bounded staleness."""
+SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "adarevision")
+"""The updates a parameter server applies to its shard."""
+ON_NONFINITE = ("error", "skip")
+SPLIT_LAYOUTS = ("allreduce", "local-sgd")
+"""The strategies that carry a model split by tensor or pipeline parallelism (the others need
+the whole model on every worker)."""
+
+
+@dataclass
+class AllreduceConfig:
+    """Allreduce: synchronous data parallelism, gradients averaged every step."""
+
+    algorithm: str = option(
+        "native", "allreduce algorithm for gradient averaging", flag="--allreduce", name=True
+    )
+    fusion_mb: float = option(
+        25.0, "gradient fusion bucket size in MiB (torch DDP's bucket_cap_mb default)"
+    )
+    on_nonfinite: str = option(
+        "error", "NaN/Inf in gradients: error, or skip the step", choices=ON_NONFINITE
+    )
+
+    def check(self) -> None:
+        if self.fusion_mb <= 0:
+            raise GradmeshError(f"--fusion-mb must be > 0, got {self.fusion_mb}")
+
+
+@dataclass
+class LocalSGDConfig:
+    """Local SGD: K local steps between parameter averages."""
+
+    sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
+    averaging_algorithm: str = option(
+        "native", "local-sgd: allreduce algorithm for averaging", name=True
+    )
+    warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
+
+    def check(self) -> None:
+        if self.sync_every < 1 or self.warmup_sync_steps < 0:
+            raise GradmeshError("--sync-every must be >= 1 and --warmup-sync-steps >= 0")
+
+
+@dataclass
+class HogwildConfig:
+    """Hogwild!: lock-free updates of one model in shared memory."""
+
+    lock: bool = option(False, "hogwild: serialise the shared-memory updates with a lock")
+
+
+@dataclass
+class ParameterServerConfig:
+    """Parameter servers: sharded servers own the parameters; workers pull and push."""
+
+    servers: int = option(1, "ps: parameter-server processes")
+    mode: str = option(
+        "async", "ps: sync, async (Downpour) or ssp (bounded staleness)", choices=MODES
+    )
+    max_staleness: int = option(2, "ps --mode ssp: most clocks a worker may run ahead (K)")
+    push_every: int = option(1, "ps: push the accumulated gradient every n steps")
+    pull_every: int = option(1, "ps: pull the parameters every m steps")
+    staleness_lr: bool = option(False, "ps: divide each gradient's step by its staleness")
+    server_optimizer: str = option(
+        "sgd", "ps: sgd (with --momentum), adagrad, adam, adarevision", choices=SERVER_OPTIMIZERS
+    )
+    lost_after_s: float = option(10.0, "ps: a worker silent this long is declared lost")
+
+    def check(self) -> None:
+        if min(self.servers, self.push_every, self.pull_every) < 1 or self.max_staleness < 0:
+            raise GradmeshError(
+                "--servers, --push-every and --pull-every must be >= 1, --max-staleness >= 0"
+            )
+        if self.mode == "sync" and (self.push_every, self.pull_every) != (1, 1):
+            raise GradmeshError("--mode sync pushes and pulls every step: drop --push/pull-every")
+        if self.lost_after_s <= 0:
+            raise GradmeshError(f"--lost-after-s must be > 0, got {self.lost_after_s}")
+
+
+@dataclass
+class SyncConfig:
+    """Strategy: how the replicas agree."""
+
+    strategy: str = option("allreduce", "how workers cooperate (a registered strategy)", name=True)
+    allreduce: AllreduceConfig = component(AllreduceConfig)
+    local_sgd: LocalSGDConfig = component(LocalSGDConfig)
+    hogwild: HogwildConfig = component(HogwildConfig)
+    ps: ParameterServerConfig = component(ParameterServerConfig)
+    compression: CompressionConfig = component(CompressionConfig)
+
+    def check(self) -> None:
+        """One line for values no strategy can use (names are the registries' to check)."""
+        self.allreduce.check()
+        self.local_sgd.check()
+        self.ps.check()
+        self.compression.check()
+        if self.compression.method != "none" and self.strategy == "hogwild":
+            raise GradmeshError("hogwild shares memory: it sends nothing to compress")

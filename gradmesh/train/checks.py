@@ -1,0 +1,129 @@
+"""Before launch: a `TrainConfig` no run can use is one line. Each component checks its own
+values (`check()`); what only the registries know (names of strategies, models, algorithms) and
+what spans components (a layout a strategy cannot carry) is checked here."""
+
+from __future__ import annotations
+
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime.mesh import MeshShape
+from gradmesh.sync.config import SPLIT_LAYOUTS
+from gradmesh.train.config import TrainConfig
+from gradmesh.units import parse_shape
+
+
+def check_train(config: TrainConfig) -> None:
+    """Raise a one-line `GradmeshError` for values no run can use."""
+    config.check_choices()
+    _check_names(config)
+    config.sync.check()
+    _check_counts(config)
+    _check_layout(config)
+    _check_checkpoints(config)
+
+
+def _check_names(config: TrainConfig) -> None:
+    from gradmesh.collectives import ALGORITHMS
+    from gradmesh.compression.registry import COMPRESSORS
+    from gradmesh.data import DATASETS
+    from gradmesh.models.registry import MODELS, check_pairing
+    from gradmesh.sync.strategies import STRATEGIES
+
+    sync, data = config.sync, config.data
+    STRATEGIES.get(sync.strategy)
+    if config.job.engine == "ray" and sync.strategy == "ps":
+        raise GradmeshError(
+            "--engine ray cannot run --strategy ps: Ray runs each rank on a thread of its "
+            "worker, where a ps worker's supervisor cannot take its signals (use --engine "
+            "local or spark)"
+        )
+    ALGORITHMS.get(sync.allreduce.algorithm)
+    ALGORITHMS.get(sync.local_sgd.averaging_algorithm)
+    COMPRESSORS.get(sync.compression.method)
+    MODELS.get(data.model)
+    DATASETS.get(data.dataset)
+    check_pairing(data.model, data.dataset)
+    parse_shape(data.synthetic_shape)
+
+
+def _check_counts(config: TrainConfig) -> None:
+    job, data, opt = config.job, config.data, config.optimizer
+    for flag, value in (
+        ("--workers", job.workers),
+        ("--epochs", job.epochs),
+        ("--batch-size", data.batch_size),
+        ("--synthetic-classes", data.synthetic_classes),
+        ("--synthetic-samples", data.synthetic_samples),
+    ):
+        if value < 1:
+            raise GradmeshError(f"{flag} must be >= 1, got {value}")
+    if opt.warmup_epochs < 0 or opt.reference_batch < 0:
+        raise GradmeshError("--warmup-epochs and --reference-batch must be >= 0")
+    if opt.lr <= 0 or job.timeout_s <= 0:
+        raise GradmeshError("--lr and --timeout-s must be > 0")
+    if job.emulate_compute_ms < 0:
+        raise GradmeshError(f"--emulate-compute-ms must be >= 0, got {job.emulate_compute_ms}")
+    if data.batch_size < job.workers:
+        raise GradmeshError(
+            f"global batch {data.batch_size} is smaller than the number of workers {job.workers}"
+        )
+
+
+def _check_layout(config: TrainConfig) -> None:
+    layout, strategy = config.layout, config.sync.strategy
+    shape = MeshShape.for_world(
+        config.job.workers, layout.tensor_parallel, layout.pipeline_parallel
+    )
+    if layout.split and strategy not in SPLIT_LAYOUTS:
+        raise GradmeshError(
+            f"strategy {strategy} needs the whole model on every worker; with "
+            f"--tensor-parallel/--pipeline-parallel use {' or '.join(sorted(SPLIT_LAYOUTS))}"
+        )
+    if layout.plan and (strategy != "allreduce" or shape.pp > 1):
+        raise GradmeshError(
+            "--plan places layers over data and tensor parallelism: it needs --strategy "
+            "allreduce and no --pipeline-parallel"
+        )
+    if layout.stages and shape.pp == 1:
+        raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
+    if config.job.emulate_compute_ms and (layout.split or layout.plan):
+        raise GradmeshError(
+            "--emulate-compute-ms spreads one step's compute over the whole model's layers: "
+            "it needs every worker to hold the whole model (no --tensor-parallel, "
+            "--pipeline-parallel or --plan)"
+        )
+    _check_microbatches(config, shape)
+
+
+def _check_microbatches(config: TrainConfig, shape: MeshShape) -> None:
+    m, batch = config.layout.microbatches, config.data.batch_size
+    if m < 1:
+        raise GradmeshError(f"--microbatches must be >= 1, got {m}")
+    if m > 1 and shape.pp == 1:
+        raise GradmeshError(
+            "--microbatches streams a pipeline: use it with --pipeline-parallel > 1"
+        )
+    per_replica = batch // shape.dp
+    if m > 1 and batch % (shape.dp * m):
+        fits = [k for k in range(1, per_replica + 1) if per_replica % k == 0 and k <= 64]
+        raise GradmeshError(
+            f"global batch {batch} over {shape.dp} replicas cannot be cut into {m} equal "
+            f"micro-batches; --microbatches that fit: {', '.join(map(str, fits))}"
+        )
+
+
+def _check_checkpoints(config: TrainConfig) -> None:
+    ck = config.checkpoint
+    if ck.every is not None and ck.every < 1:
+        raise GradmeshError(f"--checkpoint-every must be >= 1 step, got {ck.every}")
+    if ck.every is not None and not ck.dir:
+        raise GradmeshError("--checkpoint-every needs --checkpoint-dir to write to")
+    if ck.keep < 1:
+        raise GradmeshError(f"--keep-checkpoints must be >= 1, got {ck.keep}")
+    if ck.max_restarts < 0:
+        raise GradmeshError(f"--max-restarts must be >= 0, got {ck.max_restarts}")
+    sync = config.sync
+    if sync.strategy == "ps" and sync.ps.mode != "sync" and (ck.dir or ck.max_restarts):
+        raise GradmeshError(
+            "checkpoints and restarts of a ps job need --mode sync: asynchronous servers "
+            "and workers never stand at one step that a checkpoint could hold"
+        )
