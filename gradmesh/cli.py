@@ -1,6 +1,8 @@
-"""The `gradmesh` command: `run` (the launcher) and `train` (the main job).
+"""The `gradmesh` command: `train` (the main job), `run` (the launcher), `emulate`, `plan`,
+`simulate`, `report` and `bench NAME`.
 
-Every choice list comes from a registry and every `train` flag from a `TrainConfig` field.
+Every command's flags are generated from the config dataclass its component owns
+(`gradmesh.options`), so a default lives in one place; every choice list comes from a registry.
 Errors are one line on stderr and a non-zero exit code, never a traceback.
 """
 
@@ -9,11 +11,14 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import import_module
-from typing import NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.options import add_flags, from_flags
+from gradmesh.launch.config import EmulateConfig, RunConfig
+from gradmesh.options import add_flags, from_flags, from_toml, option
 from gradmesh.train.config import TrainConfig
 
 USAGE_ERROR = 2
@@ -27,18 +32,11 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(USAGE_ERROR)
 
 
-def _train_config(args: argparse.Namespace) -> TrainConfig:
-    """Defaults, then the TOML file, then the flags: every value checked against its type."""
-    config = TrainConfig.from_toml(args.config) if args.config else TrainConfig()
-    return from_flags(TrainConfig, args, config)
-
-
-def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
+def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
     from gradmesh.launch.engines.choice import check_engine
     from gradmesh.launch.run import LaunchSpec, cluster_defaults, launch
     from gradmesh.train.checks import check_train
 
-    config = _train_config(args)
     check_engine(config.job.engine)
     check_train(config)
     where = cluster_defaults()
@@ -73,7 +71,137 @@ def _cmd_train(args: argparse.Namespace, _command: list[str]) -> int:
     return launch(spec, worker)
 
 
-BENCHES = {
+def _cmd_report(args: ReportConfig, _command: list[str]) -> int:
+    from gradmesh.train.report import RunReport, read_json
+
+    raw = read_json(args.run)
+    if isinstance(raw, dict) and "traceEvents" in raw:  # a --timeline file
+        from gradmesh.observe.timeline import trace_summary
+
+        if args.plot:
+            from gradmesh.observe.plot import timeline_plot
+
+            timeline_plot(args.plot, raw, args.steps)
+        print(trace_summary(raw))
+        return 0
+    report = RunReport.load(args.run, raw)
+    if args.plot:
+        from gradmesh.observe.plot import run_plot
+
+        run_plot(args.plot, report)
+    print(report.summary())
+    return 0
+
+
+def _interrupt(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _cmd_emulate(config: EmulateConfig, command: list[str]) -> int:
+    from gradmesh.launch.emulate import EmulatedCluster
+    from gradmesh.launch.run import parse_nnodes
+
+    if config.hosts is None:
+        raise GradmeshError("--hosts is required")
+    min_hosts, hosts = parse_nnodes(config.nnodes) if config.nnodes else (None, config.hosts)
+    if hosts != config.hosts:
+        raise GradmeshError(f"--nnodes {config.nnodes}: MAX must be --hosts ({config.hosts})")
+    cluster = EmulatedCluster(hosts=hosts, bandwidth=config.bandwidth, latency=config.latency)
+    with cluster:
+        procs, timeout = config.procs_per_host, config.timeout
+        return cluster.run(command, procs_per_host=procs, timeout=timeout, min_hosts=min_hosts)
+
+
+def _cmd_run(config: RunConfig, command: list[str]) -> int:
+    from gradmesh.launch.run import LaunchSpec, cluster_env, launch, parse_nnodes
+    from gradmesh.runtime.process import default_timeout_s
+
+    env, kubernetes = cluster_env()
+    nnodes = parse_nnodes(config.nnodes) if config.nnodes else None
+    given: dict[str, Any] = {"nproc": config.np, "nnodes": nnodes, "node_rank": config.node_rank}
+    given["master"] = config.master
+    env["nnodes"] = (env.get("min_nodes"), env.get("nnodes"))
+    flags = {"nproc": "-np", "nnodes": "--nnodes", "node_rank": "--node-rank", "master": "--master"}
+    # a flag that contradicts what Kubernetes set for this pod is a mistake, not an override
+    for key, source in kubernetes.items():
+        if key in flags and given[key] is not None and given[key] != env[key]:
+            shown = config.nnodes if key == "nnodes" else given[key]
+            raise GradmeshError(f"{flags[key]} {shown} contradicts {source}")
+    nproc = config.np if config.np is not None else env.get("nproc")
+    if nproc is None:
+        raise GradmeshError("-np is required (worker processes on this host)")
+    min_nodes, most = nnodes or (env.get("min_nodes"), env["nnodes"][1] or 1)
+    spec = LaunchSpec(
+        nproc=nproc,
+        nnodes=most,
+        min_nodes=min_nodes,
+        node_rank=config.node_rank if config.node_rank is not None else env.get("node_rank", 0),
+        master=config.master or env.get("master"),
+        iface=config.iface or env.get("iface"),
+        timeout_s=config.timeout if config.timeout is not None else default_timeout_s(),
+        max_restarts=config.max_restarts,
+    )
+    return launch(spec, command)
+
+
+@dataclass
+class ReportConfig:
+    """gradmesh report: print (and plot) a finished run's report or timeline."""
+
+    run: str = option("", "the run's JSON report or merged timeline", positional=True)
+    plot: str | None = option(
+        None,
+        "write a report's loss curve and per-rank step times, or a timeline's last steps per "
+        "process and thread, here (PNG)",
+    )
+    steps: int = option(3, "steps of a timeline to plot")
+
+
+class Command(NamedTuple):
+    """A subcommand: its help, its options' dataclass and what runs it (`module:name` strings
+    are imported when the parser is built or the command runs, so `gradmesh --help` needs no
+    torch)."""
+
+    help: str
+    config: type | str
+    handler: Callable[[Any, list[str]], int] | str
+    takes_command: bool = False
+    interruptible: bool = False
+    """SIGTERM ends it as Ctrl-C does (emulated hosts and probes tear themselves down)."""
+
+
+COMMANDS = {
+    "run": Command(
+        "start workers on this host: gradmesh run -np N -- CMD ...", RunConfig, _cmd_run, True
+    ),
+    "train": Command(
+        "train a model (default: a CNN on digits, 2 workers)", TrainConfig, _cmd_train
+    ),
+    "emulate": Command(
+        "run a command on emulated hosts: gradmesh emulate --hosts H -- CMD ...",
+        EmulateConfig,
+        _cmd_emulate,
+        True,
+        True,
+    ),
+    "plan": Command(
+        "choose data or tensor parallelism per layer from measured costs",
+        "gradmesh.plan.command:PlanConfig",
+        "gradmesh.plan.command:run",
+        interruptible=True,
+    ),
+    "simulate": Command(
+        "predict step time and scaling on 8..1024 GPUs from the cost model",
+        "gradmesh.simulate.command:SimulateConfig",
+        "gradmesh.simulate.command:run",
+    ),
+    "report": Command(
+        "print a finished run's report (--json) or timeline (--timeline)", ReportConfig, _cmd_report
+    ),
+}
+"""Command name -> what it is; `bench NAME` comes from `BENCHES`."""
+
+BENCHES = {  # each module has Config (its options) and run(config)
     "allreduce": (
         "every allreduce algorithm, interleaved, with the cost model",
         "gradmesh.bench.allreduce",
@@ -124,173 +252,41 @@ BENCHES = {
         "gradmesh.bench.plan",
     ),
 }
-"""Benchmark name -> (one-line help, module with add_arguments(parser) and run(args))."""
+"""Benchmark name -> (one-line help, module with `Config` and `run(config)`)."""
 
 
-def _cmd_bench(args: argparse.Namespace, _command: list[str]) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # a bench on emulated hosts tears them down too
-    return int(import_module(args.bench_module).run(args))
+def _load(spec: Any) -> Any:
+    if not isinstance(spec, str):
+        return spec
+    module, _, name = spec.partition(":")
+    return getattr(import_module(module), name)
 
 
-def _cmd_plan(args: argparse.Namespace, _command: list[str]) -> int:
-    signal.signal(signal.SIGTERM, _interrupt)  # a probe on emulated hosts tears them down too
-    return int(import_module("gradmesh.plan.command").run(args))
-
-
-def _cmd_simulate(args: argparse.Namespace, _command: list[str]) -> int:
-    return int(import_module("gradmesh.simulate.model").run(args))
-
-
-def _cmd_report(args: argparse.Namespace, _command: list[str]) -> int:
-    from gradmesh.train.report import RunReport, read_json
-
-    raw = read_json(args.run)
-    if isinstance(raw, dict) and "traceEvents" in raw:  # a --timeline file
-        from gradmesh.observe.timeline import trace_summary
-
-        if args.plot:
-            from gradmesh.observe.plot import timeline_plot
-
-            timeline_plot(args.plot, raw, args.steps)
-        print(trace_summary(raw))
-        return 0
-    report = RunReport.load(args.run, raw)
-    if args.plot:
-        from gradmesh.observe.plot import run_plot
-
-        run_plot(args.plot, report)
-    print(report.summary())
-    return 0
-
-
-def _interrupt(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _cmd_emulate(args: argparse.Namespace, command: list[str]) -> int:
-    from gradmesh.launch.emulate import EmulatedCluster
-    from gradmesh.launch.run import parse_nnodes
-
-    signal.signal(signal.SIGTERM, _interrupt)  # tear the namespaces down on SIGTERM too
-    min_hosts, hosts = parse_nnodes(args.nnodes) if args.nnodes else (None, args.hosts)
-    if hosts != args.hosts:
-        raise GradmeshError(f"--nnodes {args.nnodes}: MAX must be --hosts ({args.hosts})")
-    with EmulatedCluster(hosts=args.hosts, bandwidth=args.bandwidth, latency=args.latency) as c:
-        return c.run(
-            command, procs_per_host=args.procs_per_host, timeout=args.timeout, min_hosts=min_hosts
-        )
-
-
-def _cmd_run(args: argparse.Namespace, command: list[str]) -> int:
-    from gradmesh.launch.run import LaunchSpec, cluster_env, launch, parse_nnodes
-
-    min_nodes, nnodes = parse_nnodes(args.nnodes)
-    # a flag that contradicts what Kubernetes set for this pod is a mistake, not an override
-    given = {"nproc": args.np, "nnodes": (min_nodes, nnodes), "node_rank": args.node_rank}
-    given["master"] = args.master
-    env, kubernetes = cluster_env()
-    env["nnodes"] = (env.get("min_nodes"), env.get("nnodes"))
-    flags = {"nproc": "-np", "nnodes": "--nnodes", "node_rank": "--node-rank", "master": "--master"}
-    for key, source in kubernetes.items():
-        if key in flags and given[key] != env[key]:
-            shown = args.nnodes if key == "nnodes" else given[key]
-            raise GradmeshError(f"{flags[key]} {shown} contradicts {source}")
-    spec = LaunchSpec(
-        nproc=args.np,
-        nnodes=nnodes,
-        min_nodes=min_nodes if min_nodes is not None else getattr(args, "min_nodes", None),
-        node_rank=args.node_rank,
-        master=args.master,
-        iface=args.iface,
-        timeout_s=args.timeout,
-        max_restarts=args.max_restarts,
-    )
-    return launch(spec, command)
+def _add_command(sub: Any, name: str, command: Command, table: str) -> None:
+    parser = sub.add_parser(name, help=command.help)
+    parser.add_argument("--config", metavar="TOML", help=f"read options from [{table}] first")
+    add_flags(parser, _load(command.config))
+    parser.set_defaults(command_spec=command, table=table)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    from gradmesh.launch.run import cluster_defaults
-    from gradmesh.runtime.process import default_timeout_s
-
-    on_cluster = cluster_defaults()  # gradmesh emulate's host, or a Kubernetes pod
-    run = sub.add_parser("run", help="start workers on this host: gradmesh run -np N -- CMD ...")
-    run.add_argument(
-        "-np",
-        type=int,
-        required="nproc" not in on_cluster,
-        default=on_cluster.get("nproc"),
-        help="worker processes on this host",
-    )
-    run.add_argument(
-        "--nnodes",
-        default="1",
-        help="hosts in the job: N, or MIN:MAX for an elastic job that goes on with fewer "
-        "hosts after one is lost (default: 1)",
-    )
-    run.add_argument("--node-rank", type=int, default=0, help="index of this host (default: 0)")
-    run.add_argument("--master", help="HOST[:PORT] of host 0 (default: a free loopback port)")
-    run.add_argument("--iface", help="network interface for Gloo/NCCL traffic (multi-host)")
-    run.add_argument(
-        "--timeout",
-        type=float,
-        default=default_timeout_s(),
-        help="rendezvous and collective timeout, s (default: GRADMESH_TIMEOUT_S or 60)",
-    )
-    run.add_argument(
-        "--max-restarts",
-        type=int,
-        default=0,
-        help="restart every worker up to N times after a failure (default: 0)",
-    )
-    run.set_defaults(handler=_cmd_run, **{k: v for k, v in on_cluster.items() if k != "nproc"})
-    train = sub.add_parser("train", help="train a model (default: a CNN on digits, 2 workers)")
-    train.add_argument("--config", metavar="TOML", help="read options from a TOML file first")
-    add_flags(train, TrainConfig)
-    train.set_defaults(handler=_cmd_train)
-    emulate = sub.add_parser(
-        "emulate", help="run a command on emulated hosts: gradmesh emulate --hosts H -- CMD ..."
-    )
-    emulate.add_argument("--hosts", type=int, required=True, help="emulated hosts")
-    emulate.add_argument("--procs-per-host", type=int, default=1, help="workers per host")
-    emulate.add_argument("--bandwidth", default="1gbit", help="link rate per host (default: 1gbit)")
-    emulate.add_argument("--latency", help="added one-way latency, like 1ms (needs netem)")
-    emulate.add_argument("--timeout", type=float, default=600.0, help="end the job after S seconds")
-    emulate.add_argument(
-        "--nnodes", help="MIN:MAX (MAX = --hosts): an elastic job that goes on with MIN hosts"
-    )
-    emulate.set_defaults(handler=_cmd_emulate)
-    plan = sub.add_parser(
-        "plan", help="choose data or tensor parallelism per layer from measured costs"
-    )
-    import_module("gradmesh.plan.command").add_arguments(plan)
-    plan.set_defaults(handler=_cmd_plan)
-    simulate = sub.add_parser(
-        "simulate", help="predict step time and scaling on 8..1024 GPUs from the cost model"
-    )
-    import_module("gradmesh.simulate.model").add_arguments(simulate)
-    simulate.set_defaults(handler=_cmd_simulate)
-    report = sub.add_parser(
-        "report", help="print a finished run's report (--json) or timeline (--timeline)"
-    )
-    report.add_argument("run", help="the run's JSON report or merged timeline")
-    report.add_argument(
-        "--plot",
-        help="write a report's loss curve and per-rank step times, or a timeline's last "
-        "steps per process and thread, here (PNG)",
-    )
-    report.add_argument(
-        "--steps", type=int, default=3, help="steps of a timeline to plot (default 3)"
-    )
-    report.set_defaults(handler=_cmd_report)
+    for name, command in COMMANDS.items():
+        _add_command(sub, name, command, name)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (summary, module) in BENCHES.items():
-        one = benches.add_parser(name, help=summary)
-        import_module(module).add_arguments(one)
-        one.set_defaults(handler=_cmd_bench, bench_module=module)
+        spec = Command(summary, f"{module}:Config", f"{module}:run", interruptible=True)
+        _add_command(benches, name, spec, f"bench.{name}")
     return parser
+
+
+def _config(args: argparse.Namespace) -> Any:
+    """The command's defaults, then its table of the TOML file, then the flags."""
+    cls = _load(args.command_spec.config)
+    base = from_toml(cls, args.config, args.table) if args.config else cls()
+    return from_flags(cls, args, base)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,17 +298,15 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    try:  # the parser's defaults come from the environment, which can be wrong
-        parser = build_parser()
-    except GradmeshError as exc:
-        print(f"gradmesh: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
-    args = parser.parse_args(argv)
-    if args.command not in ("run", "emulate") and command:
+    args = build_parser().parse_args(argv)
+    spec: Command = args.command_spec
+    if command and not spec.takes_command:
         print(f"gradmesh {args.command}: error: unexpected arguments after --", file=sys.stderr)
         return USAGE_ERROR
+    if spec.interruptible:
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return int(args.handler(args, command))
+        return int(_load(spec.handler)(_config(args), command))
     except GradmeshError as exc:
         print(f"gradmesh {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR

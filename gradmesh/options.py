@@ -53,10 +53,15 @@ def option(
     return field(default=default, metadata=metadata)
 
 
-def component(cls: type, only: Sequence[str] | None = None) -> Any:
+def component(
+    cls: type, only: Sequence[str] | None = None, former: Mapping[str, str] | None = None
+) -> Any:
     """A field holding a component's own options (a dataclass); `only`: the options of it this
-    command offers (the others keep their defaults)."""
-    return field(default_factory=cls, metadata={"component": True, "only": only})
+    command offers (the others keep their defaults); `former`: an option's flag in this command
+    before it came from the component (`{"algorithm": "--algorithm"}`), still accepted with a
+    warning."""
+    metadata = {"component": True, "only": only, "former": dict(former or {})}
+    return field(default_factory=cls, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,8 @@ class Option:
     path: tuple[str, ...]
     owner: type
     field: dataclasses.Field[Any]
+    former: tuple[str, ...] = ()
+    """Flags this option had in this command before, still accepted with a warning."""
 
     @property
     def flag(self) -> str:
@@ -83,17 +90,23 @@ class Option:
 
 
 def options_of(
-    cls: type, path: tuple[str, ...] = (), only: Sequence[str] | None = None
+    cls: type,
+    path: tuple[str, ...] = (),
+    only: Sequence[str] | None = None,
+    former: Mapping[str, str] | None = None,
 ) -> list[Option]:
     """Every option of `cls`, its components' included (as far as they offer them)."""
     found = []
     for f in dataclasses.fields(cls):
         if only is not None and f.name not in only:
             continue
-        if f.metadata.get("component"):
-            found += options_of(field_type(cls, f.name)[0], (*path, f.name), f.metadata["only"])
-        elif "help" in f.metadata:
-            found.append(Option((*path, f.name), cls, f))
+        meta = f.metadata
+        if meta.get("component"):
+            inner = field_type(cls, f.name)[0]
+            found += options_of(inner, (*path, f.name), meta["only"], meta["former"])
+        elif "help" in meta:
+            old = (former or {}).get(f.name)
+            found.append(Option((*path, f.name), cls, f, (old,) if old else ()))
     return found
 
 
@@ -183,10 +196,12 @@ def _add_flag(group: Any, opt: Option) -> None:
         group.add_argument(opt.dest, metavar=opt.field.name, help=meta["help"])
         return
     kwargs: dict[str, Any] = {"dest": opt.dest, "default": None, "help": meta["help"] + shown}
+    if not boolean:
+        kwargs["metavar"] = opt.field.name.upper()
     if boolean:
         kwargs["action"] = "store_true"
     group.add_argument(opt.flag, **kwargs)
-    for old in meta["deprecated"]:
+    for old in (*meta["deprecated"], *opt.former):
         action = group.add_argument(
             old,
             dest=opt.dest,

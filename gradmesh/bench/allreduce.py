@@ -10,36 +10,34 @@ with the probed parameters.
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import median, quantile
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list, parse_size
 
 DEFAULT_ALGORITHMS = "ring,tree,butterfly,star,hierarchical,native"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", default="2,4", help="world sizes, like 2,4 (default: 2,4)")
-    parser.add_argument("--sizes", default="4KB,256KB,4MB,32MB", help="message sizes")
-    parser.add_argument(
-        "--algorithms",
-        type=canonical_name,
-        default=DEFAULT_ALGORITHMS,
-        help="algorithms to compare",
-    )
-    parser.add_argument("--reps", type=int, default=10, help="measured rounds (default: 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up rounds (default: 2)")
-    parser.add_argument("--json", help="write the results here")
-    parser.add_argument("--timeout", type=float, default=120.0, help="collective timeout, s")
-    parser.add_argument("--emulate-hosts", type=int, help="spread each world over H emulated hosts")
-    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
+@dataclass
+class Config:
+    """gradmesh bench allreduce: every allreduce algorithm, interleaved, with the cost model"""
+
+    world: str = option("2,4", "world sizes, like 2,4")
+    sizes: str = option("4KB,256KB,4MB,32MB", "message sizes")
+    algorithms: str = option(DEFAULT_ALGORITHMS, "algorithms to compare", name=True)
+    reps: int = option(10, "measured rounds")
+    warmup: int = option(2, "warm-up rounds")
+    json: str | None = option(None, "write the results here")
+    timeout: float = option(120.0, "collective timeout, s")
+    emulate_hosts: int | None = option(None, "spread each world over H emulated hosts")
+    bandwidth: str = option("1gbit", "emulated link rate")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.collectives import ALGORITHMS
     from gradmesh.errors import GradmeshError
 

@@ -17,50 +17,42 @@ competes with training for the same cores.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE, median
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.runtime.process import cpu_jiffies
 
 MODES = ("none", "sync", "async")
 _KILLED = re.compile(r"killed after step \d+ at unix time ([0-9.]+)")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        type=canonical_name,
-        default="alexnet",
-        help="model (default: alexnet, the largest)",
-    )
-    parser.add_argument(
-        "--dataset", type=canonical_name, default="digits", help="dataset (default: digits)"
-    )
-    parser.add_argument("--workers", type=int, default=2, help="worker processes (default: 2)")
-    parser.add_argument("--epochs", type=int, default=2, help="epochs per run (default: 2)")
-    parser.add_argument("--every", type=int, default=5, help="steps between checkpoints (5)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of every mode (default: 3)")
-    parser.add_argument(
-        "--modes",
-        type=canonical_name,
-        default="sync,async",
-        help="save modes to time against no checkpoints (default: sync,async)",
-    )
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench checkpoint: checkpoint size, training stall (sync and async) and restart-to-
+    first-step time"""
+
+    model: str = option("alexnet", "model", name=True)
+    dataset: str = option("digits", "dataset", name=True)
+    workers: int = option(2, "worker processes")
+    epochs: int = option(2, "epochs per run")
+    every: int = option(5, "steps between checkpoints (5)")
+    rounds: int = option(3, "rounds of every mode")
+    modes: str = option("sync,async", "save modes to time against no checkpoints", name=True)
+    json: str | None = option(None, "write the result here")
 
 
-def _train(args: argparse.Namespace, folder: Path, mode: str, kill: int | None) -> dict[str, Any]:
+def _train(args: Config, folder: Path, mode: str, kill: int | None) -> dict[str, Any]:
     """One `gradmesh train` run; its report, the machine's idle CPU, and the kill's time stamp."""
     folder.mkdir(parents=True, exist_ok=True)
     report = folder / "report.json"
@@ -94,7 +86,7 @@ def _train(args: argparse.Namespace, folder: Path, mode: str, kill: int | None) 
     return result
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     if min(args.workers, args.epochs, args.every, args.rounds) < 1:
         raise GradmeshError("--workers, --epochs, --every and --rounds must be >= 1")
     chosen = [m for m in args.modes.split(",") if m]
@@ -121,7 +113,7 @@ def _step_s(report: dict[str, Any]) -> float:
     return float(report["batch_size"] / report["samples_per_s"])
 
 
-def summarize(args: argparse.Namespace, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def summarize(args: Config, runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     base = median([_step_s(r) for r in runs["none"]])
     modes: dict[str, Any] = {}
     timed = [m for m in runs if m != "restart"]  # "none" first, then the save modes timed

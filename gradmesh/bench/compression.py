@@ -21,7 +21,6 @@ from the same run.
 
 from __future__ import annotations
 
-import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from typing import Any
 from gradmesh.bench.harness import label, median, shutdown_after_ddp
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.runtime.process import cpu_jiffies
 from gradmesh.units import parse_list
 
@@ -51,31 +50,30 @@ def engines() -> list[str]:
     return [REFERENCE, *(n for n in COMPRESSORS.names() if n != REFERENCE), OUR_HOOK, TORCH_HOOK]
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
-    parser.add_argument("--engines", help="comma-separated (default: all compressors and hooks)")
-    parser.add_argument(
-        "--model",
-        type=canonical_name,
-        default="alexnet",
-        help="a registered model (default: alexnet)",
-    )
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default: 0.05)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (default: 0.9)")
-    parser.add_argument("--ratio", type=float, default=0.01, help="topk's fraction (0.01)")
-    parser.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (default: 4)")
-    parser.add_argument("--allreduce", default="native", help="gradmesh's allreduce algorithm")
-    parser.add_argument("--target", type=float, default=0.95, help="test accuracy to reach")
-    parser.add_argument("--chunk", type=int, default=10, help="steps per turn (default: 10)")
-    parser.add_argument("--min-rounds", type=int, default=5, help="timed turns at least")
-    parser.add_argument("--max-epochs", type=int, default=15, help="give up after (default: 15)")
-    parser.add_argument("--emulate-hosts", type=int, help="spread the workers over H hosts")
-    parser.add_argument("--bandwidth", default="100mbit", help="emulated link rate (100mbit)")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench compression: every compressor over a slow link: bytes, step time, time to
+    accuracy, torch's hook"""
+
+    world: int = option(2, "workers")
+    engines: str | None = option(None, "comma-separated")
+    model: str = option("alexnet", "a registered model", name=True)
+    batch_size: int = option(64, "global batch")
+    lr: float = option(0.05, "SGD learning rate")
+    momentum: float = option(0.9, "SGD momentum")
+    ratio: float = option(0.01, "topk's fraction (0.01)")
+    rank: int = option(4, "PowerSGD's rank")
+    allreduce: str = option("native", "gradmesh's allreduce algorithm")
+    target: float = option(0.95, "test accuracy to reach")
+    chunk: int = option(10, "steps per turn")
+    min_rounds: int = option(5, "timed turns at least")
+    max_epochs: int = option(15, "give up after")
+    emulate_hosts: int | None = option(None, "spread the workers over H hosts")
+    bandwidth: str = option("100mbit", "emulated link rate (100mbit)")
+    json: str | None = option(None, "write the result here")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.collectives import ALGORITHMS
     from gradmesh.compression.registry import make
     from gradmesh.models.registry import MODELS, check_pairing

@@ -9,34 +9,33 @@ its default.
 
 from __future__ import annotations
 
-import argparse
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import label, median, shutdown_after_ddp
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.runtime.process import cpu_jiffies
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
-    parser.add_argument(
-        "--model", type=canonical_name, default="cnn", help="a registered model (default: cnn)"
-    )
-    parser.add_argument(
-        "--dataset", type=canonical_name, default="digits", help="input shape from this dataset"
-    )
-    parser.add_argument("--batch-size", type=int, default=64, help="global batch (default: 64)")
-    parser.add_argument("--steps", type=int, default=20, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per engine")
-    parser.add_argument("--allreduce", default="native", help="gradmesh's allreduce algorithm")
-    parser.add_argument("--emulate-hosts", type=int, help="spread the workers over H hosts")
-    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench dataparallel: gradmesh's DistributedOptimizer against torch DDP."""
+
+    world: int = option(2, "workers")
+    model: str = option("cnn", "a registered model", name=True)
+    dataset: str = option("digits", "input shape from this dataset", name=True)
+    batch_size: int = option(64, "global batch")
+    steps: int = option(20, "steps per timed round")
+    rounds: int = option(10, "timed rounds per engine")
+    allreduce: str = option("native", "gradmesh's allreduce algorithm")
+    emulate_hosts: int | None = option(None, "spread the workers over H hosts")
+    bandwidth: str = option("1gbit", "emulated link rate")
+    json: str | None = option(None, "write the result here")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.collectives import ALGORITHMS
     from gradmesh.data import DATASETS
     from gradmesh.errors import GradmeshError

@@ -11,20 +11,20 @@ bigger batch. samples/s is the trainer's own figure (training loop only, excludi
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradmesh.bench.harness import median
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list
 
 PROBLEMS: dict[str, dict[str, Any]] = {
@@ -48,18 +48,17 @@ PROBLEMS: dict[str, dict[str, Any]] = {
 MODES = ("hogwild", "locked")
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", default="1,2", help="worker counts (default: 1,2)")
-    parser.add_argument(
-        "--modes", type=canonical_name, default="hogwild,locked", help="hogwild, locked or both"
-    )
-    parser.add_argument(
-        "--problems", type=canonical_name, default="sparse,dense", help="sparse, dense or both"
-    )
-    parser.add_argument("--rounds", type=int, default=5, help="runs of each configuration")
-    parser.add_argument("--epochs", type=int, help="override every problem's epochs")
-    parser.add_argument("--batch-per-worker", type=int, help="override every problem's batch")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench hogwild: samples/s and accuracy, 1..N workers, lock-free and locked."""
+
+    workers: str = option("1,2", "worker counts")
+    modes: str = option("hogwild,locked", "hogwild, locked or both", name=True)
+    problems: str = option("sparse,dense", "sparse, dense or both", name=True)
+    rounds: int = option(5, "runs of each configuration")
+    epochs: int | None = option(None, "override every problem's epochs")
+    batch_per_worker: int | None = option(None, "override every problem's batch")
+    json: str | None = option(None, "write the result here")
 
 
 def _train(problem: dict[str, Any], workers: int, mode: str, out: Path) -> dict[str, Any]:
@@ -84,7 +83,7 @@ def _train(problem: dict[str, Any], workers: int, mode: str, out: Path) -> dict[
     return dict(json.loads(out.read_text()))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     workers = parse_ints(args.workers, "workers")
     modes = parse_list(args.modes, "mode")
     problems = parse_list(args.problems, "problem")

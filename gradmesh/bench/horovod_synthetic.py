@@ -15,35 +15,34 @@ step fill half the emulated link or more), `compute` or `loopback` (no emulated 
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 from gradmesh.bench.dataparallel import measure
 from gradmesh.launch.jobs import write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 
 ENGINES = ["horovod", "gradmesh", "ddp"]
 TARGET = 0.95
 """The drop-in's images/s over gradmesh's own API's, at least."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--world", type=int, default=2, help="workers (default: 2)")
-    parser.add_argument(
-        "--model",
-        type=canonical_name,
-        default="alexnet",
-        help="a registered model (default: alexnet)",
-    )
-    parser.add_argument("--image-size", type=int, default=32, help="square RGB images (default 32)")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per worker (default 32)")
-    parser.add_argument("--batches-per-round", type=int, default=10, help="steps per timed round")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds per engine")
-    parser.add_argument("--emulate-hosts", type=int, help="spread the workers over H hosts")
-    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench horovod-synthetic: Horovod's synthetic benchmark: the drop-in against
+    gradmesh's API and DDP, img/s"""
+
+    world: int = option(2, "workers")
+    model: str = option("alexnet", "a registered model", name=True)
+    image_size: int = option(32, "square RGB images")
+    batch_size: int = option(32, "images per worker")
+    batches_per_round: int = option(10, "steps per timed round")
+    rounds: int = option(10, "timed rounds per engine")
+    emulate_hosts: int | None = option(None, "spread the workers over H hosts")
+    bandwidth: str = option("1gbit", "emulated link rate")
+    json: str | None = option(None, "write the result here")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
     from gradmesh.models.registry import MODELS
 

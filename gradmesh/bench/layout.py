@@ -18,12 +18,12 @@ exceeds the hosts a group fits in.
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved_jobs, median
 from gradmesh.launch.jobs import emulated_cluster, worker_main, write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.train.timing import timed_steps
 
 LAYOUTS = {
@@ -36,23 +36,23 @@ LAYOUTS = {
 """name -> (tensor parallel, pipeline parallel); data parallel takes the rest of the world."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", type=canonical_name, default="alexnet", help="model (default: alexnet)"
-    )
-    parser.add_argument("--world", type=int, default=4, help="ranks (default: 4)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
-    parser.add_argument("--microbatches", type=int, default=8, help="pipeline (default: 8)")
-    parser.add_argument(
-        "--schedule", type=canonical_name, default="1f1b", help="gpipe or 1f1b (default: 1f1b)"
-    )
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (default: 3)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="which layouts")
-    parser.add_argument("--emulate-hosts", type=int, help="emulated hosts (default: loopback)")
-    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench layout: one model data-parallel, tensor-parallel and pipelined over the same
+    ranks"""
+
+    model: str = option("alexnet", "model", name=True)
+    world: int = option(4, "ranks")
+    batch: int = option(64, "global batch")
+    microbatches: int = option(8, "pipeline")
+    schedule: str = option("1f1b", "gpipe or 1f1b", name=True)
+    steps: int = option(10, "measured steps")
+    warmup: int = option(3, "warm-up steps")
+    rounds: int = option(2, "interleaved rounds")
+    layouts: str = option(",".join(LAYOUTS), "which layouts")
+    emulate_hosts: int | None = option(None, "emulated hosts")
+    bandwidth: str = option("1gbit", "emulated link rate")
+    json: str | None = option(None, "write the result here")
 
 
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
@@ -98,7 +98,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     return rt.rank, result
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
 
     names = [n for n in args.layouts.split(",") if n]
@@ -128,22 +128,22 @@ def run(args: argparse.Namespace) -> int:
         rounds = dict(zip(names, runs, strict=True))
         notes = cluster.notes if cluster is not None else None
     results = {}
-    for name, runs in rounds.items():
+    for name, got in rounds.items():
         tp, pp = LAYOUTS[name]
         m = args.microbatches if pp > 1 else 1
-        step = median([r["step_s"] for r in runs])
-        idle = median([r["cpu_idle"] for r in runs])
+        step = median([r["step_s"] for r in got])
+        idle = median([r["cpu_idle"] for r in got])
         results[name] = {
             "dp": args.world // (tp * pp),
             "tp": tp,
             "pp": pp,
             "microbatches": m,
             "step_s": step,
-            "bytes_per_step": runs[0]["bytes_per_step"],
-            "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
-            "bubble": median([r["bubble"] for r in runs]) if pp > 1 else None,
+            "bytes_per_step": got[0]["bytes_per_step"],
+            "param_bytes_per_rank": got[0]["param_bytes_per_rank"],
+            "bubble": median([r["bubble"] for r in got]) if pp > 1 else None,
             "stage_idle": [
-                median([r["stage_idle"][rank] for r in runs]) for rank in range(args.world)
+                median([r["stage_idle"][rank] for r in got]) for rank in range(args.world)
             ]
             if pp > 1
             else None,

@@ -7,22 +7,26 @@ as bus bandwidth and as a fraction of the link rate: link_utilization = busbw * 
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 from gradmesh.launch.jobs import emulated_cluster, run_workers, write_json
+from gradmesh.options import option
 from gradmesh.units import parse_size
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--hosts", type=int, default=2, help="emulated hosts (default: 2)")
-    parser.add_argument("--bandwidth", default="1gbit", help="link rate (default: 1gbit)")
-    parser.add_argument("--bytes", default="16MB", help="message size (default: 16MB)")
-    parser.add_argument("--reps", type=int, default=10, help="measured runs (default: 10)")
-    parser.add_argument("--warmup", type=int, default=2, help="warm-up runs (default: 2)")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench link: native allreduce over emulated hosts, as a fraction of the link"""
+
+    hosts: int = option(2, "emulated hosts")
+    bandwidth: str = option("1gbit", "link rate")
+    bytes: str = option("16MB", "message size")
+    reps: int = option(10, "measured runs")
+    warmup: int = option(2, "warm-up runs")
+    json: str | None = option(None, "write the result here")
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
 
     if args.hosts < 2 or args.reps < 1:

@@ -9,31 +9,33 @@ ratio, and the machine's idle CPU during each job (under 10 %: `"limit": "cpu"`)
 
 from __future__ import annotations
 
-import argparse
 import json
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE, median
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--strategy", type=canonical_name, default="allreduce", help="(default: allreduce)"
-    )
-    parser.add_argument("--epochs", type=int, default=12, help="(default: 12, train's default)")
-    parser.add_argument("--rounds", type=int, default=5, help="jobs of each kind (default: 5)")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench observe: the default job's step time with and without --tensorboard and
+    --timeline"""
+
+    strategy: str = option("allreduce", "", name=True)
+    epochs: int = option(12, "epochs per job (train's default)")
+    rounds: int = option(5, "jobs of each kind")
+    json: str | None = option(None, "write the result here")
 
 
-def _job(args: argparse.Namespace, observed: bool, tmp: Path, n: int) -> dict[str, float]:
+def _job(args: Config, observed: bool, tmp: Path, n: int) -> dict[str, float]:
     out = tmp / f"r{n}.json"
     flags = ["--strategy", args.strategy, "--epochs", str(args.epochs), "--json", str(out)]
     if args.strategy == "ps":
@@ -55,7 +57,7 @@ def _job(args: argparse.Namespace, observed: bool, tmp: Path, n: int) -> dict[st
     return {"step_s": report["wall_s"] / max(report["steps"], 1), "cpu_idle": idle}
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     if args.rounds < 1 or args.epochs < 1:
         raise GradmeshError("--rounds and --epochs must be >= 1")
     runs: dict[bool, list[dict[str, float]]] = {False: [], True: []}

@@ -17,37 +17,37 @@ and the machine's idle CPU during the measured steps: under 10 % the figure is l
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved_jobs, median
 from gradmesh.launch.jobs import emulated_cluster, worker_main, write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.train.timing import timed_steps
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", type=canonical_name, default="alexnet", help="model (default: alexnet)"
-    )
-    parser.add_argument(
-        "--dataset", type=canonical_name, default="synthetic", help="dataset (default: synthetic)"
-    )
-    parser.add_argument("--synthetic-shape", default="3x32x32", help="(default: 3x32x32)")
-    parser.add_argument("--world", type=int, default=4, help="ranks (default: 4)")
-    parser.add_argument("--batch", type=int, default=64, help="global batch (default: 64)")
-    parser.add_argument("--steps", type=int, default=10, help="measured steps (default: 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="warm-up steps (default: 3)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default: 3)")
-    parser.add_argument("--emulate-hosts", type=int, help="emulated hosts (default: loopback)")
-    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate (default: 1gbit)")
-    parser.add_argument("--json", help="write the result here")
+@dataclass
+class Config:
+    """gradmesh bench plan: the hybrid planner's plan against data, tensor parallelism and the
+    rule: measured"""
+
+    model: str = option("alexnet", "model", name=True)
+    dataset: str = option("synthetic", "dataset", name=True)
+    synthetic_shape: str = option("3x32x32", "synthetic input shape")
+    world: int = option(4, "ranks")
+    batch: int = option(64, "global batch")
+    steps: int = option(10, "measured steps")
+    warmup: int = option(3, "warm-up steps")
+    rounds: int = option(3, "interleaved rounds")
+    emulate_hosts: int | None = option(None, "emulated hosts")
+    bandwidth: str = option("1gbit", "emulated link rate")
+    json: str | None = option(None, "write the result here")
 
 
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
     """One placement's job, on one rank: the trainer's setup with the plan, steps on one fixed
     global batch, the bytes sent per step by kind."""
-    from gradmesh.plan.command import Setting, placement_config
+    from gradmesh.plan.setting import Setting, placement_config
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.report import gather_rank_stats, summarize_layout
     from gradmesh.train.trainer import attach, layout_figures, setup
@@ -70,12 +70,14 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     return rt.rank, result
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     import dataclasses
 
     from gradmesh.errors import GradmeshError
     from gradmesh.layout.planner import Links
-    from gradmesh.plan.command import ProbeRequest, Setting, describe, make_plan, probe_links
+    from gradmesh.plan.command import describe, make_plan
+    from gradmesh.plan.probe import ProbeRequest, probe_links
+    from gradmesh.plan.setting import Setting
 
     if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
         raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")

@@ -22,12 +22,12 @@ included), labelled `cpu` under 10 %.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from statistics import mean
 from typing import Any
@@ -38,7 +38,7 @@ from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.jobs import write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.runtime.process import cpu_jiffies
 from gradmesh.sync.parameter_server.cost import step_time
 from gradmesh.units import parse_ints, parse_rate
@@ -50,26 +50,26 @@ WIRE_OVERHEAD = 1514 / 1448
 frames."""
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", type=int, default=4, help="workers (default: 4)")
-    parser.add_argument("--servers", default="1,2,4", help="server counts (default: 1,2,4)")
-    parser.add_argument("--emulate-hosts", action="store_true", help="one emulated host each")
-    parser.add_argument("--bandwidth", default="1gbit", help="emulated link rate")
-    parser.add_argument("--model-mb", type=float, default=2.0, help="parameters, MB (float32)")
-    parser.add_argument("--compute-ms", type=float, default=10.0, help="emulated compute/step")
-    parser.add_argument("--steps", type=int, default=40, help="steps per worker per run")
-    parser.add_argument("--rounds", type=int, default=2, help="runs of each configuration")
-    parser.add_argument(
-        "--mode", type=canonical_name, default="async", help="ps mode (default: async)"
-    )
-    parser.add_argument("--json", help="write the result here")
-    parser.add_argument(
-        "--micro", action="store_true", help="the server's CPU per push+pull by shard size"
-    )
-    ps_micro.add_arguments(parser)
+@dataclass
+class Config:
+    """gradmesh bench ps: parameter servers 1..S against ring allreduce, on emulated hosts"""
+
+    workers: int = option(4, "workers")
+    servers: str = option("1,2,4", "server counts")
+    emulate_hosts: bool = option(False, "one emulated host each")
+    bandwidth: str = option("1gbit", "emulated link rate")
+    model_mb: float = option(2.0, "parameters, MB (float32)")
+    compute_ms: float = option(10.0, "emulated compute/step")
+    steps: int = option(40, "steps per worker per run")
+    rounds: int = option(2, "runs of each configuration")
+    mode: str = option("async", "ps mode", name=True)
+    json: str | None = option(None, "write the result here")
+    micro: bool = option(False, "the server's CPU per push+pull by shard size")
+    sizes: str = option(ps_micro.DEFAULT_SIZES, "--micro: shard sizes")
+    seconds: float = option(1.0, "--micro: each timed window")
 
 
-def _job_flags(args: argparse.Namespace) -> list[str]:
+def _job_flags(args: Config) -> list[str]:
     side = max(4, round((args.model_mb * 1e6 / 4 / HIDDEN) ** 0.5))
     batch = PER_WORKER_BATCH * args.workers
     samples = round(args.steps * batch / 0.8) + 1  # 80% of the synthetic set is for training
@@ -102,7 +102,7 @@ def _run(flags: list[str], hosts: int, emulate: bool, bandwidth: str, out: Path)
     return dict(json.loads(out.read_text()))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     if args.micro:
         return ps_micro.run(args)
     servers = parse_ints(args.servers, "servers")
@@ -166,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _link(args: argparse.Namespace) -> CostParams:
+def _link(args: Config) -> CostParams:
     """The α-β terms of the links: the emulated rate (with TCP/IP's framing) or loopback's."""
     if not args.emulate_hosts:
         return DEFAULT_PARAMS
@@ -175,7 +175,7 @@ def _link(args: argparse.Namespace) -> CostParams:
 
 
 def _summary(
-    args: argparse.Namespace, servers: int, reports: list[dict[str, Any]], link: CostParams
+    args: Config, servers: int, reports: list[dict[str, Any]], link: CostParams
 ) -> dict[str, Any]:
     """One configuration's medians, its CPU figures and its prediction (`parameter_server.cost`)
     from the run's own compute time and server CPU per request."""

@@ -12,14 +12,13 @@ trip's wall time; medians of `--rounds` windows.
 
 from __future__ import annotations
 
-import argparse
 import os
 import secrets
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gradmesh.bench.harness import median
 from gradmesh.errors import GradmeshError
@@ -30,9 +29,13 @@ DEFAULT_SIZES = "64KB,512KB,2MB,8MB"
 WARMUP = 20
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sizes", default=DEFAULT_SIZES, help=f"shard sizes ({DEFAULT_SIZES})")
-    parser.add_argument("--seconds", type=float, default=1.0, help="each timed window (1 s)")
+class MicroOptions(Protocol):
+    """What `gradmesh bench ps --micro` reads of the bench's options."""
+
+    sizes: str
+    seconds: float
+    rounds: int
+    json: str | None
 
 
 def cpu_ns(pid: int) -> int:
@@ -59,7 +62,7 @@ def _serve(numel: int) -> int:
     return 0
 
 
-def _measure(numel: int, args: argparse.Namespace) -> dict[str, Any]:
+def _measure(numel: int, args: MicroOptions) -> dict[str, Any]:
     import torch
 
     from gradmesh.sync.parameter_server.client import Client
@@ -109,7 +112,7 @@ def _measure(numel: int, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: MicroOptions) -> int:
     sizes = [parse_size(s) for s in parse_list(args.sizes, "size")]
     if any(s < 4 or s % 4 for s in sizes) or args.seconds <= 0 or args.rounds < 1:
         raise GradmeshError("--sizes must be whole float32 counts, --seconds > 0, --rounds >= 1")

@@ -13,56 +13,52 @@ a network figure. `--emulate-compute MS` makes each step's compute MS longer by 
 (`gradmesh.train.emulated`), labelled EMULATED in the JSON, table and plot: 4 hosts on 2 cores
 then leave the cores idle enough for the links to be the limit.
 
-The prediction is the simulator's (`gradmesh.simulate.model.STRATEGIES`) given this machine's own
-measured compute (the job's own compute seconds per step, spread over the layers by their
-FLOPs) and the link probed on the same emulated hosts
-(`gradmesh.plan.command.probe_links`).
+The prediction is the simulator's (`gradmesh.simulate.strategies.STRATEGIES`) given this
+machine's own measured compute (the job's own compute seconds per step, spread over the layers
+by their FLOPs) and the link probed on the same emulated hosts
+(`gradmesh.plan.probe.probe_links`).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE, median
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import write_json
-from gradmesh.registry import canonical_name
+from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list
 
 BASELINE = "one worker"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=canonical_name, default="cnn", help="model (default: cnn)")
-    parser.add_argument(
-        "--strategies",
-        type=canonical_name,
-        default="allreduce,local-sgd,ps",
-        help="(default: allreduce,local-sgd,ps)",
+@dataclass
+class Config:
+    """gradmesh bench scaling: each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the
+    simulator's prediction"""
+
+    model: str = option("cnn", "model", name=True)
+    strategies: str = option("allreduce,local-sgd,ps", "", name=True)
+    hosts: str = option("1,2,4", "emulated host counts")
+    bandwidth: str = option("1gbit", "link rate per host")
+    batch_per_worker: int = option(32, "samples each worker computes per step (weak scaling)")
+    epochs: int = option(8, "epochs per job")
+    rounds: int = option(2, "interleaved rounds")
+    emulate_compute: float = option(
+        0.0,
+        "EMULATED compute: each step sleeps MS more, spread over forward and backward (more "
+        "hosts than cores without the cores becoming the limit)",
     )
-    parser.add_argument("--hosts", default="1,2,4", help="emulated host counts (default: 1,2,4)")
-    parser.add_argument("--bandwidth", default="1gbit", help="link rate per host (default: 1gbit)")
-    parser.add_argument("--batch-per-worker", type=int, default=32, help="(default: 32)")
-    parser.add_argument("--epochs", type=int, default=8, help="epochs per job (default: 8)")
-    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (default: 2)")
-    parser.add_argument(
-        "--emulate-compute",
-        type=float,
-        default=0.0,
-        metavar="MS",
-        help="EMULATED compute: each step sleeps MS more, spread over forward and backward "
-        "(more hosts than cores without the cores becoming the limit)",
-    )
-    parser.add_argument("--json", help="write the study here")
-    parser.add_argument("--plot", help="write efficiency and overhead against hosts here (PNG)")
+    json: str | None = option(None, "write the study here")
+    plot: str | None = option(None, "write efficiency and overhead against hosts here (PNG)")
 
 
-def _train(strategy: str, hosts: int, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
+def _train(strategy: str, hosts: int, args: Config, tmp: Path) -> dict[str, Any]:
     """One `gradmesh train` job of `hosts` workers, one per emulated host; its report and the
     machine's idle CPU fraction while it ran."""
     import json
@@ -99,8 +95,9 @@ def _point(run: dict[str, Any], steps: int) -> dict[str, float]:
     }
 
 
-def _probe(hosts: int, args: argparse.Namespace, grad_bytes: int) -> Any:
-    from gradmesh.plan.command import ProbeRequest, Setting, probe_emulated
+def _probe(hosts: int, args: Config, grad_bytes: int) -> Any:
+    from gradmesh.plan.probe import ProbeRequest, probe_emulated
+    from gradmesh.plan.setting import Setting
 
     setting = Setting(args.model, "digits", "", hosts, args.batch_per_worker * hosts, 1)
     sizes = sorted({16 << 10, max(16 << 10, grad_bytes)})
@@ -114,21 +111,24 @@ def _predict(
     measured: dict[str, float],
     links: Any,
     layers: list[Any],
-    args: argparse.Namespace,
+    args: Config,
 ) -> float:
     """The simulator's step for this point, given its measured compute and the probed link."""
-    from gradmesh.simulate.model import STRATEGIES, Device, Job, device_profile
+    from gradmesh.simulate.profile import Device, device_profile
+    from gradmesh.simulate.strategies import STRATEGIES, Job
 
     flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
     device = Device(flops / measured["compute_step_s"] / 1e12, 1.0, "measured")
     prof = device_profile(layers, device, args.batch_per_worker, args.model)
     job = Job(prof, hosts, links, "native", 64.0, servers=1, servers_apart=True)
-    return STRATEGIES.get(strategy)(job)
+    return float(STRATEGIES.get(strategy)(job))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.data.registry import DATASETS, DataOptions
-    from gradmesh.simulate.model import STRATEGIES, markdown_table, model_layers
+    from gradmesh.simulate.command import markdown_table
+    from gradmesh.simulate.profile import model_layers
+    from gradmesh.simulate.strategies import STRATEGIES
 
     hosts = parse_ints(args.hosts, "host count")
     strategies = parse_list(args.strategies, "strategy")

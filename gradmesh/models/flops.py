@@ -1,5 +1,5 @@
 """Per-layer FLOPs of a model, from torch's FLOP counter: what the simulator prices a layer's
-compute by (`gradmesh.simulate.model`) and what emulated compute spreads its sleep by
+compute by (`gradmesh.simulate`) and what emulated compute spreads its sleep by
 (`gradmesh.train.emulated`), so the two split a step's compute over the layers alike."""
 
 from __future__ import annotations

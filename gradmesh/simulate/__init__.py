@@ -1,2 +1,34 @@
 """`gradmesh simulate`: predicted step time, scaling efficiency and communication overhead of a
-job on clusters larger than this one, from the cost formulas gradmesh runs on."""
+job on 8 to thousands of GPUs, from the cost formulas gradmesh runs on (one source of truth).
+
+**Model.** The model is built on torch's meta device (a billion parameters cost no memory) and
+run forward and backward under torch's FLOP counter, which gives every layer with weights its
+forward and backward FLOPs (the convolutions and matrix products: the work that scales) and its
+parameter bytes, in the order forward runs them.
+
+**Compute.** A layer's seconds are its FLOPs over the device's achieved rate: peak times the
+fraction a convnet's training step reaches (`DEVICES`; `--tflops`, `--achieved` override), or
+for `cpu` the rate measured by running the model on this machine.
+
+**Communication** comes from the collectives' registered formulas through the planner's `Links`
+(`Links.allreduce_s`): two levels, within a node and across nodes (alpha = latency, beta = 1 /
+bandwidth); a flat algorithm that spans nodes is priced on the across-node terms (its slowest
+link), `hierarchical` as its two levels.
+
+**Strategies** (`STRATEGIES`):
+- `allreduce`: the planner's `predict` with every layer data-parallel: forward, then backward
+  layer by layer in reverse, each bucket of `--fusion-mb` leaving when its last gradient is
+  ready and the buckets sharing one link in order; overlap is simulated, not assumed.
+- `ps`: `gradmesh.sync.parameter_server.cost.step_time` (mean-value analysis of W workers pushing
+  and pulling through S servers) on the same alpha-beta terms; the G GPUs of a node share its
+  link.
+- `local-sgd`: compute every step, the parameters' allreduce every `--sync-every` steps.
+- `tensor`: the model's own tensor-parallel plan within groups of `--tensor-parallel` GPUs (a
+  node's by default), data parallelism across groups; `hybrid`: the planner's choice per layer
+  (`gradmesh.layout.planner.plan`, its exact search), both priced by the planner's `predict`
+  on a profile whose seconds come from FLOPs (`layout_profile`).
+- `pipeline`: gradmesh's own pipeline schedule, action by action (`_pipeline`).
+
+Efficiency at n GPUs is T(1) / T(n), T(1) one GPU's step with no communication (weak scaling:
+each GPU keeps its batch); the overhead is T(n) - T(1) (the lectures' definitions).
+"""

@@ -75,7 +75,7 @@ class JobConfig:
 class DataConfig:
     """Model and data: what is trained, on what."""
 
-    model: str = option("cnn", "model to train (a registered model)", name=True)
+    model: str = option("cnn", "model (a registered model)", name=True)
     dataset: str = option("digits", "dataset to train on (a registered dataset)", name=True)
     batch_size: int = option(64, "global batch size, split across the data-parallel replicas")
     synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")

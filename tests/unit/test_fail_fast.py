@@ -14,8 +14,8 @@ import torch
 from gradmesh.collectives.agreement import describe, encode
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line, on_rank
 from gradmesh.launch.run import _failure_message, _first_failure
-from gradmesh.train import checkpoint
 from gradmesh.options import convert, option_named
+from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig, check_writable
 
 

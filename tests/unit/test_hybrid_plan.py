@@ -24,7 +24,8 @@ from gradmesh.layout.planner import (
     predict,
     search_tp,
 )
-from gradmesh.plan.command import Setting, make_plan, resolve
+from gradmesh.plan.command import make_plan, resolve
+from gradmesh.plan.setting import Setting
 from gradmesh.train.config import TrainConfig
 
 LINK = CostParams(alpha=50e-6, beta=8e-9, gamma=1e-10)
@@ -196,7 +197,7 @@ def test_the_link_is_fitted_piecewise_per_group_size() -> None:
     flat stretch (the same cost at two sizes) gets no negative beta; `Links.over` picks the
     piece by message size and the curve by group size."""
     from gradmesh.collectives.cost import COSTS
-    from gradmesh.plan.command import fit_segments
+    from gradmesh.plan.probe import fit_segments
 
     ring = COSTS.get("ring")
     sizes = [1 << 14, 1 << 16, 1 << 18, 1 << 20]

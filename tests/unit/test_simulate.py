@@ -11,7 +11,8 @@ import pytest
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.layout.planner import Links
-from gradmesh.simulate.model import DEVICES, Job, device_profile, model_layers, scaling
+from gradmesh.simulate.profile import DEVICES, device_profile, model_layers
+from gradmesh.simulate.strategies import Job, scaling
 from tests.harness import CLI
 
 
@@ -156,7 +157,8 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
     the bubble of (p - 1) / (m + p - 1) that docs/model_parallel.md states. One micro-batch
     runs the stages one after another; a link that costs time delays every hand-over."""
     from gradmesh.layout.planner import Profile, Unit
-    from gradmesh.simulate.model import STRATEGIES, Split
+    from gradmesh.simulate.profile import Split
+    from gradmesh.simulate.strategies import STRATEGIES
 
     units = [
         Unit(str(i), "Linear", 0, 0, 4, 4, 4, (1, 1), {"data": 1e-3}, {"data": 2e-3})

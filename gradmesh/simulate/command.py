@@ -1,0 +1,218 @@
+"""`gradmesh simulate`'s options (`SimulateConfig`: its own, and the shared components' where an
+option means what it means to `gradmesh train`) and the command itself."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gradmesh.collectives.cost import CostParams
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import LayoutConfig
+from gradmesh.layout.planner import Links
+from gradmesh.options import check_choices, component, option
+from gradmesh.simulate.profile import (
+    CPU,
+    DEVICES,
+    Device,
+    device_profile,
+    layout_profile,
+    measured_cpu,
+    model_layers,
+)
+from gradmesh.simulate.strategies import SPLITTING, STRATEGIES, Job, compute_s, scaling
+from gradmesh.sync.config import AllreduceConfig, LocalSGDConfig, ParameterServerConfig
+from gradmesh.train.config import DataConfig
+
+
+@dataclass
+class SimulateConfig:
+    """gradmesh simulate: a job's step time and scaling on clusters larger than this one."""
+
+    data: DataConfig = component(DataConfig, only=("model",))
+    input_shape: str | None = option(
+        None, "CxHxW (default: the model's own, 3x224x224 for ImageNet models)"
+    )
+    gpus: str = option("8,16,32,64,128,256,512,1024", "GPU counts")
+    gpus_per_node: int = option(8, "GPUs in one node")
+    device: str = option("v100", "device name, or cpu (this machine, measured)", name=True)
+    tflops: float | None = option(None, "peak TFLOP/s (overrides the device's)")
+    achieved: float | None = option(None, "fraction of peak reached (0..1]")
+    intra_node_bandwidth: str = option("1200gbit", "link rate within a node")
+    inter_node_bandwidth: str = option("100gbit", "link rate between nodes")
+    latency: str = option("5us", "per message")
+    intra_node_latency: str | None = option(None, "per message within a node (default: --latency)")
+    strategy: str = option(
+        "allreduce",
+        "allreduce, ps, local-sgd, tensor, hybrid, pipeline, or a comma list",
+        name=True,
+    )
+    allreduce: AllreduceConfig = component(
+        AllreduceConfig, only=("algorithm", "fusion_mb"), former={"algorithm": "--algorithm"}
+    )
+    batch_per_gpu: int = option(32, "samples each GPU computes per step")
+    ps: ParameterServerConfig = component(ParameterServerConfig, only=("servers",))
+    servers_per_node: int = option(0, "ps: parameter servers on each node (0: --servers in all)")
+    local_sgd: LocalSGDConfig = component(LocalSGDConfig, only=("sync_every",))
+    layout: LayoutConfig = component(
+        LayoutConfig, only=("tensor_parallel", "pipeline_parallel", "microbatches", "schedule")
+    )
+    json: str | None = option(None, "write the prediction here")
+    plot: str | None = option(None, "write efficiency and overhead against GPUs here (PNG)")
+
+
+def _shape(text: str | None) -> tuple[int, ...] | None:
+    if not text:
+        return None
+    try:
+        dims = tuple(int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise GradmeshError(f"bad --input-shape {text!r}: expected CxHxW like 3x224x224") from None
+    if len(dims) != 3 or min(dims) < 1:
+        raise GradmeshError(f"bad --input-shape {text!r}: expected CxHxW like 3x224x224")
+    return dims
+
+
+def _links(args: SimulateConfig, gamma: float) -> Links:
+    from gradmesh.units import parse_latency, parse_rate
+
+    rates = {
+        f: parse_rate(getattr(args, f)) for f in ("intra_node_bandwidth", "inter_node_bandwidth")
+    }
+    latency = parse_latency(args.latency)
+    intra_latency = parse_latency(args.intra_node_latency) if args.intra_node_latency else latency
+    intra = CostParams(intra_latency, 8 / rates["intra_node_bandwidth"], gamma)
+    inter = CostParams(latency, 8 / rates["inter_node_bandwidth"], gamma)
+    return Links(intra, inter, args.gpus_per_node)
+
+
+def _device(args: SimulateConfig, shape: tuple[int, ...] | None) -> Device:
+    known = [*DEVICES.names(), CPU]
+    if args.device not in known:
+        raise GradmeshError(f"unknown device {args.device!r} (valid: {', '.join(known)})")
+    if args.device == CPU:
+        device = measured_cpu(args.data.model, args.batch_per_gpu, shape)
+    else:
+        device = DEVICES.get(args.device)
+    if args.tflops is not None:
+        if args.tflops <= 0:
+            raise GradmeshError(f"--tflops must be positive, got {args.tflops}")
+        device = dataclasses.replace(device, peak_tflops=args.tflops, source="--tflops")
+    if args.achieved is not None:
+        if not 0 < args.achieved <= 1:
+            raise GradmeshError(f"--achieved must be in (0, 1], got {args.achieved}")
+        device = dataclasses.replace(device, achieved=args.achieved)
+    return device
+
+
+def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
+    from gradmesh.collectives.cost import COSTS
+    from gradmesh.launch.jobs import write_json
+    from gradmesh.units import parse_ints, parse_list
+
+    check_choices(args)
+    gpus = parse_ints(args.gpus, "GPU count")
+    per_node = args.gpus_per_node
+    if per_node < 1:
+        raise GradmeshError(f"--gpus-per-node must be >= 1, got {per_node}")
+    uneven = [n for n in gpus if n > per_node and n % per_node]
+    if uneven:
+        raise GradmeshError(
+            f"GPU count {uneven[0]} is not a multiple of --gpus-per-node {per_node}"
+        )
+    strategies = parse_list(args.strategy, "strategy")
+    for s in strategies:
+        STRATEGIES.get(s)
+    COSTS.get(args.allreduce.algorithm)
+    if (
+        min(args.batch_per_gpu, args.local_sgd.sync_every) < 1
+        or min(args.ps.servers, args.layout.tensor_parallel, args.layout.pipeline_parallel) < 1
+        or args.servers_per_node < 0
+        or args.allreduce.fusion_mb <= 0
+        or args.layout.microbatches < 1
+    ):
+        raise GradmeshError(
+            "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel and "
+            "--pipeline-parallel must be >= 1, --servers-per-node >= 0, --fusion-mb > 0"
+        )
+    started = time.perf_counter()
+    shape = _shape(args.input_shape)
+    layers = model_layers(args.data.model, args.batch_per_gpu, shape)
+    device = _device(args, shape)
+    links = _links(args, 0.0)
+    prof = device_profile(layers, device, args.batch_per_gpu, args.data.model)
+    split = None
+    if SPLITTING & set(strategies):
+        most = args.layout.tensor_parallel
+        tps = [t for t in range(2, most + 1) if most % t == 0]
+        split = layout_profile(args.data.model, args.batch_per_gpu, shape, tps, device)
+        if "tensor" in strategies and not split.tp_plan:
+            raise GradmeshError(
+                f"model {args.data.model} declares no tensor-parallel plan (--strategy hybrid "
+                "places its layers itself)"
+            )
+    base = Job(
+        prof,
+        1,
+        links,
+        args.allreduce.algorithm,
+        args.allreduce.fusion_mb,
+        servers=args.ps.servers,
+        servers_per_node=args.servers_per_node,
+        sync_every=args.local_sgd.sync_every,
+        tensor_parallel=args.layout.tensor_parallel,
+        split=split,
+        stages=args.layout.pipeline_parallel,
+        microbatches=args.layout.microbatches,
+        schedule=args.layout.schedule,
+    )
+    results = {s: scaling(s, base, gpus) for s in strategies}
+    payload: dict[str, Any] = {
+        "model": args.data.model,
+        "parameters": sum(layer.param_bytes for layer in layers) // 4,
+        "gflops_per_sample": sum(la.fwd_flops + la.bwd_flops for la in layers)
+        / args.batch_per_gpu
+        / 1e9,
+        "device": {"name": args.device, **dataclasses.asdict(device)},
+        "one_gpu_step_s": compute_s(prof),
+        "batch_per_gpu": args.batch_per_gpu,
+        "gpus_per_node": per_node,
+        "links": {
+            "intra": dataclasses.asdict(links.intra),
+            "inter": dataclasses.asdict(links.inter),
+        },
+        "algorithm": args.allreduce.algorithm,
+        "fusion_mb": args.allreduce.fusion_mb,
+        "strategies": results,
+        "seconds_to_answer": time.perf_counter() - started,
+    }
+    write_json(args.json, payload)
+    print(
+        f"{args.data.model}: {payload['parameters'] / 1e6:.1f}M parameters, "
+        f"{payload['gflops_per_sample']:.1f} GFLOP per sample; {args.device}: one GPU's step "
+        f"{payload['one_gpu_step_s'] * 1e3:.1f} ms at batch {args.batch_per_gpu}"
+    )
+    print(markdown_table(results, "gpus"))
+    if args.plot:
+        from gradmesh.observe.plot import scaling_plot
+
+        scaling_plot(args.plot, f"{args.data.model} on {args.device} (simulated)", results, "gpus")
+    return 0
+
+
+def markdown_table(results: dict[str, list[dict[str, Any]]], unit: str) -> str:
+    """One row per strategy and count: step, samples/s, efficiency, overhead."""
+    lines = [
+        f"| strategy | {unit} | step ms | samples/s | efficiency | overhead ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for strategy, rows in results.items():
+        for r in rows:
+            lines.append(
+                f"| {strategy} | {r[unit]} | {r['step_s'] * 1e3:.1f} | "
+                f"{r['samples_per_s']:.0f} | {r['efficiency'] * 100:.0f}% | "
+                f"{r['overhead_s'] * 1e3:.1f} |"
+            )
+    return "\n".join(lines)
