@@ -43,6 +43,8 @@ MOVED = {
 def __getattr__(name: str) -> Any:
     if name.startswith("__"):
         raise AttributeError(name)
+    if f"gradmesh.{name}" in sys.modules:  # a subpackage still being imported
+        return sys.modules[f"gradmesh.{name}"]
     return getattr(importlib.import_module("gradmesh.api"), name)
 
 

@@ -4,7 +4,9 @@ broadcasts, collectives) and the mesh. This module is the one list of those name
 
 from gradmesh.collectives import broadcast_object
 from gradmesh.errors import GradmeshError
-from gradmesh.horovod.api import allgather, allreduce, allreduce_async, broadcast, join
+from gradmesh.horovod.api import join
+from gradmesh.horovod.gathers import allgather, broadcast
+from gradmesh.horovod.reductions import allreduce, allreduce_async
 from gradmesh.layout.hybrid import parallelize
 from gradmesh.observe.timeline import start_timeline, stop_timeline
 from gradmesh.runtime.world import (

@@ -1,0 +1,197 @@
+"""Horovod's gathers, broadcasts and all-to-all, differentiable as Horovod's are, and the object
+collectives (plain values, never pickle)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from gradmesh.collectives import allgather_object as _allgather_object
+from gradmesh.collectives import broadcast_object as _broadcast_object
+from gradmesh.horovod.process_sets import _group, _root, global_process_set
+from gradmesh.horovod.reductions import _autograd, _named, allreduce
+from gradmesh.runtime.world import rank
+from gradmesh.sync.data_parallel import api as _api
+from gradmesh.sync.data_parallel.api import Handle, synchronize
+from gradmesh.sync.data_parallel.optimizer import Average
+
+__all__ = [
+    "allgather",
+    "allgather_async",
+    "allgather_object",
+    "alltoall",
+    "alltoall_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "broadcast_object",
+]
+
+
+# -- gather, broadcast, all-to-all ---------------------------------------------------------
+
+
+def allgather_async(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+) -> Handle:
+    group = _group(process_set, "allgather")
+    return _named(name, lambda: _api.allgather_async(tensor, group))
+
+
+class _Allgather(torch.autograd.Function):
+    """Horovod's gradient of allgather: this rank's rows of the averaged gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, name: Any, process_set: Any) -> torch.Tensor:
+        ctx.rows, ctx.process_set = (tensor.shape[0] if tensor.dim() else 1), process_set
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        averaged = allreduce(grad, op=Average, process_set=ctx.process_set)
+        rows = allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set).tolist()
+        mine = ctx.process_set.rank() if ctx.process_set is not global_process_set else rank()
+        start = sum(rows[:mine])
+        return averaged[start : start + ctx.rows], None, None
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
+) -> torch.Tensor:
+    """Every rank's `tensor` concatenated along dimension 0 (first dimensions may differ);
+    differentiable."""
+    return _autograd(_Allgather, tensor, name, process_set)  # type: ignore[no-any-return]
+
+
+def broadcast_async(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Root's value of `tensor` as a new tensor; the argument is left as it was."""
+    return _broadcast_async(tensor, root_rank, name, process_set, in_place=False)
+
+
+def broadcast_async_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Root's value written into `tensor`."""
+    return _broadcast_async(tensor, root_rank, name, process_set, in_place=True)
+
+
+def _broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any, in_place: bool
+) -> Handle:
+    group = _group(process_set, "broadcast")
+    root = _root(root_rank, group, "broadcast")
+    return _named(name, lambda: _api.broadcast_async(tensor, root, in_place, group))
+
+
+class _Broadcast(torch.autograd.Function):
+    """Horovod's gradient of broadcast: the averaged gradient on the root, zero elsewhere."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, root: int, name: Any, process_set: Any
+    ) -> torch.Tensor:
+        ctx.root, ctx.process_set = root, process_set
+        return synchronize(broadcast_async(tensor, root, name, process_set))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        averaged = allreduce(grad, op=Average, process_set=ctx.process_set)
+        return averaged if rank() == ctx.root else averaged.zero_(), None, None, None
+
+
+def broadcast(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> torch.Tensor:
+    """Root's value of `tensor`, as a new tensor; differentiable."""
+    return _autograd(_Broadcast, tensor, root_rank, name, process_set)  # type: ignore[no-any-return]
+
+
+def broadcast_(
+    tensor: torch.Tensor,
+    root_rank: int,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> torch.Tensor:
+    """Root's value written into `tensor`, which is returned."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+def alltoall_async(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Future[tuple[torch.Tensor, torch.Tensor]]:
+    """`synchronize` returns (rows received, int32 counts received from each rank)."""
+    group = _group(process_set, "alltoall")
+    return _named(name, lambda: _api.alltoall_async(tensor, splits, group))
+
+
+class _Alltoall(torch.autograd.Function):
+    """The gradient of an all-to-all: the gradients sent back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, splits: Any, name: Any, process_set: Any) -> Any:
+        output, received = alltoall_async(tensor, splits, name, process_set).result()
+        ctx.received, ctx.process_set = received, process_set
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor, _: Any) -> Any:
+        back, _ = alltoall_async(grad, ctx.received, None, ctx.process_set).result()
+        return back, None, None, None
+
+
+def alltoall(
+    tensor: torch.Tensor,
+    splits: Any = None,
+    name: str | None = None,
+    process_set: Any = global_process_set,
+) -> Any:
+    """Rows of `tensor` sent to each rank (`splits`, or equal parts) and theirs received, in rank
+    order; with `splits`, also the counts received from each rank (as Horovod returns).
+    Differentiable."""
+    output, received = _autograd(_Alltoall, tensor, splits, name, process_set)
+    return output if splits is None else (output, received)
+
+
+# -- objects, barrier, join ----------------------------------------------------------------
+
+
+def _on_set(process_set: Any, what: str, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` on the world, or on the set's group through the communication thread."""
+    group = _group(process_set, what)
+    if group is None:
+        return fn(*args)
+    return _api.submit(fn, *args, group).result()
+
+
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
+) -> Any:
+    """Root's object on every rank of the set (plain values, never pickle: see the module)."""
+    _root(root_rank, _group(process_set, "broadcast_object"), "broadcast_object")
+    return _on_set(process_set, "broadcast_object", _broadcast_object, obj, root_rank)
+
+
+def allgather_object(
+    obj: Any, name: str | None = None, process_set: Any = global_process_set
+) -> list[Any]:
+    """Every rank's object, in rank order (plain values, never pickle)."""
+    return _on_set(process_set, "allgather_object", _allgather_object, obj)  # type: ignore[no-any-return]

@@ -1,0 +1,159 @@
+"""Horovod's process sets: collectives over some of the ranks, registered on every rank."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradmesh.collectives import allgather as _gather_rows
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime.world import get_runtime, rank, size
+
+__all__ = [
+    "add_process_set",
+    "global_process_set",
+    "ProcessSet",
+    "remove_process_set",
+]
+
+
+# -- process sets --------------------------------------------------------------------------
+
+
+class ProcessSet:
+    """Horovod's process set: collectives over some of the ranks. Made from a list of global
+    ranks and registered on every rank with `add_process_set` (or `init(process_sets=...)`);
+    only its ranks then call collectives with `process_set=` it. gradmesh has no MPI, so a set
+    is never made from a communicator."""
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        given = list(ranks)
+        if any(type(r) is not int for r in given):
+            raise GradmeshError(f"a ProcessSet is made from a list of ranks (ints), got {given!r}")
+        self.ranks: list[int] | None = sorted(given)
+        self.process_set_id: int | None = None
+        self._groups: tuple[Any, Any] | None = None
+        """Weak references to (the group its collectives run on, the group its
+        DistributedOptimizer reduces on); None on a rank outside the set."""
+
+    def included(self) -> bool:
+        """Whether this rank belongs to the set."""
+        return self.ranks is not None and rank() in self.ranks
+
+    def size(self) -> int:
+        return len(self.ranks or ())
+
+    def rank(self) -> int:
+        """This rank's place in the set (-1 outside it)."""
+        return self.ranks.index(rank()) if self.ranks and rank() in self.ranks else -1
+
+    def _invalidate(self) -> None:
+        self.process_set_id = None
+        self._groups = None
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+"""Every rank of the job (its ranks are filled in by `init`)."""
+global_process_set.process_set_id = 0
+_sets: dict[int, ProcessSet] = {}
+"""The registered process sets other than the global one, by id."""
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Register a process set; every rank calls it with the same ranks, in the same order. Ranks
+    that disagree, or bad ranks on any rank, are one error on every rank."""
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    assert ps.ranks is not None
+    rt = get_runtime()
+    problem = ""
+    if not ps.ranks:
+        problem = "no ranks"
+    elif len(set(ps.ranks)) != len(ps.ranks):
+        problem = f"a rank twice in {ps.ranks}"
+    elif not 0 <= ps.ranks[0] <= ps.ranks[-1] < rt.size:
+        problem = f"ranks {ps.ranks} outside 0..{rt.size - 1}"
+    elif ps.process_set_id is not None:
+        problem = f"a set already registered as id {ps.process_set_id}"
+    mask = torch.zeros(rt.size + 1, dtype=torch.int64)
+    if problem:
+        mask[-1] = 1
+    else:
+        mask[ps.ranks] = 1
+    table = _gather_rows(mask) if rt.size > 1 else mask.unsqueeze(0)
+    me = f"rank {rt.rank}: add_process_set"
+    bad = [r for r in range(rt.size) if int(table[r, -1])]
+    if bad:
+        mine = f" ({problem})" if problem else ""
+        raise GradmeshError(f"{me}: rank {bad[0]} gave bad ranks{mine}")
+    if any(not torch.equal(table[r], table[0]) for r in range(rt.size)):
+        given = "; ".join(
+            f"rank {r} gave {table[r, :-1].nonzero().reshape(-1).tolist()}" for r in range(rt.size)
+        )
+        raise GradmeshError(f"{me}: the ranks disagree on the set's members: {given}")
+    if any(other.ranks == ps.ranks for other in _sets.values()):
+        raise GradmeshError(f"{me}: a process set with ranks {ps.ranks} is already registered")
+    ps.process_set_id = max(_sets, default=0) + 1
+    label = f"process set {ps.process_set_id}"
+    groups = [rt.group_over(f"{label} ({kind})", ps.ranks) for kind in ("ops", "optimizer")]
+    ps._groups = None if groups[0] is None else (weakref.ref(groups[0]), weakref.ref(groups[1]))
+    _sets[ps.process_set_id] = ps
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a set on every rank and free its groups; False for the global set."""
+    if process_set is global_process_set or process_set.process_set_id == 0:
+        return False
+    _registered(process_set, "remove_process_set")
+    if process_set._groups is not None:
+        for ref in process_set._groups:
+            group = ref()
+            if group is not None:
+                get_runtime().free_group(group)
+    del _sets[process_set.process_set_id]  # type: ignore[arg-type]
+    process_set._invalidate()
+    return True
+
+
+def _registered(process_set: Any, what: str) -> ProcessSet:
+    if not isinstance(process_set, ProcessSet):
+        raise GradmeshError(f"{what}: process_set must be a ProcessSet, got {process_set!r}")
+    known = _sets.get(process_set.process_set_id)  # type: ignore[arg-type]
+    if known is not process_set:
+        raise GradmeshError(
+            f"rank {rank()}: {what}: unknown process set {process_set.ranks} (register it with "
+            "hvd.add_process_set on every rank; a removed set cannot be used)"
+        )
+    return process_set
+
+
+def _group(process_set: Any, what: str, optimizer: bool = False) -> dist.ProcessGroup | None:
+    """The group `what` runs on for `process_set`: None for the global set, else the set's own;
+    one line for a set that is not registered or a rank outside it."""
+    if process_set is None or process_set is global_process_set:
+        return None
+    ps = _registered(process_set, what)
+    if ps._groups is None:
+        raise GradmeshError(
+            f"rank {rank()}: {what}: this rank is not in process set {ps.process_set_id} "
+            f"(ranks {ps.ranks}); only its ranks call its collectives"
+        )
+    group = ps._groups[1 if optimizer else 0]()
+    if group is None:
+        raise GradmeshError(f"rank {rank()}: {what}: process set used after hvd.shutdown()")
+    return group  # type: ignore[no-any-return]
+
+
+def _root(root_rank: int, group: dist.ProcessGroup | None, what: str) -> int:
+    members = range(size()) if group is None else dist.get_process_group_ranks(group)
+    if root_rank not in members:
+        where = "the job" if group is None else f"the process set (ranks {list(members)})"
+        raise GradmeshError(f"rank {rank()}: {what}: root rank {root_rank} is not in {where}")
+    return root_rank

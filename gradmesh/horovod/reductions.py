@@ -1,0 +1,372 @@
+"""Horovod's reductions (allreduce, grouped allreduce, reducescatter), synchronous and
+asynchronous, differentiable as Horovod's are; an operation's name is unique while in flight."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradmesh.errors import GradmeshError
+from gradmesh.horovod.compression import Compression
+from gradmesh.horovod.process_sets import _group, global_process_set
+from gradmesh.runtime.world import rank, size
+from gradmesh.sync.data_parallel import api as _api
+from gradmesh.sync.data_parallel.api import Handle, synchronize
+from gradmesh.sync.data_parallel.optimizer import Adasum, Average, Sum
+
+__all__ = [
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "reducescatter",
+    "reducescatter_async",
+]
+
+
+# -- names in flight -----------------------------------------------------------------------
+
+_in_flight: set[str] = set()
+"""Names of operations started and not finished: Horovod refuses a second one of a name."""
+
+
+def _named(name: str | None, start: Callable[[], Future[Any]]) -> Future[Any]:
+    if name is not None and name in _in_flight:
+        raise GradmeshError(
+            f"rank {rank()}: an operation named {name!r} is still in flight; synchronize it "
+            "before starting another of that name"
+        )
+    handle = start()
+    if name is not None and not handle.done():
+        _in_flight.add(name)
+        handle.add_done_callback(lambda _: _in_flight.discard(name))
+    return handle
+
+
+def _autograd(function: type[torch.autograd.Function], *args: Any) -> Any:
+    return function.apply(*args)  # type: ignore[no-untyped-call]
+
+
+# -- reductions ----------------------------------------------------------------------------
+
+
+def _op(average: bool | None, op: str | None) -> str:
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not implemented in gradmesh; use Average or Sum")
+    if average is not None and op is not None:
+        raise GradmeshError("give either average= or op=, not both")
+    if op is None:
+        return Sum if average is False else Average
+    return op
+
+
+def _reduction(
+    start: Any,
+    tensors: Any,
+    average: bool | None,
+    op: str | None,
+    name: str | None,
+    prescale: float,
+    postscale: float,
+    compression: Any,
+    process_set: Any,
+    what: str,
+) -> Any:
+    """Start one of gradmesh's reductions with Horovod's reduction arguments."""
+    group = _group(process_set, what)
+    return _named(
+        name,
+        lambda: start(
+            tensors,
+            op=_op(average, op),
+            compression=compression,
+            name=name,
+            prescale_factor=prescale,
+            postscale_factor=postscale,
+            group=group,
+        ),
+    )
+
+
+def allreduce_async(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+    compression: Any = Compression.none,
+) -> Handle:
+    return _reduction(  # type: ignore[no-any-return]
+        _api.allreduce_async,
+        tensor,
+        average,
+        op,
+        name,
+        prescale_factor,
+        postscale_factor,
+        compression,
+        process_set,
+        "allreduce",
+    )
+
+
+class _Allreduce(torch.autograd.Function):
+    """Horovod's gradient of allreduce: the same reduction of the gradient (Sum and Average;
+    min, max and product have none here)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        ctx.args = args
+        return synchronize(allreduce_async(tensor, *args))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        average, _, op, pre, post, process_set, _ = ctx.args
+        if _op(average, op) not in (Sum, Average):
+            raise GradmeshError(f"allreduce with op={op} has no gradient (Average and Sum do)")
+        reduced = synchronize(
+            allreduce_async(grad, average, None, op, pre, post, process_set, Compression.none)
+        )
+        return (reduced, *[None] * len(ctx.args))
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> torch.Tensor:
+    """The reduced value of `tensor` (a new tensor; the argument is left as it was),
+    differentiable as Horovod's is."""
+    return _autograd(  # type: ignore[no-any-return]
+        _Allreduce,
+        tensor,
+        average,
+        name,
+        op,
+        prescale_factor,
+        postscale_factor,
+        process_set,
+        compression,
+    )
+
+
+def allreduce_async_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """In-place `allreduce_async`: `synchronize` writes the result into `tensor` and returns it."""
+    reduced = allreduce_async(
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _write_back(reduced, [tensor])
+
+
+def allreduce_(
+    tensor: torch.Tensor,
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> torch.Tensor:
+    """In-place `allreduce`."""
+    return synchronize(
+        allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
+    )
+
+
+def _write_back(source: Future[Any], into: list[torch.Tensor]) -> Future[Any]:
+    """A handle that, when `source` is done, copies its result(s) into `into` and returns them
+    as Horovod's in-place forms do (one tensor, or the list)."""
+    done: Future[Any] = Future()
+
+    def copy(finished: Future[Any]) -> None:
+        try:
+            result = finished.result()
+            results = result if isinstance(result, list) else [result]
+            for target, value in zip(into, results, strict=True):
+                target.data.copy_(value)
+            done.set_result(into if isinstance(result, list) else into[0])
+        except BaseException as exc:  # the operation's own error, raised at synchronize
+            done.set_exception(exc)
+
+    source.add_done_callback(copy)
+    return done
+
+
+def grouped_allreduce_async(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+    compression: Any = Compression.none,
+) -> Future[list[torch.Tensor]]:
+    """Reduce the tensors as one operation; `synchronize` returns the list of new tensors."""
+    return _reduction(  # type: ignore[no-any-return]
+        _api.grouped_allreduce_async,
+        tensors,
+        average,
+        op,
+        name,
+        prescale_factor,
+        postscale_factor,
+        compression,
+        process_set,
+        "grouped_allreduce",
+    )
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    """The gradients of a grouped allreduce: a grouped allreduce of them."""
+
+    @staticmethod
+    def forward(ctx: Any, args: tuple[Any, ...], *tensors: torch.Tensor) -> Any:
+        ctx.args = args
+        return tuple(grouped_allreduce_async(list(tensors), *args).result())
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        average, _, op, pre, post, process_set, _ = ctx.args
+        if _op(average, op) not in (Sum, Average):
+            raise GradmeshError(f"allreduce with op={op} has no gradient (Average and Sum do)")
+        args = (average, None, op, pre, post, process_set, Compression.none)
+        return (None, *grouped_allreduce_async(list(grads), *args).result())
+
+
+def grouped_allreduce(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> list[torch.Tensor]:
+    """The reduced values of `tensors` as new tensors, one operation, differentiable."""
+    args = (average, name, op, prescale_factor, postscale_factor, process_set, compression)
+    return list(_autograd(_GroupedAllreduce, args, *tensors))
+
+
+def grouped_allreduce_async_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Future[list[torch.Tensor]]:
+    """In place: `synchronize` writes each result into its tensor and returns the tensors."""
+    handle = grouped_allreduce_async(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return _write_back(handle, list(tensors))
+
+
+def grouped_allreduce_(
+    tensors: list[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: str | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> list[torch.Tensor]:
+    handle = grouped_allreduce_async_(
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set
+    )
+    return handle.result()  # Horovod's synchronize, typed
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    compression: Any = Compression.none,
+) -> Handle:
+    return _reduction(  # type: ignore[no-any-return]
+        _api.reducescatter_async,
+        tensor,
+        None,
+        op,
+        name,
+        prescale_factor,
+        postscale_factor,
+        compression,
+        process_set,
+        "reducescatter",
+    )
+
+
+class _Reducescatter(torch.autograd.Function):
+    """The gradient of a reduce-scatter: every rank's block gathered (divided by the set's size
+    for Average), times the scale factors."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, *args: Any) -> torch.Tensor:
+        ctx.args = args
+        return synchronize(reducescatter_async(tensor, *args))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        _, op, process_set, pre, post, _ = ctx.args
+        group = _group(process_set, "allgather")
+        gathered = synchronize(_api.allgather_async(grad, group))
+        scale = pre * post / (_members(process_set) if _op(None, op) == Average else 1)
+        return (gathered * scale, *[None] * len(ctx.args))
+
+
+def _members(process_set: Any) -> int:
+    group = _group(process_set, "reducescatter")
+    return size() if group is None else dist.get_world_size(group)
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: Any = Compression.none,
+    op: str = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """The reduction (Average or Sum) of every rank's `tensor`, this rank's block of rows:
+    n // size rows each, one more for the first n % size ranks. Differentiable."""
+    return _autograd(  # type: ignore[no-any-return]
+        _Reducescatter,
+        tensor,
+        name,
+        op,
+        process_set,
+        prescale_factor,
+        postscale_factor,
+        compression,
+    )
