@@ -48,11 +48,11 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
 
         config = resolve(config)
     elif config.layout.split or config.layout.microbatches > 1:
-        from gradmesh.train.trainer import check_layout
+        from gradmesh.train.setup import check_layout
 
         check_layout(config)  # builds the model: the launcher imports torch only when needed
     if config.checkpoint.dir:
-        from gradmesh.train.trainer import check_resume
+        from gradmesh.train.resume import check_resume
 
         check_resume(config)
     from gradmesh.launch.engines.choice import entry_point, train_on

@@ -61,8 +61,9 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
 
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.config import TrainConfig
+    from gradmesh.train.finish import layout_figures
     from gradmesh.train.report import gather_rank_stats, summarize_layout
-    from gradmesh.train.trainer import attach, layout_figures, setup
+    from gradmesh.train.setup import attach, setup
 
     tp, pp = config["tp"], config["pp"]
     batch = config["batch"]

@@ -49,8 +49,9 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     global batch, the bytes sent per step by kind."""
     from gradmesh.plan.setting import Setting, placement_config
     from gradmesh.runtime.world import init, shutdown
+    from gradmesh.train.finish import layout_figures
     from gradmesh.train.report import gather_rank_stats, summarize_layout
-    from gradmesh.train.trainer import attach, layout_figures, setup
+    from gradmesh.train.setup import attach, setup
 
     setting = Setting(**config["setting"])
     rt = init(tensor_parallel=config["tp"])

@@ -208,7 +208,7 @@ def resolve(config: Any) -> Any:
 
     from gradmesh.layout.hybrid import check, load_plan
     from gradmesh.models.registry import build_model
-    from gradmesh.train.trainer import load_data
+    from gradmesh.train.setup import load_data
 
     if config.layout.plan == "auto":
         from gradmesh.collectives.cost import DEFAULT_PARAMS

@@ -81,8 +81,8 @@ def _probe_worker(config: dict[str, Any]) -> tuple[int, Any]:
 
     from gradmesh.collectives import probe
     from gradmesh.runtime.world import init, shutdown
+    from gradmesh.train.setup import attach, setup
     from gradmesh.train.timing import timed_steps
-    from gradmesh.train.trainer import attach, setup
 
     rt = init()
     c = probe()

@@ -15,8 +15,8 @@ def slow_rank_one() -> tuple[float, float]:
     (step seconds, seconds outside communication) as `timed_steps` reports them here."""
     from gradmesh.runtime.world import get_runtime
     from gradmesh.train.config import TrainConfig
+    from gradmesh.train.setup import attach, setup
     from gradmesh.train.timing import timed_steps
-    from gradmesh.train.trainer import attach, setup
 
     rt = get_runtime()
     job = setup(TrainConfig.of(workers=2, model="cnn", dataset="digits", batch_size=32), rt)

@@ -16,7 +16,9 @@ import torch.nn.functional as F
 import gradmesh
 from gradmesh.layout.tensor_parallel import ParallelLayer
 from gradmesh.train.config import TrainConfig
-from gradmesh.train.trainer import attach, loop, resume, setup
+from gradmesh.train.loop import loop
+from gradmesh.train.resume import resume
+from gradmesh.train.setup import attach, setup
 from tests.harness import run_ranks
 
 # 320 training samples at a global batch of 16: one epoch is 20 steps

@@ -1,0 +1,175 @@
+"""Setting a rank up: data, the model split by the layout (tensor, then pipeline), the optimizer
+over this rank's own parameters (`setup`), then the strategy's wrapping, the data shard and the
+learning-rate warm-up (`attach`); and the checks that build the model before launch."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder
+from gradmesh.layout.engine import Split as ModelSplit
+from gradmesh.layout.engine import split_model
+from gradmesh.layout.hybrid import load_plan
+from gradmesh.models.registry import build_model
+from gradmesh.observe.metrics import Metrics
+from gradmesh.observe.timeline import start_timeline
+from gradmesh.options import with_value
+from gradmesh.runtime.process import MAX_WORLD_ENV, restarts
+from gradmesh.runtime.world import Runtime
+from gradmesh.sync.strategies import STRATEGIES, Strategy
+from gradmesh.train import checkpoint
+from gradmesh.train.config import TrainConfig
+from gradmesh.train.emulated import emulate_compute
+from gradmesh.train.evaluation import Evaluator
+from gradmesh.train.optimizers import build_optimizer
+from gradmesh.train.schedule import gradual_warmup, scaled_lr
+from gradmesh.units import parse_shape
+
+
+def load_data(config: TrainConfig) -> DataSpec:
+    options = DataOptions(
+        shape=parse_shape(config.data.synthetic_shape),
+        classes=config.data.synthetic_classes,
+        samples=config.data.synthetic_samples,
+    )
+    return DATASETS.get(config.data.dataset)(options)
+
+
+def elastic_world() -> int | None:
+    """The most workers an elastic job (`--nnodes MIN:MAX`) can have; None for a fixed job."""
+    raw = os.environ.get(MAX_WORLD_ENV)
+    return int(raw) if raw else None
+
+
+def accumulation(global_batch: int, replicas: int, most: int) -> int:
+    """Micro-batches per step for each of `replicas` so that none computes on more samples at
+    once than with `most` replicas: an elastic job keeps its global batch, and its memory, when
+    replicas are lost."""
+    return math.ceil(math.ceil(global_batch / replicas) / math.ceil(global_batch / most))
+
+
+def check_layout(config: TrainConfig) -> None:
+    """Before launch: the layout can split this model (its plan, its layers), or one line."""
+    from gradmesh.layout.engine import check_layout as check
+
+    check(
+        build_model(config.data.model, load_data(config)),
+        config.data.model,
+        config.layout.tensor_parallel,
+        config.layout.pipeline_parallel,
+        config.layout.stages,
+    )
+
+
+def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
+    """This process's timeline: in the job's merged trace (unless per rank) under its launcher
+    rank, a ps worker's after the servers'; a restarted job marks the restart."""
+    from gradmesh.sync.parameter_server.roles import worker_role
+
+    pid, name = rt.rank, f"rank {rt.rank}"
+    role = worker_role() if config.sync.strategy == "ps" else None
+    if role is not None:
+        pid, name = config.sync.ps.servers + role.index, f"worker {role.index}"
+    merged = not config.output.timeline_per_rank
+    assert config.output.timeline is not None
+    start_timeline(config.output.timeline, merged, config.output.timeline_steps, pid, name)
+    if restarts():
+        rt.timeline.instant("restart", attempt=restarts())
+
+
+@dataclass
+class Job:
+    """Everything `setup` builds for one rank, which the other parts use."""
+
+    config: TrainConfig
+    rt: Runtime
+    data: DataSpec
+    split: ModelSplit
+    optimizer: Optimizer
+    strategy: Strategy
+    lr: float
+    sharder: GlobalBatchSharder | None = None
+    replicas: int = 1
+    """The data-parallel replicas this rank's batch slice is one of (set by `attach`)."""
+    place: tuple[int, int, int] = (0, 1, 0)
+    """(rank, world, writer) of this process in the checkpoints (set by `attach`)."""
+    warmup: LRScheduler | None = None
+    start_step: int = 0
+    """Steps done before this run started (from the checkpoint it resumed from)."""
+    losses: list[float] = field(default_factory=list)
+    loss_sum: torch.Tensor | None = None
+    """This rank's (loss sum, count) of the epoch under way at the checkpoint."""
+    checkpointer: checkpoint.Checkpointer | None = None
+    progress: checkpoint.Progress | None = None
+    """Rank 0's record of the furthest step reached, for the steps a restart redoes."""
+    redone: int = 0
+    membership: list[list[int]] = field(default_factory=list)
+    """An elastic job's [step, workers] each time its number of workers changed."""
+    first_step_at: float = 0.0
+    """Unix time at which this run's first step ended (a restart's first step)."""
+    metrics: Metrics | None = None
+    """With --tensorboard, on the process that writes per-step scalars (rank 0; a ps job's
+    worker 0)."""
+    evaluator: Evaluator | None = None
+
+
+def setup(config: TrainConfig, rt: Runtime) -> Job:
+    """Data, the model split by the layout (tensor, then pipeline), the optimizer over this
+    rank's own parameters, the strategy's wrapping: in that order, on every rank."""
+    torch.manual_seed(config.job.seed)
+    most = elastic_world()
+    if most is not None and rt.dp.size < most:  # fewer replicas, the same global batch
+        accumulate = accumulation(config.data.batch_size, rt.dp.size, most)
+        config = with_value(config, ("layout", "microbatches"), accumulate)
+    if config.output.timeline:
+        _start_timeline(config, rt)
+    data = load_data(config)
+    whole = build_model(config.data.model, data).to(rt.device)  # the same on every rank (the seed)
+    if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
+        emulate_compute(whole, data.train.x[:1], config.job.emulate_compute_ms)
+    split = split_model(
+        whole,
+        config.data.model,
+        rt,
+        config.layout.microbatches,
+        config.layout.schedule,
+        config.layout.stages,
+        data.train.x[:1].to(rt.device),
+        load_plan(config.layout.plan) if config.layout.plan else None,
+    )
+    lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
+        config.optimizer.lr,
+        config.optimizer.lr_scaling,
+        most or rt.dp.size,
+        config.data.batch_size,
+        config.optimizer.reference_batch or None,
+    )
+    optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
+    strategy = STRATEGIES.get(config.sync.strategy)(
+        config.sync, config.layout.microbatches, config.job.timeout_s
+    )
+    return Job(config, rt, data, split, optimizer, strategy, lr)
+
+
+def attach(job: Job) -> None:
+    """The strategy's wrapping, this replica's data shard, the learning-rate warm-up."""
+    config = job.config
+    job.optimizer = job.strategy.prepare(job.split.module, job.optimizer, job.rt)
+    index, job.replicas = job.strategy.shard(job.rt)
+    job.place = job.strategy.place(job.rt)
+    job.sharder = GlobalBatchSharder(
+        len(job.data.train), config.data.batch_size, index, job.replicas, config.job.seed
+    )
+    steps = job.sharder.steps_per_epoch()
+    factor = job.lr / config.optimizer.lr
+    job.warmup = gradual_warmup(
+        job.optimizer, round(config.optimizer.warmup_epochs * steps), factor
+    )
+    if config.output.tensorboard and job.place[0] == job.place[2]:
+        job.metrics = Metrics(config.output.tensorboard, f".rank{job.place[0]}")
