@@ -1,37 +1,13 @@
-"""Step checkpoints of every piece of a run's state, written atomically, loaded without pickle.
-
-A checkpoint is a folder `DIR/step-NNNNNNNN/` holding one file per rank (`rank-RRRRR.pt`: that
-rank's model part, optimizer state, strategy state such as compressor residuals and local SGD's
-counters, RNG state, its partial epoch loss) and `meta.json`, written last by rank 0 (in a
-parameter-server job: the first worker; the servers write their shards as ranks 0..S-1) once
-every rank's file is in place: the position (step, epoch, step within it), the loss history, the
-run's identity, the world and the files. Without `meta.json` a folder is never chosen, so a
-job killed mid-write resumes from the previous complete checkpoint. Each file is written to a
-temporary name, flushed to disk and renamed. The newest `keep` complete checkpoints are kept.
-
-Rank files load with `torch.load(weights_only=True)`, the metadata is JSON: nothing a
-checkpoint holds can run code. We do not use torch.distributed.checkpoint for this: its
-FileSystemReader reads `.metadata` with `pickle.load` (torch 2.13), which would run whatever
-a crafted file holds. Its idea of an asynchronous save is kept: `asynchronous=True` copies the
-state on the training thread (the stall) and writes it on a background thread.
-
-The folder must be visible to every rank (one host, or a shared filesystem): rank 0 waits for
-the other ranks' files there before it writes the metadata.
-"""
+"""A checkpoint on disk: its folder, its rank files (torch tensors, loaded with
+`weights_only=True`) and its `meta.json`, written atomically, read with each value checked."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-import shutil
-import statistics
-import struct
-import sys
-import time
 import warnings
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,12 +19,42 @@ from torch import nn
 from gradmesh.errors import GradmeshError, first_line
 
 if TYPE_CHECKING:
-    from gradmesh.sync.parameter_server.server import Server
+    pass
+
+
+__all__ = [
+    "FORMAT",
+    "META",
+    "RANK_KEYS",
+    "META_KEYS",
+    "ForeignCheckpoint",
+    "folder",
+    "rank_file",
+    "Meta",
+    "read_meta",
+    "complete",
+    "check_identity",
+    "refuse_old_format",
+    "model_problem",
+    "read_rank",
+    "restore_rng",
+    "rng_state",
+    "write_part",
+]
+
 
 FORMAT = 2
+
+
 META = "meta.json"
+
+
 _STEP = re.compile(r"^step-(\d{8})$")
+
+
 _OLD = re.compile(r"^epoch-\d+\.pt$")
+
+
 RANK_KEYS: dict[str, type] = {
     "model": dict,
     "optimizer": dict,
@@ -56,6 +62,8 @@ RANK_KEYS: dict[str, type] = {
     "rng": dict,
     "progress": dict,
 }
+
+
 META_KEYS: dict[str, type] = {
     "format": int,
     "step": int,
@@ -67,6 +75,8 @@ META_KEYS: dict[str, type] = {
     "samples": int,
     "files": list,
 }
+
+
 _NAMES = {int: "an integer", dict: "a mapping", list: "a list"}
 
 
@@ -329,234 +339,3 @@ def write_part(directory: str | Path, step: int, rank: int, state: dict[str, Any
         target.mkdir(parents=True, exist_ok=True)
         _write_atomically(path, lambda out: torch.save(state, out))
         return path.stat().st_size
-
-
-@dataclass
-class SaveStats:
-    """What checkpointing cost this rank: the training thread's stall per save, the bytes."""
-
-    stalls_s: list[float] = field(default_factory=list)
-    bytes: int = 0
-    """Size of this rank's last file."""
-
-    def summary(self) -> dict[str, float]:
-        median = statistics.median(self.stalls_s) if self.stalls_s else 0.0
-        return {
-            "saves": len(self.stalls_s),
-            "stall_s_median": median,
-            "rank_file_bytes": self.bytes,
-        }
-
-
-class Checkpointer:
-    """Writes this rank's part of each checkpoint; rank `writer` also waits for the others'
-    parts, writes the metadata and drops checkpoints beyond the newest `keep`."""
-
-    def __init__(
-        self,
-        directory: str,
-        rank: int,
-        world: int,
-        identity: dict[str, Any],
-        keep: int,
-        asynchronous: bool,
-        timeout_s: float,
-        writer: int = 0,
-    ) -> None:
-        self.directory = Path(directory)
-        self.rank, self.world, self.identity, self.writer = rank, world, identity, writer
-        self.keep, self.asynchronous, self.timeout_s = keep, asynchronous, timeout_s
-        self.stats = SaveStats()
-        self._writer = ThreadPoolExecutor(1, "gradmesh-checkpoint") if asynchronous else None
-        self._pending: Future[None] | None = None
-
-    def save(
-        self,
-        step: int,
-        epoch: int,
-        offset: int,
-        losses: list[float],
-        samples: int,
-        state: dict[str, Any],
-        extra: dict[str, Any] | None = None,
-        since: float | None = None,
-    ) -> None:
-        """Checkpoint after `step` steps (`offset` of them into `epoch`); `state` is this rank's
-        part (see RANK_KEYS); `losses` and `samples` are the run's, reduced over the world;
-        `extra`: an elastic job's entries (epoch_loss, membership); `since`: the perf_counter
-        time at which training stopped for this checkpoint (gathering `state` can take time:
-        a parameter server writes its part then), the stall's start (default: now)."""
-        started = time.perf_counter() if since is None else since
-        self.wait()
-        meta = {
-            "format": FORMAT,
-            "step": step,
-            "epoch": epoch,
-            "offset": offset,
-            "world": self.world,
-            "identity": self.identity,
-            "losses": list(losses),
-            "samples": samples,
-            "files": [rank_file(folder(self.directory, step), r).name for r in range(self.world)],
-            **(extra or {}),
-        }
-        if self._writer is None:
-            self._write(step, state, meta)
-        else:
-            self._pending = self._writer.submit(self._write, step, _copy(state), meta)
-        self.stats.stalls_s.append(time.perf_counter() - started)
-
-    def wait(self) -> None:
-        """Finish the write in flight; its failure is raised here, on the training thread."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
-
-    def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            if self._writer is not None:
-                self._writer.shutdown()
-
-    def _write(self, step: int, state: dict[str, Any], meta: dict[str, Any]) -> None:
-        self.stats.bytes = write_part(self.directory, step, self.rank, state)
-        if self.rank == self.writer:
-            target = folder(self.directory, step)
-            self._await_parts(target)
-            text = json.dumps(meta, indent=1).encode()
-            with _named_errors(self.rank, target / META):
-                _write_atomically(target / META, lambda out: out.write(text))
-                self._prune()
-
-    def _await_parts(self, target: Path) -> None:
-        deadline = time.monotonic() + self.timeout_s
-        while True:
-            missing = [r for r in range(self.world) if not rank_file(target, r).is_file()]
-            if not missing:
-                return
-            if time.monotonic() > deadline:
-                raise GradmeshError(
-                    f"checkpoint {target}: rank(s) {', '.join(map(str, missing))} did not write "
-                    f"their part within {self.timeout_s:g} s (the folder must be shared by "
-                    "every rank)"
-                )
-            time.sleep(0.005)
-
-    def _prune(self) -> None:
-        """Drop complete checkpoints beyond the newest `keep`, and torn ones older than the
-        newest complete one (a newer folder without metadata may still be being written)."""
-        kept = complete(self.directory)
-        newest = kept[0].name
-        for old in kept[self.keep :]:
-            shutil.rmtree(old, ignore_errors=True)
-        for torn in self.directory.iterdir():
-            if _STEP.match(torn.name) and torn.name < newest and not (torn / META).exists():
-                shutil.rmtree(torn, ignore_errors=True)
-
-
-def choose(
-    directory: str | Path,
-    identity: dict[str, Any],
-    usable: Callable[[Meta], Any],
-    agree: Callable[[bool], bool] = lambda ok: ok,
-) -> tuple[Meta, Any] | None:
-    """The newest complete checkpoint whose metadata reads, that belongs to this run and that
-    `usable(meta)` accepts (it returns what it loaded, or raises a GradmeshError saying why
-    not) on every rank (`agree(ok)` is True when every rank's `ok` is: a collective in a job);
-    each one passed over is a warning. None when the folder has no checkpoint at all; one line
-    naming the last problem when none is usable."""
-    refuse_old_format(directory)
-    candidates = complete(directory)
-    for i, checkpoint in enumerate(candidates):
-        problem = None
-        try:
-            meta = read_meta(checkpoint)
-            check_identity(meta, identity)
-            loaded = usable(meta)
-        except ForeignCheckpoint:
-            raise
-        except GradmeshError as exc:
-            problem = str(exc)
-        if agree(problem is None):
-            return meta, loaded
-        if i + 1 == len(candidates):
-            problem = problem or f"another rank could not use checkpoint {checkpoint}"
-            raise GradmeshError(f"{problem}; no earlier complete checkpoint to fall back to")
-        if problem is not None:
-            _warn(f"warning: {problem}; falling back to {candidates[i + 1].name}")
-    return None
-
-
-def _warn(line: str) -> None:
-    print(f"gradmesh: {line}", file=sys.stderr, flush=True)
-
-
-class ShardFolder:
-    """A parameter server's parts of the checkpoints (its `ShardCheckpoints`): rank file
-    `index` of each `DIR/step-N/`, in the rank files' form; written when the first worker asks,
-    read back from the newest complete checkpoint that fits the shard."""
-
-    def __init__(self, directory: str, identity: dict[str, Any]) -> None:
-        self.directory, self.identity = directory, identity
-
-    def save(self, index: int, step: int, state: dict[str, Any]) -> None:
-        write_part(self.directory, step, index, state)
-
-    def restore(self, server: Server) -> None:
-        index = server.cfg.index
-
-        def load(meta: Meta) -> int:
-            state = read_rank(meta.checkpoint, index)
-            try:
-                server.load_state_dict(state)
-            except GradmeshError as exc:
-                path = rank_file(meta.checkpoint, index)
-                raise GradmeshError(f"checkpoint {path} does not fit this run: {exc}") from None
-            return server.version
-
-        chosen = choose(self.directory, self.identity, load)
-        if chosen is not None:
-            print(
-                f"gradmesh ps: server {index} resumed at step {chosen[1]} "
-                f"from {chosen[0].checkpoint}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-class Progress:
-    """The furthest step a run reached, kept in DIR/progress by rank 0 (two int64 written in
-    place each step: no allocation, no rename), so a resumed run can say how many steps it
-    redoes. Not part of any checkpoint: losing it loses only that figure."""
-
-    _FORMAT = struct.Struct("<qq")
-
-    def __init__(self, directory: str) -> None:
-        self.path = Path(directory) / "progress"
-        self.furthest, self.redone = 0, 0
-        try:
-            raw = self.path.read_bytes()
-            if len(raw) == self._FORMAT.size:
-                self.furthest, self.redone = self._FORMAT.unpack(raw)
-        except OSError:
-            pass
-        self._fd: int | None = None
-
-    def resumed_at(self, step: int) -> int:
-        """Count the steps between `step` (where this run resumes) and the furthest reached;
-        returns the run's total so far."""
-        self.redone += max(0, self.furthest - step)
-        self.furthest = step
-        return self.redone
-
-    def reached(self, step: int) -> None:
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.furthest = max(self.furthest, step)
-        os.pwrite(self._fd, self._FORMAT.pack(self.furthest, self.redone), 0)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
