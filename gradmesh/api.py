@@ -25,12 +25,7 @@ from gradmesh.runtime.world import (
 )
 from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, synchronize
 from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
-from gradmesh.sync.data_parallel.optimizer import (
-    Adasum,
-    Average,
-    DistributedOptimizer,
-    Sum,
-    broadcast_parameters,
-)
+from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+from gradmesh.sync.data_parallel.reducer import Adasum, Average, Sum
 
 __all__ = sorted(name for name in dir() if not name.startswith("_"))

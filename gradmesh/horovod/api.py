@@ -43,16 +43,9 @@ from gradmesh.runtime.world import (
 from gradmesh.runtime.world import init as _init
 from gradmesh.runtime.world import shutdown as _shutdown
 from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, synchronize
-from gradmesh.sync.data_parallel.optimizer import (
-    Adasum,
-    Average,
-    Max,
-    Min,
-    Product,
-    Sum,
-    broadcast_parameters,
-)
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer as _DistributedOptimizer
+from gradmesh.sync.data_parallel.optimizer import broadcast_parameters
+from gradmesh.sync.data_parallel.reducer import Adasum, Average, Max, Min, Product, Sum
 
 __all__ = [
     "Adasum",

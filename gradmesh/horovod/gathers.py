@@ -16,7 +16,7 @@ from gradmesh.horovod.reductions import _autograd, _named, allreduce
 from gradmesh.runtime.world import rank
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import Handle, synchronize
-from gradmesh.sync.data_parallel.optimizer import Average
+from gradmesh.sync.data_parallel.reducer import Average
 
 __all__ = [
     "allgather",

@@ -16,7 +16,7 @@ from gradmesh.horovod.process_sets import _group, global_process_set
 from gradmesh.runtime.world import rank, size
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import Handle, synchronize
-from gradmesh.sync.data_parallel.optimizer import Adasum, Average, Sum
+from gradmesh.sync.data_parallel.reducer import Adasum, Average, Sum
 
 __all__ = [
     "allreduce",

@@ -1,0 +1,333 @@
+"""The gradient reducer behind `DistributedOptimizer`: fusion buckets reduced as backward fills
+them, on the backend's asynchronous path (`native`) or the communication thread (gradmesh's own
+algorithms, compression), with a join count riding along for uneven data."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import weakref
+import zlib
+from concurrent.futures import Future
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradmesh.collectives import Op, allreduce
+from gradmesh.collectives.agreement import FixedLayout
+from gradmesh.collectives.native import modelled_bytes_sent
+from gradmesh.compression.base import (
+    Compressor,
+    Link,
+    NoCompression,
+    State,
+    load_states,
+    save_states,
+)
+from gradmesh.compression.registry import reduce
+from gradmesh.errors import GradmeshError, PeerFailure, first_line
+from gradmesh.observe.timeline import span
+from gradmesh.runtime.world import Runtime, get_runtime
+from gradmesh.sync.data_parallel.buckets import Bucket, plan_buckets
+
+Average: Op = "average"
+Sum: Op = "sum"
+Min: Op = "min"
+Max: Op = "max"
+Product: Op = "product"
+Adasum = "adasum"
+OnNonfinite = Literal["error", "skip", "pass"]
+
+
+def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
+    return [f"{n} {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for n, p in params]
+
+
+def check_models_agree(
+    rt: Runtime, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup
+) -> None:
+    """Raise, naming the first differing parameter and the ranks, unless every rank has the
+    same parameter names, shapes and dtypes. Compares checksums first; text only on mismatch."""
+    mine = describe(params)
+    ranks = dist.get_process_group_ranks(group)
+    digest = torch.tensor([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=torch.int64)
+    rows = [torch.empty_like(digest) for _ in ranks]
+    try:
+        dist.all_gather(rows, digest, group=group)
+    except RuntimeError as exc:
+        raise PeerFailure(
+            f"rank {rt.rank}: comparing the model's parameters on {rt.group_label(group)} "
+            f"failed: {first_line(exc)}"
+        ) from None
+    if all(torch.equal(r, rows[0]) for r in rows):
+        return
+    text = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
+    dist.all_gather(lengths, torch.tensor([text.numel()]), group=group)
+    longest = int(max(int(n) for n in lengths))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: text.numel()] = text
+    texts = [torch.empty_like(padded) for _ in ranks]
+    dist.all_gather(texts, padded, group=group)
+    listings = [
+        json.loads(bytes(t[: int(n)].tolist()).decode())
+        for t, n in zip(texts, lengths, strict=True)
+    ]
+    for i in range(max(len(x) for x in listings)):
+        entries = [x[i] if i < len(x) else "(none)" for x in listings]
+        if len(set(entries)) > 1:
+            which = "; ".join(f"rank {r}: {e}" for r, e in zip(ranks, entries, strict=True))
+            raise GradmeshError(
+                f"rank {rt.rank}: models differ across ranks at parameter #{i}: {which}"
+            )
+
+
+class NativeWork:
+    """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
+    on the optimizer's group (as torch DDP does): no thread handoff on the hot path."""
+
+    def __init__(self, rt: Runtime, bucket: Bucket, label: str, group: dist.ProcessGroup) -> None:
+        self.rt, self.bucket, self.label = rt, bucket, label
+        self.started = time.perf_counter()
+        try:
+            self.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
+        except RuntimeError as exc:
+            raise self._error(exc) from None
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        rt.comm.add(modelled_bytes_sent(dist.get_world_size(group), nbytes), 0.0)
+
+    def _error(self, exc: BaseException) -> PeerFailure:
+        return PeerFailure(
+            f"rank {self.rt.rank}: {self.label} (bucket {self.bucket.index}) failed: "
+            f"{first_line(exc)}"
+        )
+
+    def result(self) -> None:
+        waited = time.perf_counter()
+        try:
+            self.work.wait(self.rt.timeout)
+        except RuntimeError as exc:
+            raise self._error(exc) from None
+        done = time.perf_counter()
+        self.rt.comm.add(0, done - waited)
+        if self.rt.timeline is not None:
+            self.rt.timeline.add("reduce", "comm", self.started, done, bucket=self.bucket.index)
+
+
+class GradientReducer:
+    """The long-lived state of one DistributedOptimizer: buckets, hooks, in-flight reductions."""
+
+    def __init__(
+        self,
+        params: list[tuple[str, nn.Parameter]],
+        algorithm: str,
+        op: Op,
+        fusion_mb: float,
+        compression: Compressor,
+        backward_passes_per_step: int,
+        on_nonfinite: OnNonfinite,
+        predivide: float = 1.0,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.rt = get_runtime()
+        self.predivide = predivide
+        """Gradients are divided by this before the sum and the average's divisor after it."""
+        self.replicas = self.rt.dp.size if group is None else dist.get_world_size(group)
+        """The replicas this optimizer averages over: the data-parallel axis, or `group`'s."""
+        self.params = params
+        self.algorithm = algorithm
+        self.op = op
+        self.compressor = None if isinstance(compression, NoCompression) else compression
+        """None: buckets travel as they are (the backend's async allreduce for native)."""
+        self.passes_per_step = backward_passes_per_step
+        self.on_nonfinite = on_nonfinite
+        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
+        own = self._own_group() if group is None else group
+        self._group = weakref.ref(own) if own is not None else None  # the runtime owns it
+        self.states: list[State] = [
+            compression.new_state(b.grad_numel, [tuple(p.shape) for _, p in b.params])
+            for b in self.buckets
+        ]
+        """Each bucket's compressor state (error-feedback residual, PowerSGD's Q)."""
+        self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
+        self.counts = [0] * len(params)
+        self.index = {id(p): i for i, (_, p) in enumerate(params)}
+        self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
+        self.next_launch = 0
+        self.passes = 0
+        self.in_backward = False
+        self.backward_started = 0.0
+        self.checked = False
+        self.steps = 0
+        self.skipped_steps = 0
+        self.skip_sync = False
+        self.synced = False
+        self.also: list[GradientReducer] = []
+        """Reducers of other parameters of the same optimizer (a hybrid plan's batch-sharded
+        layers, over the batch group), synchronized and reset with this one."""
+        for _, p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step counters and each bucket's compressor state (residuals), for a checkpoint."""
+        return {
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "compressor": save_states({str(i): s for i, s in enumerate(self.states)}),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        load_states({str(i): s for i, s in enumerate(self.states)}, saved["compressor"])
+        self.steps, self.skipped_steps = int(saved["steps"]), int(saved["skipped_steps"])
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """This optimizer's own group; an error once `gradmesh.shutdown()` freed it."""
+        if self._group is None:
+            return None
+        group = self._group()
+        if group is None:
+            raise GradmeshError(
+                f"rank {self.rt.rank}: DistributedOptimizer used after gradmesh.shutdown()"
+            )
+        return group
+
+    def _own_group(self) -> dist.ProcessGroup | None:
+        """A process group for this optimizer's buckets alone. Their layout is fixed and checked
+        once, so every call on the group agrees by construction and needs no per-call check;
+        and a rank that steps two optimizers in another order than its peers times out naming
+        the optimizer instead of reducing one's buckets with the other's (Gloo aborts the
+        process on such a size mismatch)."""
+        return self.rt.new_group("DistributedOptimizer", "dp") if self.replicas > 1 else None
+
+    # -- during backward -------------------------------------------------------------------
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if not self.in_backward:
+            self.in_backward = True
+            self.backward_started = time.perf_counter()
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        i = self.index[id(p)]
+        self.counts[i] += 1
+        if self.counts[i] == self.passes_per_step:
+            bucket, j = self.where[id(p)]
+            bucket.ready.add(j)
+            self._launch_ready()
+
+    def _end_of_backward(self) -> None:
+        self.in_backward = False
+        timeline = self.rt.timeline
+        if timeline is not None and "backward" not in timeline.open:  # a user's own backward
+            timeline.add("backward", "compute", self.backward_started, time.perf_counter())
+        self.passes += 1
+        if self.passes == self.passes_per_step:
+            self._flush()
+
+    def _flush(self) -> None:
+        """Everything not yet sent goes now: parameters without a gradient count as zero."""
+        for bucket in self.buckets:
+            bucket.ready.update(range(len(bucket.params)))
+        self._launch_ready()
+
+    def _launch_ready(self, active: bool = True) -> None:
+        if not self.checked and self.group is not None:  # before the first bucket, once
+            check_models_agree(self.rt, self.params, self.group)
+        self.checked = True
+        # buckets leave in index order on every rank, whatever order their gradients came in
+        while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete():
+            bucket = self.buckets[self.next_launch]
+            with span("pack", "comm", bucket=bucket.index):
+                bucket.pack(active)
+                if self.predivide != 1.0:
+                    bucket.buffer[: bucket.grad_numel].div_(self.predivide)
+            self.futures[bucket.index] = self._submit(bucket)
+            self.next_launch += 1
+
+    def _submit(self, bucket: Bucket) -> Future[None] | NativeWork:
+        if self.replicas == 1:
+            done: Future[None] = Future()
+            done.set_result(None)
+            return done
+        assert self.group is not None
+        if self.compressor is not None:  # every algorithm, native too, through the compressor
+            return self.rt.comm_executor().submit(self._reduce_compressed, bucket, self.compressor)
+        # numbered here, in bucket order on the training thread, on every rank alike
+        check = FixedLayout.post(self.rt, self.group, f"{self.algorithm} allreduce")
+        if self.algorithm == "native":  # the backend's own asynchronous collective: no handoff
+            return NativeWork(self.rt, bucket, check.label, self.group)
+        return self.rt.comm_executor().submit(self._reduce, bucket, check)
+
+    def _reduce(self, bucket: Bucket, check: FixedLayout) -> None:
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        with span("reduce", "comm", bucket=bucket.index, bytes=nbytes):
+            allreduce(bucket.buffer, "sum", self.algorithm, self.group, check=check)
+
+    def _reduce_compressed(self, bucket: Bucket, compressor: Compressor) -> None:
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        # a link per call: the optimizer holds its group only weakly (see `group`)
+        link = Link(self.group, self.algorithm, "sync", fixed=True)
+        with span("reduce", "comm", bucket=bucket.index, bytes=nbytes):
+            grads = bucket.buffer[: bucket.grad_numel]
+            reduce(grads, compressor, self.states[bucket.index], link)
+            if bucket.has_flag:  # the count of ranks still training is summed exactly
+                link.allreduce(bucket.buffer[bucket.grad_numel :])
+
+    # -- at step ----------------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for every bucket of this step and write the averaged gradients back."""
+        if self.synced:
+            return
+        if self.next_launch < len(self.buckets):  # no (or an unfinished) backward this step
+            self._flush()
+        self.unpack_all(self._wait_all() if self.replicas > 1 else 1.0)
+        for other in self.also:
+            other.synchronize()
+
+    def nonfinite_parameter(self) -> str | None:
+        """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
+        for bucket in self.buckets:
+            # one cheap reduction per bucket; only a non-finite sum (NaN/Inf, or an overflow)
+            # pays for the per-parameter search
+            if not math.isfinite(float(bucket.buffer[: bucket.grad_numel].sum())):
+                for name, p in bucket.params:
+                    if p.grad is not None and not bool(torch.isfinite(p.grad).all()):
+                        return name
+        return next((n for o in self.also if (n := o.nonfinite_parameter())), None)
+
+    def reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+        self.futures = [None] * len(self.buckets)
+        self.counts = [0] * len(self.params)
+        self.next_launch = 0
+        self.passes = 0
+        self.synced = False
+        for other in self.also:
+            other.reset()
+
+    def join_round(self) -> float:
+        """One step's reductions with zero gradients from this rank; returns how many ranks are
+        still training (0 once every rank has joined). The buffers hold the reduced sums."""
+        self.reset()
+        if self.replicas == 1:
+            return 0.0
+        for bucket in self.buckets:
+            bucket.ready.update(range(len(bucket.params)))
+        self._launch_ready(active=False)
+        return self._wait_all()
+
+    def _wait_all(self) -> float:
+        """Wait for every bucket of the step; returns the count of ranks still training."""
+        for future in self.futures:
+            assert future is not None
+            future.result()
+        return float(self.buckets[-1].buffer[-1])
+
+    def unpack_all(self, active: float) -> None:
+        divisor = max(active, 1.0) / self.predivide if self.op == "average" else 1.0
+        for bucket in self.buckets:
+            with span("unpack", "comm", bucket=bucket.index):
+                bucket.unpack(divisor)
+        self.synced = True
