@@ -51,11 +51,12 @@ def cpu_ns(pid: int) -> int:
 
 def _serve(numel: int) -> int:
     from gradmesh.sync.parameter_server.roles import launcher_token
-    from gradmesh.sync.parameter_server.server import Server, ServerConfig
+    from gradmesh.sync.parameter_server.server import Server
+    from gradmesh.sync.parameter_server.serving import ServerConfig
 
     token = launcher_token()
     assert token is not None
-    config = ServerConfig(index=0, workers=1, numel=numel, mode="async", momentum=0.9, lr=0.01)
+    config = ServerConfig.of(0, 1, numel, mode="async", momentum=0.9, lr=0.01)
     server = Server(config, token, "127.0.0.1")
     print(server.endpoint, flush=True)
     server.serve()

@@ -66,14 +66,10 @@ def serve(config: TrainConfig, index: int, store_host: str, store_port: int) -> 
         if config.checkpoint.dir
         else None,
         on_update=fault.check if fault is not None and fault.kind == "kill" else None,
-        mode=config.sync.ps.mode,
-        max_staleness=config.sync.ps.max_staleness,
-        staleness_lr=config.sync.ps.staleness_lr,
-        optimizer=config.sync.ps.server_optimizer,
+        ps=config.sync.ps,
         lr=gradient_lr(config.optimizer.lr, config.sync.ps.mode, config.job.workers),
         momentum=config.optimizer.momentum,
         weight_decay=config.optimizer.weight_decay,
-        lost_after_s=config.sync.ps.lost_after_s,
         timeline=timeline,
     )
     if timeline is not None:

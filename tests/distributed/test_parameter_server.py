@@ -18,7 +18,8 @@ from torch.distributed import TCPStore  # type: ignore[attr-defined]
 import gradmesh
 from gradmesh.sync.parameter_server.client import shard_ranges
 from gradmesh.sync.parameter_server.roles import WorkerRole, key
-from gradmesh.sync.parameter_server.server import Server, ServerConfig
+from gradmesh.sync.parameter_server.server import Server
+from gradmesh.sync.parameter_server.serving import ServerConfig
 from gradmesh.sync.parameter_server.worker import PSWorker
 from tests.distributed.sgd_steps import cnn, run_steps
 from tests.harness import run_ranks
@@ -36,7 +37,7 @@ def servers(count: int, workers: int, numel: int, **options: Any) -> Iterator[tu
     stats: list[dict[str, Any]] = []
     threads = []
     for i, (a, b) in enumerate(shard_ranges(numel, count)):
-        config = ServerConfig(index=i, workers=workers, numel=b - a, timeout_s=30, **options)
+        config = ServerConfig.of(i, workers, b - a, timeout_s=30, **options)
         server = Server(config, bytes.fromhex(TOKEN_HEX), "127.0.0.1")
         store.set(key(f"server{i}"), server.endpoint)
         thread = threading.Thread(target=lambda s=server: stats.append(s.serve()), daemon=True)

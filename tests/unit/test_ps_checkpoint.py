@@ -13,7 +13,8 @@ import torch
 
 from gradmesh.errors import GradmeshError
 from gradmesh.sync.parameter_server.protocol import Kind, Message
-from gradmesh.sync.parameter_server.server import Server, ServerConfig
+from gradmesh.sync.parameter_server.server import Server
+from gradmesh.sync.parameter_server.serving import ServerConfig
 from gradmesh.train import checkpoint
 from gradmesh.train.checkpoint import ShardFolder
 from gradmesh.train.config import TrainConfig
@@ -24,7 +25,7 @@ NUMEL = 10
 
 @contextmanager
 def server(workers: int = 2, **options: object) -> Iterator[Server]:
-    config = ServerConfig(index=0, workers=workers, numel=NUMEL, mode="sync", **options)  # type: ignore[arg-type]
+    config = ServerConfig.of(0, workers, NUMEL, mode="sync", **options)
     made = Server(config, TOKEN, "127.0.0.1")
     try:
         yield made

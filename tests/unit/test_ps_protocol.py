@@ -27,7 +27,8 @@ from gradmesh.sync.parameter_server.protocol import (
     decode,
     encode,
 )
-from gradmesh.sync.parameter_server.server import Server, ServerConfig
+from gradmesh.sync.parameter_server.server import Server
+from gradmesh.sync.parameter_server.serving import ServerConfig
 from gradmesh.sync.parameter_server.transport import Peer, connect, endpoint_of, listen
 
 TOKEN = bytes(range(16))
@@ -131,7 +132,7 @@ def test_the_decoder_survives_10000_fuzzed_messages(
 def test_a_server_fed_garbage_keeps_serving_an_honest_worker() -> None:
     numel = 64
     topk_out_of_range = struct.pack("<fi", 1.0, numel)
-    server = Server(ServerConfig(index=0, workers=1, numel=numel, timeout_s=20), TOKEN, "127.0.0.1")
+    server = Server(ServerConfig.of(0, 1, numel, timeout_s=20), TOKEN, "127.0.0.1")
     stats: list[dict[str, object]] = []
     thread = threading.Thread(target=lambda: stats.append(server.serve()), daemon=True)
     thread.start()

@@ -15,77 +15,19 @@ In a script a worker that dies stops the job (the launcher's rule); under `gradm
 worker is supervised so the others go on.
 """
 
-from __future__ import annotations
-
-import os
-import sys
 from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gradmesh.errors import GradmeshError
-from gradmesh.runtime.process import connect_store
-from gradmesh.sync.parameter_server.roles import (
-    WorkerRole,
-    job_token,
-    run_server,
-    worker_env,
-)
+from gradmesh.sync.config import MODES
+from gradmesh.sync.parameter_server.roles import WorkerRole, run_server
+from gradmesh.sync.parameter_server.script import join
 
-if TYPE_CHECKING:
-    from gradmesh.sync.parameter_server.client import Client, shard_ranges
-    from gradmesh.sync.parameter_server.server import MODES, Server, ServerConfig
-    from gradmesh.sync.parameter_server.worker import PSWorker
-
-_LAZY = {
-    "Client": "client",
-    "shard_ranges": "client",
-    "MODES": "server",
-    "Server": "server",
-    "ServerConfig": "server",
-    "PSWorker": "worker",
-}
-"""Imported on first use: a worker's supervisor (`node`) imports this package, not torch."""
+__all__ = ["MODES", "WorkerRole", "join", "run_server"]
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(import_module(f"gradmesh.sync.parameter_server.{_LAZY[name]}"), name)
+def __getattr__(name: str) -> Any:  # the rest on first use: a worker's supervisor needs no torch
+    for module in ("client", "serving", "server", "worker"):
+        found = import_module(f"gradmesh.sync.parameter_server.{module}")
+        if hasattr(found, name):
+            return getattr(found, name)
     raise AttributeError(f"module 'gradmesh.sync.parameter_server' has no attribute {name!r}")
-
-
-__all__ = [
-    "MODES",
-    "Client",
-    "PSWorker",
-    "Server",
-    "ServerConfig",
-    "WorkerRole",
-    "join",
-    "run_server",
-    "shard_ranges",
-]
-
-
-def join(servers: int, timeout_s: float = 60.0, **server_options: Any) -> WorkerRole:
-    """Take this rank's role in a job the launcher started with S + W ranks.
-
-    Ranks 0..S-1 serve a shard (`server_options` are `ServerConfig` fields) and exit when the
-    workers are done; the others return their `WorkerRole`. Call it before `gradmesh.init()`:
-    a worker's world is its own (no collectives with the others).
-    """
-    try:
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    except KeyError as exc:
-        raise GradmeshError(f"parameter_server.join needs the launcher's {exc} variable") from None
-    if not 1 <= servers < world:
-        raise GradmeshError(f"{servers} servers leave no worker in a world of {world}")
-    workers = world - servers
-    if rank < servers:
-        run_server(rank, servers, workers, host, port, timeout_s, **server_options)
-        sys.exit(0)
-    token = job_token(connect_store(host, port, timeout_s), creator=False)
-    env = worker_env(rank - servers, workers, token)
-    os.environ.clear()
-    os.environ.update(env)
-    return WorkerRole(rank - servers, workers, host, port)

@@ -32,7 +32,6 @@ from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
 
-SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "adarevision")
 INITIAL_ACCUMULATOR = 0.1
 
 

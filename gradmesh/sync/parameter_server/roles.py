@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
     from gradmesh.observe.timeline import Timeline
-    from gradmesh.sync.parameter_server.server import ShardCheckpoints
+    from gradmesh.sync.parameter_server.serving import ShardCheckpoints
 
 TOKEN_ENV = "GRADMESH_JOB_TOKEN"
 WORKER_ENV = "GRADMESH_PS_WORKER"
@@ -147,15 +147,14 @@ def run_server(
     `ServerConfig` fields (mode, max_staleness, optimizer, lr, ...); the shard resumes from
     `checkpoints` and saves there (see `Server`). Returns the server's stats."""
     from gradmesh.sync.parameter_server.client import shard_ranges
-    from gradmesh.sync.parameter_server.server import Server, ServerConfig
+    from gradmesh.sync.parameter_server.server import Server
+    from gradmesh.sync.parameter_server.serving import ServerConfig
 
     store = connect_store(store_host, store_port, timeout_s)
     token = job_token(store, creator=index == 0)
     total = int(store.get(key("numel")).decode())  # published by worker 0
     start, end = shard_ranges(total, servers)[index]
-    config = ServerConfig(
-        index=index, workers=workers, numel=end - start, timeout_s=timeout_s, **options
-    )
+    config = ServerConfig.of(index, workers, end - start, timeout_s=timeout_s, **options)
     server = Server(config, token, local_address(store_host), checkpoints, on_update, timeline)
     if checkpoints is not None:
         checkpoints.restore(server)

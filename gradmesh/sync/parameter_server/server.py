@@ -35,124 +35,30 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
 
-from gradmesh.compression.registry import DECODERS
 from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import Timeline
 from gradmesh.sync.parameter_server.optimizers import make_optimizer
 from gradmesh.sync.parameter_server.protocol import Kind, Message, WireError, decode, encode
+from gradmesh.sync.parameter_server.serving import (
+    PUSHES,
+    REQUESTS,
+    Progress,
+    ServerConfig,
+    ServerStats,
+    ShardCheckpoints,
+    check_request,
+    decompress,
+)
 from gradmesh.sync.parameter_server.transport import Closed, Peer, endpoint_of, listen
 
-MODES = ("sync", "async", "ssp")
-PUSHES = (Kind.PUSH, Kind.PUSH_PULL)
-REQUESTS = {kind: (kind.name.lower(),) for kind in Kind} | {Kind.PUSH_PULL: ("push", "pull")}
-"""What the server's stats count a message as: a push-and-pull is a push and a pull."""
 JSON_LIMIT = 1 << 16
 POLL_S = 0.05
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    index: int
-    workers: int
-    numel: int
-    mode: str = "async"
-    max_staleness: int = 0
-    staleness_lr: bool = False
-    optimizer: str = "sgd"
-    lr: float = 0.05
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    lost_after_s: float = 10.0
-    timeout_s: float = 60.0
-
-
-class ShardCheckpoints(Protocol):
-    """Where a server's part of each checkpoint goes (the trainer's checkpoint folder)."""
-
-    def save(self, index: int, step: int, state: dict[str, Any]) -> None:
-        """Write server `index`'s `state_dict()` as its part of the checkpoint after `step`."""
-
-    def restore(self, server: Server) -> None:
-        """Load the newest complete checkpoint's part of `server` into it, if there is one."""
-
-
-class Progress:
-    """Server 0's live bar on a terminal: updates applied, push and pull rates, and the
-    staleness of the gradients applied so far (its mean and largest)."""
-
-    def __init__(self, stats: ServerStats) -> None:
-        from tqdm import tqdm
-
-        self.stats = stats
-        self.bar = tqdm(unit="update", dynamic_ncols=True, leave=False, desc="ps server 0")
-        self.shown = 0.0
-
-    def update(self) -> None:
-        self.bar.update(1)
-        now = time.monotonic()
-        if now - self.shown < 0.5:
-            return
-        self.shown = now
-        span = max(self.stats.last - self.stats.first, 1e-9)
-        counts = Counter[int]()
-        for per_worker in self.stats.staleness.values():
-            counts.update(per_worker)
-        applied = sum(counts.values())
-        self.bar.set_postfix(
-            push_s=f"{self.stats.requests['push'] / span:.0f}",
-            pull_s=f"{self.stats.requests['pull'] / span:.0f}",
-            staleness=f"mean {sum(k * n for k, n in counts.items()) / max(applied, 1):.2f} "
-            f"max {max(counts, default=0)}",
-            refresh=False,
-        )
-
-    def close(self) -> None:
-        self.bar.close()
-
-
-@dataclass
-class ServerStats:
-    requests: Counter[str] = field(default_factory=Counter)
-    bytes_in: int = 0
-    bytes_out: int = 0
-    dropped: int = 0
-    decoded: int = 0
-    depth_max: int = 0
-    depth_sum: int = 0
-    wakeups: int = 0
-    first: float = 0.0
-    last: float = 0.0
-    cpu_first: float = 0.0
-    cpu_last: float = 0.0
-    """The process's CPU time at the first and the last message (serving, not starting)."""
-    staleness: dict[int, Counter[int]] = field(default_factory=dict)
-
-    def as_dict(self, index: int, lost: list[int]) -> dict[str, Any]:
-        span = max(self.last - self.first, 1e-9)
-        total = sum(self.requests.values())
-        return {
-            "server": index,
-            "requests": dict(self.requests),
-            "request_rate": total / span,
-            "bytes_in": self.bytes_in,
-            "bytes_out": self.bytes_out,
-            "dropped_messages": self.dropped,
-            "decompressed_pushes": self.decoded,
-            "queue_depth_max": self.depth_max,
-            "queue_depth_mean": self.depth_sum / max(self.wakeups, 1),
-            "staleness": {
-                str(w): {str(k): v for k, v in sorted(h.items())}
-                for w, h in sorted(self.staleness.items())
-            },
-            "lost_workers": lost,
-            "cpu_s": self.cpu_last - self.cpu_first,
-        }
 
 
 class Server:
@@ -177,7 +83,7 @@ class Server:
         self.token = token
         self.values = nn.Parameter(torch.zeros(config.numel), requires_grad=True)
         self.optimizer = make_optimizer(
-            config.optimizer, self.values, config.lr, config.momentum, config.weight_decay
+            config.ps.server_optimizer, self.values, config.lr, config.momentum, config.weight_decay
         )
         self.max_payload = max(config.numel * 4, JSON_LIMIT)
         self.listener = listen(host)
@@ -199,7 +105,7 @@ class Server:
         """sync: the gradients of the step under way, by worker (in `held`)."""
         self.held: dict[int, torch.Tensor] = {}
         """sync: a buffer per worker its gradient is copied into (the connection's is reused)."""
-        self.total = torch.empty(config.numel) if config.mode == "sync" else torch.empty(0)
+        self.total = torch.empty(config.numel) if config.ps.mode == "sync" else torch.empty(0)
         """sync: the step's sum, reused."""
         self.done_at: float | None = None
         self.closed = False
@@ -222,7 +128,7 @@ class Server:
                 self._release_pulls()
                 self._maybe_done()
                 quiet = now - idle_since
-                if self.done_at is not None and quiet > self.cfg.lost_after_s:
+                if self.done_at is not None and quiet > self.cfg.ps.lost_after_s:
                     break  # done was sent and nobody closed: the reporter is gone
                 if quiet > self.cfg.timeout_s:
                     break
@@ -334,44 +240,15 @@ class Server:
             self._reply(peer, Kind.ACK, msg.worker, seen=self.version)
 
     def _check(self, msg: Message) -> Message:
-        """What decode cannot know: worker index, shard size, dtype, a JSON payload's text; a
-        compressed push comes back decoded to a dense shard."""
-        if not 0 <= msg.worker < self.cfg.workers:
-            raise WireError(f"no worker {msg.worker}")
+        """`check_request`; a compressed push comes back decoded to a dense shard."""
         if msg.codec:
             if msg.kind not in PUSHES:
                 raise WireError(f"{msg.kind.name} carries no codec")
             msg = replace(msg, payload=self._decompress(msg))
-        if msg.kind in (Kind.INIT, *PUSHES):
-            p = msg.payload
-            if p is None or p.dtype != torch.float32 or p.numel() != self.cfg.numel:
-                raise WireError("a shard of the wrong size or dtype")
-            if msg.kind in PUSHES and not self.initialized:
-                raise WireError("push before init")
-        elif msg.kind is Kind.FINISH:
-            try:
-                json.loads(bytes(msg.raw or b"{}"))
-            except (ValueError, UnicodeDecodeError):
-                raise WireError("finish stats are not JSON") from None
-        elif msg.kind is Kind.SAVE:
-            if self.checkpoints is None or self.cfg.mode != "sync":
-                raise WireError("this server keeps no checkpoints")
-            if msg.clock != self.version:
-                raise WireError(f"SAVE of step {msg.clock} at version {self.version}")
-        elif msg.kind not in (Kind.PULL, Kind.CLOSE):
-            raise WireError(f"a server does not take {msg.kind.name}")
-        return msg
+        return check_request(msg, self.cfg, self.initialized, self.checkpoints, self.version)
 
     def _decompress(self, msg: Message) -> torch.Tensor:
-        """The dense shard a compressed push stands for; WireError if it does not parse."""
-        decoder = DECODERS.get(msg.codec)
-        if decoder is None or msg.payload is None:
-            raise WireError(f"unknown codec {msg.codec}")
-        dense = torch.zeros(self.cfg.numel)
-        try:
-            decoder.decode(msg.payload, msg.ctx, dense)
-        except (ValueError, RuntimeError) as exc:
-            raise WireError(f"codec {decoder.name}: {exc}") from None
+        dense = decompress(msg, self.cfg.numel)
         self.stats.decoded += 1
         return dense
 
@@ -390,7 +267,7 @@ class Server:
         self.clocks[w] = max(self.clocks[w], msg.clock)
         gap = self.read_gap[w]
         self.stats.staleness.setdefault(w, Counter())[gap] += 1
-        if self.cfg.mode == "sync":
+        if self.cfg.ps.mode == "sync":
             # the connection's buffer is read into again by its next message: keep a copy
             with self._span("push", worker=w):
                 if w in self.round:
@@ -400,7 +277,7 @@ class Server:
                     self.round[w] = held.copy_(grad)
             self._close_round()
             return
-        scale = 1.0 / max(1, gap) if self.cfg.staleness_lr else 1.0
+        scale = 1.0 / max(1, gap) if self.cfg.ps.staleness_lr else 1.0
         with self._span("apply", worker=w, staleness=gap):
             self.optimizer.apply(grad, w, scale)  # a view of the connection's buffer: unwritten
         self._updated()
@@ -457,11 +334,11 @@ class Server:
     def _may_read(self, msg: Message) -> bool:
         if not self.initialized:
             return False
-        if self.cfg.mode == "sync":
+        if self.cfg.ps.mode == "sync":
             return self.version >= msg.clock
-        if self.cfg.mode == "ssp":
+        if self.cfg.ps.mode == "ssp":
             others = [self.clocks[w] for w in self._live() if w != msg.worker]
-            return not others or msg.clock - min(others) <= self.cfg.max_staleness
+            return not others or msg.clock - min(others) <= self.cfg.ps.max_staleness
         return True
 
     def _release_pulls(self) -> None:
@@ -471,7 +348,7 @@ class Server:
                 waiting.append((peer, msg))
                 continue
             others = [self.clocks[w] for w in self._live() if w != msg.worker]
-            gap = max(0, msg.clock - min(others)) if others and self.cfg.mode != "sync" else 0
+            gap = max(0, msg.clock - min(others)) if others and self.cfg.ps.mode != "sync" else 0
             self.read_gap[msg.worker] = gap
             self.optimizer.on_read(msg.worker)
             with self._span("pull", worker=msg.worker, staleness=gap):
@@ -490,7 +367,7 @@ class Server:
         waiting = {msg.worker for _, msg in self.pending_pulls}
         for w in self._live():
             # a worker still starting up (never heard from) gets the whole timeout
-            patience = self.cfg.lost_after_s if w in self.heard else self.cfg.timeout_s
+            patience = self.cfg.ps.lost_after_s if w in self.heard else self.cfg.timeout_s
             if w not in waiting and now - self.last_seen[w] > patience:
                 self.lost.add(w)
                 print(
@@ -498,7 +375,7 @@ class Server:
                     f"(silent for {now - self.last_seen[w]:.0f} s)",
                     flush=True,
                 )
-                if self.cfg.mode == "sync":
+                if self.cfg.ps.mode == "sync":
                     self._close_round()
 
     def _maybe_done(self) -> None:
