@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.sync.config import SERVER_OPTIMIZERS
 
 INITIAL_ACCUMULATOR = 0.1
 
