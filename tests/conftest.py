@@ -73,9 +73,9 @@ def our_temp_dirs() -> set[str]:
 
 
 def emulated_namespaces() -> set[str]:
-    from gradmesh.launch import emulate
+    from gradmesh.launch import namespaces
 
-    return set(emulate.our_namespaces()) if emulate.missing_capability() is None else set()
+    return set(namespaces.our_namespaces()) if namespaces.missing_capability() is None else set()
 
 
 THREAD_GRACE_S = 5.0

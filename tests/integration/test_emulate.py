@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from gradmesh.launch import emulate
+from gradmesh.launch import namespaces
 from gradmesh.launch.emulate import EmulatedCluster
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
-WHY = emulate.missing_capability()
+WHY = namespaces.missing_capability()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
@@ -110,12 +110,12 @@ def test_cluster_api_counts_bytes_and_survives_nothing(tmp_path: Path) -> None:
     script.write_text(ALLREDUCE_LOOP.format(n=4, pause=0))
     with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
         names = [cluster.namespace(h) for h in range(2)]
-        assert set(names) <= set(emulate.our_namespaces())
+        assert set(names) <= set(namespaces.our_namespaces())
         before = cluster.bytes_sent(0)
         assert cluster.run(["python", str(script)], timeout=120) == 0
         # 4 native allreduces of 1 MiB on 2 ranks: each rank sends >= 4 x 1 MiB
         assert cluster.bytes_sent(0) - before >= 4 << 20
-    assert not set(names) & set(emulate.our_namespaces())
+    assert not set(names) & set(namespaces.our_namespaces())
 
 
 def test_a_killed_host_ends_the_job_and_leaves_nothing(tmp_path: Path) -> None:
@@ -129,7 +129,7 @@ def test_a_killed_host_ends_the_job_and_leaves_nothing(tmp_path: Path) -> None:
         code = job.wait(timeout=60)
         assert code != 0
         assert time.monotonic() - started < 60
-    assert not [n for n in emulate.our_namespaces() if cluster.run_id in n]
+    assert not [n for n in namespaces.our_namespaces() if cluster.run_id in n]
 
 
 def test_an_unplugged_link_fails_within_the_timeout(
@@ -199,23 +199,23 @@ def test_ctrl_c_tears_everything_down(tmp_path: Path) -> None:
     )
     assert proc.stdout is not None
     assert "up" in proc.stdout.readline() and "up" in proc.stdout.readline()
-    assert len(emulate.our_namespaces()) >= 3
+    assert len(namespaces.our_namespaces()) >= 3
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)
     assert proc.returncode == 130
-    assert not emulate.our_namespaces()
+    assert not namespaces.our_namespaces()
 
 
 def test_stale_namespaces_of_dead_runs_are_removed() -> None:
-    stale = f"{emulate.PREFIX}999999999x0000-h0"  # no such pid
+    stale = f"{namespaces.PREFIX}999999999x0000-h0"  # no such pid
     subprocess.run(["ip", "netns", "add", stale], check=True)
-    assert stale in emulate.remove_stale()
-    assert stale not in emulate.our_namespaces()
+    assert stale in namespaces.remove_stale()
+    assert stale not in namespaces.our_namespaces()
 
 
 def test_latency_without_netem_is_said_not_failed() -> None:
     with EmulatedCluster(hosts=2, latency="1ms") as cluster:
-        if emulate.netem_available():
+        if namespaces.netem_available():
             assert cluster.notes == []
         else:
             assert cluster.notes == [

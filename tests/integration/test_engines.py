@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from gradmesh.errors import GradmeshError
-from gradmesh.launch import emulate
+from gradmesh.launch import emulate, namespaces
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.run import cluster_defaults
 from gradmesh.train.config import TrainConfig
@@ -124,7 +124,7 @@ def test_manifests_are_complete(name: str, monkeypatch: pytest.MonkeyPatch) -> N
         assert ("nvidia.com/gpu" in resources["limits"]) == gpu
 
 
-@pytest.mark.skipif(emulate.missing_capability() is not None, reason="no emulated cluster here")
+@pytest.mark.skipif(namespaces.missing_capability() is not None, reason="no emulated cluster here")
 @pytest.mark.parametrize("name", ["pytorchjob-train-cpu.yaml", "indexed-job-train-cpu.yaml"])
 def test_a_manifest_s_pods_train_on_the_emulated_cluster(name: str, tmp_path: Path) -> None:
     """One host per pod, each given exactly the environment its pod would get, running the

@@ -6,7 +6,7 @@ import pytest
 
 from gradmesh import units
 from gradmesh.errors import GradmeshError
-from gradmesh.launch import emulate
+from gradmesh.launch import emulate, namespaces
 
 
 def test_rates_and_latencies() -> None:
@@ -22,11 +22,11 @@ def test_rates_and_latencies() -> None:
 
 def test_missing_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
-    assert emulate.missing_capability() == (
+    assert namespaces.missing_capability() == (
         "the emulated cluster needs root (or CAP_NET_ADMIN) to create network namespaces"
     )
-    monkeypatch.setattr(emulate.shutil, "which", lambda tool: None)
-    assert "needs `ip` (Debian package iproute2)" in (emulate.missing_capability() or "")
+    monkeypatch.setattr(namespaces.shutil, "which", lambda tool: None)
+    assert "needs `ip` (Debian package iproute2)" in (namespaces.missing_capability() or "")
 
 
 def test_cluster_checks_its_size() -> None:
