@@ -8,7 +8,7 @@ import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -16,9 +16,6 @@ from gradmesh.compression.registry import DECODERS
 from gradmesh.options import from_mapping
 from gradmesh.sync.config import ParameterServerConfig
 from gradmesh.sync.parameter_server.protocol import Kind, Message, WireError
-
-if TYPE_CHECKING:
-    from gradmesh.sync.parameter_server.server import Server
 
 PUSHES = (Kind.PUSH, Kind.PUSH_PULL)
 REQUESTS = {kind: (kind.name.lower(),) for kind in Kind} | {Kind.PUSH_PULL: ("push", "pull")}
@@ -54,13 +51,22 @@ class ServerConfig:
         return cls(index, workers, numel, ps, **own)
 
 
+class Restorable(Protocol):
+    """What restoring a checkpoint needs of a server: its settings, state and version."""
+
+    cfg: ServerConfig
+    version: int
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None: ...
+
+
 class ShardCheckpoints(Protocol):
     """Where a server's part of each checkpoint goes (the trainer's checkpoint folder)."""
 
     def save(self, index: int, step: int, state: dict[str, Any]) -> None:
         """Write server `index`'s `state_dict()` as its part of the checkpoint after `step`."""
 
-    def restore(self, server: Server) -> None:
+    def restore(self, server: Restorable) -> None:
         """Load the newest complete checkpoint's part of `server` into it, if there is one."""
 
 

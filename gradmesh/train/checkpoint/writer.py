@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from gradmesh.errors import GradmeshError
 
 if TYPE_CHECKING:
-    from gradmesh.sync.parameter_server.server import Server
+    from gradmesh.sync.parameter_server.serving import Restorable
 
 from gradmesh.train.checkpoint.files import (
     _STEP,
@@ -222,7 +222,7 @@ class ShardFolder:
     def save(self, index: int, step: int, state: dict[str, Any]) -> None:
         write_part(self.directory, step, index, state)
 
-    def restore(self, server: Server) -> None:
+    def restore(self, server: Restorable) -> None:
         index = server.cfg.index
 
         def load(meta: Meta) -> int:
