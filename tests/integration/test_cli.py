@@ -63,7 +63,8 @@ def test_default_train_reaches_accuracy_and_is_reproducible(tmp_path: Path) -> N
         reports.append(json.loads((tmp_path / name).read_text()))
     first, second = reports
     assert set(first) >= REPORT_KEYS
-    assert first["test_accuracy"] >= 0.95
+    # seeds 0-5 gave 0.967-0.983 (seed 0, this run's: 0.969): 0.94 keeps 2.7 points below
+    assert first["test_accuracy"] >= 0.94
     assert first["workers"] == 2 and first["strategy"] == "allreduce"
     assert first["bytes_sent"] > 0 and first["comm_s"] > 0 and first["compute_s"] > 0
     assert elapsed < 120  # a generous bound against hangs; speed is measured by benchmarks

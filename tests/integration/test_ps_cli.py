@@ -148,6 +148,7 @@ def test_the_script_example_serves_and_trains_through_gradmesh_run() -> None:
     )
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if "test accuracy" in x)
-    assert float(line.split("test accuracy ")[1].split()[0]) >= 0.95
+    # asynchronous (ssp): 0.967-0.981 over 5 runs; 0.93 keeps 3.7 points below the lowest
+    assert float(line.split("test accuracy ")[1].split()[0]) >= 0.93
     staleness = line.split("staleness ")[1]
     assert "'3'" not in staleness  # ssp with K = 2
