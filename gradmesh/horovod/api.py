@@ -48,6 +48,7 @@ from gradmesh.sync.data_parallel.optimizer import broadcast_parameters
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Max, Min, Product, Sum
 
 __all__ = [
+    "GradmeshError",
     "Adasum",
     "Average",
     "barrier",
