@@ -282,7 +282,7 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
     same `train(config)`, starting its own instance): start-up is most of the cost."""
     ray = pytest.importorskip("ray")
     pytest.importorskip("ray.train.torch")
-    from gradmesh.launch.engines.choice import ray as engine
+    from gradmesh.launch.engines import ray as engine
 
     before = _ray_or_spark_processes()
     config = TrainConfig.of(engine="ray", epochs=int(EPOCHS), json=str(tmp_path / "ray.json"))

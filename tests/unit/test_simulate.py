@@ -137,7 +137,8 @@ def test_splitting_the_fully_connected_layers_pays_across_slow_links(
     it splits, several times faster than data parallelism and than the model's own uniform
     tensor-parallel plan (which replicates the convolutions on 8x the samples)."""
     out = tmp_path / "sim.json"
-    flags = ["--model", "alexnet-imagenet", "--gpus", "8,16,64", "--json", str(out)]
+    flags = ["--model", "alexnet-imagenet", "--gpus", "8,16,64", "--tensor-parallel", "8"]
+    flags += ["--json", str(out)]
     args = ["simulate", *flags, "--inter-node-bandwidth", "10gbit", "--strategy"]
     assert cli([*args, "allreduce,tensor,hybrid"]) == 0
     got = {
@@ -166,7 +167,9 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
     ]
     prof = Profile("toy", 1, 32, units, 0, 1, 0.0)
     free = CostParams(0.0, 0.0, 0.0)
-    job = Job(prof, 4, Links(free, free, 4), split=Split(prof, None, None), stages=4)
+    job = Job(
+        prof, 4, Links(free, free, 4), split=Split(prof, None, None), stages=4, microbatches=8
+    )
     pipeline = STRATEGIES.get("pipeline")
     job = dataclasses.replace(job, schedule=schedule)
     assert pipeline(job) == pytest.approx((8 + 4 - 1) * 3e-3 * 4 / 8)

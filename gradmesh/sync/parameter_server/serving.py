@@ -38,16 +38,15 @@ class ServerConfig:
 
     @classmethod
     def of(cls, index: int, workers: int, numel: int, **options: Any) -> ServerConfig:
-        """A server's settings with the ps options by their flags' names (`mode="ssp"`,
-        `max_staleness=2`, `server_optimizer="adam"`; `optimizer=` too, as scripts wrote it)."""
-        own = {
-            k: options.pop(k)
-            for k in ("lr", "momentum", "weight_decay", "timeout_s")
-            if k in options
-        }
+        """A server's settings: the job's ps options given whole (`ps=`) or by their flags'
+        names (`mode="ssp"`, `max_staleness=2`, `server_optimizer="adam"`; `optimizer=` too,
+        as scripts wrote it), and `lr`, `momentum`, `weight_decay`, `timeout_s`."""
+        names = ("lr", "momentum", "weight_decay", "timeout_s")
+        own = {k: options.pop(k) for k in names if k in options}
         if "optimizer" in options:
             options["server_optimizer"] = options.pop("optimizer")
-        ps = from_mapping(ParameterServerConfig, options, "parameter server options")
+        base = options.pop("ps", None) or ParameterServerConfig()
+        ps = from_mapping(ParameterServerConfig, options, "parameter server options", base)
         return cls(index, workers, numel, ps, **own)
 
 
