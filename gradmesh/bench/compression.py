@@ -21,16 +21,14 @@ from the same run.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradmesh.bench.harness import label, median, shutdown_after_ddp
+from gradmesh.bench.harness import label, median, network, shutdown_after_ddp, timed_turn
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.options import option
-from gradmesh.runtime.process import cpu_jiffies
 from gradmesh.units import parse_list
 
 TORCH_HOOK = "torch-powersgd"
@@ -97,11 +95,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     )
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
         result = run_workers("gradmesh.bench.compression", args.world, config, 1800.0, cluster)
-        result["network"] = (
-            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
-            if cluster
-            else "loopback, one machine"
-        )
+        result["network"] = network(cluster)
     for r in result["engines"].values():
         label(r, cluster.bandwidth_bps if cluster else None)
     compare(result)
@@ -206,127 +200,139 @@ class Engine:
     reached: tuple[float, int] | None = None
 
 
-def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+class _Workload:
+    """The digits every engine trains on, batch by batch, and the model each starts from."""
+
+    def __init__(self, config: dict[str, Any], rank: int, size: int) -> None:
+        from gradmesh.data import DATASETS, DataOptions
+
+        self.config, self.rank = config, rank
+        self.spec = DATASETS.get("digits")(DataOptions())
+        self.batch, self.per_rank = config["batch_size"], config["batch_size"] // size
+        self.per_epoch = len(self.spec.train) // self.batch
+        self.max_steps = self.per_epoch * config["max_epochs"]
+
+    def batch_at(self, step: int) -> tuple[Any, Any]:
+        import torch
+
+        epoch, k = divmod(step, self.per_epoch)
+        order = torch.randperm(len(self.spec.train), generator=torch.Generator().manual_seed(epoch))
+        first = k * self.batch + self.rank * self.per_rank
+        rows = order[first : first + self.per_rank]
+        return self.spec.train.x[rows], self.spec.train.y[rows]
+
+    def build(self) -> Any:
+        import torch
+
+        from gradmesh.models.registry import MODELS
+
+        torch.manual_seed(0)
+        return MODELS.get(self.config["model"])(self.spec.input_shape, self.spec.num_classes)
+
+    def accuracy(self, model: Any) -> float:
+        import torch
+
+        with torch.no_grad():
+            right = (model(self.spec.test.x).argmax(1) == self.spec.test.y).sum()
+        return float(right) / len(self.spec.test)
+
+
+def _make_engine(name: str, work: _Workload) -> Engine:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
     from torch import nn
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     from gradmesh.compression.registry import make
-    from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.models.registry import MODELS
-    from gradmesh.runtime.world import init
     from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
     from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer
 
-    rt = init()
-    spec = DATASETS.get("digits")(DataOptions())
-    batch, per_rank = config["batch_size"], config["batch_size"] // rt.size
-    per_epoch = len(spec.train) // batch
-    max_steps = per_epoch * config["max_epochs"]
+    config, model = work.config, work.build()
 
-    def batch_at(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        epoch, k = divmod(step, per_epoch)
-        order = torch.randperm(len(spec.train), generator=torch.Generator().manual_seed(epoch))
-        rows = order[k * batch + rt.rank * per_rank : k * batch + (rt.rank + 1) * per_rank]
-        return spec.train.x[rows], spec.train.y[rows]
-
-    def build() -> nn.Module:
-        torch.manual_seed(0)
-        return MODELS.get(config["model"])(spec.input_shape, spec.num_classes)
-
-    def sgd(model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["momentum"])
-
-    def stepper(model: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], None]:
+    def stepper(net: nn.Module, opt: torch.optim.Optimizer) -> Callable[[Any, Any], None]:
         def step(x: Any, y: Any) -> None:
             opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
+            F.cross_entropy(net(x), y).backward()  # type: ignore[no-untyped-call]
             opt.step()
 
         return step
 
-    def make_engine(name: str) -> Engine:
-        model = build()
-        if name in (OUR_HOOK, TORCH_HOOK):
-            ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=FUSION_MB)
-            if name == TORCH_HOOK:
-                state = powerSGD_hook.PowerSGDState(
-                    process_group=None,
-                    matrix_approximation_rank=config["rank"],
-                    start_powerSGD_iter=2,
-                    random_seed=0,
-                )
-                ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
-            else:
-                hook = ddp_comm_hook(config["allreduce"], make("powersgd", rank=config["rank"]))
-                ddp.register_comm_hook(None, hook)
-            return Engine(name, model, stepper(ddp, sgd(ddp)))
-        opt = DistributedOptimizer(
-            sgd(model),
-            named_parameters=model.named_parameters(),
-            allreduce=config["allreduce"],
-            compression=make(name, config["ratio"], config["rank"]),
-            fusion_mb=FUSION_MB,
-        )
-        return Engine(name, model, stepper(model, opt))
+    def sgd(net: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.SGD(net.parameters(), lr=config["lr"], momentum=config["momentum"])
 
-    def accuracy(model: nn.Module) -> float:
-        with torch.no_grad():
-            right = (model(spec.test.x).argmax(1) == spec.test.y).sum()
-        return float(right) / len(spec.test)
+    if name in (OUR_HOOK, TORCH_HOOK):
+        ddp = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=FUSION_MB)
+        if name == TORCH_HOOK:
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None,
+                matrix_approximation_rank=config["rank"],
+                start_powerSGD_iter=2,
+                random_seed=0,
+            )
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        else:
+            hook = ddp_comm_hook(config["allreduce"], make("powersgd", rank=config["rank"]))
+            ddp.register_comm_hook(None, hook)
+        return Engine(name, model, stepper(ddp, sgd(ddp)))
+    opt = DistributedOptimizer(
+        sgd(model),
+        named_parameters=model.named_parameters(),
+        allreduce=config["allreduce"],
+        compression=make(name, config["ratio"], config["rank"]),
+        fusion_mb=FUSION_MB,
+    )
+    return Engine(name, model, stepper(model, opt))
 
-    runs = [make_engine(name) for name in config["engines"]]
-    slowest = torch.zeros(2, dtype=torch.float64)
-    for round_ in range(10**6):
-        active = [
-            e
-            for e in runs
-            if e.steps < max_steps and (e.reached is None or len(e.turns) < config["min_rounds"])
-        ]
-        if not active:
-            break
-        shift = round_ % len(active)
-        for e in active[shift:] + active[:shift]:
-            chunk = min(config["chunk"], max_steps - e.steps)
-            batches = [batch_at(e.steps + i) for i in range(chunk)]
-            dist.barrier()
-            wire, counted, cpu = _wire_bytes(), rt.comm.bytes_sent, cpu_jiffies()
-            started = time.perf_counter()
-            for x, y in batches:
-                e.step(x, y)
-            elapsed = time.perf_counter() - started
-            idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu, strict=True))
-            e.steps += chunk
-            slowest[0] = elapsed
-            e.model.eval()
-            slowest[1] = accuracy(e.model) if rt.rank == 0 else 0.0
-            e.model.train()
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            e.train_s += float(slowest[0])
-            e.best = max(e.best, float(slowest[1]))
-            if e.reached is None and slowest[1] >= config["target"]:
-                e.reached = (e.train_s, e.steps)
-            if round_ and chunk == config["chunk"]:  # the first turn warms up
-                e.turns.append(float(slowest[0]) / chunk)
-                if wire is not None:
-                    e.wire.append(((_wire_bytes() or 0) - wire) // chunk)
-                e.counted.append((rt.comm.bytes_sent - counted) // chunk)
-                e.idle[0] += idle
-                e.idle[1] += total
+
+def _turn(e: Engine, work: _Workload, rt: Any, timed: bool) -> None:
+    """One turn of engine `e`: `--chunk` steps timed on the slowest rank, then its test accuracy
+    (off the clock); a timed turn's seconds, bytes and idle CPU are kept."""
+    import torch
+    import torch.distributed as dist
+
+    config = work.config
+    chunk = min(config["chunk"], work.max_steps - e.steps)
+    batches = [work.batch_at(e.steps + i) for i in range(chunk)]
+    wire, counted = _wire_bytes(), rt.comm.bytes_sent
+
+    def steps() -> None:
+        for x, y in batches:
+            e.step(x, y)
+
+    turn = timed_turn(steps)
+    e.steps += chunk
+    e.model.eval()
+    best = torch.tensor([work.accuracy(e.model) if rt.rank == 0 else 0.0], dtype=torch.float64)
+    e.model.train()
+    dist.all_reduce(best, op=dist.ReduceOp.MAX)
+    e.train_s += turn.seconds
+    e.best = max(e.best, float(best[0]))
+    if e.reached is None and e.best >= config["target"]:
+        e.reached = (e.train_s, e.steps)
+    if timed and chunk == config["chunk"]:
+        e.turns.append(turn.seconds / chunk)
+        if wire is not None:
+            e.wire.append(((_wire_bytes() or 0) - wire) // chunk)
+        e.counted.append((rt.comm.bytes_sent - counted) // chunk)
+        e.idle[0] += turn.idle
+        e.idle[1] += turn.total
+
+
+def _result(runs: list[Engine], work: _Workload, rt: Any) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
     if any(not e.turns for e in runs):
         raise GradmeshError("an engine had no timed turn: raise --max-epochs or lower --chunk")
     wires = torch.tensor([median(e.wire) if e.wire else -1.0 for e in runs], dtype=torch.float64)
     dist.all_reduce(wires)  # the mean over workers
     result: dict[str, Any] = {
         "world": rt.size,
-        "steps_per_epoch": per_epoch,
-        **{k: v for k, v in config.items() if k != "engines"},
+        "steps_per_epoch": work.per_epoch,
+        **{k: v for k, v in work.config.items() if k != "engines"},
         "engines": {},
     }
     for e, wire_sum in zip(runs, wires.tolist(), strict=True):
-        cpu_idle = e.idle[0] / e.idle[1] if e.idle[1] else 0.0
         result["engines"][e.name] = {
             "step_s": median(e.turns),
             "timed_turns": len(e.turns),
@@ -336,10 +342,32 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
             "steps_to_target": e.reached[1] if e.reached else None,
             "best_accuracy": e.best,
             "steps": e.steps,
-            "cpu_idle": cpu_idle,
+            "cpu_idle": e.idle[0] / e.idle[1] if e.idle[1] else 0.0,
         }
+    return result
+
+
+def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    from gradmesh.runtime.world import init
+
+    rt = init()
+    work = _Workload(config, rt.rank, rt.size)
+    runs = [_make_engine(name, work) for name in config["engines"]]
+    for round_ in range(10**6):  # engines leave once at the target with enough timed turns
+        active = [
+            e
+            for e in runs
+            if e.steps < work.max_steps
+            and (e.reached is None or len(e.turns) < config["min_rounds"])
+        ]
+        if not active:
+            break
+        shift = round_ % len(active)
+        for e in active[shift:] + active[:shift]:
+            _turn(e, work, rt, timed=round_ > 0)  # the first turn warms up
+    result = _result(runs, work, rt)
     rank = rt.rank
-    del runs
+    runs.clear()  # DDP's reducers go before the process group
     shutdown_after_ddp()
     return rank, result
 

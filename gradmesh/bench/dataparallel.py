@@ -9,14 +9,21 @@ its default.
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import label, median, shutdown_after_ddp
+from gradmesh.bench.harness import (
+    Turn,
+    interleaved,
+    label,
+    median,
+    network,
+    shutdown_after_ddp,
+    timed_turn,
+)
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.options import option
-from gradmesh.runtime.process import cpu_jiffies
 
 
 @dataclass
@@ -75,11 +82,7 @@ def measure(
         result: dict[str, Any] = run_workers(
             "gradmesh.bench.dataparallel", world, config, timeout_s, cluster
         )
-        result["network"] = (
-            f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
-            if cluster
-            else "loopback, one machine"
-        )
+        result["network"] = network(cluster)
     ring_bytes = 2 * (world - 1) / world * result["gradient_bytes"]
     result["limit"] = {}
     for name, step_s in result["step_s"].items():
@@ -90,16 +93,33 @@ def measure(
     return result
 
 
+def _engine(name: str, build: Callable[[], Any], allreduce: str) -> tuple[Any, Any]:
+    """(model, optimizer) of engine `name`: DDP, the Horovod drop-in as a script calls it, or
+    gradmesh's own DistributedOptimizer; each from the same initial weights."""
+    import torch
+    from torch import nn
+
+    from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
+
+    model = build()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+    if name == "ddp":
+        return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25), sgd
+    broadcast_parameters(model.state_dict())
+    if name == "horovod":
+        import gradmesh.horovod as hvd
+
+        return model, hvd.DistributedOptimizer(sgd, model.named_parameters())
+    return model, DistributedOptimizer(sgd, model.named_parameters(), allreduce=allreduce)
+
+
 def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     import torch
-    import torch.distributed as dist
     import torch.nn.functional as F
-    from torch import nn
 
     from gradmesh.data import DATASETS, DataOptions
     from gradmesh.models.registry import MODELS
     from gradmesh.runtime.world import init
-    from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 
     rt = init()
     shape = tuple(config.get("shape", DataOptions.shape))
@@ -109,65 +129,54 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     x = torch.randn((per_rank, *spec.input_shape), generator=g)
     y = torch.randint(0, spec.num_classes, (per_rank,), generator=g)
 
-    def build() -> nn.Module:
+    def build() -> Any:
         torch.manual_seed(0)
         return MODELS.get(config["model"])(spec.input_shape, spec.num_classes)
 
-    def engine(name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
-        model = build()
-        sgd = torch.optim.SGD(model.parameters(), lr=0.01)
-        if name == "ddp":
-            return nn.parallel.DistributedDataParallel(model, bucket_cap_mb=25), sgd
-        broadcast_parameters(model.state_dict())
-        if name == "horovod":  # the drop-in, called as a Horovod script calls it
-            import gradmesh.horovod as hvd
-
-            return model, hvd.DistributedOptimizer(sgd, model.named_parameters())
-        named = model.named_parameters()
-        return model, DistributedOptimizer(sgd, named, allreduce=config["allreduce"])
-
     names = config.get("engines", ["gradmesh", "ddp"])
-    engines = {name: engine(name) for name in names}
-    slowest = torch.zeros(1, dtype=torch.float64)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    idle = {name: [0, 0] for name in names}
-    for round_ in range(config["rounds"] + 1):  # round 0 warms up
-        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:  # rotated
-            model, opt = engines[name]
-            dist.barrier()
-            cpu = cpu_jiffies()
-            started = time.perf_counter()
+    engines = {name: _engine(name, build, config["allreduce"]) for name in names}
+
+    def steps(name: str) -> Callable[[], None]:
+        model, opt = engines[name]
+
+        def run() -> None:
             for _ in range(config["steps"]):
                 opt.zero_grad()
                 F.cross_entropy(model(x), y).backward()  # type: ignore[no-untyped-call]
                 opt.step()
-            slowest[0] = (time.perf_counter() - started) / config["steps"]
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            if round_:
-                times[name].append(float(slowest[0]))
-                for i, (now, then) in enumerate(zip(cpu_jiffies(), cpu, strict=True)):
-                    idle[name][i] += now - then
-    step_s = {name: median(times[name]) for name in names}
-    cpu_idle = {name: idle[name][0] / max(idle[name][1], 1) for name in names}
+
+        return run
+
+    turns: dict[str, list[Turn]] = {name: [] for name in names}
+    for round_, name in interleaved(names, config["rounds"] + 1):  # round 0 warms up
+        turn = timed_turn(steps(name))
+        if round_:
+            turns[name].append(turn)
+    step_s = {n: median([t.seconds for t in ts]) / config["steps"] for n, ts in turns.items()}
     result: dict[str, Any] = {
         "world": rt.size,
         "model": config["model"],
         "input_shape": list(spec.input_shape),
         "gradient_bytes": sum(p.numel() * p.element_size() for p in build().parameters()),
         "step_s": step_s,
-        "cpu_idle": cpu_idle,
-        "batch_size": config["batch_size"],
-        "allreduce": config["allreduce"],
-        "rounds": config["rounds"],
+        "cpu_idle": {
+            n: sum(t.idle for t in ts) / max(sum(t.total for t in ts), 1) for n, ts in turns.items()
+        },
+        **{k: config[k] for k in ("batch_size", "allreduce", "rounds")},
         "steps_per_round": config["steps"],
     }
     if {"gradmesh", "ddp"} <= step_s.keys():
         result["gradmesh_step_s"], result["ddp_step_s"] = step_s["gradmesh"], step_s["ddp"]
         result["ratio"] = step_s["gradmesh"] / step_s["ddp"]
     rank = rt.rank
-    del engines
+    engines.clear()  # DDP's reducers go before the process group
     shutdown_after_ddp()
     return rank, result
+
+
+def _idle(turns: list[Turn]) -> float:
+    """The machine's idle CPU share over `turns`."""
+    return sum(t.idle for t in turns) / max(sum(t.total for t in turns), 1)
 
 
 if __name__ == "__main__":

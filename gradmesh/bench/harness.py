@@ -1,13 +1,40 @@
-"""Pieces every benchmark shares: size parsing, robust statistics, launching a worker module."""
+"""The one harness every `gradmesh bench NAME` plugs into: each benchmark gives its options (a
+`Config` dataclass), a small measure function and what to print; the harness gives the rest.
+
+- **Interleaving.** What a benchmark compares runs round by round, every variant once a round in
+  an order rotated each round (`interleaved`), so that drift on the machine touches all alike:
+  as jobs of their own (`compare_jobs`: a mesh is fixed when a job starts) or as turns inside one
+  job (`timed_turn`: a barrier, then the slowest rank's seconds).
+- **Warm-up and medians.** The first turn or round of each variant warms up; a figure is the
+  median over the rest (`medians`), with its quantiles where they matter (`quantile`).
+- **What bound it.** Every figure carries the machine's idle CPU while it was measured and a
+  label: `cpu` when the cores were idle under `CPU_BOUND_IDLE`, else `link` or `compute` from the
+  bytes the step put on an emulated link (`label`), `loopback` without one (`limit_of`). A
+  figure taken while CPU-bound is labelled so, never passed off as a network result.
+- **Output.** The JSON (`report`), the lines printed, and a plot where a benchmark draws one.
+"""
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 from gradmesh.launch.emulate import EmulatedCluster
-from gradmesh.launch.jobs import run_workers
+from gradmesh.launch.jobs import run_workers, write_json
+from gradmesh.runtime.process import cpu_jiffies
+
+T = TypeVar("T")
+
+CPU_BOUND_IDLE = 0.10
+"""A run during which the machine's cores were idle less than this fraction is CPU-bound."""
+LINK_BOUND = 0.5
+"""An engine whose bytes fill at least this fraction of the link's rate is labelled link-bound."""
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -19,12 +46,68 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
-CPU_BOUND_IDLE = 0.10
-"""A run during which the machine's cores were idle less than this fraction is CPU-bound."""
+def medians(runs: Sequence[Mapping[str, Any]], keys: Iterable[str] | None = None) -> dict[str, Any]:
+    """Per key (every numeric key of the first run by default), the median over `runs`."""
+    chosen = keys if keys is not None else [k for k, v in runs[0].items() if _number(v)]
+    return {k: median([r[k] for r in runs]) for k in chosen}
 
 
-LINK_BOUND = 0.5
-"""An engine whose bytes fill at least this fraction of the link's rate is labelled link-bound."""
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def interleaved(items: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """(round, item): every item once a round, the order rotated by one each round."""
+    for round_ in range(rounds):
+        shift = round_ % max(len(items), 1)
+        for item in [*items[shift:], *items[:shift]]:
+            yield round_, item
+
+
+def compare_jobs(
+    module: str,
+    world: int,
+    configs: Sequence[dict[str, Any]],
+    rounds: int,
+    cluster: EmulatedCluster | None = None,
+) -> list[list[Any]]:
+    """Each of `configs` run as a job of `world` ranks (`python -m module`, `run_workers`) once
+    a round, interleaved; per config, what its jobs returned."""
+    results: list[list[Any]] = [[] for _ in configs]
+    for _, i in interleaved(range(len(configs)), rounds):
+        results[i].append(run_workers(module, world, configs[i], 300.0, cluster))
+    return results
+
+
+class Turn(NamedTuple):
+    """One timed turn inside a job: the slowest rank's seconds and the machine's CPU jiffies."""
+
+    seconds: float
+    idle: int
+    total: int
+
+
+def timed_turn(work: Callable[[], Any]) -> Turn:
+    """Run `work` on every rank after a barrier; its time is the slowest rank's (a collective
+    over the world)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    cpu = cpu_jiffies()
+    started = time.perf_counter()
+    work()
+    slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu, strict=True))
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return Turn(float(slowest[0]), idle, total)
+
+
+def limit_of(cpu_idle: float, cluster: EmulatedCluster | None) -> str:
+    """`cpu` under `CPU_BOUND_IDLE` idle, else `link` on emulated hosts, `loopback` without."""
+    if cpu_idle < CPU_BOUND_IDLE:
+        return "cpu"
+    return "link" if cluster is not None else "loopback"
 
 
 def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
@@ -43,24 +126,19 @@ def label(r: dict[str, Any], bandwidth_bps: int | None) -> None:
         r["limit"] = "link" if r["link_utilization"] >= LINK_BOUND else "compute"
 
 
-def interleaved_jobs(
-    module: str,
-    world: int,
-    configs: Sequence[dict[str, Any]],
-    rounds: int,
-    cluster: EmulatedCluster | None = None,
-) -> list[list[Any]]:
-    """Each of `configs` run as a job of `world` ranks (`run_workers`) once per round, round by
-    round so that drift on the machine touches every config alike; per config, its results."""
-    results: list[list[Any]] = [[] for _ in configs]
-    for _ in range(rounds):
-        for i, config in enumerate(configs):
-            results[i].append(run_workers(module, world, config, 300.0, cluster))
-    return results
+def network(cluster: EmulatedCluster | None) -> str:
+    """Where a benchmark ran, for its JSON and its first line."""
+    if cluster is None:
+        return "loopback, one machine"
+    return f"{cluster.hosts} emulated hosts, {cluster.bandwidth_bps} bit/s"
 
 
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values)
+def report(path: str | None, payload: dict[str, Any], lines: Iterable[str]) -> int:
+    """Write the JSON (when asked) and print the lines; the command's exit code."""
+    write_json(path, payload)
+    for line in lines:
+        print(line)
+    return 0
 
 
 def shutdown_after_ddp() -> None:

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved_jobs, median
-from gradmesh.launch.jobs import emulated_cluster, worker_main, write_json
+from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
+from gradmesh.launch.jobs import emulated_cluster, worker_main
 from gradmesh.options import option
 from gradmesh.train.timing import timed_steps
 
@@ -99,7 +99,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     return rt.rank, result
 
 
-def run(args: Config, _command: list[str] | None = None) -> int:
+def _check(args: Config) -> list[str]:
     from gradmesh.errors import GradmeshError
 
     names = [n for n in args.layouts.split(",") if n]
@@ -110,83 +110,71 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         tp, pp = LAYOUTS[name]
         if args.world % (tp * pp):
             raise GradmeshError(f"layout {name} needs a world that {tp * pp} divides")
-    configs = [
-        {
-            "tp": LAYOUTS[name][0],
-            "pp": LAYOUTS[name][1],
-            "world": args.world,
-            "model": args.model,
-            "batch": args.batch,
-            "microbatches": args.microbatches,
-            "schedule": args.schedule,
-            "steps": args.steps,
-            "warmup": args.warmup,
-        }
-        for name in names
-    ]
+    return names
+
+
+def _summary(args: Config, name: str, runs: list[dict[str, Any]], cluster: Any) -> dict[str, Any]:
+    """One layout's figures: medians over its rounds, the bubble beside its formula."""
+    tp, pp = LAYOUTS[name]
+    m = args.microbatches if pp > 1 else 1
+    pipelined = pp > 1
+    figures = medians(runs, ["step_s", "cpu_idle", *(["bubble"] if pipelined else [])])
+    return {
+        "dp": args.world // (tp * pp),
+        "tp": tp,
+        "pp": pp,
+        "microbatches": m,
+        **figures,
+        "bytes_per_step": runs[0]["bytes_per_step"],
+        "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
+        "bubble": figures["bubble"] if pipelined else None,
+        "stage_idle": [median([r["stage_idle"][rank] for r in runs]) for rank in range(args.world)]
+        if pipelined
+        else None,
+        "bubble_formula": (pp - 1) / (m + pp - 1) if pipelined else None,
+        "limit": limit_of(figures["cpu_idle"], cluster),
+    }
+
+
+def _line(name: str, r: dict[str, Any]) -> str:
+    sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
+    bubble = (
+        f"  bubble {r['bubble']:.3f} (formula {r['bubble_formula']:.3f}; idle per rank "
+        + " ".join(f"{v:.2f}" for v in r["stage_idle"])
+        + ")"
+        if r["bubble"] is not None
+        else ""
+    )
+    return (
+        f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms  "
+        f"params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: {sent}"
+        f"{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+    )
+
+
+def run(args: Config, _command: list[str] | None = None) -> int:
+    names = _check(args)
+    keys = ("world", "model", "batch", "microbatches", "schedule", "steps", "warmup")
+    common = {k: getattr(args, k) for k in keys}
+    configs = [{"tp": LAYOUTS[n][0], "pp": LAYOUTS[n][1], **common} for n in names]
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
-        runs = interleaved_jobs("gradmesh.bench.layout", args.world, configs, args.rounds, cluster)
-        rounds = dict(zip(names, runs, strict=True))
+        runs = compare_jobs("gradmesh.bench.layout", args.world, configs, args.rounds, cluster)
         notes = cluster.notes if cluster is not None else None
-    results = {}
-    for name, got in rounds.items():
-        tp, pp = LAYOUTS[name]
-        m = args.microbatches if pp > 1 else 1
-        step = median([r["step_s"] for r in got])
-        idle = median([r["cpu_idle"] for r in got])
-        results[name] = {
-            "dp": args.world // (tp * pp),
-            "tp": tp,
-            "pp": pp,
-            "microbatches": m,
-            "step_s": step,
-            "bytes_per_step": got[0]["bytes_per_step"],
-            "param_bytes_per_rank": got[0]["param_bytes_per_rank"],
-            "bubble": median([r["bubble"] for r in got]) if pp > 1 else None,
-            "stage_idle": [
-                median([r["stage_idle"][rank] for r in got]) for rank in range(args.world)
-            ]
-            if pp > 1
-            else None,
-            "bubble_formula": (pp - 1) / (m + pp - 1) if pp > 1 else None,
-            "cpu_idle": idle,
-            "limit": "cpu"
-            if idle < CPU_BOUND_IDLE
-            else ("link" if cluster is not None else "loopback"),
-        }
+        results = {n: _summary(args, n, r, cluster) for n, r in zip(names, runs, strict=True)}
     base = results.get("dp")
     for r in results.values():
         if base is not None:
             r["speedup_vs_dp"] = base["step_s"] / r["step_s"]
             r["param_fraction_vs_dp"] = r["param_bytes_per_rank"] / base["param_bytes_per_rank"]
     payload = {
-        "model": args.model,
-        "world": args.world,
-        "batch": args.batch,
-        "schedule": args.schedule,
+        **{k: common[k] for k in ("model", "world", "batch", "schedule", "steps")},
         "emulated_hosts": args.emulate_hosts,
         "bandwidth": args.bandwidth if args.emulate_hosts else None,
         "rounds": args.rounds,
-        "steps": args.steps,
         "notes": notes,
         "layouts": results,
     }
-    write_json(args.json, payload)
-    for name, r in results.items():
-        sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
-        bubble = (
-            f"  bubble {r['bubble']:.3f} (formula {r['bubble_formula']:.3f}; idle per rank "
-            + " ".join(f"{v:.2f}" for v in r["stage_idle"])
-            + ")"
-            if r["bubble"] is not None
-            else ""
-        )
-        print(
-            f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms  "
-            f"params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: {sent}"
-            f"{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
-        )
-    return 0
+    return report(args.json, payload, [_line(n, r) for n, r in results.items()])
 
 
 if __name__ == "__main__":

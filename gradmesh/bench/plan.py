@@ -20,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved_jobs, median
-from gradmesh.launch.jobs import emulated_cluster, worker_main, write_json
+from gradmesh.bench.harness import compare_jobs, limit_of, medians, report
+from gradmesh.launch.jobs import emulated_cluster, worker_main
 from gradmesh.options import option
 from gradmesh.train.timing import timed_steps
 
@@ -71,9 +71,87 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     return rt.rank, result
 
 
-def run(args: Config, _command: list[str] | None = None) -> int:
+def _measure(args: Config, setting: Any, choices: list[Any], cluster: Any) -> dict[str, Any]:
+    """Each distinct placement as a job, interleaved; its runs by placement. A placement chosen
+    twice (the planner's plan is often a reference's) is one job, measured once, so that the
+    comparison between them is not noise between two runs."""
     import dataclasses
 
+    first: dict[str, Any] = {}  # a placement -> the first choice that has it
+    for choice in choices:
+        first.setdefault(_placement(choice), choice)
+    configs = [
+        {
+            "setting": dataclasses.asdict(setting),
+            "tp": choice.tp,
+            "layers": choice.layers,
+            "steps": args.steps,
+            "warmup": args.warmup,
+        }
+        for choice in first.values()
+    ]
+    measured = compare_jobs("gradmesh.bench.plan", args.world, configs, args.rounds, cluster)
+    return {"first": first, "runs": dict(zip(first, measured, strict=True))}
+
+
+def _result(
+    args: Config, choice: Any, runs: list[dict[str, Any]], shared: str, cluster: Any
+) -> dict[str, Any]:
+    """A placement's measured step (the median over rounds) next to its prediction."""
+    figures = medians(runs, ["step_s", "cpu_idle", "outside_comm_s"])
+    step, predicted = figures["step_s"], choice.prediction.step_s
+    return {
+        "tp": choice.tp,
+        "dp": args.world // choice.tp,
+        "layers": choice.layers,
+        **figures,
+        "step_s_rounds": [r["step_s"] for r in runs],
+        "predicted_step_s": predicted,
+        "prediction_error": (predicted - step) / step,
+        "predicted": {
+            "compute_s": choice.prediction.compute_s,
+            "blocking_comm_s": choice.prediction.blocking_comm_s,
+            "exposed_sync_s": choice.prediction.exposed_sync_s,
+        },
+        "bytes_per_step": runs[0]["bytes_per_step"],
+        "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
+        "same_placement_as": shared if shared != choice.name else None,
+        "limit": limit_of(figures["cpu_idle"], cluster),
+    }
+
+
+def _link(links: Any, sizes: list[int]) -> dict[str, Any]:
+    return {
+        "alpha": links.inter.alpha,
+        "beta": links.inter.beta,
+        "gamma": links.inter.gamma,
+        "by_group_size": {
+            p: [{"up_to_bytes": n, "alpha": c.alpha, "beta": c.beta} for n, c in curve]
+            for p, curve in links.inter_by_size.items()
+        },
+        "fitted_at_bytes": sizes,
+    }
+
+
+def _lines(results: dict[str, Any], payload: dict[str, Any]) -> list[str]:
+    lines = []
+    for name, r in results.items():
+        sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
+        same = f"  (= {r['same_placement_as']}: one job)" if r["same_placement_as"] else ""
+        lines.append(
+            f"{name:16} tp{r['tp']} dp{r['dp']}: step {r['step_s'] * 1e3:7.1f} ms, predicted "
+            f"{r['predicted_step_s'] * 1e3:7.1f} ({r['prediction_error'] * 100:+.0f}%)  MB/step/"
+            f"rank: {sent}  cpu idle {r['cpu_idle']:.2f} ({r['limit']}){same}"
+        )
+    lines.append(
+        f"planner: {payload['planner_vs_fastest']:.2f}x the fastest, "
+        f"{payload['planner_vs_data_parallel']:.2f}x data parallelism; worst prediction error "
+        f"{payload['worst_prediction_error'] * 100:.0f}%"
+    )
+    return lines
+
+
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
     from gradmesh.layout.planner import Links
     from gradmesh.plan.command import describe, make_plan
@@ -95,76 +173,24 @@ def run(args: Config, _command: list[str] | None = None) -> int:
             return links, outside
 
         best, refs, prof, links = make_plan(setting, probe, args.world)
-        _, request, outside = probed[0]
         print(describe(best, refs, prof))
         choices = [best, *refs]
-        # a placement chosen twice (the planner's plan is often a reference's) is one job:
-        # measured once, so that the comparison between them is not noise between two runs
-        first: dict[str, Any] = {}  # a placement -> the first choice that has it
-        for choice in choices:
-            first.setdefault(_placement(choice), choice)
-        unique = list(first.values())
-        configs = [
-            {
-                "setting": dataclasses.asdict(setting),
-                "tp": choice.tp,
-                "layers": choice.layers,
-                "steps": args.steps,
-                "warmup": args.warmup,
-            }
-            for choice in unique
-        ]
-        measured = interleaved_jobs(
-            "gradmesh.bench.plan", args.world, configs, args.rounds, cluster
-        )
+        measured = _measure(args, setting, choices, cluster)
         notes = cluster.notes if cluster is not None else None
-    runs_of = dict(zip(first, measured, strict=True))
-    results = {}
-    for choice in choices:
-        runs, shared = runs_of[_placement(choice)], first[_placement(choice)].name
-        step = median([r["step_s"] for r in runs])
-        idle = median([r["cpu_idle"] for r in runs])
-        predicted = choice.prediction.step_s
-        results[choice.name] = {
-            "tp": choice.tp,
-            "dp": args.world // choice.tp,
-            "layers": choice.layers,
-            "step_s": step,
-            "step_s_rounds": [r["step_s"] for r in runs],
-            "predicted_step_s": predicted,
-            "prediction_error": (predicted - step) / step,
-            "predicted": {
-                "compute_s": choice.prediction.compute_s,
-                "blocking_comm_s": choice.prediction.blocking_comm_s,
-                "exposed_sync_s": choice.prediction.exposed_sync_s,
-            },
-            "outside_comm_s": median([r["outside_comm_s"] for r in runs]),
-            "bytes_per_step": runs[0]["bytes_per_step"],
-            "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
-            "cpu_idle": idle,
-            "same_placement_as": shared if shared != choice.name else None,
-            "limit": "cpu"
-            if idle < CPU_BOUND_IDLE
-            else ("link" if cluster is not None else "loopback"),
-        }
+        results = {}
+        for choice in choices:
+            key = _placement(choice)
+            runs, shared = measured["runs"][key], measured["first"][key].name
+            results[choice.name] = _result(args, choice, runs, shared, cluster)
+    _, request, outside = probed[0]
     fastest = min(r["step_s"] for r in results.values())
-    planner = results["planner"]
     payload = {
         "model": args.model,
         "world": args.world,
         "batch": args.batch,
         "emulated_hosts": args.emulate_hosts,
         "bandwidth": args.bandwidth if args.emulate_hosts else None,
-        "link": {
-            "alpha": links.inter.alpha,
-            "beta": links.inter.beta,
-            "gamma": links.inter.gamma,
-            "by_group_size": {
-                p: [{"up_to_bytes": n, "alpha": c.alpha, "beta": c.beta} for n, c in curve]
-                for p, curve in links.inter_by_size.items()
-            },
-            "fitted_at_bytes": request.sizes,
-        },
+        "link": _link(links, request.sizes),
         "profiled_concurrently": prof.concurrent,
         "update_s_per_byte": prof.update_s_per_byte,
         "probe_outside_comm_s": outside,
@@ -173,25 +199,12 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         "steps": args.steps,
         "notes": notes,
         "placements": results,
-        "planner_vs_fastest": planner["step_s"] / fastest,
-        "planner_vs_data_parallel": planner["step_s"] / results["data parallel"]["step_s"],
+        "planner_vs_fastest": results["planner"]["step_s"] / fastest,
+        "planner_vs_data_parallel": results["planner"]["step_s"]
+        / results["data parallel"]["step_s"],
         "worst_prediction_error": max(abs(r["prediction_error"]) for r in results.values()),
     }
-    write_json(args.json, payload)
-    for name, r in results.items():
-        sent = ", ".join(f"{k} {v / 1e6:.2f}" for k, v in r["bytes_per_step"].items())
-        same = f"  (= {r['same_placement_as']}: one job)" if r["same_placement_as"] else ""
-        print(
-            f"{name:16} tp{r['tp']} dp{r['dp']}: step {r['step_s'] * 1e3:7.1f} ms, predicted "
-            f"{r['predicted_step_s'] * 1e3:7.1f} ({r['prediction_error'] * 100:+.0f}%)  MB/step/"
-            f"rank: {sent}  cpu idle {r['cpu_idle']:.2f} ({r['limit']}){same}"
-        )
-    print(
-        f"planner: {payload['planner_vs_fastest']:.2f}x the fastest, "
-        f"{payload['planner_vs_data_parallel']:.2f}x data parallelism; worst prediction error "
-        f"{payload['worst_prediction_error'] * 100:.0f}%"
-    )
-    return 0
+    return report(args.json, payload, _lines(results, payload))
 
 
 def _placement(choice: Any) -> str:

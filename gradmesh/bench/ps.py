@@ -108,27 +108,8 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     servers = parse_ints(args.servers, "servers")
     if args.workers < 1 or args.steps < 1 or args.rounds < 1 or args.model_mb <= 0:
         raise GradmeshError("--workers, --steps, --rounds must be >= 1 and --model-mb > 0")
-    base = _job_flags(args)
     configs: list[tuple[str, int]] = [("ps", s) for s in servers] + [("ring", 0)]
-    runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in configs}
-    with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
-        for round_ in range(args.rounds):
-            order = configs if round_ % 2 == 0 else configs[::-1]
-            for kind, s in order:
-                if kind == "ps":
-                    flags = [*base, "--strategy=ps", f"--mode={args.mode}", f"--servers={s}"]
-                    hosts = s + args.workers
-                else:
-                    flags = [*base, "--strategy=allreduce", "--allreduce=ring"]
-                    hosts = args.workers
-                out = Path(tmp) / f"{round_}-{kind}-{s}.json"
-                idle0, total0 = cpu_jiffies()
-                report = _run(flags, hosts, args.emulate_hosts, args.bandwidth, out)
-                idle1, total1 = cpu_jiffies()
-                report["cpu_idle"] = (idle1 - idle0) / max(1, total1 - total0)
-                runs[(kind, s)].append(report)
-                rate = _rate(kind, report)
-                print(f"round {round_ + 1}/{args.rounds}  {kind} servers={s}: {rate:.0f} samples/s")
+    runs = _measure(args, configs)
     link = _link(args)
     results = [_summary(args, s, runs[("ps", s)], link) for s in servers]
     ring = runs[("ring", 0)]
@@ -164,6 +145,34 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         f"samples/s, predicted {payload['allreduce_predicted_samples_per_s']:.0f}"
     )
     return 0
+
+
+def _measure(
+    args: Config, configs: list[tuple[str, int]]
+) -> dict[tuple[str, int], list[dict[str, Any]]]:
+    """Each configuration (a ps job with S servers, or ring allreduce) once a round, the order
+    reversed every other round; its reports, each with the machine's idle CPU over its job."""
+    base = _job_flags(args)
+    runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
+        for round_ in range(args.rounds):
+            order = configs if round_ % 2 == 0 else configs[::-1]
+            for kind, s in order:
+                if kind == "ps":
+                    flags = [*base, "--strategy=ps", f"--mode={args.mode}", f"--servers={s}"]
+                    hosts = s + args.workers
+                else:
+                    flags = [*base, "--strategy=allreduce", "--allreduce=ring"]
+                    hosts = args.workers
+                out = Path(tmp) / f"{round_}-{kind}-{s}.json"
+                idle0, total0 = cpu_jiffies()
+                report = _run(flags, hosts, args.emulate_hosts, args.bandwidth, out)
+                idle1, total1 = cpu_jiffies()
+                report["cpu_idle"] = (idle1 - idle0) / max(1, total1 - total0)
+                runs[(kind, s)].append(report)
+                rate = _rate(kind, report)
+                print(f"round {round_ + 1}/{args.rounds}  {kind} servers={s}: {rate:.0f} samples/s")
+    return runs
 
 
 def _link(args: Config) -> CostParams:

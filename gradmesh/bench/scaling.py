@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import CPU_BOUND_IDLE, median
+from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved, medians, report
 from gradmesh.errors import GradmeshError
-from gradmesh.launch.jobs import write_json
 from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list
 
@@ -124,9 +123,58 @@ def _predict(
     return float(STRATEGIES.get(strategy)(job))
 
 
-def run(args: Config, _command: list[str] | None = None) -> int:
+def _measure(args: Config, points: list[tuple[str, int]]) -> dict[tuple[str, int], list[Any]]:
+    """Each point (strategy, hosts) trained once a round, interleaved: its runs."""
     from gradmesh.data.registry import DATASETS, DataOptions
+
+    train = len(DATASETS.get("digits")(DataOptions()).train)
+    runs: dict[tuple[str, int], list[Any]] = {p: [] for p in points}
+    with tempfile.TemporaryDirectory(prefix="gradmesh-scaling-") as tmp:
+        for _, (s, h) in interleaved(points, args.rounds):
+            steps = args.epochs * math.ceil(train / (args.batch_per_worker * h))
+            runs[(s, h)].append(_point(_train(s, h, args, Path(tmp)), steps))
+    return runs
+
+
+def _row(
+    args: Config, point: tuple[str, int], f: dict[str, Any], alone: float, predicted: float | None
+) -> dict[str, Any]:
+    s, h = point
+    return {
+        "hosts": h,
+        **f,
+        "samples_per_s": h * args.batch_per_worker / f["step_s"],
+        "efficiency": alone / f["step_s"],
+        "overhead_s": f["step_s"] - alone,
+        "predicted_step_s": predicted,
+        "prediction_error": (predicted - f["step_s"]) / f["step_s"]
+        if predicted is not None
+        else None,
+        "limit": "compute"  # one worker alone has no link to wait for
+        if h == 1 and s != "ps"
+        else ("cpu" if f["cpu_idle"] < CPU_BOUND_IDLE else "link"),
+    }
+
+
+def _lines(args: Config, payload: dict[str, Any]) -> list[str]:
     from gradmesh.simulate.command import markdown_table
+
+    results = payload["strategies"]
+    lines = [f"compute {payload['compute']}"] if args.emulate_compute else []
+    lines.append(markdown_table(results, "hosts"))
+    for s, rows in results.items():
+        for r in rows:
+            guess = r["predicted_step_s"]
+            shown = f"{guess * 1e3:.2f} ms ({r['prediction_error'] * 100:+.0f}%)" if guess else "-"
+            lines.append(
+                f"{s:10} {r['hosts']} hosts: measured {r['step_s'] * 1e3:.2f} ms, predicted "
+                f"{shown}, {r['bytes_per_worker_step'] / 1e3:.0f} KB/worker/step, accuracy "
+                f"{r['test_accuracy']:.3f}, cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+            )
+    return lines
+
+
+def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.simulate.profile import model_layers
     from gradmesh.simulate.strategies import STRATEGIES
 
@@ -138,42 +186,35 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         raise GradmeshError("--batch-per-worker, --epochs and --rounds must be >= 1")
     if args.emulate_compute < 0:
         raise GradmeshError(f"--emulate-compute must be >= 0 ms, got {args.emulate_compute}")
-    train = len(DATASETS.get("digits")(DataOptions()).train)
     points = [(BASELINE, 1)] + [(s, h) for h in hosts for s in strategies]
-    runs: dict[tuple[str, int], list[dict[str, float]]] = {p: [] for p in points}
-    with tempfile.TemporaryDirectory(prefix="gradmesh-scaling-") as tmp:
-        for _ in range(args.rounds):
-            for s, h in points:
-                steps = args.epochs * math.ceil(train / (args.batch_per_worker * h))
-                runs[(s, h)].append(_point(_train(s, h, args, Path(tmp)), steps))
-    figures = {p: {k: median([r[k] for r in rs]) for k in rs[0]} for p, rs in runs.items()}
+    runs = _measure(args, points)
+    figures = {p: medians(rs) for p, rs in runs.items()}
     alone = figures[(BASELINE, 1)]["step_s"]
     layers = model_layers(args.model, args.batch_per_worker)
     grad_bytes = sum(layer.param_bytes for layer in layers)
     links = {h: _probe(h, args, grad_bytes) for h in hosts if h > 1}
     results: dict[str, list[dict[str, Any]]] = {}
     for s, h in points[1:]:
-        f = figures[(s, h)]
         one = _probe_or_none(links, h)
-        predicted = _predict(s, h, f, one, layers, args) if one is not None else None
-        results.setdefault(s, []).append(
-            {
-                "hosts": h,
-                **f,
-                "samples_per_s": h * args.batch_per_worker / f["step_s"],
-                "efficiency": alone / f["step_s"],
-                "overhead_s": f["step_s"] - alone,
-                "predicted_step_s": predicted,
-                "prediction_error": (predicted - f["step_s"]) / f["step_s"]
-                if predicted is not None
-                else None,
-                "limit": "compute"  # one worker alone has no link to wait for
-                if h == 1 and s != "ps"
-                else ("cpu" if f["cpu_idle"] < CPU_BOUND_IDLE else "link"),
-                "step_s_rounds": [r["step_s"] for r in runs[(s, h)]],
-            }
-        )
-    payload = {
+        predicted = _predict(s, h, figures[(s, h)], one, layers, args) if one is not None else None
+        row = _row(args, (s, h), figures[(s, h)], alone, predicted)
+        row["step_s_rounds"] = [r["step_s"] for r in runs[(s, h)]]
+        results.setdefault(s, []).append(row)
+    payload = _payload(args, alone, links, results)
+    report(args.json, payload, _lines(args, payload))
+    if args.plot:
+        from gradmesh.observe.plot import scaling_plot
+
+        emulated = f", EMULATED compute +{args.emulate_compute:g} ms" * bool(args.emulate_compute)
+        title = f"{args.model}, emulated hosts at {args.bandwidth}{emulated}"
+        scaling_plot(args.plot, title, results, "hosts")
+    return 0
+
+
+def _payload(
+    args: Config, alone: float, links: dict[int, Any], results: dict[str, Any]
+) -> dict[str, Any]:
+    return {
         "model": args.model,
         "bandwidth": args.bandwidth,
         "batch_per_worker": args.batch_per_worker,
@@ -194,30 +235,6 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         },
         "strategies": results,
     }
-    write_json(args.json, payload)
-    if args.emulate_compute:
-        print(f"compute {payload['compute']}")
-    print(markdown_table(results, "hosts"))
-    for s, rows in results.items():
-        for r in rows:
-            guess = r["predicted_step_s"]
-            shown = f"{guess * 1e3:.2f} ms ({r['prediction_error'] * 100:+.0f}%)" if guess else "-"
-            print(
-                f"{s:10} {r['hosts']} hosts: measured {r['step_s'] * 1e3:.2f} ms, predicted "
-                f"{shown}, {r['bytes_per_worker_step'] / 1e3:.0f} KB/worker/step, accuracy "
-                f"{r['test_accuracy']:.3f}, cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
-            )
-    if args.plot:
-        from gradmesh.observe.plot import scaling_plot
-
-        emulated = f", EMULATED compute +{args.emulate_compute:g} ms" * bool(args.emulate_compute)
-        scaling_plot(
-            args.plot,
-            f"{args.model}, emulated hosts at {args.bandwidth}{emulated}",
-            results,
-            "hosts",
-        )
-    return 0
 
 
 def _probe_or_none(links: dict[int, Any], hosts: int) -> Any:

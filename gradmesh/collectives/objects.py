@@ -11,6 +11,7 @@ refused in one line naming the type. Integers must fit in 64 bits.
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import msgpack
@@ -130,3 +131,16 @@ def allgather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[A
     padded = torch.zeros(max(max(max(n, -1 - n) for n in sizes), 1), dtype=torch.uint8)
     padded[: len(data)] = _as_tensor(data)
     return _gathered(allgather(padded, group), sizes, "allgather_object")
+
+
+def differing(value: Any, group: dist.ProcessGroup | None = None) -> list[Any] | None:
+    """Every rank's `value` (plain values), in rank order, when the ranks do not all hold the
+    same one; None when they do. A checksum travels first, the values only on a mismatch: the
+    one check that ranks agree on a model's parameters, a process set's members, and the like."""
+    if _size(group) == 1:
+        return None
+    digest = torch.tensor([zlib.crc32(encode(value, "differing"))], dtype=torch.int64)
+    rows = allgather(digest, group).reshape(-1)
+    if bool((rows == rows[0]).all()):
+        return None
+    return allgather_object(value, group)

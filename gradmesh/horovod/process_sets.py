@@ -6,10 +6,9 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
-from gradmesh.collectives import allgather as _gather_rows
+from gradmesh.collectives.objects import differing
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import get_runtime, rank, size
 
@@ -81,22 +80,15 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         problem = f"ranks {ps.ranks} outside 0..{rt.size - 1}"
     elif ps.process_set_id is not None:
         problem = f"a set already registered as id {ps.process_set_id}"
-    mask = torch.zeros(rt.size + 1, dtype=torch.int64)
-    if problem:
-        mask[-1] = 1
-    else:
-        mask[ps.ranks] = 1
-    table = _gather_rows(mask) if rt.size > 1 else mask.unsqueeze(0)
     me = f"rank {rt.rank}: add_process_set"
-    bad = [r for r in range(rt.size) if int(table[r, -1])]
+    given = differing([problem, ps.ranks]) or [[problem, ps.ranks]] * rt.size
+    bad = [r for r, (trouble, _) in enumerate(given) if trouble]
     if bad:
         mine = f" ({problem})" if problem else ""
         raise GradmeshError(f"{me}: rank {bad[0]} gave bad ranks{mine}")
-    if any(not torch.equal(table[r], table[0]) for r in range(rt.size)):
-        given = "; ".join(
-            f"rank {r} gave {table[r, :-1].nonzero().reshape(-1).tolist()}" for r in range(rt.size)
-        )
-        raise GradmeshError(f"{me}: the ranks disagree on the set's members: {given}")
+    if any(ranks != given[0][1] for _, ranks in given):
+        said = "; ".join(f"rank {r} gave {ranks}" for r, (_, ranks) in enumerate(given))
+        raise GradmeshError(f"{me}: the ranks disagree on the set's members: {said}")
     if any(other.ranks == ps.ranks for other in _sets.values()):
         raise GradmeshError(f"{me}: a process set with ranks {ps.ranks} is already registered")
     ps.process_set_id = max(_sets, default=0) + 1

@@ -316,26 +316,15 @@ def _failure_message(
     return f"rank {rank}{role} {how}{reason}; the job was stopped{restarts}", code or 1
 
 
-def launch(spec: LaunchSpec, command: list[str]) -> int:
-    """Run `command` as `spec.nproc` workers on this host; return the job's exit code."""
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+def _launch_config(spec: LaunchSpec, host: str, port: int, log_dir: str) -> Any:
+    """torch's elastic `LaunchConfig` for `spec`: gradmesh's rendezvous, every rank's output
+    prefixed (rank 0's left alone when it owns the terminal), logs under `log_dir`."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.launcher.api import LaunchConfig
 
     from gradmesh.launch.rendezvous import register
 
-    _check(spec)
-    command = resolve_command(command)
-    host, port = parse_master(spec.master, spec.nnodes)
-    if spec.node_rank == 0:
-        _check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
-    else:
-        wait_for_master(host, port, spec.timeout_s, spec.node_rank)
-    os.environ.update(_worker_env(spec, host))
-    _quiet_agent()
-    log_dir = tempfile.mkdtemp(prefix="gradmesh-run-")
-    shown = Std.ALL
-    redirects: Std | dict[int, Std] = shown
+    redirects: Std | dict[int, Std] = Std.ALL
     if spec.passthrough_rank0 and spec.node_rank == 0:
         redirects = {i: (Std.NONE if i == 0 else Std.ALL) for i in range(spec.nproc)}
     rdzv_configs: dict[str, Any] = {"timeout": int(max(1, spec.timeout_s))}
@@ -345,7 +334,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     else:
         rdzv_configs["rank"] = spec.node_rank
         local_addr = host if spec.nnodes == 1 else None
-    config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=spec.min_nodes or spec.nnodes,
         max_nodes=spec.nnodes,
         nproc_per_node=spec.nproc,
@@ -360,6 +349,25 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=redirects, tee=redirects),
         local_addr=local_addr,
     )
+
+
+def launch(spec: LaunchSpec, command: list[str]) -> int:
+    """Run `command` as `spec.nproc` workers on this host; return the job's exit code."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _check(spec)
+    command = resolve_command(command)
+    host, port = parse_master(spec.master, spec.nnodes)
+    if spec.node_rank == 0:
+        _check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
+    else:
+        wait_for_master(host, port, spec.timeout_s, spec.node_rank)
+    os.environ.update(_worker_env(spec, host))
+    _quiet_agent()
+    log_dir = tempfile.mkdtemp(prefix="gradmesh-run-")
+    config = _launch_config(spec, host, port, log_dir)
     try:
         elastic_launch(config, command[0])(*command[1:])
         return 0

@@ -107,9 +107,9 @@ def _device(args: SimulateConfig, shape: tuple[int, ...] | None) -> Device:
     return device
 
 
-def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
+def _check(args: SimulateConfig) -> tuple[list[int], list[str]]:
+    """The GPU counts and strategies asked for, or one line for options no job has."""
     from gradmesh.collectives.cost import COSTS
-    from gradmesh.launch.jobs import write_json
     from gradmesh.units import parse_ints, parse_list
 
     check_choices(args)
@@ -137,23 +137,12 @@ def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
             "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel and "
             "--pipeline-parallel must be >= 1, --servers-per-node >= 0, --fusion-mb > 0"
         )
-    started = time.perf_counter()
-    shape = _shape(args.input_shape)
-    layers = model_layers(args.data.model, args.batch_per_gpu, shape)
-    device = _device(args, shape)
-    links = _links(args, 0.0)
-    prof = device_profile(layers, device, args.batch_per_gpu, args.data.model)
-    split = None
-    if SPLITTING & set(strategies):
-        most = args.layout.tensor_parallel
-        tps = [t for t in range(2, most + 1) if most % t == 0]
-        split = layout_profile(args.data.model, args.batch_per_gpu, shape, tps, device)
-        if "tensor" in strategies and not split.tp_plan:
-            raise GradmeshError(
-                f"model {args.data.model} declares no tensor-parallel plan (--strategy hybrid "
-                "places its layers itself)"
-            )
-    base = Job(
+    return gpus, strategies
+
+
+def _job(args: SimulateConfig, prof: Any, links: Links, split: Any) -> Job:
+    """One GPU's job, as `scaling` prices it at each GPU count."""
+    return Job(
         prof,
         1,
         links,
@@ -168,7 +157,32 @@ def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
         microbatches=args.layout.microbatches,
         schedule=args.layout.schedule,
     )
-    results = {s: scaling(s, base, gpus) for s in strategies}
+
+
+def _split(args: SimulateConfig, shape: Any, device: Device) -> Any:
+    """The model's per-placement profile, for the strategies that split it."""
+    most = args.layout.tensor_parallel
+    tps = [t for t in range(2, most + 1) if most % t == 0]
+    return layout_profile(args.data.model, args.batch_per_gpu, shape, tps, device)
+
+
+def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
+    from gradmesh.launch.jobs import write_json
+
+    gpus, strategies = _check(args)
+    started = time.perf_counter()
+    shape = _shape(args.input_shape)
+    layers = model_layers(args.data.model, args.batch_per_gpu, shape)
+    device = _device(args, shape)
+    links = _links(args, 0.0)
+    prof = device_profile(layers, device, args.batch_per_gpu, args.data.model)
+    split = _split(args, shape, device) if SPLITTING & set(strategies) else None
+    if split is not None and "tensor" in strategies and not split.tp_plan:
+        raise GradmeshError(
+            f"model {args.data.model} declares no tensor-parallel plan (--strategy hybrid "
+            "places its layers itself)"
+        )
+    results = {s: scaling(s, _job(args, prof, links, split), gpus) for s in strategies}
     payload: dict[str, Any] = {
         "model": args.data.model,
         "parameters": sum(layer.param_bytes for layer in layers) // 4,
@@ -178,7 +192,7 @@ def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
         "device": {"name": args.device, **dataclasses.asdict(device)},
         "one_gpu_step_s": compute_s(prof),
         "batch_per_gpu": args.batch_per_gpu,
-        "gpus_per_node": per_node,
+        "gpus_per_node": args.gpus_per_node,
         "links": {
             "intra": dataclasses.asdict(links.intra),
             "inter": dataclasses.asdict(links.inter),

@@ -137,7 +137,7 @@ def _pipeline(job: Job) -> float:
     event simulation: a forward waits for the stage before it and its activation's transfer, a
     backward for the stage after it and its gradient's; then each stage's parameters are
     averaged over the S-strided replicas, after its last backward."""
-    from gradmesh.layout.pipeline import balance, schedule_actions
+    from gradmesh.layout.pipeline import balance
 
     split, _ = _split_of(job)
     n = job.gpus
@@ -157,9 +157,32 @@ def _pipeline(job: Job) -> float:
         _p2p_s(job.links, [s, s + 1], samples * units_[bounds[s + 1] - 1].out_bytes)
         for s in range(stages - 1)
     ]
+    free = _run_schedule(job.schedule, stages, m, fwd, bwd, sends)
+    replicas = list(range(0, n, stages))
+    step = 0.0
+    for s in range(stages):
+        nbytes = sum(u.param_bytes for u in units_[bounds[s] : bounds[s + 1]])
+        sync = job.links.allreduce_s(job.algorithm, [r + s for r in replicas], nbytes)
+        step = max(step, free[s] + sync)
+    return step + split.prof.step_overhead_s
+
+
+def _run_schedule(
+    schedule: str,
+    stages: int,
+    m: int,
+    fwd: list[float],
+    bwd: list[float],
+    sends: list[float],
+) -> list[float]:
+    """Every stage's actions in its schedule's order as a discrete-event simulation: a forward
+    waits for the stage before it and its activation's transfer, a backward for the stage after
+    it and its gradient's. Returns the time each stage is done."""
+    from gradmesh.layout.pipeline import schedule_actions
+
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * stages
-    queues = [schedule_actions(job.schedule, s, stages, m) for s in range(stages)]
+    queues = [schedule_actions(schedule, s, stages, m) for s in range(stages)]
     while any(queues):
         progressed = False
         for s in range(stages):
@@ -182,14 +205,8 @@ def _pipeline(job: Job) -> float:
                 queues[s].pop(0)
                 progressed = True
         if not progressed:
-            raise GradmeshError(f"pipeline schedule {job.schedule} deadlocked (a bug)")
-    replicas = list(range(0, n, stages))
-    step = 0.0
-    for s in range(stages):
-        nbytes = sum(u.param_bytes for u in units_[bounds[s] : bounds[s + 1]])
-        sync = job.links.allreduce_s(job.algorithm, [r + s for r in replicas], nbytes)
-        step = max(step, free[s] + sync)
-    return step + split.prof.step_overhead_s
+            raise GradmeshError(f"pipeline schedule {schedule} deadlocked (a bug)")
+    return free
 
 
 def _p2p_s(links: Links, ranks: list[int], nbytes: float) -> float:

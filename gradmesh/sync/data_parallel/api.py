@@ -17,6 +17,7 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
+from gradmesh.collectives.flat import flat_buffers, views
 from gradmesh.compression.base import Compressor, Link, NoCompression
 from gradmesh.compression.registry import reduce, resolve
 from gradmesh.errors import GradmeshError
@@ -116,17 +117,12 @@ def _reduce_group(
     group: dist.ProcessGroup | None,
 ) -> list[torch.Tensor]:
     """The tensors of each dtype fused into one flat buffer, reduced in one operation, split."""
-    out: list[torch.Tensor | None] = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        members = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = torch.cat([tensors[i].detach().reshape(-1) for i in members])
-        label = None if name is None else f"{name}.{str(dtype).removeprefix('torch.')}"
+    out: dict[int, torch.Tensor] = {}
+    for flat, members in flat_buffers(tensors):
+        label = None if name is None else f"{name}.{str(flat.dtype).removeprefix('torch.')}"
         reduced = _reduce_copy(flat, op, algorithm, compression, label, prescale, postscale, group)
-        for i, part in zip(
-            members, torch.split(reduced, [tensors[i].numel() for i in members]), strict=True
-        ):
-            out[i] = part.view_as(tensors[i])
-    return [t for t in out if t is not None]
+        out.update({id(t): part for t, part in zip(members, views(reduced, members), strict=True)})
+    return [out[id(t)] for t in tensors]
 
 
 def grouped_allreduce_async(

@@ -4,11 +4,9 @@ algorithms, compression), with a join count riding along for uneven data."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import weakref
-import zlib
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -19,6 +17,7 @@ from torch import nn
 from gradmesh.collectives import Op, allreduce
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.native import modelled_bytes_sent
+from gradmesh.collectives.objects import differing
 from gradmesh.compression.base import (
     Compressor,
     Link,
@@ -50,32 +49,17 @@ def check_models_agree(
     rt: Runtime, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup
 ) -> None:
     """Raise, naming the first differing parameter and the ranks, unless every rank has the
-    same parameter names, shapes and dtypes. Compares checksums first; text only on mismatch."""
-    mine = describe(params)
-    ranks = dist.get_process_group_ranks(group)
-    digest = torch.tensor([zlib.crc32("\n".join(mine).encode()), len(mine)], dtype=torch.int64)
-    rows = [torch.empty_like(digest) for _ in ranks]
+    same parameter names, shapes and dtypes (`differing`: checksums first, text on mismatch)."""
     try:
-        dist.all_gather(rows, digest, group=group)
+        listings = differing(describe(params), group)
     except RuntimeError as exc:
         raise PeerFailure(
             f"rank {rt.rank}: comparing the model's parameters on {rt.group_label(group)} "
             f"failed: {first_line(exc)}"
         ) from None
-    if all(torch.equal(r, rows[0]) for r in rows):
+    if listings is None:
         return
-    text = torch.tensor(list(json.dumps(mine).encode()), dtype=torch.uint8)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in ranks]
-    dist.all_gather(lengths, torch.tensor([text.numel()]), group=group)
-    longest = int(max(int(n) for n in lengths))
-    padded = torch.zeros(longest, dtype=torch.uint8)
-    padded[: text.numel()] = text
-    texts = [torch.empty_like(padded) for _ in ranks]
-    dist.all_gather(texts, padded, group=group)
-    listings = [
-        json.loads(bytes(t[: int(n)].tolist()).decode())
-        for t, n in zip(texts, lengths, strict=True)
-    ]
+    ranks = dist.get_process_group_ranks(group)
     for i in range(max(len(x) for x in listings)):
         entries = [x[i] if i < len(x) else "(none)" for x in listings]
         if len(set(entries)) > 1:

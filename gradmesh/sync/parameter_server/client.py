@@ -111,10 +111,7 @@ class Client:
         kernel holds little unsent, `PIPELINE_SLICES`), so the first server's answer can come
         back while later shards still go out. With `into` (contiguous), answers of the right
         length are read straight into its shard ranges."""
-        targets: list[memoryview | None] = [None] * len(self.peers)
-        if into is not None and into.is_contiguous() and into.dtype == torch.float32:
-            raw = memoryview(into.detach().view(torch.uint8).numpy())  # type: ignore[arg-type]
-            targets = [raw[a * 4 : b * 4] for a, b in self.ranges]
+        targets = self._targets(into)
         replies: list[Message | None] = [None] * len(self.peers)
         self.bytes_sent += sum(memoryview(f).nbytes for frames in requests for f in frames)
         order = iter(range(len(self.peers)))
@@ -163,6 +160,14 @@ class Client:
                         )
                         waiting -= 1
         return replies  # type: ignore[return-value]
+
+    def _targets(self, into: torch.Tensor | None) -> list[memoryview | None]:
+        """Where each server's answer is read to: its shard range of `into` (contiguous
+        float32), else a buffer of the connection's own."""
+        if into is None or not into.is_contiguous() or into.dtype != torch.float32:
+            return [None] * len(self.peers)
+        raw = memoryview(into.detach().view(torch.uint8).numpy())  # type: ignore[arg-type]
+        return [raw[a * 4 : b * 4] for a, b in self.ranges]
 
     def _guard(self, op: str, server: int, call: Any, *args: Any) -> Any:
         """`call(*args)` on server `server`'s connection, its failures as one line."""

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from gradmesh.collectives.flat import flat_buffers, views
 from gradmesh.compression.base import Compressor, load_states, save_states
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.process import connect_store
@@ -51,12 +52,12 @@ class PSWorker:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if any(p.dtype != torch.float32 for p in self.params):
             raise GradmeshError("the parameter server holds float32 parameters only")
-        self.flat = torch.cat([p.detach().reshape(-1) for p in self.params])
+        ((self.flat, _),) = flat_buffers(self.params)
         self.spans = []
         start = 0
-        for p in self.params:
+        for p, view in zip(self.params, views(self.flat, self.params), strict=True):
             self.spans.append((start, start + p.numel()))
-            p.data = self.flat[start : start + p.numel()].view_as(p)
+            p.data = view
             start += p.numel()
         self.grad = torch.zeros_like(self.flat)
         store = connect_store(self.role.store_host, self.role.store_port, self.timeout_s)
