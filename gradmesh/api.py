@@ -8,6 +8,7 @@ from gradmesh.horovod.api import join
 from gradmesh.horovod.gathers import allgather, broadcast
 from gradmesh.horovod.reductions import allreduce, allreduce_async
 from gradmesh.layout.hybrid import parallelize
+from gradmesh.layout.vocab_parallel import vocab_parallel_cross_entropy
 from gradmesh.observe.timeline import start_timeline, stop_timeline
 from gradmesh.runtime.world import (
     barrier,

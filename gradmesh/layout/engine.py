@@ -22,7 +22,7 @@ from gradmesh.layout.pipeline import (
     stage_module,
     sum_cross_entropy,
 )
-from gradmesh.layout.tensor_parallel import check_plan, parallelize
+from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
 from gradmesh.models.registry import TP_PLANS
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
@@ -66,13 +66,19 @@ class PlainEngine:
         return out
 
 
-def tp_plan(model_name: str) -> dict[str, str]:
-    if model_name not in TP_PLANS:
-        raise GradmeshError(
-            f"model {model_name} has no tensor-parallel plan (models with one: "
-            f"{', '.join(TP_PLANS.names())})"
-        )
-    return TP_PLANS.get(model_name)
+def tp_plan(model_name: str, model: nn.Module | None = None) -> dict[str, str]:
+    """The model's tensor-parallel plan: registered with its name, or declared by the model
+    itself (a `tp_plan` attribute, module name -> style, as `gradmesh.models.gpt.GPT`'s)."""
+    if model_name in TP_PLANS:
+        return TP_PLANS.get(model_name)
+    declared = getattr(model, "tp_plan", None)
+    if isinstance(declared, dict):
+        return declared
+    raise GradmeshError(
+        f"model {model_name} has no tensor-parallel plan: give it a tp_plan attribute (module "
+        f"name -> colwise, rowwise, embedding, ...; see docs/your_model.md) or use one of "
+        f"{', '.join(TP_PLANS.names())}"
+    )
 
 
 @dataclass
@@ -92,7 +98,7 @@ def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: st
     """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
     layers make `pp` stages (the flags alone are checked by `TrainConfig.validate`)."""
     if tp > 1:
-        check_plan(model, tp_plan(model_name), tp, model_name)
+        check_plan(model, tp_plan(model_name, model), tp, model_name)
     if pp > 1:
         parse_stages(stages, layers_of(model, model_name), pp)
 
@@ -127,9 +133,7 @@ def split_model(
     starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
     module = model
     if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
-        uniform = tp_plan(model_name)
-        check_plan(model, uniform, tp.size, model_name)
-        module = parallelize(model, uniform, tp.size, tp.index)
+        module = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
     owns = tp.index == 0 and pp.index == pp.size - 1
     if starts is None:
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)

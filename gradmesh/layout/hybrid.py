@@ -44,8 +44,7 @@ from gradmesh.collectives import allgather
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline import layers_of
-from gradmesh.layout.tensor_parallel import check_plan
-from gradmesh.layout.tensor_parallel import parallelize as split_layers
+from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
 from gradmesh.runtime.mesh import BATCH_SHARDED
 from gradmesh.runtime.world import Runtime, get_runtime
 
@@ -245,7 +244,7 @@ def apply_plan(model: nn.Module, plan: Plan, rt: Runtime) -> nn.Module:
     names = weighted(model, plan.model)
     choices = [plan.layers[n] for n in names]
     split = {n: c for n, c in plan.layers.items() if c in ("colwise", "rowwise")}
-    split_layers(model, split, tp.size, tp.index)
+    apply_tp_plan(model, split, tp.size, tp.index, plan.model)
     if tp.size == 1:
         return model
     before, after = conversions(choices)
@@ -265,9 +264,23 @@ def apply_plan(model: nn.Module, plan: Plan, rt: Runtime) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, plan: Plan | str) -> nn.Module:
-    """`gradmesh.parallelize`: this rank's part of `model` under a hybrid `plan` (a `Plan`, a
-    plan file's path, or its JSON) on the initialised runtime's mesh, whose tp must be the
-    plan's. Build the optimizer over the returned module's parameters, then wrap it with
+def parallelize(model: nn.Module, plan: Plan | dict[str, str] | str | None = None) -> nn.Module:
+    """`gradmesh.parallelize`: this rank's part of `model` on the initialised runtime's mesh.
+
+    `plan` is a tensor-parallel plan (module name, wildcards allowed -> style, see
+    `gradmesh.layout.tp_plan`; by default the model's own `tp_plan` attribute), split over the
+    mesh's tp axis; or a hybrid `Plan` (a plan file's path, or its JSON), whose tp must be the
+    mesh's. Build the optimizer over the returned module's parameters, then wrap it with
     `DistributedOptimizer`, which averages each parameter over the ranks that hold it."""
-    return apply_plan(model, load_plan(plan) if isinstance(plan, str) else plan, get_runtime())
+    rt = get_runtime()
+    if plan is None:
+        plan = getattr(model, "tp_plan", None)
+        if not isinstance(plan, dict):
+            raise GradmeshError(
+                f"parallelize: {type(model).__name__} declares no tp_plan; pass a plan "
+                "(module name -> colwise, rowwise, embedding, ...)"
+            )
+    if isinstance(plan, dict):
+        tp = rt.mesh["tp"]
+        return apply_tp_plan(model, plan, tp.size, tp.index, type(model).__name__)
+    return apply_plan(model, load_plan(plan) if isinstance(plan, str) else plan, rt)

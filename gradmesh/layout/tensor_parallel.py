@@ -18,36 +18,54 @@ batch 5, 8-16-4 features, loaded machine), the dispatch being the difference; (2
 would be DTensors in every sync path (DistributedOptimizer's flat buckets, local SGD, parameter
 broadcast, checkpoints), each needing to unwrap them; (3) their collectives bypass gradmesh's
 per-call numbering, byte counts by kind and one-line timeout messages. The placement vocabulary
-of DTensor (`Replicate`, `Shard(dim)`) is what `PLAN_STYLES` follows.
+of DTensor (`Replicate`, `Shard(dim)`) is what the plan's styles follow
+(`gradmesh.layout.tp_plan`).
+
+Besides the pair, a column-parallel layer can gather its output (`gather`: every rank ends
+with the whole output, as DTensor's `ColwiseParallel(output_layouts=Replicate())`), and can
+split a fused projection chunk by chunk (`chunks`: q, k and v made by one matrix are each cut
+in `parts`, so each rank holds q, k and v of its own heads, never a mix).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmesh.collectives import allreduce
+from gradmesh.collectives import allgather, allreduce
 from gradmesh.collectives.agreement import FixedLayout
-from gradmesh.errors import GradmeshError
+from gradmesh.collectives.api import Op
 from gradmesh.runtime.world import get_runtime
 
-PLAN_STYLES = ("colwise", "rowwise")
-"""colwise: Shard(0) of the weight (output features); rowwise: Shard(1) (input features)."""
+
+def _tp_collective(tensor: torch.Tensor, what: str, op: Op = "sum") -> torch.Tensor:
+    """Reduce `tensor` over the tp axis in place (`op`). The mesh's tp group carries only these
+    calls, made by the same layers in the same order on every tp rank (same model, same
+    samples), so each call agrees by construction and needs no signature exchange."""
+    rt = get_runtime()
+    axis = rt.mesh["tp"]
+    check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
+    allreduce(tensor, op=op, group=axis.group, check=check, kind="tensor_parallel")
+    return tensor
 
 
 def _tp_allreduce(tensor: torch.Tensor, what: str) -> torch.Tensor:
-    """Sum `tensor` over the tp axis. The mesh's tp group carries only these calls, made by the
-    same layers in the same order on every tp rank (same model, same samples), so each call
-    agrees by construction and needs no signature exchange (`FixedLayout`)."""
+    return _tp_collective(tensor.contiguous(), what)
+
+
+def tp_gather(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+    """Every tp rank's `x` concatenated along `dim`, in tp order (equal shapes on every rank)."""
     rt = get_runtime()
     axis = rt.mesh["tp"]
-    work = tensor.contiguous()
     check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
-    allreduce(work, group=axis.group, check=check, kind="tensor_parallel")
-    return work
+    rows = allgather(
+        x.contiguous(), group=axis.group, check=check, kind="tensor_parallel", backend=True
+    )
+    return torch.cat(list(rows.unbind(0)), dim=dim)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -74,6 +92,21 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad
 
 
+class _GatherFromTP(torch.autograd.Function):
+    """All-gather of the features over tp in forward; this rank's slice in backward (what comes
+    after is replicated, so every rank holds the same whole gradient)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim, ctx.size = dim, x.shape[dim]
+        return tp_gather(x, dim, "output gather")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        index = get_runtime().mesh["tp"].index
+        return grad.narrow(ctx.dim, index * ctx.size, ctx.size).contiguous(), None
+
+
 def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
     return _CopyToTP.apply(x)  # type: ignore[no-untyped-call,no-any-return]
 
@@ -82,30 +115,75 @@ def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
     return _ReduceFromTP.apply(x)  # type: ignore[no-untyped-call,no-any-return]
 
 
-def _slice(t: torch.Tensor, dim: int, parts: int, index: int) -> nn.Parameter:
-    return nn.Parameter(t.detach().chunk(parts, dim)[index].clone())
+def gather_from_tp(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _GatherFromTP.apply(x, dim)  # type: ignore[no-untyped-call,no-any-return]
+
+
+def chunk_sizes(size: int, chunks: tuple[int, ...]) -> list[int]:
+    """The rows of each chunk of a fused dimension of `size`, `chunks` giving their proportions
+    (q, k, v: (1, 1, 1); grouped-query attention with 8 query and 2 key/value heads: (8, 2, 2)).
+    A ValueError when `size` does not split so."""
+    total = sum(chunks)
+    if not chunks or size % total:
+        raise ValueError(f"{size} rows do not split in proportions {chunks}")
+    return [size // total * c for c in chunks]
+
+
+def shard(
+    t: torch.Tensor, dim: int, parts: int, index: int, chunks: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """This rank's slice of `t` along `dim`: the `index`-th of `parts` equal pieces, or, for a
+    fused dimension, the `index`-th piece of each chunk, concatenated."""
+    if not chunks:
+        return t.detach().chunk(parts, dim)[index].clone()
+    pieces = torch.split(t.detach(), chunk_sizes(t.shape[dim], chunks), dim)
+    return torch.cat([p.chunk(parts, dim)[index] for p in pieces], dim).clone()
+
+
+def unshard(pieces: list[torch.Tensor], dim: int, chunks: tuple[int, ...] = ()) -> torch.Tensor:
+    """The whole tensor from every rank's `shard`, in tp order (the inverse of `shard`)."""
+    if not chunks:
+        return torch.cat(pieces, dim)
+    split = [torch.split(p, chunk_sizes(p.shape[dim], chunks), dim) for p in pieces]
+    return torch.cat([torch.cat([s[c] for s in split], dim) for c in range(len(chunks))], dim)
+
+
+Slicer = Callable[[torch.Tensor, int, tuple[int, ...]], nn.Parameter]
+"""Makes this rank's slice of a parameter along a dim with chunks (shared by tied uses)."""
 
 
 class ParallelLayer(nn.Module):
     """A Linear or Conv2d whose weight is this rank's slice of the whole layer's (`style`
-    colwise or rowwise); forward is the whole layer's, with the tp exchanges it needs."""
+    colwise or rowwise); forward is the whole layer's, with the tp exchanges it needs. A
+    colwise layer may `gather` its output, or split a fused projection by `chunks`."""
 
-    def __init__(self, layer: nn.Linear | nn.Conv2d, style: str, parts: int, index: int) -> None:
+    def __init__(
+        self,
+        layer: nn.Linear | nn.Conv2d,
+        style: str,
+        parts: int,
+        index: int,
+        chunks: tuple[int, ...] = (),
+        gather: bool = False,
+        slicer: Slicer | None = None,
+    ) -> None:
         super().__init__()
-        self.style = style
+        self.style, self.chunks, self.gather = style, chunks, gather
         self.conv: tuple[Any, ...] | None = (
             (layer.stride, layer.padding, layer.dilation, layer.groups)
             if isinstance(layer, nn.Conv2d)
             else None
         )
         """A convolution's stride, padding, dilation, groups."""
+        if slicer is None:
+            slicer = lambda t, d, c: nn.Parameter(shard(t, d, parts, index, c))  # noqa: E731
         dim = 0 if style == "colwise" else 1
-        self.weight = _slice(layer.weight, dim, parts, index)
+        self.weight = slicer(layer.weight, dim, chunks)
         bias = layer.bias
         if bias is None:
             self.bias = None
         elif style == "colwise":  # each rank's output features have their own bias
-            self.bias = _slice(bias, 0, parts, index)
+            self.bias = slicer(bias, 0, chunks)
         else:  # added once, after the partial sums are reduced: replicated on every tp rank
             self.bias = nn.Parameter(bias.detach().clone())
 
@@ -116,61 +194,18 @@ class ParallelLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "colwise":
-            return self._apply_weight(copy_to_tp(x), self.bias)
+            out = self._apply_weight(copy_to_tp(x), self.bias)
+            if self.gather:
+                return gather_from_tp(out, -1 if self.conv is None else 1)
+            return out
         out = reduce_from_tp(self._apply_weight(x, None))
         if self.bias is None:
             return out
-        shape = (1, -1) + (1,) * (out.dim() - 2)
-        return out + self.bias.view(shape)
+        if self.conv is None:
+            return out + self.bias
+        return out + self.bias.view((1, -1) + (1,) * (out.dim() - 2))
 
     def extra_repr(self) -> str:
-        return f"{self.style}, weight slice {tuple(self.weight.shape)}"
-
-
-def _split_dim(layer: nn.Module, style: str) -> int:
-    weight = layer.weight
-    assert isinstance(weight, torch.Tensor)
-    return int(weight.shape[0 if style == "colwise" else 1])
-
-
-def check_plan(model: nn.Module, plan: dict[str, str], tp: int, model_name: str) -> None:
-    """One line, before anything runs, unless every layer of `plan` exists, is a Linear or
-    Conv2d, and has a split dimension that `tp` divides."""
-    for name, style in plan.items():
-        if style not in PLAN_STYLES:
-            raise GradmeshError(
-                f"model {model_name}: plan style {style!r} (valid: colwise, rowwise)"
-            )
-        try:
-            layer = model.get_submodule(name)
-        except AttributeError:
-            raise GradmeshError(f"model {model_name}: its plan names no layer {name!r}") from None
-        if not isinstance(layer, nn.Linear | nn.Conv2d) or (
-            isinstance(layer, nn.Conv2d) and layer.groups != 1
-        ):
-            raise GradmeshError(
-                f"model {model_name}: layer {name} is a {type(layer).__name__}; tensor "
-                "parallelism splits Linear and (ungrouped) Conv2d layers"
-            )
-        size = _split_dim(layer, style)
-        if size % tp:
-            what = "output features" if style == "colwise" else "input features"
-            fits = ", ".join(str(d) for d in range(1, size + 1) if size % d == 0 and d <= 64)
-            raise GradmeshError(
-                f"--tensor-parallel {tp} does not divide the {size} {what} of layer {name} of "
-                f"model {model_name} ({style}); tensor-parallel sizes that fit: {fits}"
-            )
-
-
-def parallelize(model: nn.Module, plan: dict[str, str], parts: int, index: int) -> nn.Module:
-    """Replace each layer named in `plan` by this rank's `ParallelLayer` slice (`index` of
-    `parts`), in place; returns `model`. With `parts` 1 the model is left as it is."""
-    if parts == 1:
-        return model
-    for name, style in plan.items():
-        layer = model.get_submodule(name)
-        assert isinstance(layer, nn.Linear | nn.Conv2d)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, ParallelLayer(layer, style, parts, index))
-    return model
+        extra = f", chunks {self.chunks}" if self.chunks else ""
+        extra += ", output gathered" if self.gather else ""
+        return f"{self.style}, weight slice {tuple(self.weight.shape)}{extra}"

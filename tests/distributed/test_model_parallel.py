@@ -127,14 +127,12 @@ def test_split_training_equals_one_process(layout: str, reference: dict[str, tor
 
 def column_row_pair() -> tuple[torch.Tensor, ...]:
     """A Linear pair split column-wise then row-wise: outputs and gradients of the whole pair."""
-    from gradmesh.layout.tensor_parallel import parallelize
-
     torch.manual_seed(0)
     pair = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     plain = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     plain.load_state_dict(pair.state_dict())
     tp = gradmesh.mesh()["tp"]
-    parallelize(pair, {"0": "colwise", "2": "rowwise"}, tp.size, tp.index)
+    gradmesh.parallelize(pair, {"0": "colwise", "2": "rowwise"})
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(1))
     xs = x.clone().requires_grad_()
     xp = x.clone().requires_grad_()

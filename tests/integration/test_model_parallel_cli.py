@@ -99,7 +99,7 @@ def test_users_script_splits_the_model_with_a_few_lines() -> None:
         ),
         (
             ["--workers", "3", "--tensor-parallel", "3", "--model", "cnn"],
-            "--tensor-parallel 3 does not divide the 16 output features of layer 0",
+            "--tensor-parallel 3 does not divide the 16 output channels of layer 0",
         ),
         (
             ["--workers", "2", "--pipeline-parallel", "2", "--model", "linear"],
