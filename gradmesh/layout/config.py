@@ -22,8 +22,9 @@ class LayoutConfig:
     schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
     stages: str = option(
         "",
-        "pipeline: first layer index of each stage after the first, like 4,9 (default: "
-        "balanced by measured layer time)",
+        "pipeline: where each stage after the first starts: layer indices of a sequence of "
+        "layers (4,9) or module names of any other model (blocks.2,blocks.4); default: "
+        "balanced (by measured layer time, or by forward FLOPs on the model's graph)",
     )
     plan: str = option(
         "",

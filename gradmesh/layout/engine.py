@@ -12,6 +12,7 @@ from torch import nn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import SCHEDULES
+from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
     PipelineEngine,
@@ -99,7 +100,15 @@ def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: st
     layers make `pp` stages (the flags alone are checked by `TrainConfig.validate`)."""
     if tp > 1:
         check_plan(model, tp_plan(model_name, model), tp, model_name)
-    if pp > 1:
+    if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
+        if stages:
+            check_points(model, stages.split(","), pp, model_name)
+        elif len(candidates(model)) + 1 < pp:
+            raise GradmeshError(
+                f"--pipeline-parallel {pp}: model {model_name} has {len(candidates(model)) + 1} "
+                "blocks to cut into stages; give split points with --stages (module names)"
+            )
+    elif pp > 1:
         parse_stages(stages, layers_of(model, model_name), pp)
 
 
@@ -130,6 +139,14 @@ def split_model(
         return Split(module, PlainEngine(module), info, tp.index == 0)
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    if pp.size > 1 and not isinstance(model, nn.Sequential):  # cut on the graph
+        points = [p for p in stages.split(",") if p] or None
+        graph = graph_pipeline(
+            model, rt, sample, points, microbatches, schedule, model_name=model_name
+        )
+        info["stage_points"] = graph.graph.points
+        owns = tp.index == 0 and pp.index == pp.size - 1
+        return Split(graph.stage_module, graph, info, owns)
     starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
     module = model
     if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
@@ -144,5 +161,8 @@ def split_model(
     first = starts[pp.index]
     last = first + len(stage)
     info["stage_layers"] = [[s, (starts + [len(shapes) - 1])[i + 1]] for i, s in enumerate(starts)]
-    engine = PipelineEngine(rt, stage, [shapes[first], shapes[last]], microbatches, schedule)
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    engine = PipelineEngine(
+        rt, stage, [shapes[first], shapes[last]], microbatches, schedule, dtype=dtype
+    )
     return Split(stage, engine, info, owns)

@@ -232,6 +232,7 @@ class PipelineEngine:
         microbatches: int,
         schedule: str,
         loss_fn: LossFn = sum_cross_entropy,
+        dtype: torch.dtype | None = None,
     ) -> None:
         axis = rt.mesh["pp"]
         self.rt, self.module, self.loss_fn = rt, module, loss_fn
@@ -239,6 +240,8 @@ class PipelineEngine:
         self.group = axis.group
         self.in_shape = shapes[0]
         """The per-sample shape entering this stage (a received activation's)."""
+        self.in_dtype = dtype or torch.get_default_dtype()
+        """The dtype of a received activation (the model's)."""
         self.m, self.schedule = microbatches, schedule
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.clock = BubbleClock()
@@ -282,7 +285,9 @@ class PipelineEngine:
 
         def post_input(i: int) -> None:
             if not self.first and i < self.m and sizes[i] and ("F", i) not in posted:
-                posted["F", i] = self._irecv(ch, (sizes[i], *self.in_shape), self.stage - 1, 2 * i)
+                posted["F", i] = self._irecv(
+                    ch, (sizes[i], *self.in_shape), self.stage - 1, 2 * i, self.in_dtype
+                )
 
         def received(key: tuple[str, int], peer: int) -> torch.Tensor:
             buf, work = posted.pop(key)
@@ -343,7 +348,9 @@ class PipelineEngine:
         posted = {}  # every receive up front (see `step`)
         if not self.first:
             for i, part in parts:
-                posted[i] = self._irecv(ch, (len(part), *self.in_shape), self.stage - 1, 2 * i)
+                posted[i] = self._irecv(
+                    ch, (len(part), *self.in_shape), self.stage - 1, 2 * i, self.in_dtype
+                )
         for i, part in parts:
             if self.first:
                 inp = part

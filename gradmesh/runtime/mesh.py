@@ -29,6 +29,11 @@ BATCH_SHARDED = "gradmesh_batch_sharded"
 replica's batch although tp > 1 (a hybrid plan's data-parallel layers): gradient sync averages
 it over the batch group (dp x tp, every rank when pp is 1), not over dp alone."""
 
+LAYOUT_SYNCED = "gradmesh_layout_synced"
+"""Attribute set (True) on a parameter whose gradient the layout itself makes whole and
+averages over dp (a weight tied across pipeline stages: summed over the stages that hold it and
+averaged over the replicas in one allreduce); data-parallel sync leaves it alone."""
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 

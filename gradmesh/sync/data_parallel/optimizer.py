@@ -32,7 +32,7 @@ from gradmesh.compression.base import (
 from gradmesh.compression.registry import resolve
 from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import span
-from gradmesh.runtime.mesh import BATCH_SHARDED
+from gradmesh.runtime.mesh import BATCH_SHARDED, LAYOUT_SYNCED
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.data_parallel.reducer import (
     Adasum,
@@ -146,7 +146,9 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         if named_parameters is None
         else _check_named(list(named_parameters), params)
     )
-    trainable = [(n, p) for n, p in named if p.requires_grad]
+    trainable = [
+        (n, p) for n, p in named if p.requires_grad and not getattr(p, LAYOUT_SYNCED, False)
+    ]
     batch = [(n, p) for n, p in trainable if getattr(p, BATCH_SHARDED, False)]
 
     def reducer_of(

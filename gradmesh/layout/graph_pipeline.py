@@ -1,0 +1,292 @@
+"""Pipeline stages of any model, cut at module names on its captured forward graph.
+
+A model that is not a sequence of layers (a GPT: embeddings, a list of blocks with residuals, a
+norm, a head tied to the embedding) is cut where the user says (`blocks.2`: stage 1 starts
+there) or where its forward FLOPs balance. The cut is made by torch's
+`torch.distributed.pipelining.pipeline` on the `torch.export` graph, so whatever the forward
+computes between two cuts (the residual stream, position embeddings added to token
+embeddings, a final norm) lands in the right stage and only the values that cross a cut travel.
+The stages then run on gradmesh's own `PipelineEngine` (its schedules, timeouts naming the
+peer stage, byte counts), not torch's schedules (see `gradmesh.layout.pipeline` for why).
+
+What is ours, and why:
+- Parameters are the model's own. torch's split copies every parameter into the stage that
+  uses it, and a weight used by two stages (a head tied to the embedding) into both; here each
+  stage's attributes are pointed back at the model's Parameter objects, so a tied weight stays
+  one parameter within a stage, and its gradient is summed over the stages that hold it after
+  every step (`GraphStages.sync_tied`), so the copies on different stages take the same steps
+  and stay equal.
+- An exported graph has the batch size it was traced with baked into its reshapes, and an
+  epoch's micro-batches are not all the same size: a stage is traced again for each micro-batch
+  size it meets (cached; every trace shares the same parameters).
+- A cut must be crossed by one tensor with the batch first (the residual stream); a cut that
+  several values cross is refused with a line naming them.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from gradmesh.collectives import allreduce
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import SCHEDULES
+from gradmesh.layout.pipeline import LossFn, PipelineEngine, balance, sum_cross_entropy
+from gradmesh.runtime.mesh import LAYOUT_SYNCED
+from gradmesh.runtime.world import Runtime
+
+
+def _container(model: nn.Module) -> str | None:
+    """The model's list of blocks: its largest ModuleList or Sequential (by parameters)."""
+    best, size = None, -1
+    for name, module in model.named_modules():
+        if name and isinstance(module, nn.ModuleList | nn.Sequential) and len(module) > 1:
+            n = sum(p.numel() for p in module.parameters())
+            if n > size:
+                best, size = name, n
+    return best
+
+
+def candidates(model: nn.Module) -> list[str]:
+    """Where a stage may start when the cut is balanced: each block of the block list but the
+    first (`blocks.1`, `blocks.2`, ...)."""
+    name = _container(model)
+    if name is None:
+        return []
+    return [f"{name}.{child}" for child, _ in list(model.get_submodule(name).named_children())[1:]]
+
+
+def check_points(model: nn.Module, points: list[str], pp: int, model_name: str) -> None:
+    """One line unless `points` are `pp - 1` distinct modules of the model, in forward order."""
+    if len(points) != pp - 1:
+        raise GradmeshError(
+            f"--stages gives {len(points)} split points for --pipeline-parallel {pp} "
+            f"(needs {pp - 1}: the module each stage after the first starts at)"
+        )
+    names = [n for n, _ in model.named_modules()]
+    for p in points:
+        if p not in names or not p:
+            near = [n for n in candidates(model) if n.rsplit(".", 1)[0] == p.rsplit(".", 1)[0]]
+            raise GradmeshError(
+                f"split point {p!r} is not a module of model {model_name}"
+                + (f" (split points that fit: {', '.join(near[:6])})" if near else "")
+            )
+    if len(set(points)) != len(points):
+        raise GradmeshError(f"split points {','.join(points)} would leave a stage empty")
+
+
+def balanced_points(model: nn.Module, sample: torch.Tensor, pp: int, model_name: str) -> list[str]:
+    """Split points that balance the stages' forward FLOPs (counted by torch's FLOP counter
+    on `sample`); what comes before the first block counts with it, what follows the last
+    with the last."""
+    starts = candidates(model)
+    if len(starts) + 1 < pp:
+        raise GradmeshError(
+            f"--pipeline-parallel {pp}: model {model_name} has {len(starts) + 1} blocks to cut "
+            "into stages; give split points with --stages (module names)"
+        )
+    blocks = [starts[0].rsplit(".", 1)[0] + ".0", *starts]
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        model(sample)
+    counts = counter.get_flop_counts()
+    root = type(model).__name__
+    per_block = [float(sum(counts.get(f"{root}.{b}", {}).values())) for b in blocks]
+    total = float(sum(counts.get("Global", {}).values()))
+    rest = total - sum(per_block)
+    per_block[0] += rest / 2  # embeddings before, head after: half the rest each
+    per_block[-1] += rest / 2
+    return [blocks[i] for i in balance(per_block, pp)[1:]]
+
+
+def _point_back(stage: nn.Module, originals: dict[str, torch.Tensor]) -> None:
+    """Make `stage`'s parameters and buffers the model's own objects (by name)."""
+    for name, _ in list(stage.named_parameters(remove_duplicate=False)):
+        parent, _, leaf = name.rpartition(".")
+        setattr(stage.get_submodule(parent) if parent else stage, leaf, originals[name])
+    for name, _ in list(stage.named_buffers(remove_duplicate=False)):
+        parent, _, leaf = name.rpartition(".")
+        owner = stage.get_submodule(parent) if parent else stage
+        owner._buffers[leaf] = originals[name]
+
+
+class GraphStages:
+    """Every stage of `model` cut at `points`, traced per micro-batch size on demand."""
+
+    def __init__(self, model: nn.Module, points: list[str], model_name: str) -> None:
+        self.model, self.points, self.model_name = model, points, model_name
+        self.originals: dict[str, torch.Tensor] = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
+        self.traces: dict[tuple[int, ...], list[nn.Module]] = {}
+
+    def stages(self, sample: torch.Tensor) -> list[nn.Module]:
+        """The stage modules for inputs shaped like `sample` (traced on first use)."""
+        key = tuple(sample.shape)
+        if key not in self.traces:
+            from torch.distributed.pipelining import SplitPoint, pipeline
+
+            spec = {p: SplitPoint.BEGINNING for p in self.points}
+            try:
+                # on a copy: the split wraps the forward of the modules it cuts at, so a model
+                # that was cut once cannot be traced again (the copy's weights are pointed back)
+                with warnings.catch_warnings():  # torch's own deprecations, not the user's
+                    warnings.simplefilter("ignore", FutureWarning)
+                    pipe = pipeline(copy.deepcopy(self.model), mb_args=(sample,), split_spec=spec)
+            except Exception as exc:  # noqa: BLE001 - torch's reasons vary; one line for the user
+                cause = exc.__cause__ or exc
+                why = (str(cause).splitlines() or [type(cause).__name__])[0]
+                raise GradmeshError(
+                    f"cannot cut model {self.model_name} at {','.join(self.points)}: {why}"
+                ) from None
+            if pipe.num_stages != len(self.points) + 1:
+                raise GradmeshError(
+                    f"cutting model {self.model_name} at {','.join(self.points)} gave "
+                    f"{pipe.num_stages} stages, not {len(self.points) + 1} (a split point the "
+                    "forward does not call, or two at the same place)"
+                )
+            stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
+            for stage in stages:
+                _point_back(stage, self.originals)
+            self.traces[key] = stages
+        return self.traces[key]
+
+    def boundaries(self, sample: torch.Tensor) -> list[torch.Size]:
+        """The per-sample shape entering each stage, and the last stage's output's."""
+        shapes, x = [sample.shape[1:]], sample
+        with torch.no_grad():
+            for i, stage in enumerate(self.stages(sample)):
+                x = stage(x)
+                if not isinstance(x, torch.Tensor) or x.shape[:1] != sample.shape[:1]:
+                    got = type(x).__name__ if not isinstance(x, torch.Tensor) else tuple(x.shape)
+                    raise GradmeshError(
+                        f"model {self.model_name}: stage {i} ends in {got}; a cut must be crossed "
+                        "by one tensor with the batch first (move the split point)"
+                    )
+                shapes.append(x.shape[1:])
+        return shapes
+
+    def holders(self) -> dict[str, set[int]]:
+        """Each parameter (by one of its names) and the stages that hold it."""
+        any_trace = next(iter(self.traces.values()))
+        held: dict[int, set[int]] = {}
+        names: dict[int, str] = {}
+        for i, stage in enumerate(any_trace):
+            for name, p in stage.named_parameters():
+                held.setdefault(id(p), set()).add(i)
+                names.setdefault(id(p), name)
+        return {names[k]: v for k, v in held.items()}
+
+    def tied(self) -> list[str]:
+        """Names of the parameters that several stages hold (tied weights), sorted: the same
+        list on every rank. Each is marked `LAYOUT_SYNCED`: `sync_tied` makes its gradient."""
+        shared = sorted(n for n, held in self.holders().items() if len(held) > 1)
+        for name in shared:
+            setattr(self.originals[name], LAYOUT_SYNCED, True)
+        return shared
+
+    def sync_tied(self, rt: Runtime) -> None:
+        """Give every copy of a tied weight its whole gradient: summed over the stages that hold
+        it and averaged over the replicas, in one allreduce over the world (zeros from a rank
+        whose stage does not hold it). Every rank calls it after its step's backwards; the
+        data-parallel sync leaves these parameters alone (`LAYOUT_SYNCED`)."""
+        shared = self.tied()
+        if not shared:
+            return
+        params = [self.originals[n] for n in shared]
+        flat = torch.cat(
+            [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
+        )
+        allreduce(flat, kind="pipeline")
+        flat /= rt.mesh["dp"].size
+        mine = self.holders()
+        stage = rt.mesh["pp"].index
+        sizes = [p.numel() for p in params]
+        for name, p, piece in zip(shared, params, torch.split(flat, sizes), strict=True):
+            if stage in mine[name]:
+                p.grad = piece.view_as(p).clone()
+
+
+class Dispatch(nn.Module):
+    """Runs stage `index` of `stages` on its input, traced for that input's shape."""
+
+    def __init__(self, stages: GraphStages, index: int, example: torch.Tensor) -> None:
+        super().__init__()
+        self._stages, self.index = stages, index
+        self._example = example
+        """A model input like the ones this pipeline runs (what each size's trace runs)."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.index == 0:
+            sample = x
+        else:  # the model's input for this micro-batch size: the example's rows, repeated
+            rows = self._example[:1].expand(x.shape[0], *self._example.shape[1:])
+            sample = rows.contiguous()
+        return self._stages.stages(sample)[self.index](x)
+
+
+class GraphPipelineEngine(PipelineEngine):
+    """`PipelineEngine` on a graph stage; after each step's backwards, the tied parameters'
+    gradients are summed over the stages that hold them."""
+
+    def __init__(
+        self,
+        rt: Runtime,
+        stages: GraphStages,
+        example: torch.Tensor,
+        microbatches: int,
+        schedule: str,
+        loss_fn: LossFn,
+    ) -> None:
+        axis = rt.mesh["pp"]
+        part = example[: max(1, len(example) // microbatches)]
+        shapes = stages.boundaries(part)
+        here = shapes[axis.index : axis.index + 2]
+        dtype = next((p.dtype for p in stages.model.parameters() if p.is_floating_point()), None)
+        super().__init__(
+            rt, Dispatch(stages, axis.index, example), here, microbatches, schedule, loss_fn, dtype
+        )
+        self.graph = stages
+        stages.tied()  # marked before the caller wraps its optimizer
+        self.stage_module = stages.stages(part)[axis.index]
+        """This rank's stage: its parameters are what the optimizer steps."""
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+        loss = super().step(x, y, scale)
+        self.graph.sync_tied(self.rt)
+        return loss
+
+
+def graph_pipeline(
+    model: nn.Module,
+    rt: Runtime,
+    example: torch.Tensor,
+    points: list[str] | None = None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    loss_fn: LossFn = sum_cross_entropy,
+    model_name: str = "model",
+) -> GraphPipelineEngine:
+    """This rank's stage of `model` on the mesh's pp axis and the engine that runs it: cut at
+    `points` (module names; default: balanced by forward FLOPs on `example`, a batch like the
+    ones `step` will get). `engine.stage_module` holds the stage's parameters."""
+    pp = rt.mesh["pp"].size
+    if rt.mesh["tp"].size > 1:
+        raise GradmeshError(
+            f"model {model_name}: tensor parallelism with pipeline stages cut on the graph is not "
+            "supported yet; use --tensor-parallel 1, or a sequence of layers"
+        )
+    if schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    part = example[: max(1, len(example) // microbatches)]
+    if not points:
+        points = balanced_points(model, part, pp, model_name)
+    check_points(model, points, pp, model_name)
+    return GraphPipelineEngine(
+        rt, GraphStages(model, points, model_name), example, microbatches, schedule, loss_fn
+    )
