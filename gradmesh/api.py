@@ -7,6 +7,7 @@ from gradmesh.errors import GradmeshError
 from gradmesh.horovod.api import join
 from gradmesh.horovod.gathers import allgather, broadcast
 from gradmesh.horovod.reductions import allreduce, allreduce_async
+from gradmesh.layout.graph_pipeline import pipeline_stage
 from gradmesh.layout.hybrid import parallelize
 from gradmesh.layout.vocab_parallel import vocab_parallel_cross_entropy
 from gradmesh.observe.timeline import start_timeline, stop_timeline

@@ -47,7 +47,7 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
         from gradmesh.plan.command import resolve
 
         config = resolve(config)
-    elif config.layout.split or config.layout.microbatches > 1:
+    elif config.layout.split or config.layout.microbatches > 1 or config.data.user_code:
         from gradmesh.train.setup import check_layout
 
         check_layout(config)  # builds the model: the launcher imports torch only when needed

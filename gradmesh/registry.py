@@ -3,10 +3,16 @@
 An unknown name is a `GradmeshError` that lists the valid ones, so every choice in gradmesh fails
 the same clear way. Names are matched without regard to case (`--model ResNet50` is `resnet50`):
 entries register in lower case, and `canonical` gives the registered spelling of a user's name.
+Where a registry takes the user's own code (a model, a dataset, a loss), `pkg.module:attr` is
+imported instead (`import_path`).
 """
 
+import importlib
+import operator
+import os
+import sys
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 
 from gradmesh.errors import GradmeshError
 
@@ -41,7 +47,10 @@ class Registry(Generic[T]):
         return add
 
     def get(self, name: str) -> T:
-        """The entry called `name`, or a one-line error listing the valid names."""
+        """The entry called `name`, or the object an import path `pkg.module:attr` names (the
+        user's own), or a one-line error listing the valid names."""
+        if ":" in name:
+            return cast(T, import_path(name, self.kind))
         try:
             return self._entries[self.canonical(name)]
         except KeyError:
@@ -61,3 +70,49 @@ class Registry(Generic[T]):
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names())
+
+
+def import_path(path: str, kind: str) -> Any:
+    """The object `pkg.module:attr` names (`attr` may be dotted), imported with the working
+    directory on the path (as `python -m` has it: a user's `my_model.py` beside them); or one
+    line naming what failed to import."""
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise GradmeshError(f"{kind} {path!r}: expected an import path like pkg.module:factory")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything on import
+        why = (str(exc).splitlines() or [""])[0]
+        raise GradmeshError(
+            f"{kind} {path!r}: cannot import {module_name}: {type(exc).__name__}: {why}"
+        ) from None
+    try:
+        return operator.attrgetter(attr)(module)
+    except AttributeError:
+        raise GradmeshError(f"{kind} {path!r}: module {module_name} has no {attr}") from None
+
+
+def parse_kwargs(text: str, flag: str) -> dict[str, Any]:
+    """'dim=64,depth=4,tie=false,name=x' -> {'dim': 64, 'depth': 4, 'tie': False, 'name': 'x'}:
+    ints, floats and booleans by their look, the rest as text; one line for a bad item."""
+    out: dict[str, Any] = {}
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise GradmeshError(f"{flag} {text!r}: expected key=value items, got {item!r}")
+        value: Any = raw.strip()
+        if value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        else:
+            for kind in (int, float):
+                try:
+                    value = kind(value)
+                    break
+                except ValueError:
+                    continue
+        out[key.strip()] = value
+    return out

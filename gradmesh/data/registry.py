@@ -41,9 +41,13 @@ class DataOptions:
     """Number of synthetic classes."""
     samples: int = 2048
     """Number of synthetic samples (train + test)."""
+    sequence: int = 64
+    """Tokens per sample of a token dataset."""
 
 
 DatasetFn = Callable[[DataOptions], DataSpec]
 DATASETS: Registry[DatasetFn] = Registry("dataset")
 FEATURE_ID_DATASETS: set[str] = set()
 """Datasets whose inputs are int64 feature ids (DataSpec.vocab > 0), known without loading them."""
+TOKEN_DATASETS: set[str] = {"text"}
+"""Datasets of token sequences: inputs (time,) int64 ids, labels (time,) the next token each."""

@@ -15,6 +15,7 @@ from gradmesh.layout.config import SCHEDULES
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
+    LossFn,
     PipelineEngine,
     cut_stages,
     layers_of,
@@ -46,16 +47,19 @@ class PlainEngine:
     """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward
     per micro-batch (more than one: an elastic job's gradient accumulation)."""
 
-    def __init__(self, module: nn.Module, microbatches: int = 1) -> None:
+    def __init__(
+        self, module: nn.Module, microbatches: int = 1, loss_fn: LossFn = sum_cross_entropy
+    ) -> None:
         self.module = module
         self.microbatches = microbatches
+        self.loss_fn = loss_fn
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         m = self.microbatches
         for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
             with span("forward"):
-                loss = sum_cross_entropy(self.module(xs), ys)
+                loss = self.loss_fn(self.module(xs), ys)
             with span("backward"):
                 (loss * scale).backward()  # type: ignore[no-untyped-call]
             total += loss.detach().double()
@@ -121,6 +125,7 @@ def split_model(
     stages: str,
     sample: torch.Tensor,
     plan: Plan | None = None,
+    loss_fn: LossFn = sum_cross_entropy,
 ) -> Split:
     """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut,
     or a hybrid `plan`'s placement per layer. Collective over the world when stages are
@@ -136,13 +141,13 @@ def split_model(
     if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
         info["plan"] = dict(plan.layers)
         module = apply_plan(model, plan, rt)
-        return Split(module, PlainEngine(module), info, tp.index == 0)
+        return Split(module, PlainEngine(module, 1, loss_fn), info, tp.index == 0)
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     if pp.size > 1 and not isinstance(model, nn.Sequential):  # cut on the graph
         points = [p for p in stages.split(",") if p] or None
         graph = graph_pipeline(
-            model, rt, sample, points, microbatches, schedule, model_name=model_name
+            model, rt, sample, points, microbatches, schedule, loss_fn, model_name
         )
         info["stage_points"] = graph.graph.points
         owns = tp.index == 0 and pp.index == pp.size - 1
@@ -155,7 +160,7 @@ def split_model(
     if starts is None:
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
             info["accumulation"] = microbatches
-        return Split(module, PlainEngine(module, microbatches), info, owns)
+        return Split(module, PlainEngine(module, microbatches, loss_fn), info, owns)
     shapes = sample_shapes(layers_of(module, model_name), sample[:1])
     stage = stage_module(module, starts, pp.index)
     first = starts[pp.index]
@@ -163,6 +168,6 @@ def split_model(
     info["stage_layers"] = [[s, (starts + [len(shapes) - 1])[i + 1]] for i, s in enumerate(starts)]
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     engine = PipelineEngine(
-        rt, stage, [shapes[first], shapes[last]], microbatches, schedule, dtype=dtype
+        rt, stage, [shapes[first], shapes[last]], microbatches, schedule, loss_fn, dtype
     )
     return Split(stage, engine, info, owns)

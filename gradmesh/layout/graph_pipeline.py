@@ -290,3 +290,31 @@ def graph_pipeline(
     return GraphPipelineEngine(
         rt, GraphStages(model, points, model_name), example, microbatches, schedule, loss_fn
     )
+
+
+def pipeline_stage(
+    model: nn.Module,
+    example: torch.Tensor,
+    split: list[str] | None = None,
+    microbatches: int = 1,
+    schedule: str = "1f1b",
+    loss_fn: LossFn = sum_cross_entropy,
+) -> GraphPipelineEngine:
+    """`gradmesh.pipeline_stage`: this rank's stage of `model` on the initialised runtime's pp
+    axis, cut at the module names `split` (default: balanced by forward FLOPs on `example`, a
+    batch like the ones to come). Build the optimizer over `.stage_module.parameters()` (wrap it
+    with `DistributedOptimizer(..., backward_passes_per_step=microbatches)` when there are
+    replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns the
+    loss (`loss_fn(outputs, targets)`, summed over samples, before `scale`) on the last stage."""
+    from gradmesh.runtime.world import get_runtime
+
+    return graph_pipeline(
+        model,
+        get_runtime(),
+        example,
+        split,
+        microbatches,
+        schedule,
+        loss_fn,
+        type(model).__name__,
+    )

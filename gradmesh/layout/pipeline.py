@@ -216,8 +216,13 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The training loss of every engine: cross-entropy summed over the samples."""
-    return F.cross_entropy(out, y, reduction="sum")
+    """The engines' default loss: cross-entropy summed over the samples; for sequences (logits
+    (batch, time, classes), labels (batch, time)), each sample's mean over its positions."""
+    if y.dim() == 1:
+        return F.cross_entropy(out, y, reduction="sum")
+    per_sample = y[0].numel()
+    flat = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
+    return flat / per_sample
 
 
 class PipelineEngine:

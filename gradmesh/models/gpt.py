@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradmesh.errors import GradmeshError
+from gradmesh.models.registry import MODELS
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.depth))
         self.norm = nn.LayerNorm(c.dim)
         self.head = nn.Linear(c.dim, c.vocab, bias=False)
+        for table in (self.tok, self.pos):  # GPT-2's scale: unit-variance rows, tied to the
+            nn.init.normal_(table.weight, std=0.02)  # head, would start with huge logits
         if c.tie:
             self.head.weight = self.tok.weight
 
@@ -135,3 +138,12 @@ def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"
     )
+
+
+@MODELS.register("gpt")
+def gpt(input_shape: tuple[int, ...], num_classes: int, **args: int | bool) -> GPT:
+    """A GPT over a token dataset: its vocabulary and sequence length from the data, the rest
+    from `--model-args` (dim, depth, heads, kv_heads, mlp_ratio, tie)."""
+    if len(input_shape) != 1:
+        raise GradmeshError(f"model gpt needs token sequences, got inputs of shape {input_shape}")
+    return GPT(GPTConfig(vocab=num_classes, seq=input_shape[0], **args))  # type: ignore[arg-type]

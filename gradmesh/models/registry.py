@@ -4,23 +4,37 @@ and `build_model`, which picks the call from the dataset and says which pairs do
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
-from gradmesh.data.registry import FEATURE_ID_DATASETS, DataSpec
+from gradmesh.data.registry import FEATURE_ID_DATASETS, TOKEN_DATASETS, DataSpec
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 
-__all__ = ["FEATURE_ID_MODELS", "MODELS", "TP_PLANS", "ModelFn", "build_model", "check_pairing"]
+__all__ = [
+    "FEATURE_ID_MODELS",
+    "MODELS",
+    "TOKEN_MODELS",
+    "TP_PLANS",
+    "ModelFn",
+    "build_model",
+    "check_pairing",
+]
 
 ModelFn = Callable[..., nn.Module]
 MODELS: Registry[ModelFn] = Registry("model")
 TP_PLANS: Registry[dict[str, str]] = Registry("tensor-parallel plan")
 FEATURE_ID_MODELS = {"bag"}
+TOKEN_MODELS = {"gpt"}
+"""Models of token sequences: (batch, time) ids in, (batch, time, vocab) logits out."""
 
 
 def check_pairing(model: str, dataset: str) -> None:
-    """A one-line error unless `model` takes the kind of input `dataset` gives."""
+    """A one-line error unless `model` takes the kind of input `dataset` gives (a user's model
+    or dataset, an import path, is taken at its word)."""
+    if ":" in model or ":" in dataset:
+        return
     wants_ids = model in FEATURE_ID_MODELS
     if wants_ids and dataset not in FEATURE_ID_DATASETS:
         raise GradmeshError(
@@ -32,11 +46,29 @@ def check_pairing(model: str, dataset: str) -> None:
             f"model {model} needs real-valued inputs; dataset {dataset} gives feature ids "
             f"(use model {', '.join(sorted(FEATURE_ID_MODELS))})"
         )
+    if (model in TOKEN_MODELS) != (dataset in TOKEN_DATASETS):
+        raise GradmeshError(
+            f"model {model} and dataset {dataset} do not fit: token models "
+            f"({', '.join(sorted(TOKEN_MODELS))}) train on token datasets "
+            f"({', '.join(sorted(TOKEN_DATASETS))}), and only they do"
+        )
 
 
-def build_model(name: str, spec: DataSpec) -> nn.Module:
-    """Model `name` shaped for dataset `spec` (check the pair first with `check_pairing`)."""
+def build_model(name: str, spec: DataSpec, args: dict[str, Any] | None = None) -> nn.Module:
+    """Model `name` shaped for dataset `spec` (check the pair first with `check_pairing`),
+    with the builder's keyword arguments `args`. A user's factory (`pkg.module:factory`) is
+    called with `args` alone and must return an `nn.Module`."""
     builder = MODELS.get(name)
-    if name in FEATURE_ID_MODELS:
-        return builder(spec.input_shape, spec.num_classes, vocab=spec.vocab)
-    return builder(spec.input_shape, spec.num_classes)
+    args = args or {}
+    try:
+        if ":" in name:
+            model = builder(**args)
+        elif name in FEATURE_ID_MODELS:
+            model = builder(spec.input_shape, spec.num_classes, vocab=spec.vocab, **args)
+        else:
+            model = builder(spec.input_shape, spec.num_classes, **args)
+    except TypeError as exc:
+        raise GradmeshError(f"model {name}: {exc}") from None
+    if not isinstance(model, nn.Module):
+        raise GradmeshError(f"model {name} returned a {type(model).__name__}, not an nn.Module")
+    return model

@@ -207,8 +207,7 @@ def resolve(config: Any) -> Any:
     import json
 
     from gradmesh.layout.hybrid import check, load_plan
-    from gradmesh.models.registry import build_model
-    from gradmesh.train.setup import load_data
+    from gradmesh.train.setup import load_data, model_of
 
     if config.layout.plan == "auto":
         from gradmesh.collectives.cost import DEFAULT_PARAMS
@@ -235,7 +234,7 @@ def resolve(config: Any) -> Any:
             f"--tensor-parallel {config.layout.tensor_parallel} contradicts the plan's "
             f"tensor_parallel {plan.tensor_parallel}"
         )
-    check(plan, build_model(config.data.model, load_data(config)), config.job.workers)
+    check(plan, model_of(config, load_data(config)), config.job.workers)
     inline = json.dumps(
         {"model": plan.model, "tensor_parallel": plan.tensor_parallel, "layers": plan.layers}
     )

@@ -75,8 +75,28 @@ class JobConfig:
 class DataConfig:
     """Model and data: what is trained, on what."""
 
-    model: str = option("cnn", "model (a registered model)", name=True)
-    dataset: str = option("digits", "dataset to train on (a registered dataset)", name=True)
+    model: str = option(
+        "cnn", "model: a registered one, or your factory as pkg.module:factory", name=True
+    )
+    model_args: str = option("", "keyword arguments of the model's builder, like dim=64,depth=4")
+    dataset: str = option(
+        "digits",
+        "dataset: a registered one, or your factory as pkg.module:factory (returning a DataSpec "
+        "or x_train, y_train, x_test, y_test)",
+        name=True,
+    )
+    loss: str = option(
+        "",
+        "your loss as pkg.module:fn, fn(outputs, targets) -> mean over the batch (default: "
+        "cross-entropy, averaged over positions for sequences)",
+    )
+    sequence_length: int = option(64, "tokens per sample of a token dataset (text)")
+
+    @property
+    def user_code(self) -> bool:
+        """Whether the job runs the user's code or arguments (a factory, a loss, model
+        arguments): built and tried once before launch, so a mistake is one line."""
+        return bool(self.loss or self.model_args or ":" in self.model or ":" in self.dataset)
     batch_size: int = option(64, "global batch size, split across the data-parallel replicas")
     synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
     synthetic_classes: int = option(10, "number of classes of the synthetic dataset")

@@ -3,13 +3,14 @@ after each epoch off the training path (`Evaluator`, for TensorBoard)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from gradmesh.collectives import allreduce
 from gradmesh.data import Split
 from gradmesh.data.registry import DataSpec
 from gradmesh.layout.engine import Split as ModelSplit
-from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
 from gradmesh.runtime.world import Runtime
 
@@ -23,8 +24,8 @@ def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float:
     split.module.train()
     counts = torch.zeros(2, dtype=torch.float64)
     if split.owns_output and logits is not None:
-        correct = (logits.argmax(dim=1).cpu() == data.y[mine]).sum()
-        counts += torch.tensor([float(correct), float(len(mine))], dtype=torch.float64)
+        correct = (logits.argmax(dim=-1).cpu() == data.y[mine]).sum()  # every position
+        counts += torch.tensor([float(correct), float(data.y[mine].numel())], dtype=torch.float64)
     allreduce(counts, kind="metrics")
     return float(counts[0] / counts[1])
 
@@ -36,8 +37,10 @@ class Evaluator:
     time, and on a thread of its own (niced or not) 14-19 %, its CPU taken from the ranks'
     (gradmesh bench observe, 2 cores): so the per-epoch curve appears at the end of the run."""
 
-    def __init__(self, model: str, data: DataSpec, metrics: Metrics) -> None:
-        self.model, self.data, self.metrics = model, data, metrics
+    def __init__(
+        self, build: Callable[[], torch.nn.Module], data: DataSpec, metrics: Metrics
+    ) -> None:
+        self.build, self.data, self.metrics = build, data, metrics
         self.kept: list[tuple[int, dict[str, torch.Tensor]]] = []
 
     def after(self, step: int, module: torch.nn.Module) -> None:
@@ -47,7 +50,7 @@ class Evaluator:
 
     def close(self) -> None:
         """Score every copy and write its accuracy at its step."""
-        model = build_model(self.model, self.data).eval()
+        model = self.build().eval()
         test = self.data.test
         for step, state in self.kept:
             model.load_state_dict(state)
@@ -55,6 +58,6 @@ class Evaluator:
             with torch.no_grad():
                 for i in range(0, len(test), 512):
                     logits = model(test.x[i : i + 512])
-                    correct += int((logits.argmax(dim=1) == test.y[i : i + 512]).sum())
-            self.metrics.scalars(step, {"accuracy/test": correct / max(len(test), 1)})
+                    correct += int((logits.argmax(dim=-1) == test.y[i : i + 512]).sum())
+            self.metrics.scalars(step, {"accuracy/test": correct / max(test.y.numel(), 1)})
         self.kept.clear()

@@ -20,7 +20,7 @@ from gradmesh.train.config import TrainConfig
 from gradmesh.train.evaluation import Evaluator, evaluate
 from gradmesh.train.faults import Fault, injected_fault
 from gradmesh.train.report import KINDS
-from gradmesh.train.setup import Job
+from gradmesh.train.setup import Job, model_of
 
 
 @dataclass
@@ -254,7 +254,8 @@ def _epoch_accuracy(job: Job, step: int) -> None:
             job.metrics.scalars(step, {"accuracy/test": accuracy})
     elif job.metrics is not None:
         if job.evaluator is None:
-            job.evaluator = Evaluator(job.config.data.model, job.data, job.metrics)
+            config, data = job.config, job.data
+            job.evaluator = Evaluator(lambda: model_of(config, data), data, job.metrics)
         job.evaluator.after(step, job.split.module)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline import bubble
 from gradmesh.runtime.world import Runtime
@@ -125,6 +127,9 @@ class RunReport:
     """The machine's idle CPU share while the reporting rank trained (every process on this
     machine counts: on an emulated cluster, every host's); under 10 % the cores, not the links,
     were the limit."""
+    tokens_per_sample: int = 0
+    """A language model's tokens per sample (its sequence length; 0 for other models): the
+    loss is per token, so the summary adds perplexity and tokens/s."""
     emulated_compute_ms: float = 0.0
     """EMULATED compute (`--emulate-compute-ms`): the sleep each step's forward and backward
     took on top of the real arithmetic; 0 for a run that only computed."""
@@ -180,6 +185,9 @@ class RunReport:
             steps=steps,
             emulated_compute_ms=config.job.emulate_compute_ms,
             cpu_idle=cpu_idle,
+            tokens_per_sample=(
+                config.data.sequence_length if config.data.dataset in TOKEN_DATASETS else 0
+            ),
         )
 
     @classmethod
@@ -217,6 +225,7 @@ class RunReport:
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
+                *self._language_line(),
                 *(
                     [f"  EMULATED compute: {self.emulated_compute_ms:g} ms of sleep per step"]
                     if self.emulated_compute_ms
@@ -227,6 +236,15 @@ class RunReport:
                 *self._straggler_line(),
             ]
         )
+
+    def _language_line(self) -> list[str]:
+        if not self.tokens_per_sample or self.final_loss is None:
+            return []
+        return [
+            f"  language model: training perplexity {math.exp(self.final_loss):.2f} (per "
+            f"token), {self.samples_per_s * self.tokens_per_sample:.0f} tokens/s; the test "
+            "accuracy counts every position's next token"
+        ]
 
     def _straggler_line(self) -> list[str]:
         s = self.slowest

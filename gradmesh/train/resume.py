@@ -8,11 +8,10 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError, first_line
-from gradmesh.models.registry import build_model
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.optimizers import build_optimizer
-from gradmesh.train.setup import Job, elastic_world, load_data
+from gradmesh.train.setup import Job, elastic_world, load_data, model_of
 
 
 def _load_optimizer(optimizer: Optimizer, saved: dict[str, object], path: object) -> None:
@@ -31,7 +30,7 @@ def check_resume(config: TrainConfig) -> None:
     if not config.checkpoint.dir:
         return
     whole = config.layout.tensor_parallel * config.layout.pipeline_parallel == 1
-    model = build_model(config.data.model, load_data(config))
+    model = model_of(config, load_data(config))
     optimizer = build_optimizer(config.optimizer, model.parameters(), config.optimizer.lr)
 
     servers = (

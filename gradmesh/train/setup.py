@@ -6,20 +6,25 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder
+from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
+from gradmesh.errors import GradmeshError
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
+from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
 from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
 from gradmesh.observe.timeline import start_timeline
 from gradmesh.options import with_value
+from gradmesh.registry import import_path, parse_kwargs
 from gradmesh.runtime.process import MAX_WORLD_ENV, restarts
 from gradmesh.runtime.world import Runtime
 from gradmesh.sync.strategies import STRATEGIES, Strategy
@@ -37,8 +42,60 @@ def load_data(config: TrainConfig) -> DataSpec:
         shape=parse_shape(config.data.synthetic_shape),
         classes=config.data.synthetic_classes,
         samples=config.data.synthetic_samples,
+        sequence=config.data.sequence_length,
     )
-    return DATASETS.get(config.data.dataset)(options)
+    name = config.data.dataset
+    if ":" in name:  # the user's factory
+        factory = cast(Callable[[], object], DATASETS.get(name))  # takes no options
+        return user_data(name, factory())
+    return DATASETS.get(name)(options)
+
+
+def user_data(name: str, made: object) -> DataSpec:
+    """What a user's dataset factory returned, as a `DataSpec`: one itself, or the four tensors
+    x_train, y_train, x_test, y_test (classes: the labels' largest value + 1)."""
+    if isinstance(made, DataSpec):
+        return made
+    if (
+        isinstance(made, tuple | list)
+        and len(made) == 4
+        and all(isinstance(t, torch.Tensor) for t in made)
+    ):
+        xt, yt, xs, ys = made
+        if len(xt) != len(yt) or len(xs) != len(ys):
+            raise GradmeshError(f"dataset {name}: inputs and labels differ in length")
+        classes = int(max(int(yt.max()), int(ys.max()))) + 1
+        return DataSpec(Split(xt, yt), Split(xs, ys), tuple(xt.shape[1:]), classes)
+    raise GradmeshError(
+        f"dataset {name} returned a {type(made).__name__}; expected a gradmesh DataSpec or "
+        "(x_train, y_train, x_test, y_test) tensors"
+    )
+
+
+def model_of(config: TrainConfig, data: DataSpec) -> torch.nn.Module:
+    """The whole model the job trains (the same on every rank under the job's seed)."""
+    return build_model(
+        config.data.model, data, parse_kwargs(config.data.model_args, "--model-args")
+    )
+
+
+def loss_of(config: TrainConfig) -> LossFn:
+    """The engines' loss, summed over the samples of a micro-batch: the default cross-entropy,
+    or the user's `fn(outputs, targets)` (a mean over the batch) times the samples."""
+    if not config.data.loss:
+        return sum_cross_entropy
+    fn = import_path(config.data.loss, "loss")
+
+    def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        value = fn(out, y)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise GradmeshError(
+                f"loss {config.data.loss} returned {shape}, not a scalar (the batch's mean)"
+            )
+        return value * len(y)
+
+    return summed
 
 
 def elastic_world() -> int | None:
@@ -58,8 +115,13 @@ def check_layout(config: TrainConfig) -> None:
     """Before launch: the layout can split this model (its plan, its layers), or one line."""
     from gradmesh.layout.engine import check_layout as check
 
+    data = load_data(config)
+    model = model_of(config, data)
+    if config.data.loss:  # the user's loss must give a scalar: tried on two samples
+        with torch.no_grad():
+            loss_of(config)(model(data.train.x[:2]), data.train.y[:2])
     check(
-        build_model(config.data.model, load_data(config)),
+        model,
         config.data.model,
         config.layout.tensor_parallel,
         config.layout.pipeline_parallel,
@@ -130,7 +192,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     if config.output.timeline:
         _start_timeline(config, rt)
     data = load_data(config)
-    whole = build_model(config.data.model, data).to(rt.device)  # the same on every rank (the seed)
+    whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
         emulate_compute(whole, data.train.x[:1], config.job.emulate_compute_ms)
     split = split_model(
@@ -142,6 +204,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.layout.stages,
         data.train.x[:1].to(rt.device),
         load_plan(config.layout.plan) if config.layout.plan else None,
+        loss_of(config),
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,

@@ -81,12 +81,12 @@ def test_default_train_reaches_accuracy_and_is_reproducible(tmp_path: Path) -> N
         ),
         (
             ["train", "--model", "vgg"],
-            "unknown model 'vgg' (valid: alexnet, alexnet-imagenet, bag, cnn, inception3, linear, "
-            "mlp, resnet50, vgg16)",
+            "unknown model 'vgg' (valid: alexnet, alexnet-imagenet, bag, cnn, gpt, inception3, "
+            "linear, mlp, residual, resnet50, vgg16)",
         ),
         (
             ["train", "--dataset", "mnist"],
-            "unknown dataset 'mnist' (valid: digits, docstrings, synthetic)",
+            "unknown dataset 'mnist' (valid: digits, docstrings, synthetic, text)",
         ),
         (
             ["train", "--compression", "zip"],

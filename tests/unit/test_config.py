@@ -34,12 +34,12 @@ def test_registry_lists_valid_names_on_unknown() -> None:
         ),
         (
             {"model": "resnet"},
-            "unknown model 'resnet' (valid: alexnet, alexnet-imagenet, bag, cnn, inception3, "
+            "unknown model 'resnet' (valid: alexnet, alexnet-imagenet, bag, cnn, gpt, inception3, "
             "linear, mlp, residual, resnet50, vgg16)",
         ),
         (
             {"dataset": "imagenet"},
-            "unknown dataset 'imagenet' (valid: digits, docstrings, synthetic)",
+            "unknown dataset 'imagenet' (valid: digits, docstrings, synthetic, text)",
         ),
         ({"allreduce": "magic"}, "unknown allreduce algorithm 'magic'"),
         ({"workers": 0}, "--workers must be >= 1, got 0"),
