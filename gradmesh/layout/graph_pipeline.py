@@ -124,6 +124,7 @@ class GraphStages:
             **dict(model.named_buffers(remove_duplicate=False)),
         }
         self.traces: dict[tuple[int, ...], list[nn.Module]] = {}
+        self._holders: dict[str, set[int]] | None = None
 
     def stages(self, sample: torch.Tensor) -> list[nn.Module]:
         """The stage modules for inputs shaped like `sample` (traced on first use)."""
@@ -172,7 +173,10 @@ class GraphStages:
         return shapes
 
     def holders(self) -> dict[str, set[int]]:
-        """Each parameter (by one of its names) and the stages that hold it."""
+        """Each parameter (by one of its names) and the stages that hold it (every trace cuts
+        alike: read off the first, once)."""
+        if self._holders is not None:
+            return self._holders
         any_trace = next(iter(self.traces.values()))
         held: dict[int, set[int]] = {}
         names: dict[int, str] = {}
@@ -180,7 +184,8 @@ class GraphStages:
             for name, p in stage.named_parameters():
                 held.setdefault(id(p), set()).add(i)
                 names.setdefault(id(p), name)
-        return {names[k]: v for k, v in held.items()}
+        self._holders = {names[k]: v for k, v in held.items()}
+        return self._holders
 
     def tied(self) -> list[str]:
         """Names of the parameters that several stages hold (tied weights), sorted: the same

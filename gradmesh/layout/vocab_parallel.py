@@ -62,7 +62,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         axis = get_runtime().mesh["tp"]
         vocab = logits.shape[-1]
         start = axis.index * vocab
-        flat = logits.reshape(-1, vocab).float()
+        flat = logits.reshape(-1, vocab)
+        if flat.dtype in (torch.float16, torch.bfloat16):  # the softmax sums in float32
+            flat = flat.float()
         target = target.reshape(-1)
         top = _tp_collective(flat.max(-1).values.detach().clone(), "loss maximum", "max")
         shifted = flat - top.unsqueeze(-1)

@@ -1,9 +1,12 @@
 """Tensor and pipeline parallelism on models that are not a sequence of layers: a GPT with a
 fused q/k/v projection and an output head tied to its embedding (also with grouped-query
 attention and a vocabulary-parallel loss), and a residual CNN. Each is trained 20 AdamW steps
-on real gloo ranks and compared with one process, parameter by parameter: tensor parallelism
-(`gradmesh.parallelize`) to 1e-5 of the tensor's largest value in float32, pipelines cut on
-the graph (`graph_pipeline`) to 1e-9 in float64."""
+on real gloo ranks through `gradmesh.parallelize` and `graph_pipeline` and compared with one
+process, parameter by parameter, to 1e-9 of the tensor's largest value.
+
+In float64: in float32 the layouts agree to 2e-6-4e-5 (the figure moves with the model's
+initialisation), because AdamW turns rounding into a visible step wherever a gradient cancels
+to about its eps; float64 shows that the layouts' arithmetic is the one process's."""
 
 from __future__ import annotations
 
@@ -46,7 +49,7 @@ def train(kind: str, args: dict[str, int], vocab_loss: bool) -> Any:
     """20 AdamW steps on this rank's part; returns (tp index, dp index, parameters, specs)."""
     rt = gradmesh.get_runtime()
     coords = rt.mesh.shape.coords(rt.rank)
-    model = _model(kind, args)
+    model = _model(kind, args).double()
     plan = dict(model.tp_plan)
     if vocab_loss:
         plan["head"] = "colwise"  # logits stay split by vocabulary
@@ -56,6 +59,7 @@ def train(kind: str, args: dict[str, int], vocab_loss: bool) -> Any:
     if dp > 1:
         opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     xs, ys = _batches(kind)
+    xs = xs.double() if xs.is_floating_point() else xs
     for step in range(STEPS):
         x, y = xs[step].chunk(dp)[coords["dp"]], ys[step].chunk(dp)[coords["dp"]]
         out = model(x)
@@ -103,11 +107,11 @@ def test_tensor_parallel_by_name_equals_one_process(
         got = unshard(pieces, *specs[name]) if name in specs else pieces[0]
         assert got.shape == whole.shape, name
         error = float((got - whole).abs().max() / whole.abs().max())
-        assert error <= 1e-5, f"{name}: {error:.2e} of its largest value"
+        assert error <= 1e-9, f"{name}: {error:.2e} of its largest value"
     for other in results:  # every data-parallel replica ends the same
         same = next(r for r in replica if r[0] == other[0])
         for name, tensor in other[2].items():
-            torch.testing.assert_close(tensor, same[2][name], rtol=0, atol=1e-6)
+            torch.testing.assert_close(tensor, same[2][name], rtol=0, atol=1e-12)
 
 
 def loss_of(kind: str) -> Any:
