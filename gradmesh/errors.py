@@ -8,6 +8,11 @@ class GradmeshError(RuntimeError):
     """A user-facing error (bad input, unreachable peer, failed rank) whose message is one line."""
 
 
+class GradmeshValueError(GradmeshError, ValueError):
+    """A user-facing error about a bad argument where Horovod raises `ValueError` (a repeated
+    operation name, bad `named_parameters`): scripts that catch `ValueError` catch it too."""
+
+
 class PeerFailure(GradmeshError):
     """A collective could not complete because of other ranks: one left, fell silent past the
     timeout, or brought a different tensor. The message names this rank, the operation with its

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.horovod.compression import Compression
 from gradmesh.horovod.process_sets import _group, global_process_set
 from gradmesh.runtime.world import rank, size
@@ -40,7 +40,7 @@ _in_flight: set[str] = set()
 
 def _named(name: str | None, start: Callable[[], Future[Any]]) -> Future[Any]:
     if name is not None and name in _in_flight:
-        raise GradmeshError(
+        raise GradmeshValueError(
             f"rank {rank()}: an operation named {name!r} is still in flight; synchronize it "
             "before starting another of that name"
         )
@@ -327,8 +327,9 @@ def reducescatter_async(
 
 
 class _Reducescatter(torch.autograd.Function):
-    """The gradient of a reduce-scatter: every rank's block gathered (divided by the set's size
-    for Average), times the scale factors."""
+    """The gradient of a reduce-scatter as Horovod defines it: every rank's block gathered,
+    times the set's size for Sum (as the gradient of Horovod's allreduce is the allreduced
+    gradient) and as it is for Average, times the scale factors."""
 
     @staticmethod
     def forward(ctx: Any, tensor: torch.Tensor, *args: Any) -> torch.Tensor:
@@ -340,7 +341,7 @@ class _Reducescatter(torch.autograd.Function):
         _, op, process_set, pre, post, _ = ctx.args
         group = _group(process_set, "allgather")
         gathered = synchronize(_api.allgather_async(grad, group))
-        scale = pre * post / (_members(process_set) if _op(None, op) == Average else 1)
+        scale = pre * post * (_members(process_set) if _op(None, op) == Sum else 1)
         return (gathered * scale, *[None] * len(ctx.args))
 
 

@@ -91,16 +91,16 @@ class DataConfig:
         "cross-entropy, averaged over positions for sequences)",
     )
     sequence_length: int = option(64, "tokens per sample of a token dataset (text)")
+    batch_size: int = option(64, "global batch size, split across the data-parallel replicas")
+    synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
+    synthetic_classes: int = option(10, "number of classes of the synthetic dataset")
+    synthetic_samples: int = option(2048, "number of samples of the synthetic dataset")
 
     @property
     def user_code(self) -> bool:
         """Whether the job runs the user's code or arguments (a factory, a loss, model
         arguments): built and tried once before launch, so a mistake is one line."""
         return bool(self.loss or self.model_args or ":" in self.model or ":" in self.dataset)
-    batch_size: int = option(64, "global batch size, split across the data-parallel replicas")
-    synthetic_shape: str = option("1x8x8", "input shape of the synthetic dataset, like 3x32x32")
-    synthetic_classes: int = option(10, "number of classes of the synthetic dataset")
-    synthetic_samples: int = option(2048, "number of samples of the synthetic dataset")
 
 
 @dataclass

@@ -148,3 +148,78 @@ def test_bad_alltoall_input_is_one_error_on_every_rank(world: int, case: str, me
         assert message in error and f"rank {r}:" in error and "\n" not in error, error
     if case == "splits":
         assert f"splits [{world}, 1" in errors[1]  # the rank at fault says what was wrong
+
+
+DTYPES = [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16]
+DTYPES += [torch.bfloat16, torch.float32, torch.float64, torch.bool]
+
+
+def alltoall_dtypes() -> dict[str, Any]:
+    me, world = hvd.rank(), hvd.size()
+    out: dict[str, Any] = {}
+    for dtype in DTYPES:
+        # rank r holds rows (2j + 10r, 2j + 1 + 10r) and sends r + 1 of them to each rank;
+        # without splits, its first `world` rows, one to each rank
+        x = (torch.arange(world * (me + 1) * 2).reshape(-1, 2) + 10 * me).to(dtype)
+        got, received = hvd.alltoall(x, splits=[me + 1] * world)
+        even = hvd.alltoall(x[:world])  # without splits: the rows alone, as in Horovod
+        out[str(dtype)] = (got.dtype == dtype, got.tolist(), received.tolist(), even.tolist())
+    return out
+
+
+def _row(j: int, r: int, dtype: torch.dtype) -> list[Any]:
+    values = [2 * j + 10 * r, 2 * j + 1 + 10 * r]
+    return [bool(v) for v in values] if dtype == torch.bool else values
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_alltoall_carries_every_dtype_with_and_without_splits(world: int) -> None:
+    for me, got in enumerate(run_ranks(alltoall_dtypes, world)):
+        for dtype in DTYPES:
+            same, rows, received, even = got[str(dtype)]
+            assert same, dtype
+            assert received == [r + 1 for r in range(world)], dtype
+            want = [
+                _row(j, r, dtype)
+                for r in range(world)
+                for j in range(me * (r + 1), (me + 1) * (r + 1))
+            ]
+            assert rows == want, dtype
+            assert even == [_row(me, r, dtype) for r in range(world)], dtype
+
+
+def scaled_integers() -> dict[str, Any]:
+    x = torch.tensor([3, -3, 7], dtype=torch.int32) * (hvd.rank() + 1)
+    return {
+        "pre": hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5).tolist(),
+        "post": hvd.allreduce(x, op=hvd.Sum, postscale_factor=0.5).tolist(),
+        "dtype": str(hvd.allreduce(x, op=hvd.Sum, prescale_factor=0.5).dtype),
+    }
+
+
+def test_scale_factors_on_integer_tensors_truncate_as_horovod_does() -> None:
+    for got in run_ranks(scaled_integers, 2):
+        # each rank's (3, -3, 7) x (1, 2) halved and truncated toward zero, then summed
+        assert got["pre"] == [1 + 3, -1 - 3, 3 + 7]
+        assert got["post"] == [4, -4, 10]  # (9, -9, 21) halved, truncated
+        assert got["dtype"] == "torch.int32"
+
+
+def unstepped_state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    model[1].weight.requires_grad_(False)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    return {
+        "grads": [p.grad is not None and not p.grad.any() for p in model.parameters()],
+        "state": [len(optimizer.state[p]) for p in model.parameters()],
+    }
+
+
+def test_broadcast_optimizer_state_initialises_an_unstepped_optimizer_as_horovod() -> None:
+    for got in run_ranks(unstepped_state, 2):
+        # zero gradients for what requires one (layer 1's weight is frozen: None), Adam's
+        # step, exp_avg and exp_avg_sq for each of those
+        assert got["grads"] == [True, True, False, True]
+        assert got["state"] == [3, 3, 0, 3]

@@ -69,13 +69,21 @@ def _reduce_copy(
     postscale: float,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    copy = tensor.detach().clone()
-    if prescale != 1.0:
-        copy.mul_(prescale)
+    copy = _scaled(tensor.detach().clone(), prescale)
     on, _, size = members(group)
     if size > 1:
         copy = compressed_allreduce(copy, resolve(compression), op, algorithm, on, name)
-    return copy.mul_(postscale) if postscale != 1.0 else copy
+    return _scaled(copy, postscale)
+
+
+def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
+    """`tensor` times `factor` in place, as Horovod scales: an integer tensor is multiplied in
+    double precision and cast back (truncated toward zero), keeping its dtype."""
+    if factor == 1.0:
+        return tensor
+    if tensor.is_floating_point() or tensor.is_complex():
+        return tensor.mul_(factor)
+    return tensor.copy_((tensor.double() * factor).to(tensor.dtype))
 
 
 def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
@@ -208,18 +216,27 @@ def _alltoall(
             f"(rank {me}: {tuple(tensor.shape[1:])})"
         )
     received = [int(table[r, 2 + MAX_DIMS + me]) for r in range(world)]
-    out = tensor.new_empty((sum(received), *tensor.shape[1:]))
+    # Gloo's all-to-all knows no int8 or int16 ("Invalid scalar type"): they travel widened
+    carrier = CARRIERS.get(tensor.dtype, tensor.dtype)
+    out = torch.empty((sum(received), *tensor.shape[1:]), dtype=carrier, device=tensor.device)
     if world > 1:
         dist.all_to_all_single(
             out,
-            tensor.detach().contiguous(),
+            tensor.detach().to(carrier).contiguous(),
             output_split_sizes=received,
             input_split_sizes=sends,
             group=group,
         )
     else:
         out.copy_(tensor.detach())
-    return out, torch.tensor(received, dtype=torch.int32)
+    return out.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
+
+
+CARRIERS = {
+    torch.int8: torch.int32,
+    torch.int16: torch.int32,
+}
+"""The dtype a tensor travels in through all-to-all where the backend lacks its own."""
 
 
 def alltoall_async(
@@ -282,7 +299,11 @@ def broadcast_async(
 
 def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:
     """Give every rank the root's optimizer state (hyper-parameters, step counts, buffers such as
-    momentum), creating state entries a rank does not have yet."""
+    momentum), creating state entries a rank does not have yet. An optimizer that has not
+    stepped is first given its state as Horovod gives it: a step on zero gradients, after which
+    every parameter that requires a gradient has one (zeros) and the others keep None."""
+    if not optimizer.state_dict()["state"]:
+        _initialise_state(optimizer)
     rt = get_runtime()
     if rt.size == 1:
         return
@@ -318,3 +339,18 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:
             rebuilt[key] = tensor
         new_state[int(index)] = rebuilt
     optimizer.load_state_dict({"state": new_state, "param_groups": manifest["param_groups"]})
+
+
+def _initialise_state(optimizer: Optimizer) -> None:
+    """Horovod's way to create an unstepped optimizer's state: zero gradients and one step of
+    the optimizer's own class (not a gradmesh wrapper's, which would synchronize)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    own = next(
+        k
+        for k in type(optimizer).__mro__
+        if issubclass(k, Optimizer) and not k.__module__.startswith("gradmesh.")
+    )
+    own.step(optimizer)

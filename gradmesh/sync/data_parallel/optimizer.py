@@ -30,7 +30,7 @@ from gradmesh.compression.base import (
     NoCompression,
 )
 from gradmesh.compression.registry import resolve
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.mesh import BATCH_SHARDED, LAYOUT_SYNCED
 from gradmesh.runtime.world import get_runtime
@@ -81,10 +81,10 @@ class _DistributedMixin:
         gm = self._gm
         try:
             if gm.synced and not gm.skip_sync:
-                warnings.warn(
-                    "step() after synchronize() outside skip_synchronize(): the gradients "
-                    "synchronize() reduced are used; wrap step() in "
-                    "optimizer.skip_synchronize() to say so",
+                warnings.warn(  # Horovod's words, which scripts' tests look for
+                    "optimizer.step() called without optimizer.skip_synchronize() context "
+                    "after optimizer.synchronize(): the gradients synchronize() reduced are "
+                    "used; wrap step() in optimizer.skip_synchronize() to say so",
                     stacklevel=2,
                 )
             if not gm.skip_sync or not gm.synced:
@@ -206,11 +206,11 @@ def _check_named(
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         again = sorted({n for n in names if names.count(n) > 1})
-        raise GradmeshError(f"named_parameters repeats the name(s) {', '.join(again)}")
+        raise GradmeshValueError(f"named_parameters repeats the name(s) {', '.join(again)}")
     given = {id(p) for _, p in named}
     missing = sum(1 for p in params if id(p) not in given)
     if missing:
-        raise GradmeshError(
+        raise GradmeshValueError(
             f"named_parameters does not name {missing} of the optimizer's {len(params)} "
             "parameters; give every parameter the optimizer updates a name"
         )
