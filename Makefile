@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 PIP := $(BIN)/pip install --quiet -c constraints.txt
-EXTRAS := test,plot,tensorboard,ray,spark
+EXTRAS := test,plot,tensorboard,ray,spark,hf
 
 .PHONY: install run test lint clean
 

@@ -31,6 +31,9 @@ class Registry(Generic[T]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
+        self.schemes: dict[str, Callable[[str], T]] = {}
+        """Entries named `scheme:rest` made by a function of `rest` (the models' `hf:llama`),
+        where a name with a colon is otherwise an import path."""
 
     def register(self, name: str) -> Callable[[T], T]:
         """Decorator: `@REGISTRY.register("name")` adds the decorated object under `name`."""
@@ -49,6 +52,9 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         """The entry called `name`, or the object an import path `pkg.module:attr` names (the
         user's own), or a one-line error listing the valid names."""
+        scheme = name.partition(":")[0]
+        if ":" in name and scheme in self.schemes:
+            return self.schemes[scheme](name.partition(":")[2])
         if ":" in name:
             return cast(T, import_path(name, self.kind))
         try:

@@ -35,7 +35,13 @@ from gradmesh.layout.tensor_parallel import ParallelLayer, chunk_sizes, shard
 from gradmesh.layout.vocab_parallel import VocabParallelEmbedding
 
 KINDS = ("colwise", "rowwise", "embedding", "heads")
-ALIASES = {"colwise_rep": "colwise(gather)", "local_colwise": "colwise", "local_rowwise": "rowwise"}
+ALIASES = {  # Hugging Face's names for the same styles
+    "colwise_rep": "colwise(gather)",
+    "colwise_gather_output": "colwise(gather)",
+    "embedding_rowwise": "embedding",
+    "local_colwise": "colwise",
+    "local_rowwise": "rowwise",
+}
 _STYLE = re.compile(r"^\s*([a-z_]+)\s*(?:\(([^)]*)\))?\s*$")
 
 

@@ -6,5 +6,5 @@ A model that can be split over tensor-parallel ranks declares its plan next to i
 (`TP_PLANS`: layer name -> colwise or rowwise, see `gradmesh.layout.tensor_parallel`); every
 `nn.Sequential` model can be cut into pipeline stages."""
 
-from gradmesh.models import gpt, imagenet, small  # noqa: F401  (they register their models)
+from gradmesh.models import gpt, hf, imagenet, small  # noqa: F401  (they register their models)
 from gradmesh.models.registry import *  # noqa: F403

@@ -33,7 +33,14 @@ TOKEN_MODELS = {"gpt"}
 def check_pairing(model: str, dataset: str) -> None:
     """A one-line error unless `model` takes the kind of input `dataset` gives (a user's model
     or dataset, an import path, is taken at its word)."""
-    if ":" in model or ":" in dataset:
+    if ":" in dataset or (":" in model and model.partition(":")[0] not in MODELS.schemes):
+        return
+    if ":" in model:  # a scheme's model (hf:llama) is a token model
+        if dataset not in TOKEN_DATASETS:
+            raise GradmeshError(
+                f"model {model} trains on token datasets ({', '.join(sorted(TOKEN_DATASETS))}), "
+                f"not {dataset}"
+            )
         return
     wants_ids = model in FEATURE_ID_MODELS
     if wants_ids and dataset not in FEATURE_ID_DATASETS:
@@ -61,7 +68,7 @@ def build_model(name: str, spec: DataSpec, args: dict[str, Any] | None = None) -
     builder = MODELS.get(name)
     args = args or {}
     try:
-        if ":" in name:
+        if ":" in name and name.partition(":")[0] not in MODELS.schemes:
             model = builder(**args)
         elif name in FEATURE_ID_MODELS:
             model = builder(spec.input_shape, spec.num_classes, vocab=spec.vocab, **args)
