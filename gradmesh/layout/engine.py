@@ -16,7 +16,6 @@ from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipel
 from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
     LossFn,
-    PipelineEngine,
     cut_stages,
     layers_of,
     parse_stages,
@@ -24,6 +23,7 @@ from gradmesh.layout.pipeline import (
     stage_module,
     sum_cross_entropy,
 )
+from gradmesh.layout.stage_engine import PipelineEngine, single_input
 from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
 from gradmesh.models.registry import TP_PLANS
 from gradmesh.observe.timeline import span
@@ -164,10 +164,9 @@ def split_model(
     shapes = sample_shapes(layers_of(module, model_name), sample[:1])
     stage = stage_module(module, starts, pp.index)
     first = starts[pp.index]
-    last = first + len(stage)
     info["stage_layers"] = [[s, (starts + [len(shapes) - 1])[i + 1]] for i, s in enumerate(starts)]
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     engine = PipelineEngine(
-        rt, stage, [shapes[first], shapes[last]], microbatches, schedule, loss_fn, dtype
+        rt, stage, single_input(shapes[first], dtype), microbatches, schedule, loss_fn
     )
     return Split(stage, engine, info, owns)

@@ -19,8 +19,9 @@ What is ours, and why:
 - An exported graph has the batch size it was traced with baked into its reshapes, and an
   epoch's micro-batches are not all the same size: a stage is traced again for each micro-batch
   size it meets (cached; every trace shares the same parameters).
-- A cut must be crossed by one tensor with the batch first (the residual stream); a cut that
-  several values cross is refused with a line naming them.
+- What crosses a cut may be several tensors (a transformer's residual stream, its rotary
+  embeddings and its attention mask), not all with the batch first: a dry run of every stage
+  per micro-batch size says what each cut carries (`GraphStages.specs`).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import SCHEDULES
-from gradmesh.layout.pipeline import LossFn, PipelineEngine, balance, sum_cross_entropy
+from gradmesh.layout.pipeline import LossFn, balance, sum_cross_entropy
+from gradmesh.layout.stage_engine import Boundary, PipelineEngine, as_values
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
 from gradmesh.runtime.world import Runtime
 
@@ -117,8 +119,14 @@ def _point_back(stage: nn.Module, originals: dict[str, torch.Tensor]) -> None:
 class GraphStages:
     """Every stage of `model` cut at `points`, traced per micro-batch size on demand."""
 
-    def __init__(self, model: nn.Module, points: list[str], model_name: str) -> None:
+    def __init__(
+        self, model: nn.Module, points: list[str], model_name: str, example: torch.Tensor
+    ) -> None:
         self.model, self.points, self.model_name = model, points, model_name
+        self.example = example
+        """A model input like the ones this pipeline runs (each size's trace runs its rows)."""
+        self._specs: dict[int, list[Boundary]] = {}
+        self._sizes: dict[tuple[int, tuple[tuple[int, ...], ...]], int] = {}
         self.originals: dict[str, torch.Tensor] = {
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False)),
@@ -157,20 +165,33 @@ class GraphStages:
             self.traces[key] = stages
         return self.traces[key]
 
-    def boundaries(self, sample: torch.Tensor) -> list[torch.Size]:
-        """The per-sample shape entering each stage, and the last stage's output's."""
-        shapes, x = [sample.shape[1:]], sample
-        with torch.no_grad():
-            for i, stage in enumerate(self.stages(sample)):
-                x = stage(x)
-                if not isinstance(x, torch.Tensor) or x.shape[:1] != sample.shape[:1]:
-                    got = type(x).__name__ if not isinstance(x, torch.Tensor) else tuple(x.shape)
-                    raise GradmeshError(
-                        f"model {self.model_name}: stage {i} ends in {got}; a cut must be crossed "
-                        "by one tensor with the batch first (move the split point)"
-                    )
-                shapes.append(x.shape[1:])
-        return shapes
+    def sample(self, n: int) -> torch.Tensor:
+        """A model input of `n` samples like the pipeline's (the example's first row)."""
+        return self.example[:1].expand(n, *self.example.shape[1:]).contiguous()
+
+    def specs(self, n: int) -> list[Boundary]:
+        """What enters each stage for a micro-batch of `n` samples: every tensor a cut carries
+        (shape, dtype, whether its gradient goes back), from a dry run of every stage with
+        autograd on (so that each flag is what the real run will have); cached per size."""
+        if n not in self._specs:
+            sample = self.sample(n)
+            values, found = [sample], []
+            with torch.enable_grad():
+                for stage in self.stages(sample):
+                    found.append([(v.shape, v.dtype, v.requires_grad) for v in values])
+                    outs = as_values(stage(*values))
+                    values = [v.detach().requires_grad_(v.requires_grad) for v in outs]
+            self._specs[n] = found
+            for i, spec in enumerate(found):
+                self._sizes[i, tuple(tuple(shape) for shape, _, _ in spec)] = n
+        return self._specs[n]
+
+    def size_of(self, stage: int, values: tuple[torch.Tensor, ...]) -> int:
+        """The micro-batch size whose inputs to `stage` are shaped as `values`."""
+        key = (stage, tuple(tuple(v.shape) for v in values))
+        if key not in self._sizes:
+            raise GradmeshError(f"pipeline stage {stage}: unexpected input shapes {key[1]}")
+        return self._sizes[key]
 
     def holders(self) -> dict[str, set[int]]:
         """Each parameter (by one of its names) and the stages that hold it (every trace cuts
@@ -218,21 +239,15 @@ class GraphStages:
 
 
 class Dispatch(nn.Module):
-    """Runs stage `index` of `stages` on its input, traced for that input's shape."""
+    """Runs stage `index` of `stages` on its inputs, traced for their micro-batch's size."""
 
-    def __init__(self, stages: GraphStages, index: int, example: torch.Tensor) -> None:
+    def __init__(self, stages: GraphStages, index: int) -> None:
         super().__init__()
         self._stages, self.index = stages, index
-        self._example = example
-        """A model input like the ones this pipeline runs (what each size's trace runs)."""
 
-    def forward(self, x: torch.Tensor) -> Any:
-        if self.index == 0:
-            sample = x
-        else:  # the model's input for this micro-batch size: the example's rows, repeated
-            rows = self._example[:1].expand(x.shape[0], *self._example.shape[1:])
-            sample = rows.contiguous()
-        return self._stages.stages(sample)[self.index](x)
+    def forward(self, *values: torch.Tensor) -> Any:
+        n = values[0].shape[0] if self.index == 0 else self._stages.size_of(self.index, values)
+        return self._stages.stages(self._stages.sample(n))[self.index](*values)
 
 
 class GraphPipelineEngine(PipelineEngine):
@@ -250,11 +265,14 @@ class GraphPipelineEngine(PipelineEngine):
     ) -> None:
         axis = rt.mesh["pp"]
         part = example[: max(1, len(example) // microbatches)]
-        shapes = stages.boundaries(part)
-        here = shapes[axis.index : axis.index + 2]
-        dtype = next((p.dtype for p in stages.model.parameters() if p.is_floating_point()), None)
+        stages.specs(len(part))  # traced now: a cut that cannot carry its values fails here
         super().__init__(
-            rt, Dispatch(stages, axis.index, example), here, microbatches, schedule, loss_fn, dtype
+            rt,
+            Dispatch(stages, axis.index),
+            lambda n: stages.specs(n)[axis.index],
+            microbatches,
+            schedule,
+            loss_fn,
         )
         self.graph = stages
         stages.tied()  # marked before the caller wraps its optimizer
@@ -293,7 +311,12 @@ def graph_pipeline(
         points = balanced_points(model, part, pp, model_name)
     check_points(model, points, pp, model_name)
     return GraphPipelineEngine(
-        rt, GraphStages(model, points, model_name), example, microbatches, schedule, loss_fn
+        rt,
+        GraphStages(model, points, model_name, example),
+        example,
+        microbatches,
+        schedule,
+        loss_fn,
     )
 
 

@@ -11,14 +11,17 @@ Each replica's batch is split into m micro-batches. GPipe runs every micro-batch
 every backward; 1F1B runs p - s - 1 forwards, then alternates one forward and one backward, then
 drains the backwards, so a stage holds at most p - s micro-batches' activations instead of m.
 Both leave each stage idle for (p - 1) / (m + p - 1) of the step when stages take equal time
-(the bubble). `PipelineEngine` measures each stage's time outside computation; `bubble` reads
-the pipeline's bubble off the stage that computes longest (the others also wait for it).
+(the bubble). The stage engine (`gradmesh.layout.stage_engine.PipelineEngine`) measures each
+stage's time outside computation; `bubble` reads the pipeline's bubble off the stage that
+computes longest (the others also wait for it).
 
 Activations and their gradients travel as raw tensors over tagged point-to-point messages
-(`Channel`, with the job's timeout): every rank knows each boundary's per-sample shape from a dry
-run of the whole model on one sample, and each micro-batch's size from the batch, so nothing is
-described on the wire. Why not `torch.distributed.pipelining`: its stages infer shapes by sending
-pickled metadata (`send_object_list`) unless every shape is given up front, its schedules want
+(`Channel`, with the job's timeout): every rank knows each boundary's shape from a dry run of
+the whole model, and each micro-batch's size from the batch, so nothing is described on the
+wire. Any other model is cut on its graph (`gradmesh.layout.graph_pipeline`), which uses
+torch's split but not its schedules. Why not `torch.distributed.pipelining`'s schedules: its
+stages infer shapes by sending pickled metadata (`send_object_list`) unless every shape is given
+up front, its schedules want
 equal micro-batches (an epoch's last batch is smaller), it is not tested on Gloo upstream, and its
 sends bypass gradmesh's timeouts that name the peer stage.
 """
@@ -32,14 +35,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from gradmesh.collectives import allreduce
-from gradmesh.collectives.channel import Channel
 from gradmesh.errors import GradmeshError
-from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
 
 
@@ -223,151 +223,3 @@ def sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     per_sample = y[0].numel()
     flat = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
     return flat / per_sample
-
-
-class PipelineEngine:
-    """One stage of a pipeline: `step` runs the schedule over a replica's batch; only the last
-    stage sees the loss and the logits."""
-
-    def __init__(
-        self,
-        rt: Runtime,
-        module: nn.Module,
-        shapes: list[torch.Size],
-        microbatches: int,
-        schedule: str,
-        loss_fn: LossFn = sum_cross_entropy,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        axis = rt.mesh["pp"]
-        self.rt, self.module, self.loss_fn = rt, module, loss_fn
-        self.stage, self.stages = axis.index, axis.size
-        self.group = axis.group
-        self.in_shape = shapes[0]
-        """The per-sample shape entering this stage (a received activation's)."""
-        self.in_dtype = dtype or torch.get_default_dtype()
-        """The dtype of a received activation (the model's)."""
-        self.m, self.schedule = microbatches, schedule
-        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
-        self.clock = BubbleClock()
-        self.steps = 0
-
-    def _channel(self, what: str) -> Channel:
-        return Channel(
-            self.rt, self.group, f"pipeline stage {self.stage} {what} (step {self.steps})"
-        )
-
-    def _irecv(
-        self,
-        ch: Channel,
-        shape: tuple[int, ...] | torch.Size,
-        peer: int,
-        tag: int,
-        dtype: torch.dtype | None = None,
-    ) -> tuple[torch.Tensor, dist.Work]:
-        """A fresh buffer of `shape` and the receive into it, posted now."""
-        buf = torch.empty(shape, dtype=dtype, device=self.rt.device)
-        return buf, ch.irecv(buf, peer, tag=tag)
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch of (x, y); the loss (summed over samples,
-        times `scale`, before scaling) on the last stage, zero elsewhere.
-
-        Receives are posted ahead of need (the next micro-batch's input while this one
-        computes; an output's gradient as soon as the output is sent): Gloo moves a message
-        only once its receive is posted, so a receive posted late puts a round trip between
-        neighbours on the pipeline's critical path at every hop."""
-        self.steps += 1
-        xs, ys = x.tensor_split(self.m), y.tensor_split(self.m)
-        sizes = [len(part) for part in ys]
-        inputs: dict[int, torch.Tensor] = {}
-        outputs: dict[int, torch.Tensor] = {}
-        posted: dict[tuple[str, int], tuple[torch.Tensor, dist.Work]] = {}
-        losses = torch.zeros((), dtype=torch.float64)
-        sends: list[tuple[dist.Work, int]] = []  # waited for at the end of the step
-        started, busy = time.perf_counter(), 0.0
-        ch = self._channel("forward/backward")
-
-        def post_input(i: int) -> None:
-            if not self.first and i < self.m and sizes[i] and ("F", i) not in posted:
-                posted["F", i] = self._irecv(
-                    ch, (sizes[i], *self.in_shape), self.stage - 1, 2 * i, self.in_dtype
-                )
-
-        def received(key: tuple[str, int], peer: int) -> torch.Tensor:
-            buf, work = posted.pop(key)
-            ch.wait(work, peer, "receive from")
-            return buf
-
-        for action, i in schedule_actions(self.schedule, self.stage, self.stages, self.m):
-            if sizes[i] == 0:
-                continue
-            if action == "F":
-                post_input(i)
-                post_input(i + 1)
-                inp = xs[i] if self.first else received(("F", i), self.stage - 1)
-                inp.requires_grad_(not self.first)
-                t0 = time.perf_counter()
-                with span("forward", microbatch=i):
-                    out = self.module(inp)
-                    if self.last:
-                        loss = self.loss_fn(out, ys[i])
-                        losses += loss.detach().double()
-                        out = loss * scale
-                busy += time.perf_counter() - t0
-                inputs[i], outputs[i] = inp, out
-                if not self.last:
-                    sends.append(
-                        (ch.isend(out.detach(), self.stage + 1, tag=2 * i), self.stage + 1)
-                    )
-                    posted["B", i] = self._irecv(
-                        ch, out.shape, self.stage + 1, 2 * i + 1, out.dtype
-                    )
-            else:
-                out = outputs.pop(i)
-                grad = None if self.last else received(("B", i), self.stage + 1)
-                t0 = time.perf_counter()
-                with span("backward", microbatch=i):
-                    out.backward(grad)  # type: ignore[no-untyped-call]
-                busy += time.perf_counter() - t0
-                inp = inputs.pop(i)
-                if not self.first:
-                    assert inp.grad is not None
-                    sends.append(
-                        (ch.isend(inp.grad, self.stage - 1, tag=2 * i + 1), self.stage - 1)
-                    )
-        for work, peer in sends:
-            ch.wait(work, peer, "send to")
-        self.clock.step_s += time.perf_counter() - started
-        self.clock.busy_s += busy
-        self.rt.comm.add(ch.sent, 0.0, "pipeline")
-        return losses
-
-    @torch.no_grad()
-    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The logits of `x` on the last stage (None on the others), forward only."""
-        ch = self._channel("evaluation")
-        out = None
-        pending = []
-        parts = [(i, part) for i, part in enumerate(x.tensor_split(self.m)) if len(part)]
-        posted = {}  # every receive up front (see `step`)
-        if not self.first:
-            for i, part in parts:
-                posted[i] = self._irecv(
-                    ch, (len(part), *self.in_shape), self.stage - 1, 2 * i, self.in_dtype
-                )
-        for i, part in parts:
-            if self.first:
-                inp = part
-            else:
-                inp, work = posted.pop(i)
-                ch.wait(work, self.stage - 1, "receive from")
-            result = self.module(inp)
-            if self.last:
-                out = result if out is None else torch.cat([out, result])
-            else:
-                pending.append(ch.isend(result, self.stage + 1, tag=2 * i))
-        for work in pending:
-            ch.wait(work, self.stage + 1, "send to")
-        self.rt.comm.add(ch.sent, 0.0, "pipeline")
-        return out

@@ -1,7 +1,9 @@
 """A tiny Llama built from `transformers`' LlamaConfig (grouped-query attention: 4 query heads,
-2 key/value heads), split by the tensor-parallel plan the model declares, trained 20 AdamW steps
-in float64 on 2 gloo ranks and compared with one process (as tests/distributed/test_any_model.py
-does for gradmesh's own GPT). Needs the `hf` extra, which `make test` installs."""
+2 key/value heads), split by the tensor-parallel plan the model declares, and cut into 2
+pipeline stages at its second decoder layer on its graph (the cut carries the residual stream,
+the rotary embeddings and the attention mask); trained 20 AdamW steps in float64 on 2 gloo
+ranks and compared with one process (as tests/distributed/test_any_model.py does for
+gradmesh's own GPT). Needs the `hf` extra, which `make test` installs."""
 
 from __future__ import annotations
 
@@ -28,23 +30,37 @@ LLAMA = {
 STEPS, VOCAB, SEQ = 20, 64, 16
 
 
+def lm_loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum") / y.shape[1]
+
+
 def train_llama() -> Any:
     from gradmesh.models.hf import build
 
     rt = gradmesh.get_runtime()
     torch.manual_seed(0)
     model = build("llama")((SEQ,), VOCAB, **LLAMA).double()
-    model = gradmesh.parallelize(model)  # the plan the model declares (tp 1: left whole)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randint(0, VOCAB, (STEPS, 8, SEQ + 1), generator=torch.Generator().manual_seed(1))
+    step_fn = None
+    if rt.mesh["pp"].size > 1:
+        stage = gradmesh.pipeline_stage(
+            model, data[0, :, :-1], ["net.model.layers.1"], 4, "1f1b", lm_loss
+        )
+        model, step_fn = stage.stage_module, stage.step
+    else:
+        model = gradmesh.parallelize(model)  # the plan the model declares (tp 1: left whole)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         x, y = data[step, :, :-1], data[step, :, 1:]
-        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         opt.zero_grad()
-        loss.backward()
+        if step_fn is not None:
+            step_fn(x, y, 1.0 / len(y))
+        else:
+            (lm_loss(model(x), y) / len(y)).backward()
         opt.step()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    return rt.mesh["tp"].index, params, shard_specs(model)
+    index = rt.mesh["pp"].index if step_fn else rt.mesh["tp"].index
+    return index, params, shard_specs(model)
 
 
 def test_a_tiny_llama_split_by_its_declared_plan_equals_one_process() -> None:
@@ -59,3 +75,20 @@ def test_a_tiny_llama_split_by_its_declared_plan_equals_one_process() -> None:
         got = unshard(pieces, *specs[name]) if name in specs else pieces[0]
         error = float((got - whole).abs().max() / whole.abs().max())
         assert error <= 1e-9, f"{name}: {error:.2e} of its largest value"
+
+
+def test_a_tiny_llama_cut_on_its_graph_equals_one_process() -> None:
+    ((_, want, _),) = run_ranks(train_llama, 1)
+    stages = sorted(run_ranks(train_llama, 2, init={"pipeline_parallel": 2}), key=lambda r: r[0])
+    assert "net.model.embed_tokens.weight" in stages[0][1]
+    assert (
+        "net.lm_head.weight" in stages[1][1]
+        and "net.model.layers.1.mlp.up_proj.weight" in stages[1][1]
+    )
+    seen = set()
+    for _, params, _ in stages:
+        for name, tensor in params.items():
+            seen.add(name)
+            error = float((tensor - want[name]).abs().max() / want[name].abs().max())
+            assert error <= 1e-9, f"{name}: {error:.2e} of its largest value"
+    assert seen == set(want)
