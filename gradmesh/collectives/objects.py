@@ -5,8 +5,9 @@ scripts send (Horovod pickles them) without ever unpickling bytes from the netwo
 gradmesh used first, turns int keys into strings, tuples into lists and refuses bytes; MessagePack
 (the `msgpack` library, well kept and without code execution on decode) keeps int and str keys,
 bytes, floats bit for bit (NaN and infinities included) and nested containers, and its strict
-mode hands every other type to us, so tuples travel as extension type 1 and anything else is
-refused in one line naming the type. Integers must fit in 64 bits.
+mode hands every other type to us, so tuples, sets and frozensets travel as extension types 1-3
+(a set's items sorted by their encoding, so that equal sets encode alike on every rank) and
+anything else is refused in one line naming the type. Integers must fit in 64 bits.
 """
 
 from __future__ import annotations
@@ -23,13 +24,19 @@ from gradmesh.collectives.tree import broadcast
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import get_runtime
 
-_TUPLE = 1
-PLAIN = "None, bool, int (64-bit), float, str, bytes, and lists, tuples and dicts of them"
+_TUPLE, _SET, _FROZENSET = 1, 2, 3
+_CONTAINERS: dict[int, type] = {_TUPLE: tuple, _SET: set, _FROZENSET: frozenset}
+PLAIN = (
+    "None, bool, int (64-bit), float, str, bytes, and lists, tuples, sets, frozensets and dicts "
+    "of them"
+)
 
 
 def _default(obj: Any) -> msgpack.ExtType:
-    if type(obj) is tuple:
-        return msgpack.ExtType(_TUPLE, _pack(list(obj)))
+    for code, kind in _CONTAINERS.items():
+        if type(obj) is kind:  # a set's items in a fixed order: every rank encodes it alike
+            items = list(obj) if kind is tuple else sorted(obj, key=_pack)
+            return msgpack.ExtType(code, _pack(items))
     if type(obj) is int:
         raise OverflowError(f"the integer {obj} does not fit in 64 bits")
     raise TypeError(f"type {type(obj).__name__}")
@@ -40,9 +47,9 @@ def _pack(obj: Any) -> bytes:
 
 
 def _ext(code: int, data: bytes) -> Any:
-    if code != _TUPLE:
+    if code not in _CONTAINERS:
         raise ValueError(f"unknown extension type {code}")
-    return tuple(_unpack(data))
+    return _CONTAINERS[code](_unpack(data))
 
 
 def _unpack(data: bytes) -> Any:

@@ -2,8 +2,8 @@
 `import gradmesh.horovod as hvd` and run the script under `gradmesh run` (or torchrun).
 
 Differences, all deliberate: `broadcast_object` and `allgather_object` send plain values
-(None, bool, 64-bit int, float, str, bytes and lists, tuples and dicts of them, int keys kept)
-as MessagePack, never pickle, and refuse other types in one line; `Adasum` raises
+(None, bool, 64-bit int, float, str, bytes and lists, tuples, sets and dicts of them, int keys
+kept) as MessagePack, never pickle, and refuse other types in one line; `Adasum` raises
 NotImplementedError; `allgather` concatenates along dimension 0 like Horovod's. The build
 functions (`mpi_built`, `nccl_built`, ...) describe this torch build: no MPI, Gloo always.
 

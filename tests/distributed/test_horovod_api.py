@@ -415,3 +415,28 @@ def test_a_scripts_own_compressor_class_works_in_the_optimizer() -> None:
     for doubled, fp16, plain in run_ranks(own_compressor, 2):
         assert doubled == pytest.approx(plain, rel=1e-6)
         assert fp16 == pytest.approx(plain, rel=1e-3)
+
+
+def unnamed_and_objects() -> dict[str, Any]:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    sent = {"ranks": {0, 1}, "pair": (1, "a"), "frozen": frozenset({b"x"}), "rank": hvd.rank()}
+    return {
+        "names": [opt._parameter_names[p] for p in model.parameters()],  # type: ignore[attr-defined]
+        "broadcast": hvd.broadcast_object(sent, root_rank=1),
+        "gathered": hvd.allgather_object({hvd.rank()}),
+    }
+
+
+def test_unnamed_parameters_get_horovods_names_and_objects_keep_their_types() -> None:
+    results = run_ranks(unnamed_and_objects, 2)
+    for got in results:
+        assert got["names"] == [f"allreduce.noname.{i}" for i in range(4)]
+        assert got["broadcast"] == {
+            "ranks": {0, 1},
+            "pair": (1, "a"),
+            "frozen": frozenset({b"x"}),
+            "rank": 1,
+        }
+        assert type(got["broadcast"]["frozen"]) is frozenset
+        assert got["gathered"] == [{0}, {1}]

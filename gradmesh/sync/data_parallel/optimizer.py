@@ -142,7 +142,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     _check_options(allreduce, op, backward_passes_per_step, on_nonfinite, gradient_predivide_factor)
     params = [p for group in optimizer.param_groups for p in group["params"]]
     named = (
-        [(f"param.{i}", p) for i, p in enumerate(params)]
+        [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]  # Horovod's names
         if named_parameters is None
         else _check_named(list(named_parameters), params)
     )
