@@ -41,7 +41,11 @@ class Config:
     """gradmesh bench layout: one model data-parallel, tensor-parallel and pipelined over the same
     ranks"""
 
-    model: str = option("alexnet", "model", name=True)
+    model: str = option(
+        "alexnet", "model (gpt and hf:... train on text, and report tokens/s)", name=True
+    )
+    model_args: str = option("", "the model builder's keyword arguments, like depth=4")
+    sequence_length: int = option(64, "token models: tokens per sample")
     world: int = option(4, "ranks")
     batch: int = option(64, "global batch")
     microbatches: int = option(8, "pipeline")
@@ -70,7 +74,9 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     train = TrainConfig.of(
         workers=config["world"],
         model=config["model"],
-        dataset="synthetic",
+        model_args=config["model_args"],
+        dataset="text" if tokens(config["model"]) else "synthetic",
+        sequence_length=config["sequence_length"],
         synthetic_shape="3x32x32",
         synthetic_samples=batch * 2,  # 80% of it for training: one global batch fits
         batch_size=batch,
@@ -97,6 +103,13 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     }
     shutdown()
     return rt.rank, result
+
+
+def tokens(model: str) -> bool:
+    """Whether `model` is a language model (trained on the text dataset, measured in tokens)."""
+    from gradmesh.models.registry import TOKEN_MODELS
+
+    return model in TOKEN_MODELS or model.startswith("hf:")
 
 
 def _check(args: Config) -> list[str]:
@@ -133,6 +146,9 @@ def _summary(args: Config, name: str, runs: list[dict[str, Any]], cluster: Any) 
         else None,
         "bubble_formula": (pp - 1) / (m + pp - 1) if pipelined else None,
         "limit": limit_of(figures["cpu_idle"], cluster),
+        "tokens_per_s": args.batch * args.sequence_length / figures["step_s"]
+        if tokens(args.model)
+        else None,
     }
 
 
@@ -145,8 +161,9 @@ def _line(name: str, r: dict[str, Any]) -> str:
         if r["bubble"] is not None
         else ""
     )
+    rate = f" ({r['tokens_per_s']:.0f} tokens/s)" if r.get("tokens_per_s") else ""
     return (
-        f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms  "
+        f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms{rate}  "
         f"params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: {sent}"
         f"{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
     )
@@ -154,7 +171,8 @@ def _line(name: str, r: dict[str, Any]) -> str:
 
 def run(args: Config, _command: list[str] | None = None) -> int:
     names = _check(args)
-    keys = ("world", "model", "batch", "microbatches", "schedule", "steps", "warmup")
+    keys: tuple[str, ...] = ("world", "model", "batch", "microbatches", "schedule", "steps")
+    keys += ("warmup", "model_args", "sequence_length")
     common = {k: getattr(args, k) for k in keys}
     configs = [{"tp": LAYOUTS[n][0], "pp": LAYOUTS[n][1], **common} for n in names]
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:

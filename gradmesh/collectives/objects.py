@@ -35,7 +35,8 @@ PLAIN = (
 def _default(obj: Any) -> msgpack.ExtType:
     for code, kind in _CONTAINERS.items():
         if type(obj) is kind:  # a set's items in a fixed order: every rank encodes it alike
-            items = list(obj) if kind is tuple else sorted(obj, key=_pack)
+            values: Any = obj
+            items = list(values) if kind is tuple else sorted(values, key=_pack)
             return msgpack.ExtType(code, _pack(items))
     if type(obj) is int:
         raise OverflowError(f"the integer {obj} does not fit in 64 bits")

@@ -212,3 +212,22 @@ def test_plan_probes_its_own_ranks_and_writes_the_plan(tmp_path: Path) -> None:
     assert plan["model"] == "cnn" and plan["workers"] == 2
     alpha, beta = plan["predicted"]["link_inter"]
     assert alpha >= 0 and beta > 0 and plan["predicted"]["step_ms"] > 0
+
+
+def test_bench_layout_measures_a_gpt_in_tokens(tmp_path: Path) -> None:
+    """`gradmesh bench layout --model gpt`: each layout trains on the text dataset and reports
+    tokens/s; a split holds fewer parameter bytes per rank than data parallelism."""
+    report = tmp_path / "layout.json"
+    out = gradmesh(
+        *("bench", "layout", "--model", "gpt", "--model-args", "dim=32,depth=2"),
+        *("--world", "2", "--layouts", "dp,tp2,pp2", "--batch", "8", "--microbatches", "2"),
+        *("--sequence-length", "16", "--steps", "2", "--warmup", "1", "--rounds", "1"),
+        *("--json", str(report)),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    layouts = json.loads(report.read_text())["layouts"]
+    for name, r in layouts.items():
+        assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_s"]), name
+    assert layouts["tp2"]["param_fraction_vs_dp"] < 0.75
+    assert layouts["pp2"]["bytes_per_step"]["pipeline"] > 0
