@@ -12,13 +12,15 @@ autograd functions `_CopyToTP` (identity forward, allreduce backward) and `_Redu
 state_dict reads like the whole model's, each tensor being this rank's slice.
 
 Why not torch's DTensor styles (`parallelize_module` with `ColwiseParallel`/`RowwiseParallel`)?
-They do work on Gloo and CPU (tried: same outputs and gradients as here). But (1) a step of a
-Linear-ReLU-Linear pair took 4.6 ms with DTensor against 2.1 ms with these functions (2 ranks,
-batch 5, 8-16-4 features, loaded machine), the dispatch being the difference; (2) parameters
-would be DTensors in every sync path (DistributedOptimizer's flat buckets, local SGD, parameter
-broadcast, checkpoints), each needing to unwrap them; (3) their collectives bypass gradmesh's
-per-call numbering, byte counts by kind and one-line timeout messages. The placement vocabulary
-of DTensor (`Replicate`, `Shard(dim)`) is what the plan's styles follow
+They do work on Gloo and CPU (tried: same outputs and gradients as here). But (1) they are
+slower: `gradmesh bench tp-styles --rounds 5` (the built-in GPT, width 128, 2 blocks, its MLPs
+split over 2 ranks, 8 sequences of 64 tokens, forward + backward + AdamW, medians of 5
+interleaved rounds of 20 steps, loopback) measured 35.6 ms a step with DTensor against 28.7 ms
+here (1.24x; 1.14x with 3 rounds), most likely DTensor's dispatch (not profiled); (2)
+parameters would be DTensors in every sync path (DistributedOptimizer's flat buckets, local SGD,
+parameter broadcast, checkpoints), each needing to unwrap them; (3) their collectives bypass
+gradmesh's per-call numbering, byte counts by kind and one-line timeout messages. The placement
+vocabulary of DTensor (`Replicate`, `Shard(dim)`) is what the plan's styles follow
 (`gradmesh.layout.tp_plan`).
 
 Besides the pair, a column-parallel layer can gather its output (`gather`: every rank ends

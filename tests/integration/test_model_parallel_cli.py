@@ -231,3 +231,18 @@ def test_bench_layout_measures_a_gpt_in_tokens(tmp_path: Path) -> None:
         assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_s"]), name
     assert layouts["tp2"]["param_fraction_vs_dp"] < 0.75
     assert layouts["pp2"]["bytes_per_step"]["pipeline"] > 0
+
+
+def test_bench_tp_styles_runs_gradmesh_and_dtensor_on_the_same_model(tmp_path: Path) -> None:
+    report = tmp_path / "styles.json"
+    out = gradmesh(
+        *("bench", "tp-styles", "--dim", "32", "--steps", "2", "--warmup", "1", "--rounds", "1"),
+        *("--sequence-length", "16", "--json", str(report)),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    result = json.loads(report.read_text())
+    assert set(result["results"]) == {"gradmesh", "dtensor"}
+    assert result["dtensor_over_gradmesh"] == pytest.approx(
+        result["results"]["dtensor"]["step_s"] / result["results"]["gradmesh"]["step_s"]
+    )
