@@ -109,6 +109,12 @@ def make_plan(
     data = DATASETS.get(setting.dataset)(DataOptions(shape=parse_shape(setting.shape)))
     torch.manual_seed(0)
     model = build_model(setting.model, data)
+    if not isinstance(model, torch.nn.Sequential):
+        raise GradmeshError(
+            f"gradmesh plan places each layer of a sequence of layers; model {setting.model} is "
+            "not one (split it with --tensor-parallel / --pipeline-parallel and compare the "
+            "layouts with gradmesh bench layout)"
+        )
     tps = [t for t in divisors(setting.workers, setting.tp_max) if t > 1]
     prof = profile(
         model, setting.model, data.train.x[:1], setting.batch, setting.workers, tps, sharing

@@ -246,3 +246,10 @@ def test_bench_tp_styles_runs_gradmesh_and_dtensor_on_the_same_model(tmp_path: P
     assert result["dtensor_over_gradmesh"] == pytest.approx(
         result["results"]["dtensor"]["step_s"] / result["results"]["gradmesh"]["step_s"]
     )
+
+
+def test_plan_refuses_a_model_that_is_not_a_sequence_in_one_line() -> None:
+    out = gradmesh("plan", "--model", "gpt", "--dataset", "text")
+    assert out.returncode == 2, out.stderr
+    assert "gradmesh plan places each layer of a sequence of layers; model gpt" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
