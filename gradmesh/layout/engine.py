@@ -105,6 +105,11 @@ def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: st
     if tp > 1:
         check_plan(model, tp_plan(model_name, model), tp, model_name)
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
+        if tp > 1:
+            raise GradmeshError(
+                f"model {model_name}: tensor parallelism with pipeline stages cut on the graph "
+                "is not supported yet; use --tensor-parallel 1, or a sequence of layers"
+            )
         if stages:
             check_points(model, stages.split(","), pp, model_name)
         elif len(candidates(model)) + 1 < pp:

@@ -141,6 +141,11 @@ def test_train_imports_the_users_model_dataset_and_loss(tmp_path: Path, layout: 
             ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2", "--stages", "x.1"],
             "split point 'x.1' is not a module of model gpt",
         ),
+        (
+            ["--model", "gpt", "--dataset", "text", "--workers", "4"]
+            + ["--pipeline-parallel", "2", "--tensor-parallel", "2"],
+            "tensor parallelism with pipeline stages cut on the graph is not supported yet",
+        ),
     ],
 )
 def test_bad_user_code_is_one_line_before_launch(flags: list[str], message: str) -> None:
