@@ -98,17 +98,17 @@ model = TinyGPT()
 data = torch.frombuffer(bytearray(corpus()[: 64 * 33 * args.steps]), dtype=torch.uint8).long()
 batches = data.view(args.steps, 64, 33)  # 64 sequences of 32 bytes (+ the next byte) a step
 
-step_fn = None
+step_fn, passes = None, 1  # backward calls per step (a pipeline stage: one per micro-batch)
 if args.pipeline_parallel > 1:  # cut at h.2 on the graph; 4 micro-batches, 1F1B
     stage = gradmesh.pipeline_stage(model, batches[0, :32, :-1], ["h.2"], 4, "1f1b", lm_loss)
-    model, step_fn = stage.stage_module, stage.step
+    model, step_fn, passes = stage.stage_module, stage.step, stage.backward_passes
 else:
     model = gradmesh.parallelize(model, PLAN)  # tp 1 leaves the model whole
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 optimizer = gradmesh.DistributedOptimizer(
     optimizer,
     named_parameters=model.named_parameters(),
-    backward_passes_per_step=4 if step_fn else 1,
+    backward_passes_per_step=passes,
 )
 
 for step in range(args.steps):

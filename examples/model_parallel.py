@@ -41,7 +41,7 @@ gradmesh.broadcast_parameters(
 optimizer = gradmesh.DistributedOptimizer(
     optimizer,
     named_parameters=split.module.named_parameters(),
-    backward_passes_per_step=args.microbatches,  # a pipeline stage: one backward per micro-batch
+    backward_passes_per_step=split.engine.backward_passes,  # one backward per micro-batch
 )
 
 batch = 64

@@ -6,8 +6,9 @@ machine hits every layout alike. Each job takes `--warmup` steps, then measures 
 median step time (rank 0; steps are synchronous), bytes sent per step per rank by kind (gradient
 sync, tensor-parallel activations, pipeline activations), parameter bytes per rank, and under
 pipelines the bubble (the idle part of the step of the stage that computes longest,
-`gradmesh.layout.pipeline.bubble`) next to the formula (p - 1) / (m + p - 1), and every stage's
-idle part (bubble plus waiting for a slower stage). A layout's figure is the median over rounds.
+`gradmesh.layout.pipeline.bubble`) next to the formula (p - 1) / (v m + p - 1) (v chunks per
+rank: 1 but for the interleaved layouts pp2i and pp4i), and every stage's idle part (bubble
+plus waiting for a slower stage). A layout's figure is the median over rounds.
 
 The machine's idle CPU during the measured steps is recorded (from /proc/stat): when it is
 under 10 %, the layout is marked `"limit": "cpu"`: its time says more about the cores than
@@ -23,6 +24,7 @@ from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster, worker_main
+from gradmesh.layout.config import bubble_formula
 from gradmesh.options import option
 from gradmesh.train.timing import timed_steps
 
@@ -34,6 +36,10 @@ LAYOUTS = {
     "pp4": (1, 4),
 }
 """name -> (tensor parallel, pipeline parallel); data parallel takes the rest of the world."""
+INTERLEAVED = {"pp2i": (1, 2), "pp4i": (1, 4)}
+"""Pipelines under the interleaved schedule (`--virtual-stages` chunks per rank), whatever
+`--schedule` the others run: not in the default list, asked for by name."""
+SHAPES = {**LAYOUTS, **INTERLEAVED}
 
 
 @dataclass
@@ -50,10 +56,13 @@ class Config:
     batch: int = option(64, "global batch")
     microbatches: int = option(8, "pipeline")
     schedule: str = option("1f1b", "gpipe or 1f1b", name=True)
+    virtual_stages: int = option(2, "the interleaved layouts (pp2i, pp4i): chunks per rank")
     steps: int = option(10, "measured steps")
     warmup: int = option(3, "warm-up steps")
     rounds: int = option(2, "interleaved rounds")
-    layouts: str = option(",".join(LAYOUTS), "which layouts")
+    layouts: str = option(
+        ",".join(LAYOUTS), f"which layouts (also {', '.join(INTERLEAVED)}: interleaved 1F1B)"
+    )
     emulate_hosts: int | None = option(None, "emulated hosts")
     bandwidth: str = option("1gbit", "emulated link rate")
     json: str | None = option(None, "write the result here")
@@ -85,6 +94,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
         pipeline_parallel=pp,
         microbatches=config["microbatches"] if pp > 1 else 1,
         schedule=config["schedule"],
+        virtual_stages=config["virtual_stages"],
     )
     rt = init(tensor_parallel=tp, pipeline_parallel=pp)
     job = setup(train, rt)
@@ -116,11 +126,11 @@ def _check(args: Config) -> list[str]:
     from gradmesh.errors import GradmeshError
 
     names = [n for n in args.layouts.split(",") if n]
-    unknown = sorted(set(names) - set(LAYOUTS))
+    unknown = sorted(set(names) - set(SHAPES))
     if unknown:
-        raise GradmeshError(f"unknown layout(s) {', '.join(unknown)} (valid: {', '.join(LAYOUTS)})")
+        raise GradmeshError(f"unknown layout(s) {', '.join(unknown)} (valid: {', '.join(SHAPES)})")
     for name in names:
-        tp, pp = LAYOUTS[name]
+        tp, pp = SHAPES[name]
         if args.world % (tp * pp):
             raise GradmeshError(f"layout {name} needs a world that {tp * pp} divides")
     return names
@@ -128,15 +138,18 @@ def _check(args: Config) -> list[str]:
 
 def _summary(args: Config, name: str, runs: list[dict[str, Any]], cluster: Any) -> dict[str, Any]:
     """One layout's figures: medians over its rounds, the bubble beside its formula."""
-    tp, pp = LAYOUTS[name]
+    tp, pp = SHAPES[name]
     m = args.microbatches if pp > 1 else 1
     pipelined = pp > 1
+    chunks = args.virtual_stages if name in INTERLEAVED else 1
     figures = medians(runs, ["step_s", "cpu_idle", *(["bubble"] if pipelined else [])])
     return {
         "dp": args.world // (tp * pp),
         "tp": tp,
         "pp": pp,
         "microbatches": m,
+        "schedule": ("interleaved" if chunks > 1 else args.schedule) if pipelined else None,
+        "chunks": chunks,
         **figures,
         "bytes_per_step": runs[0]["bytes_per_step"],
         "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
@@ -144,7 +157,7 @@ def _summary(args: Config, name: str, runs: list[dict[str, Any]], cluster: Any) 
         "stage_idle": [median([r["stage_idle"][rank] for r in runs]) for rank in range(args.world)]
         if pipelined
         else None,
-        "bubble_formula": (pp - 1) / (m + pp - 1) if pipelined else None,
+        "bubble_formula": bubble_formula(pp, m, chunks) if pipelined else None,
         "limit": limit_of(figures["cpu_idle"], cluster),
         "tokens_per_s": args.batch * args.sequence_length / figures["step_s"]
         if tokens(args.model)
@@ -172,9 +185,13 @@ def _line(name: str, r: dict[str, Any]) -> str:
 def run(args: Config, _command: list[str] | None = None) -> int:
     names = _check(args)
     keys: tuple[str, ...] = ("world", "model", "batch", "microbatches", "schedule", "steps")
-    keys += ("warmup", "model_args", "sequence_length")
+    keys += ("warmup", "model_args", "sequence_length", "virtual_stages")
     common = {k: getattr(args, k) for k in keys}
-    configs = [{"tp": LAYOUTS[n][0], "pp": LAYOUTS[n][1], **common} for n in names]
+    configs = [
+        {"tp": SHAPES[n][0], "pp": SHAPES[n][1], **common}
+        | ({"schedule": "interleaved"} if n in INTERLEAVED else {})
+        for n in names
+    ]
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
         runs = compare_jobs("gradmesh.bench.layout", args.world, configs, args.rounds, cluster)
         notes = cluster.notes if cluster is not None else None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gradmesh.errors import GradmeshError
 from gradmesh.options import option
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 """Pipeline schedules by name (`gradmesh.layout.pipeline` runs them)."""
 
 
@@ -20,6 +21,11 @@ class LayoutConfig:
     pipeline_parallel: int = option(1, "pipeline stages the model's layers are cut into (pp)")
     microbatches: int = option(1, "pipeline: micro-batches per replica's batch")
     schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
+    virtual_stages: int = option(
+        2,
+        "pipeline, interleaved schedule: chunks of the model each rank holds (rank s holds "
+        "stages s, s + p, ... of a pipeline p x this long)",
+    )
     stages: str = option(
         "",
         "pipeline: where each stage after the first starts: layer indices of a sequence of "
@@ -33,6 +39,35 @@ class LayoutConfig:
     )
 
     @property
+    def chunks(self) -> int:
+        """Chunks of the model each pipeline rank holds (more than one: interleaved)."""
+        interleaved = self.schedule == "interleaved" and self.pipeline_parallel > 1
+        return self.virtual_stages if interleaved else 1
+
+    @property
     def split(self) -> bool:
         """Whether one replica spans more than one rank."""
         return self.tensor_parallel * self.pipeline_parallel > 1
+
+
+def check_interleaved(schedule: str, pp: int, m: int, virtual: int) -> None:
+    """One line unless the interleaved schedule can run `m` micro-batches over `virtual`
+    chunks on each of `pp` stages."""
+    if schedule != "interleaved":
+        return
+    if virtual < 2:
+        raise GradmeshError(
+            f"--virtual-stages {virtual}: the interleaved schedule holds at least 2 chunks of "
+            "the model per rank (with 1 it is 1f1b)"
+        )
+    if m % pp:
+        raise GradmeshError(
+            f"--microbatches {m}: the interleaved schedule sends micro-batches through a rank's "
+            f"chunks in groups of --pipeline-parallel {pp}; give a multiple of {pp}"
+        )
+
+
+def bubble_formula(pp: int, m: int, virtual: int = 1) -> float:
+    """The idle part of the step of a pipeline of equal stages: (p - 1) / (v m + p - 1), v the
+    chunks per rank (1 but under the interleaved schedule)."""
+    return (pp - 1) / (virtual * m + pp - 1)

@@ -4,6 +4,7 @@ rank's part with the engine that runs it: `PlainEngine` (forward, backward) or t
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -11,7 +12,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import SCHEDULES
+from gradmesh.layout.config import SCHEDULES, check_interleaved
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
@@ -42,6 +43,11 @@ class Engine(Protocol):
         """Logits of `x` (None on ranks that do not produce them)."""
         ...
 
+    @property
+    def backward_passes(self) -> int:
+        """Backward calls per `step` (a data-parallel optimizer reduces after the last)."""
+        ...
+
 
 class PlainEngine:
     """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward
@@ -53,6 +59,10 @@ class PlainEngine:
         self.module = module
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+
+    @property
+    def backward_passes(self) -> int:
+        return self.microbatches
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
@@ -99,9 +109,13 @@ class Split:
     the others' are not counted, so that sums over the world count each replica once."""
 
 
-def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: str) -> None:
+def check_layout(
+    model: nn.Module, model_name: str, tp: int, pp: int, stages: str, chunks: int = 1
+) -> None:
     """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
-    layers make `pp` stages (the flags alone are checked by `TrainConfig.validate`)."""
+    layers make `pp` stages of `chunks` chunks each (the flags alone are checked by
+    `TrainConfig.validate`)."""
+    pp *= chunks
     if tp > 1:
         check_plan(model, tp_plan(model_name, model), tp, model_name)
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
@@ -114,7 +128,7 @@ def check_layout(model: nn.Module, model_name: str, tp: int, pp: int, stages: st
             check_points(model, stages.split(","), pp, model_name)
         elif len(candidates(model)) + 1 < pp:
             raise GradmeshError(
-                f"--pipeline-parallel {pp}: model {model_name} has {len(candidates(model)) + 1} "
+                f"a pipeline of {pp} stages: model {model_name} has {len(candidates(model)) + 1} "
                 "blocks to cut into stages; give split points with --stages (module names)"
             )
     elif pp > 1:
@@ -131,10 +145,12 @@ def split_model(
     sample: torch.Tensor,
     plan: Plan | None = None,
     loss_fn: LossFn = sum_cross_entropy,
+    chunks: int = 1,
 ) -> Split:
-    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut,
-    or a hybrid `plan`'s placement per layer. Collective over the world when stages are
-    balanced (the layer times are averaged)."""
+    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut
+    (`chunks` stages per rank: more than one under the interleaved schedule), or a hybrid
+    `plan`'s placement per layer. Collective over the world when stages are balanced (the layer
+    times are averaged)."""
     tp, pp = rt.mesh["tp"], rt.mesh["pp"]
     info: dict[str, Any] = {
         "dp": rt.mesh.shape.dp,
@@ -142,6 +158,7 @@ def split_model(
         "pp": pp.size,
         "microbatches": microbatches if pp.size > 1 else 1,
         "schedule": schedule if pp.size > 1 else None,
+        "chunks": chunks if pp.size > 1 else 1,
     }
     if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
         info["plan"] = dict(plan.layers)
@@ -149,15 +166,18 @@ def split_model(
         return Split(module, PlainEngine(module, 1, loss_fn), info, tp.index == 0)
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    if pp.size > 1:
+        check_interleaved(schedule, pp.size, microbatches, chunks)
     if pp.size > 1 and not isinstance(model, nn.Sequential):  # cut on the graph
         points = [p for p in stages.split(",") if p] or None
         graph = graph_pipeline(
-            model, rt, sample, points, microbatches, schedule, loss_fn, model_name
+            model, rt, sample, points, microbatches, schedule, loss_fn, model_name, chunks
         )
         info["stage_points"] = graph.graph.points
         owns = tp.index == 0 and pp.index == pp.size - 1
         return Split(graph.stage_module, graph, info, owns)
-    starts = cut_stages(model, model_name, pp.size, stages, sample[:1], rt) if pp.size > 1 else None
+    depth = pp.size * chunks
+    starts = cut_stages(model, model_name, depth, stages, sample[:1], rt) if pp.size > 1 else None
     module = model
     if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
         module = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
@@ -166,12 +186,37 @@ def split_model(
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
             info["accumulation"] = microbatches
         return Split(module, PlainEngine(module, microbatches, loss_fn), info, owns)
-    shapes = sample_shapes(layers_of(module, model_name), sample[:1])
-    stage = stage_module(module, starts, pp.index)
-    first = starts[pp.index]
-    info["stage_layers"] = [[s, (starts + [len(shapes) - 1])[i + 1]] for i, s in enumerate(starts)]
-    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-    engine = PipelineEngine(
-        rt, stage, single_input(shapes[first], dtype), microbatches, schedule, loss_fn
+    ends = [*starts[1:], len(list(module.children()))]
+    info["stage_layers"] = [[s, e] for s, e in zip(starts, ends, strict=True)]
+    return _layer_pipeline(
+        module, model_name, rt, starts, sample[:1], (microbatches, schedule, loss_fn), info
     )
+
+
+def _layer_pipeline(
+    module: nn.Module,
+    model_name: str,
+    rt: Runtime,
+    starts: list[int],
+    sample: torch.Tensor,
+    run: tuple[int, str, LossFn],
+    info: dict[str, Any],
+) -> Split:
+    """This rank's stages of a sequence of layers cut at `starts` (p x chunks stages; rank s
+    holds s, s + p, ...) and the engine that runs them: `run` is (micro-batches, schedule,
+    loss)."""
+    pp = rt.mesh["pp"]
+    chunks = len(starts) // pp.size
+    shapes = sample_shapes(layers_of(module, model_name), sample)
+    mine = [stage_module(module, starts, c * pp.size + pp.index) for c in range(chunks)]
+    dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+    entering = [shapes[first] for first in starts]
+    engine = PipelineEngine(rt, list(mine), single_input(entering, dtype), *run)
+    # one module holding every chunk's layers under their own names: what the optimizer steps
+    stage = mine[0] if chunks == 1 else nn.Sequential(OrderedDict(_layers(mine)))
+    owns = rt.mesh["tp"].index == 0 and pp.index == pp.size - 1
     return Split(stage, engine, info, owns)
+
+
+def _layers(chunks: list[nn.Sequential]) -> list[tuple[str, nn.Module]]:
+    return [pair for chunk in chunks for pair in chunk.named_children()]

@@ -36,7 +36,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import SCHEDULES
+from gradmesh.layout.config import SCHEDULES, check_interleaved
 from gradmesh.layout.pipeline import LossFn, balance, sum_cross_entropy
 from gradmesh.layout.stage_engine import Boundary, PipelineEngine, as_values
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
@@ -67,7 +67,7 @@ def check_points(model: nn.Module, points: list[str], pp: int, model_name: str) 
     """One line unless `points` are `pp - 1` distinct modules of the model, in forward order."""
     if len(points) != pp - 1:
         raise GradmeshError(
-            f"--stages gives {len(points)} split points for --pipeline-parallel {pp} "
+            f"--stages gives {len(points)} split points for a pipeline of {pp} stages "
             f"(needs {pp - 1}: the module each stage after the first starts at)"
         )
     names = [n for n, _ in model.named_modules()]
@@ -89,7 +89,7 @@ def balanced_points(model: nn.Module, sample: torch.Tensor, pp: int, model_name:
     starts = candidates(model)
     if len(starts) + 1 < pp:
         raise GradmeshError(
-            f"--pipeline-parallel {pp}: model {model_name} has {len(starts) + 1} blocks to cut "
+            f"a pipeline of {pp} stages: model {model_name} has {len(starts) + 1} blocks to cut "
             "into stages; give split points with --stages (module names)"
         )
     blocks = [starts[0].rsplit(".", 1)[0] + ".0", *starts]
@@ -219,7 +219,8 @@ class GraphStages:
     def sync_tied(self, rt: Runtime) -> None:
         """Give every copy of a tied weight its whole gradient: summed over the stages that hold
         it and averaged over the replicas, in one allreduce over the world (zeros from a rank
-        whose stage does not hold it). Every rank calls it after its step's backwards; the
+        whose stages do not hold it; a rank holding it on two of its stages has summed them in
+        its own gradient already). Every rank calls it after its step's backwards; the
         data-parallel sync leaves these parameters alone (`LAYOUT_SYNCED`)."""
         shared = self.tied()
         if not shared:
@@ -230,11 +231,12 @@ class GraphStages:
         )
         allreduce(flat, kind="pipeline")
         flat /= rt.mesh["dp"].size
-        mine = self.holders()
-        stage = rt.mesh["pp"].index
+        held = self.holders()
+        axis = rt.mesh["pp"]
+        mine = set(range(axis.index, len(self.points) + 1, axis.size))  # this rank's stages
         sizes = [p.numel() for p in params]
         for name, p, piece in zip(shared, params, torch.split(flat, sizes), strict=True):
-            if stage in mine[name]:
+            if mine & held[name]:
                 p.grad = piece.view_as(p).clone()
 
 
@@ -251,8 +253,8 @@ class Dispatch(nn.Module):
 
 
 class GraphPipelineEngine(PipelineEngine):
-    """`PipelineEngine` on a graph stage; after each step's backwards, the tied parameters'
-    gradients are summed over the stages that hold them."""
+    """`PipelineEngine` on this rank's graph stages; after each step's backwards, the tied
+    parameters' gradients are summed over the stages that hold them."""
 
     def __init__(
         self,
@@ -266,23 +268,50 @@ class GraphPipelineEngine(PipelineEngine):
         axis = rt.mesh["pp"]
         part = example[: max(1, len(example) // microbatches)]
         stages.specs(len(part))  # traced now: a cut that cannot carry its values fails here
+        mine = list(range(axis.index, len(stages.points) + 1, axis.size))
         super().__init__(
             rt,
-            Dispatch(stages, axis.index),
-            lambda n: stages.specs(n)[axis.index],
+            [Dispatch(stages, g) for g in mine],
+            lambda g, n: stages.specs(n)[g],
             microbatches,
             schedule,
             loss_fn,
         )
         self.graph = stages
         stages.tied()  # marked before the caller wraps its optimizer
-        self.stage_module = stages.stages(part)[axis.index]
-        """This rank's stage: its parameters are what the optimizer steps."""
+        traced = stages.stages(part)
+        self.stage_module = traced[mine[0]] if len(mine) == 1 else merged([traced[g] for g in mine])
+        """This rank's stages (their parameters, under the model's names): what the optimizer
+        steps."""
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         loss = super().step(x, y, scale)
         self.graph.sync_tied(self.rt)
         return loss
+
+
+def merged(parts: list[nn.Module]) -> nn.Module:
+    """One module holding the parameters and buffers of `parts` under their own names (a
+    weight two parts share, once): a rank's chunks under the interleaved schedule, for its
+    optimizer and its checkpoints."""
+    whole = nn.Module()
+    for part in parts:
+        named = [
+            *part.named_parameters(remove_duplicate=False),
+            *part.named_buffers(remove_duplicate=False),
+        ]
+        for name, tensor in named:
+            parent, _, leaf = name.rpartition(".")
+            owner = whole
+            for piece in parent.split(".") if parent else []:
+                if piece not in owner._modules:
+                    owner.add_module(piece, nn.Module())
+                owner = owner._modules[piece]  # type: ignore[assignment]
+            if isinstance(tensor, nn.Parameter):
+                owner.register_parameter(leaf, tensor)
+            else:
+                owner.register_buffer(leaf, tensor)
+    return whole
 
 
 def graph_pipeline(
@@ -294,11 +323,13 @@ def graph_pipeline(
     schedule: str = "1f1b",
     loss_fn: LossFn = sum_cross_entropy,
     model_name: str = "model",
+    chunks: int = 1,
 ) -> GraphPipelineEngine:
-    """This rank's stage of `model` on the mesh's pp axis and the engine that runs it: cut at
-    `points` (module names; default: balanced by forward FLOPs on `example`, a batch like the
-    ones `step` will get). `engine.stage_module` holds the stage's parameters."""
-    pp = rt.mesh["pp"].size
+    """This rank's stages of `model` on the mesh's pp axis and the engine that runs them: cut
+    into pp x `chunks` stages (`chunks` > 1: the interleaved schedule) at `points` (module
+    names; default: balanced by forward FLOPs on `example`, a batch like the ones `step` will
+    get). `engine.stage_module` holds the rank's parameters."""
+    pp = rt.mesh["pp"].size * chunks
     if rt.mesh["tp"].size > 1:
         raise GradmeshError(
             f"model {model_name}: tensor parallelism with pipeline stages cut on the graph is not "
@@ -306,6 +337,7 @@ def graph_pipeline(
         )
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    check_interleaved(schedule, rt.mesh["pp"].size, microbatches, chunks)
     part = example[: max(1, len(example) // microbatches)]
     if not points:
         points = balanced_points(model, part, pp, model_name)
@@ -327,12 +359,14 @@ def pipeline_stage(
     microbatches: int = 1,
     schedule: str = "1f1b",
     loss_fn: LossFn = sum_cross_entropy,
+    virtual_stages: int = 2,
 ) -> GraphPipelineEngine:
     """`gradmesh.pipeline_stage`: this rank's stage of `model` on the initialised runtime's pp
-    axis, cut at the module names `split` (default: balanced by forward FLOPs on `example`, a
-    batch like the ones to come). Build the optimizer over `.stage_module.parameters()` (wrap it
-    with `DistributedOptimizer(..., backward_passes_per_step=microbatches)` when there are
-    replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns the
+    axis (`virtual_stages` of them under `schedule="interleaved"`), cut at the module names
+    `split` (default: balanced by forward FLOPs on `example`, a batch like the ones to come).
+    Build the optimizer over `.stage_module.parameters()` (wrap it with
+    `DistributedOptimizer(..., backward_passes_per_step=engine.backward_passes)` when there
+    are replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns the
     loss (`loss_fn(outputs, targets)`, summed over samples, before `scale`) on the last stage."""
     from gradmesh.runtime.world import get_runtime
 
@@ -345,4 +379,5 @@ def pipeline_stage(
         schedule,
         loss_fn,
         type(model).__name__,
+        virtual_stages if schedule == "interleaved" else 1,
     )

@@ -1,5 +1,5 @@
 """Pipeline parallelism: the model's layer sequence cut into stages along the mesh's `pp` axis,
-micro-batches streamed through them with the GPipe or the 1F1B schedule.
+micro-batches streamed through them with the GPipe, the 1F1B or the interleaved 1F1B schedule.
 
 Stage s holds a contiguous run of the model's layers (an `nn.Sequential`; parameter names are
 kept, so a stage's state_dict reads like the matching part of the whole model's). The cut is
@@ -11,9 +11,13 @@ Each replica's batch is split into m micro-batches. GPipe runs every micro-batch
 every backward; 1F1B runs p - s - 1 forwards, then alternates one forward and one backward, then
 drains the backwards, so a stage holds at most p - s micro-batches' activations instead of m.
 Both leave each stage idle for (p - 1) / (m + p - 1) of the step when stages take equal time
-(the bubble). The stage engine (`gradmesh.layout.stage_engine.PipelineEngine`) measures each
-stage's time outside computation; `bubble` reads the pipeline's bubble off the stage that
-computes longest (the others also wait for it).
+(the bubble). The interleaved schedule (Narayanan et al., 2021) cuts the model into p v stages
+and gives rank s the v chunks s, s + p, ...: a micro-batch visits every rank v times, each
+visit v times shorter, so filling and draining cost v times less and the bubble is
+(p - 1) / (v m + p - 1), for v times more point-to-point messages. The stage engine
+(`gradmesh.layout.stage_engine.PipelineEngine`) measures each stage's time outside computation;
+`bubble` reads the pipeline's bubble off the stage that computes longest (the others also wait
+for it).
 
 Activations and their gradients travel as raw tensors over tagged point-to-point messages
 (`Channel`, with the job's timeout): every rank knows each boundary's shape from a dry run of
@@ -21,9 +25,8 @@ the whole model, and each micro-batch's size from the batch, so nothing is descr
 wire. Any other model is cut on its graph (`gradmesh.layout.graph_pipeline`), which uses
 torch's split but not its schedules. Why not `torch.distributed.pipelining`'s schedules: its
 stages infer shapes by sending pickled metadata (`send_object_list`) unless every shape is given
-up front, its schedules want
-equal micro-batches (an epoch's last batch is smaller), it is not tested on Gloo upstream, and its
-sends bypass gradmesh's timeouts that name the peer stage.
+up front, its schedules want equal micro-batches (an epoch's last batch is smaller), it is not
+tested on Gloo upstream, and its sends bypass gradmesh's timeouts that name the peer stage.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def parse_stages(text: str, layers: list[tuple[str, nn.Module]], pp: int) -> lis
     starts_ok = units(layers)
     if pp > len(starts_ok):
         raise GradmeshError(
-            f"--pipeline-parallel {pp} asks for more stages than the model's {len(starts_ok)} "
+            f"a pipeline of {pp} stages asks for more stages than the model's {len(starts_ok)} "
             f"layers with weights; at most {len(starts_ok)} stages fit"
         )
     if not text:
@@ -180,15 +183,39 @@ def stage_module(model: nn.Module, starts: list[int], index: int) -> nn.Sequenti
     return nn.Sequential(OrderedDict(layers[starts[index] : end]))
 
 
-def schedule_actions(kind: str, stage: int, stages: int, m: int) -> list[tuple[str, int]]:
-    """The stage's ordered ('F' | 'B', micro-batch) actions for one step."""
+def schedule_actions(
+    kind: str, stage: int, stages: int, m: int, virtual: int = 1
+) -> list[tuple[str, int, int]]:
+    """The stage's ordered ('F' | 'B', chunk, micro-batch) actions for one step. Under
+    `interleaved` each rank holds `virtual` chunks of the model (chunk c of rank s is stage
+    c * stages + s of the whole pipeline); the other schedules hold one (chunk 0)."""
     if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+    if kind == "interleaved":
+        return _interleaved(stage, stages, m, virtual)
     warmup = min(stages - stage - 1, m)
-    actions = [("F", i) for i in range(warmup)]
+    actions = [("F", 0, i) for i in range(warmup)]
     for i in range(m - warmup):
-        actions += [("F", warmup + i), ("B", i)]
-    return actions + [("B", i) for i in range(m - warmup, m)]
+        actions += [("F", 0, warmup + i), ("B", 0, i)]
+    return actions + [("B", 0, i) for i in range(m - warmup, m)]
+
+
+def _interleaved(stage: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
+    """1F1B over `v` chunks per rank (Narayanan et al., 2021): micro-batches go through a rank's
+    chunks in groups of p (the k-th forward runs chunk (k mod pv) div p on micro-batch
+    (k div pv) p + k mod p; backwards visit the chunks in reverse), after a warm-up of
+    2 (p - stage - 1) + (v - 1) p forwards. Needs m divisible by p (`check_interleaved`)."""
+    total = m * v
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k % (p * v)) // p
+        return (v - 1 - chunk if backward else chunk), (k // (p * v)) * p + k % p
+
+    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
+    actions = [("F", *unit(k, False)) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [("F", *unit(warmup + k, False)), ("B", *unit(k, True))]
+    return actions + [("B", *unit(k, True)) for k in range(total - warmup, total)]
 
 
 @dataclass

@@ -7,8 +7,10 @@ several for a model cut on its graph (a transformer's residual stream with its r
 embeddings and attention mask). `Boundary` describes them for a micro-batch of a given size:
 each tensor's whole shape (not every tensor has the batch first), dtype, and whether a gradient
 travels back for it. Every rank knows every boundary from a dry run of the whole model, so
-nothing is described on the wire. Tensor j of micro-batch i travels with tag
-`(2 i + d) * MAX_VALUES + j` (d: 0 forward, 1 backward).
+nothing is described on the wire. Tensor j entering pipeline stage g for micro-batch i travels
+with tag `((2 i + d) * G + g) * MAX_VALUES + j` (d: 0 forward, 1 backward; G stages in all),
+so that under the interleaved schedule, where a rank holds several stages and two neighbours
+exchange messages for several of them, no two messages share a tag.
 
 Receives are posted ahead of need (the next micro-batch's inputs while this one computes; an
 output's gradient as soon as the output is sent): Gloo moves a message only once its receive is
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -38,10 +41,6 @@ MAX_VALUES = 64
 """The most tensors a cut can carry (they share a micro-batch's range of tags)."""
 
 
-def _tag(i: int, backward: bool, j: int) -> int:
-    return (2 * i + int(backward)) * MAX_VALUES + j
-
-
 def as_values(out: Any) -> list[torch.Tensor]:
     values = list(out) if isinstance(out, tuple | list) else [out]
     if not all(isinstance(v, torch.Tensor) for v in values) or len(values) > MAX_VALUES:
@@ -52,40 +51,79 @@ def as_values(out: Any) -> list[torch.Tensor]:
     return values
 
 
+@dataclass
+class _Step:
+    """One step's state on a stage: what each (chunk, micro-batch) took in and gave out, the
+    receives posted ahead, the sends to wait for at the end, the loss and the compute time."""
+
+    xs: tuple[torch.Tensor, ...]
+    ys: tuple[torch.Tensor, ...]
+    scale: float
+    ch: Channel
+    inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    posted: dict[tuple[str, int, int], list[tuple[torch.Tensor, dist.Work]]] = field(
+        default_factory=dict
+    )
+    sends: list[tuple[dist.Work, int]] = field(default_factory=list)
+    losses: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    busy: float = 0.0
+
+
 class PipelineEngine:
-    """One stage of a pipeline: `module` runs on the values `inputs_of(n)` describes (a
-    micro-batch of n samples; the first stage takes the batch itself)."""
+    """This rank's chunks of a pipeline: `modules[c]` is stage c * p + s of the whole pipeline
+    (p ranks on the pp axis, s this rank's index; one chunk but under the interleaved schedule)
+    and runs on the values `inputs_of(stage, n)` describes for a micro-batch of n samples (the
+    pipeline's first stage takes the batch itself)."""
 
     def __init__(
         self,
         rt: Runtime,
-        module: Callable[..., Any],
-        inputs_of: Callable[[int], Boundary],
+        modules: list[Callable[..., Any]],
+        inputs_of: Callable[[int, int], Boundary],
         microbatches: int,
         schedule: str,
         loss_fn: LossFn = sum_cross_entropy,
     ) -> None:
         axis = rt.mesh["pp"]
-        self.rt, self.module, self.loss_fn = rt, module, loss_fn
+        self.rt, self.modules, self.loss_fn = rt, modules, loss_fn
         self.inputs_of = inputs_of
         self.stage, self.stages = axis.index, axis.size
+        self.depth = self.stages * len(modules)
+        """Stages of the whole pipeline."""
+        self.up, self.down = (self.stage - 1) % self.stages, (self.stage + 1) % self.stages
         self.group = axis.group
         self.m, self.schedule = microbatches, schedule
-        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.clock = BubbleClock()
         self.steps = 0
+
+    @property
+    def backward_passes(self) -> int:
+        """Backward calls per `step`: one per micro-batch and chunk (give it to
+        `DistributedOptimizer(backward_passes_per_step=...)` when there are replicas)."""
+        return self.m * len(self.modules)
+
+    def _global(self, chunk: int) -> int:
+        return chunk * self.stages + self.stage
+
+    def _tag(self, i: int, backward: bool, stage: int, j: int) -> int:
+        """Tensor j entering pipeline stage `stage` (or its gradient) for micro-batch i."""
+        return ((2 * i + int(backward)) * self.depth + stage) * MAX_VALUES + j
 
     def _channel(self, what: str) -> Channel:
         return Channel(
             self.rt, self.group, f"pipeline stage {self.stage} {what} (step {self.steps})"
         )
 
-    def _post_inputs(self, ch: Channel, i: int, n: int) -> list[tuple[torch.Tensor, dist.Work]]:
-        """Buffers for micro-batch `i`'s inputs (`n` samples) and their receives, posted now."""
+    def _post_inputs(
+        self, ch: Channel, stage: int, i: int, n: int
+    ) -> list[tuple[torch.Tensor, dist.Work]]:
+        """Buffers for micro-batch `i`'s inputs (`n` samples) to pipeline stage `stage`, and their
+        receives, posted now."""
         posted = []
-        for j, (shape, dtype, _) in enumerate(self.inputs_of(n)):
+        for j, (shape, dtype, _) in enumerate(self.inputs_of(stage, n)):
             buf = torch.empty(shape, dtype=dtype, device=self.rt.device)
-            posted.append((buf, ch.irecv(buf, self.stage - 1, tag=_tag(i, False, j))))
+            posted.append((buf, ch.irecv(buf, self.up, tag=self._tag(i, False, stage, j))))
         return posted
 
     def _received(
@@ -99,94 +137,117 @@ class PipelineEngine:
         """Forward and backward of every micro-batch of (x, y); the loss (summed over samples,
         times `scale`, before scaling) on the last stage, zero elsewhere."""
         self.steps += 1
-        xs, ys = x.tensor_split(self.m), y.tensor_split(self.m)
-        sizes = [len(part) for part in ys]
-        inputs: dict[int, list[torch.Tensor]] = {}
-        outputs: dict[int, list[torch.Tensor]] = {}
-        posted: dict[tuple[str, int], list[tuple[torch.Tensor, dist.Work]]] = {}
-        losses = torch.zeros((), dtype=torch.float64)
-        sends: list[tuple[dist.Work, int]] = []  # waited for at the end of the step
-        started, busy = time.perf_counter(), 0.0
-        ch = self._channel("forward/backward")
-        up, down = self.stage - 1, self.stage + 1
+        st = _Step(
+            x.tensor_split(self.m), y.tensor_split(self.m), scale, self._channel("forward/backward")
+        )
+        sizes = [len(part) for part in st.ys]
+        plan = schedule_actions(self.schedule, self.stage, self.stages, self.m, len(self.modules))
+        actions = [(a, c, i) for a, c, i in plan if sizes[i]]
+        forwards = [(c, i) for a, c, i in actions if a == "F"]
+        started = time.perf_counter()
 
-        def post_input(i: int) -> None:
-            if not self.first and i < self.m and sizes[i] and ("F", i) not in posted:
-                posted["F", i] = self._post_inputs(ch, i, sizes[i])
+        def post_input(k: int) -> None:  # the k-th forward's inputs, unless posted already
+            if k < len(forwards):
+                c, i = forwards[k]
+                g = self._global(c)
+                if g and ("F", c, i) not in st.posted:
+                    st.posted["F", c, i] = self._post_inputs(st.ch, g, i, sizes[i])
 
-        for action, i in schedule_actions(self.schedule, self.stage, self.stages, self.m):
-            if sizes[i] == 0:
-                continue
+        k = 0
+        for action, c, i in actions:
             if action == "F":
-                post_input(i)
-                post_input(i + 1)
-                ins = [xs[i]] if self.first else self._received(ch, posted.pop(("F", i)), up)
-                if not self.first:
-                    for v, (_, _, grad) in zip(ins, self.inputs_of(sizes[i]), strict=True):
-                        v.requires_grad_(grad)
-                t0 = time.perf_counter()
-                with span("forward", microbatch=i):
-                    outs = as_values(self.module(*ins))
-                    if self.last:
-                        loss = self.loss_fn(outs[0], ys[i])
-                        losses += loss.detach().double()
-                        outs = [loss * scale]
-                busy += time.perf_counter() - t0
-                inputs[i], outputs[i] = ins, outs
-                if not self.last:
-                    back = []
-                    for j, v in enumerate(outs):
-                        sends.append((ch.isend(v.detach(), down, tag=_tag(i, False, j)), down))
-                        if v.requires_grad:
-                            buf = torch.empty(v.shape, dtype=v.dtype, device=self.rt.device)
-                            back.append((buf, ch.irecv(buf, down, tag=_tag(i, True, j))))
-                    posted["B", i] = back
+                post_input(k)
+                post_input(k + 1)
+                k += 1
+                self._forward(st, c, i)
             else:
-                outs = [v for v in outputs.pop(i) if v.requires_grad]
-                grads = None if self.last else self._received(ch, posted.pop(("B", i)), down)
-                t0 = time.perf_counter()
-                with span("backward", microbatch=i):
-                    torch.autograd.backward(outs, grads)
-                busy += time.perf_counter() - t0
-                ins = inputs.pop(i)
-                if not self.first:
-                    for j, v in enumerate(ins):
-                        if v.requires_grad:
-                            g = v.grad if v.grad is not None else torch.zeros_like(v)
-                            sends.append((ch.isend(g, up, tag=_tag(i, True, j)), up))
-        for work, peer in sends:
-            ch.wait(work, peer, "send to")
+                self._backward(st, c, i)
+        for work, peer in st.sends:
+            st.ch.wait(work, peer, "send to")
         self.clock.step_s += time.perf_counter() - started
-        self.clock.busy_s += busy
-        self.rt.comm.add(ch.sent, 0.0, "pipeline")
-        return losses
+        self.clock.busy_s += st.busy
+        self.rt.comm.add(st.ch.sent, 0.0, "pipeline")
+        return st.losses
+
+    def _forward(self, st: _Step, c: int, i: int) -> None:
+        g = self._global(c)
+        if g == 0:
+            ins = [st.xs[i]]
+        else:
+            ins = self._received(st.ch, st.posted.pop(("F", c, i)), self.up)
+            for v, (_, _, grad) in zip(ins, self.inputs_of(g, len(st.ys[i])), strict=True):
+                v.requires_grad_(grad)
+        t0 = time.perf_counter()
+        with span("forward", microbatch=i):
+            outs = as_values(self.modules[c](*ins))
+            if g == self.depth - 1:
+                loss = self.loss_fn(outs[0], st.ys[i])
+                st.losses += loss.detach().double()
+                outs = [loss * st.scale]
+        st.busy += time.perf_counter() - t0
+        st.inputs[c, i], st.outputs[c, i] = ins, outs
+        if g < self.depth - 1:
+            back = []
+            for j, v in enumerate(outs):
+                tag = self._tag(i, False, g + 1, j)
+                st.sends.append((st.ch.isend(v.detach(), self.down, tag=tag), self.down))
+                if v.requires_grad:
+                    buf = torch.empty(v.shape, dtype=v.dtype, device=self.rt.device)
+                    tag = self._tag(i, True, g + 1, j)
+                    back.append((buf, st.ch.irecv(buf, self.down, tag=tag)))
+            st.posted["B", c, i] = back
+
+    def _backward(self, st: _Step, c: int, i: int) -> None:
+        g = self._global(c)
+        outs = [v for v in st.outputs.pop((c, i)) if v.requires_grad]
+        last = g == self.depth - 1
+        grads = None if last else self._received(st.ch, st.posted.pop(("B", c, i)), self.down)
+        t0 = time.perf_counter()
+        with span("backward", microbatch=i):
+            torch.autograd.backward(outs, grads)
+        st.busy += time.perf_counter() - t0
+        ins = st.inputs.pop((c, i))
+        if g:
+            for j, v in enumerate(ins):
+                if v.requires_grad:
+                    grad = v.grad if v.grad is not None else torch.zeros_like(v)
+                    work = st.ch.isend(grad, self.up, tag=self._tag(i, True, g, j))
+                    st.sends.append((work, self.up))
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The logits of `x` on the last stage (None on the others), forward only."""
+        """The logits of `x` on the rank holding the last stage (None on the others), forward
+        only: every chunk in turn runs every micro-batch."""
         ch = self._channel("evaluation")
         out = None
         pending = []
         parts = [(i, part) for i, part in enumerate(x.tensor_split(self.m)) if len(part)]
         posted = {}  # every receive up front (see the module's docstring)
-        if not self.first:
+        for c in range(len(self.modules)):
+            if self._global(c):
+                for i, part in parts:
+                    posted[c, i] = self._post_inputs(ch, self._global(c), i, len(part))
+        for c, module in enumerate(self.modules):
+            g = self._global(c)
             for i, part in parts:
-                posted[i] = self._post_inputs(ch, i, len(part))
-        for i, part in parts:
-            ins = [part] if self.first else self._received(ch, posted.pop(i), self.stage - 1)
-            result = as_values(self.module(*ins))
-            if self.last:
-                out = result[0] if out is None else torch.cat([out, result[0]])
-            else:
-                for j, v in enumerate(result):
-                    pending.append(ch.isend(v, self.stage + 1, tag=_tag(i, False, j)))
+                ins = [part] if g == 0 else self._received(ch, posted.pop((c, i)), self.up)
+                result = as_values(module(*ins))
+                if g == self.depth - 1:
+                    out = result[0] if out is None else torch.cat([out, result[0]])
+                else:
+                    for j, v in enumerate(result):
+                        tag = self._tag(i, False, g + 1, j)
+                        pending.append(ch.isend(v, self.down, tag=tag))
         for work in pending:
-            ch.wait(work, self.stage + 1, "send to")
+            ch.wait(work, self.down, "send to")
         self.rt.comm.add(ch.sent, 0.0, "pipeline")
         return out
 
 
-def single_input(per_sample: torch.Size, dtype: torch.dtype | None) -> Callable[[int], Boundary]:
-    """A sequence of layers' boundary: one activation, batch first, its gradient sent back."""
+def single_input(
+    per_sample: list[torch.Size], dtype: torch.dtype | None
+) -> Callable[[int, int], Boundary]:
+    """A sequence of layers' boundaries: one activation entering each stage (`per_sample[s]`
+    per sample), batch first, its gradient sent back."""
     kind = dtype or torch.get_default_dtype()
-    return lambda n: [(torch.Size((n, *per_sample)), kind, True)]
+    return lambda stage, n: [(torch.Size((n, *per_sample[stage])), kind, True)]

@@ -10,7 +10,7 @@ from typing import Any
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import LayoutConfig
+from gradmesh.layout.config import LayoutConfig, check_interleaved
 from gradmesh.layout.planner import Links
 from gradmesh.options import check_choices, component, option
 from gradmesh.simulate.profile import (
@@ -57,7 +57,8 @@ class SimulateConfig:
     servers_per_node: int = option(0, "ps: parameter servers on each node (0: --servers in all)")
     local_sgd: LocalSGDConfig = component(LocalSGDConfig, only=("sync_every",))
     layout: LayoutConfig = component(
-        LayoutConfig, only=("tensor_parallel", "pipeline_parallel", "microbatches", "schedule")
+        LayoutConfig,
+        only=("tensor_parallel", "pipeline_parallel", "microbatches", "schedule", "virtual_stages"),
     )
     json: str | None = option(None, "write the prediction here")
     plot: str | None = option(None, "write efficiency and overhead against GPUs here (PNG)")
@@ -137,6 +138,12 @@ def _check(args: SimulateConfig) -> tuple[list[int], list[str]]:
             "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel and "
             "--pipeline-parallel must be >= 1, --servers-per-node >= 0, --fusion-mb > 0"
         )
+    check_interleaved(
+        args.layout.schedule,
+        args.layout.pipeline_parallel,
+        args.layout.microbatches,
+        args.layout.virtual_stages,
+    )
     return gpus, strategies
 
 
@@ -156,6 +163,7 @@ def _job(args: SimulateConfig, prof: Any, links: Links, split: Any) -> Job:
         stages=args.layout.pipeline_parallel,
         microbatches=args.layout.microbatches,
         schedule=args.layout.schedule,
+        virtual_stages=args.layout.virtual_stages,
     )
 
 

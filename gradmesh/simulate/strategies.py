@@ -42,7 +42,9 @@ class Job:
     microbatches: int = 1
     """pipeline: micro-batches per replica's batch."""
     schedule: str = "1f1b"
-    """pipeline: gpipe or 1f1b (`gradmesh.layout.pipeline.schedule_actions`)."""
+    """pipeline: gpipe, 1f1b or interleaved (`gradmesh.layout.pipeline.schedule_actions`)."""
+    virtual_stages: int = 2
+    """pipeline, interleaved: chunks of the model each GPU holds."""
     servers_apart: bool = False
     """ps: the servers have hosts of their own (BytePS's layout, and `gradmesh bench scaling`'s
     emulated jobs), so pushes and pulls cross the link between nodes even on one node."""
@@ -132,11 +134,12 @@ def _hybrid(job: Job) -> float:
 def _pipeline(job: Job) -> float:
     """Pipeline parallelism as gradmesh runs it: the layer sequence cut into S stages balanced
     on their FLOPs (`pipeline.balance`; S the largest asked for that divides the GPU count,
-    adjacent GPUs, so a node's), each replica's batch (S GPUs' worth) in `microbatches`, every
-    stage running its schedule's actions in order (`pipeline.schedule_actions`) as a discrete-
-    event simulation: a forward waits for the stage before it and its activation's transfer, a
-    backward for the stage after it and its gradient's; then each stage's parameters are
-    averaged over the S-strided replicas, after its last backward."""
+    adjacent GPUs, so a node's; S v under the interleaved schedule, GPU s holding stages s,
+    s + S, ...), each replica's batch (S GPUs' worth) in `microbatches`, every GPU running its
+    schedule's actions in order (`pipeline.schedule_actions`) as a discrete-event simulation: a
+    forward waits for the stage before it and its activation's transfer, a backward for the
+    stage after it and its gradient's; then each GPU's parameters are averaged over the
+    S-strided replicas, after its last backward."""
     from gradmesh.layout.pipeline import balance
 
     split, _ = _split_of(job)
@@ -146,67 +149,86 @@ def _pipeline(job: Job) -> float:
     if stages > len(units_):
         stages = max(d for d in range(1, len(units_) + 1) if n % d == 0)
     m = job.microbatches
+    v = job.virtual_stages if job.schedule == "interleaved" else 1
+    if v > 1 and m % stages:
+        raise GradmeshError(
+            f"--microbatches {m}: the interleaved schedule on {stages} stages needs a multiple "
+            f"of {stages}"
+        )
+    v = max(1, min(v, len(units_) // stages))  # no chunk without a layer
+    depth = stages * v
     samples = split.prof.batch * stages / m  # per micro-batch (the profile is at one GPU's)
     scale = stages / m
     per_unit = [(u.fwd["data"] * scale, u.bwd["data"] * scale) for u in units_]
-    starts = balance([f + b for f, b in per_unit], stages) if stages > 1 else [0]
+    starts = balance([f + b for f, b in per_unit], depth) if depth > 1 else [0]
     bounds = [*starts, len(units_)]
     fwd = [sum(f for f, _ in per_unit[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
     bwd = [sum(b for _, b in per_unit[a:c]) for a, c in zip(bounds, bounds[1:], strict=False)]
     sends = [
-        _p2p_s(job.links, [s, s + 1], samples * units_[bounds[s + 1] - 1].out_bytes)
-        for s in range(stages - 1)
+        _p2p_s(
+            job.links,
+            [g % stages, (g + 1) % stages],
+            samples * units_[bounds[g + 1] - 1].out_bytes,
+        )
+        for g in range(depth - 1)
     ]
-    free = _run_schedule(job.schedule, stages, m, fwd, bwd, sends)
+    free = run_schedule(job.schedule, stages, m, fwd, bwd, sends, v)
     replicas = list(range(0, n, stages))
     step = 0.0
     for s in range(stages):
-        nbytes = sum(u.param_bytes for u in units_[bounds[s] : bounds[s + 1]])
+        mine = range(s, depth, stages)
+        nbytes = sum(u.param_bytes for g in mine for u in units_[bounds[g] : bounds[g + 1]])
         sync = job.links.allreduce_s(job.algorithm, [r + s for r in replicas], nbytes)
         step = max(step, free[s] + sync)
     return step + split.prof.step_overhead_s
 
 
-def _run_schedule(
+def run_schedule(
     schedule: str,
     stages: int,
     m: int,
     fwd: list[float],
     bwd: list[float],
     sends: list[float],
+    virtual: int = 1,
 ) -> list[float]:
-    """Every stage's actions in its schedule's order as a discrete-event simulation: a forward
-    waits for the stage before it and its activation's transfer, a backward for the stage after
-    it and its gradient's. Returns the time each stage is done."""
+    """Every GPU's actions in its schedule's order as a discrete-event simulation over the
+    pipeline's `stages * virtual` stages (`fwd`, `bwd`, `sends` per stage; GPU s runs stages
+    s, s + stages, ...): a forward waits for the stage before it and its activation's
+    transfer, a backward for the stage after it and its gradient's. Returns the time each GPU
+    is done."""
     from gradmesh.layout.pipeline import schedule_actions
 
+    depth = stages * virtual
     done: dict[tuple[str, int, int], float] = {}
     free = [0.0] * stages
-    queues = [schedule_actions(schedule, s, stages, m) for s in range(stages)]
+    queues = [schedule_actions(schedule, s, stages, m, virtual) for s in range(stages)]
     while any(queues):
         progressed = False
         for s in range(stages):
             while queues[s]:
-                kind, i = queues[s][0]
+                kind, chunk, i = queues[s][0]
+                g = chunk * stages + s
                 if kind == "F":
-                    need = [done.get(("F", s - 1, i))] if s else []
-                    ready = [t + sends[s - 1] for t in need if t is not None] if s else [0.0]
+                    ready = [0.0] if g == 0 else _after(done.get(("F", g - 1, i)), sends[g - 1])
+                elif g < depth - 1:
+                    ready = _after(done.get(("B", g + 1, i)), sends[g])
                 else:
-                    need = (
-                        [done.get(("B", s + 1, i))] if s < stages - 1 else [done.get(("F", s, i))]
-                    )
-                    ready = [
-                        t + (sends[s] if s < stages - 1 else 0.0) for t in need if t is not None
-                    ]
+                    ready = _after(done.get(("F", g, i)), 0.0)
                 if not ready:
                     break
                 start = max(free[s], *ready)
-                free[s] = done[(kind, s, i)] = start + (fwd[s] if kind == "F" else bwd[s])
+                free[s] = done[(kind, g, i)] = start + (fwd[g] if kind == "F" else bwd[g])
                 queues[s].pop(0)
                 progressed = True
         if not progressed:
             raise GradmeshError(f"pipeline schedule {schedule} deadlocked (a bug)")
     return free
+
+
+def _after(t: float | None, transfer: float) -> list[float]:
+    """When an action that waits for an event at `t` (None: not yet) and a transfer may start."""
+    return [] if t is None else [t + transfer]
 
 
 def _p2p_s(links: Links, ranks: list[int], nbytes: float) -> float:

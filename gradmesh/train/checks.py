@@ -5,6 +5,7 @@ what spans components (a layout a strategy cannot carry) is checked here."""
 from __future__ import annotations
 
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import check_interleaved
 from gradmesh.runtime.mesh import MeshShape
 from gradmesh.sync.config import SPLIT_LAYOUTS
 from gradmesh.train.config import TrainConfig
@@ -102,6 +103,8 @@ def _check_microbatches(config: TrainConfig, shape: MeshShape) -> None:
         raise GradmeshError(
             "--microbatches streams a pipeline: use it with --pipeline-parallel > 1"
         )
+    if shape.pp > 1:
+        check_interleaved(config.layout.schedule, shape.pp, m, config.layout.virtual_stages)
     per_replica = batch // shape.dp
     if m > 1 and batch % (shape.dp * m):
         fits = [k for k in range(1, per_replica + 1) if per_replica % k == 0 and k <= 64]

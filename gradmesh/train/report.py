@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import bubble_formula
 from gradmesh.layout.pipeline import bubble
 from gradmesh.runtime.world import Runtime
 from gradmesh.train.config import TrainConfig
@@ -284,8 +285,14 @@ class RunReport:
             return []
         split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"
         if lay["pp"] > 1:
+            chunks = lay.get("chunks", 1)
             split += f", {lay['microbatches']} micro-batches {lay['schedule']}"
-            split += f", bubble {lay.get('bubble', 0.0):.2f} (stage idle {lay['stage_idle']:.2f})"
+            split += f" ({chunks} stages per rank)" if chunks > 1 else ""
+            formula = bubble_formula(lay["pp"], lay["microbatches"], chunks)
+            split += (
+                f", bubble {lay.get('bubble', 0.0):.2f} (formula {formula:.2f}; "
+                f"stage idle {lay['stage_idle']:.2f})"
+            )
         per_step = ", ".join(
             f"{k} {lay.get(f'{k}_bytes_per_step', 0.0) / 1e3:.1f} kB" for k in KINDS[:3]
         )

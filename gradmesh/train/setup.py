@@ -126,6 +126,7 @@ def check_layout(config: TrainConfig) -> None:
         config.layout.tensor_parallel,
         config.layout.pipeline_parallel,
         config.layout.stages,
+        config.layout.chunks,
     )
 
 
@@ -205,6 +206,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         data.train.x[:1].to(rt.device),
         load_plan(config.layout.plan) if config.layout.plan else None,
         loss_of(config),
+        config.layout.chunks,
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,
@@ -215,7 +217,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     )
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
     strategy = STRATEGIES.get(config.sync.strategy)(
-        config.sync, config.layout.microbatches, config.job.timeout_s
+        config.sync, split.engine.backward_passes, config.job.timeout_s
     )
     return Job(config, rt, data, split, optimizer, strategy, lr)
 

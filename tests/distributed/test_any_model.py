@@ -132,7 +132,8 @@ def train_pipeline(kind: str, args: dict[str, int], schedule: str, points: list[
     if pp == 1:
         module, step = model, None
     else:
-        engine = graph_pipeline(model, rt, xs[0], points, 4, schedule, loss_of(kind), kind)
+        chunks = 2 if schedule == "interleaved" else 1  # 2 stages per rank, 4 in all
+        engine = graph_pipeline(model, rt, xs[0], points, 4, schedule, loss_of(kind), kind, chunks)
         module, step = engine.stage_module, engine.step
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     if dp > 1:  # each micro-batch's backward accumulates into the step's gradient
@@ -166,6 +167,11 @@ PIPELINES = {
     "gpt-pp2-1f1b-balanced": ("gpt", DEEP, "1f1b", [], 2),
     "gpt-dp2-pp2": ("gpt", DEEP, "1f1b", ["blocks.1"], 4),
     "residual-cnn-pp2": ("cnn", {}, "1f1b", ["blocks.1"], 2),
+    # rank 0 holds stages 0 and 2, rank 1 stages 1 and 3: the tied embedding and head are
+    # on different ranks, and every micro-batch crosses between the two ranks three times
+    "gpt-pp2-interleaved": ("gpt", DEEP, "interleaved", ["blocks.1", "blocks.2", "blocks.3"], 2),
+    "gpt-pp2-interleaved-balanced": ("gpt", DEEP, "interleaved", [], 2),
+    "residual-cnn-pp2-interleaved": ("cnn", {}, "interleaved", ["blocks.0", "blocks.1", "fc1"], 2),
 }
 
 

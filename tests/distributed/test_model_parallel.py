@@ -107,6 +107,8 @@ LAYOUTS = {
     "pp2-1f1b": (2, dict(pipeline_parallel=2, microbatches=4, schedule="1f1b", stages="6")),
     "dp2-tp2": (4, dict(tensor_parallel=2)),
     "dp2-pp2": (4, dict(pipeline_parallel=2, microbatches=4, schedule="1f1b")),
+    # 4 stages, one per layer with weights: rank 0 holds layers 0 and 6, rank 1 layers 2 and 8
+    "pp2-interleaved": (2, dict(pipeline_parallel=2, microbatches=4, schedule="interleaved")),
     # the hybrid plan: convolutions data-parallel over all 4 ranks, the fully connected pair split
     "hybrid-tp4": (4, dict(plan=json.dumps(HYBRID), tensor_parallel=4)),
     # every conversion: a replicated first layer sliced for a data-parallel one, dp 2 x tp 2

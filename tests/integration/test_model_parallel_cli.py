@@ -146,6 +146,11 @@ def test_train_imports_the_users_model_dataset_and_loss(tmp_path: Path, layout: 
             + ["--pipeline-parallel", "2", "--tensor-parallel", "2"],
             "tensor parallelism with pipeline stages cut on the graph is not supported yet",
         ),
+        (  # 2 ranks x 2 chunks: 4 stages, and the default gpt has 2 blocks
+            ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2"]
+            + ["--schedule", "interleaved", "--microbatches", "4"],
+            "a pipeline of 4 stages: model gpt has 2 blocks to cut into stages",
+        ),
     ],
 )
 def test_bad_user_code_is_one_line_before_launch(flags: list[str], message: str) -> None:

@@ -51,6 +51,16 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             {"emulate_compute_ms": 5.0, "tensor_parallel": 2},
             "--emulate-compute-ms spreads one step's compute over the whole model's layers",
         ),
+        (
+            {"workers": 2, "pipeline_parallel": 2, "microbatches": 3, "schedule": "interleaved"},
+            "--microbatches 3: the interleaved schedule sends micro-batches through a rank's "
+            "chunks in groups of --pipeline-parallel 2; give a multiple of 2",
+        ),
+        (
+            {"workers": 2, "pipeline_parallel": 2, "microbatches": 4}
+            | {"schedule": "interleaved", "virtual_stages": 1},
+            "--virtual-stages 1: the interleaved schedule holds at least 2 chunks",
+        ),
     ],
 )
 def test_validate_rejects(change: dict[str, object], message: str) -> None:

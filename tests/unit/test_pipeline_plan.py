@@ -6,7 +6,9 @@ import itertools
 
 import pytest
 
+from gradmesh.layout.config import bubble_formula
 from gradmesh.layout.pipeline import balance, bubble, schedule_actions
+from gradmesh.simulate.strategies import run_schedule
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -15,7 +17,7 @@ def test_every_stage_runs_each_microbatch_forward_then_backward_once(
     kind: str, stages: int, m: int
 ) -> None:
     for stage in range(stages):
-        actions = schedule_actions(kind, stage, stages, m)
+        actions = [(a, i) for a, _, i in schedule_actions(kind, stage, stages, m)]
         assert sorted(actions) == sorted(
             [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
         )
@@ -28,13 +30,47 @@ def test_every_stage_runs_each_microbatch_forward_then_backward_once(
 def test_1f1b_holds_at_most_as_many_microbatches_as_stages_ahead(stages: int, m: int) -> None:
     for stage in range(stages):
         live, peak = 0, 0
-        for action, _ in schedule_actions("1f1b", stage, stages, m):
+        for action, _, _ in schedule_actions("1f1b", stage, stages, m):
             live += 1 if action == "F" else -1
             peak = max(peak, live)
         assert peak == min(stages - stage, m)
     # GPipe holds them all
     gpipe = schedule_actions("gpipe", 0, stages, m)
-    assert [a for a, _ in gpipe[:m]] == ["F"] * m
+    assert [a for a, _, _ in gpipe[:m]] == ["F"] * m
+
+
+@pytest.mark.parametrize(("stages", "virtual", "m"), [(2, 2, 4), (2, 3, 2), (4, 2, 8), (3, 2, 6)])
+def test_interleaved_runs_every_chunk_forward_then_backward_once(
+    stages: int, virtual: int, m: int
+) -> None:
+    for stage in range(stages):
+        actions = schedule_actions("interleaved", stage, stages, m, virtual)
+        want = [(a, c, i) for a in "FB" for c in range(virtual) for i in range(m)]
+        assert sorted(actions) == sorted(want)
+        assert all(actions.index(("F", c, i)) < actions.index(("B", c, i)) for _, c, i in want)
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("virtual", [1, 2, 3])
+@pytest.mark.parametrize("groups", [1, 2, 4])
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+def test_every_schedule_runs_without_deadlock_and_idles_as_its_formula(
+    stages: int, virtual: int, groups: int, backward: float
+) -> None:
+    """Equal stages, free transfers: the schedule run action by action (a forward waits for
+    the stage before, a backward for the stage after) idles exactly (p - 1) / (v m + p - 1)
+    of the step; a schedule whose order could deadlock fails here."""
+    m, depth = groups * stages, stages * virtual
+    kind = "interleaved" if virtual > 1 else "1f1b"
+    f, b = [1.0 / virtual] * depth, [backward / virtual] * depth
+    free = run_schedule(kind, stages, m, f, b, [0.0] * (depth - 1), virtual)
+    idle = 1 - m * (1 + backward) / max(free)
+    assert idle == pytest.approx(bubble_formula(stages, m, virtual), abs=1e-12)
+    if virtual > 1:  # v chunks per rank shrink the bubble against 1F1B's
+        one = run_schedule(
+            "1f1b", stages, m, [1.0] * stages, [backward] * stages, [0.0] * (stages - 1)
+        )
+        assert max(free) < max(one)
 
 
 @pytest.mark.parametrize(
