@@ -5,6 +5,7 @@ an output head tied to the token embedding), trained on bytes of text.
 
 gradmesh run -np 4 -- python examples/any_model.py --tensor-parallel 2     # dp 2 x tp 2
 gradmesh run -np 4 -- python examples/any_model.py --pipeline-parallel 2   # dp 2 x pp 2
+gradmesh run -np 4 -- python examples/any_model.py --tensor-parallel 2 --pipeline-parallel 2
 gradmesh run -np 2 -- python examples/any_model.py                         # dp 2
 
 Every layout takes the same steps on the same global batches: the printed losses agree to float
@@ -98,12 +99,11 @@ model = TinyGPT()
 data = torch.frombuffer(bytearray(corpus()[: 64 * 33 * args.steps]), dtype=torch.uint8).long()
 batches = data.view(args.steps, 64, 33)  # 64 sequences of 32 bytes (+ the next byte) a step
 
+model = gradmesh.parallelize(model, PLAN)  # tp 1 leaves the model whole
 step_fn, passes = None, 1  # backward calls per step (a pipeline stage: one per micro-batch)
-if args.pipeline_parallel > 1:  # cut at h.2 on the graph; 4 micro-batches, 1F1B
+if args.pipeline_parallel > 1:  # then cut at h.2 on the graph; 4 micro-batches, 1F1B
     stage = gradmesh.pipeline_stage(model, batches[0, :32, :-1], ["h.2"], 4, "1f1b", lm_loss)
     model, step_fn, passes = stage.stage_module, stage.step, stage.backward_passes
-else:
-    model = gradmesh.parallelize(model, PLAN)  # tp 1 leaves the model whole
 optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 optimizer = gradmesh.DistributedOptimizer(
     optimizer,
@@ -127,5 +127,5 @@ for step in range(args.steps):
     total = gradmesh.allreduce(loss.detach().double().reshape(1), op=gradmesh.Sum)
     if gradmesh.rank() == 0 and step % 10 == 9:
         # the sum over ranks counts each replica's loss once per rank holding it whole
-        holders = args.tensor_parallel  # tp ranks each hold the loss; one pipeline stage does
+        holders = args.tensor_parallel  # the last stage's tp ranks each hold the loss
         print(f"step {step + 1}: loss {float(total) / holders / 64:.4f}", flush=True)

@@ -119,11 +119,6 @@ def check_layout(
     if tp > 1:
         check_plan(model, tp_plan(model_name, model), tp, model_name)
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
-        if tp > 1:
-            raise GradmeshError(
-                f"model {model_name}: tensor parallelism with pipeline stages cut on the graph "
-                "is not supported yet; use --tensor-parallel 1, or a sequence of layers"
-            )
         if stages:
             check_points(model, stages.split(","), pp, model_name)
         elif len(candidates(model)) + 1 < pp:
@@ -168,7 +163,9 @@ def split_model(
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     if pp.size > 1:
         check_interleaved(schedule, pp.size, microbatches, chunks)
-    if pp.size > 1 and not isinstance(model, nn.Sequential):  # cut on the graph
+    if pp.size > 1 and not isinstance(model, nn.Sequential):  # split, then cut on the graph
+        if tp.size > 1:
+            model = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
         points = [p for p in stages.split(",") if p] or None
         graph = graph_pipeline(
             model, rt, sample, points, microbatches, schedule, loss_fn, model_name, chunks

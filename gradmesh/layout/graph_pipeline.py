@@ -7,7 +7,10 @@ there) or where its forward FLOPs balance. The cut is made by torch's
 computes between two cuts (the residual stream, position embeddings added to token
 embeddings, a final norm) lands in the right stage and only the values that cross a cut travel.
 The stages then run on gradmesh's own `PipelineEngine` (its schedules, timeouts naming the
-peer stage, byte counts), not torch's schedules (see `gradmesh.layout.pipeline` for why).
+peer stage, byte counts), not torch's schedules (see `gradmesh.layout.pipeline` for why). A
+model split by its tensor-parallel plan first is cut the same way: its exchanges are torch
+custom operators, which the export keeps whole (`gradmesh.layout.tensor_parallel`), and its
+head counts are already each rank's when the graph is captured.
 
 What is ours, and why:
 - Parameters are the model's own. torch's split copies every parameter into the stage that
@@ -218,10 +221,11 @@ class GraphStages:
 
     def sync_tied(self, rt: Runtime) -> None:
         """Give every copy of a tied weight its whole gradient: summed over the stages that hold
-        it and averaged over the replicas, in one allreduce over the world (zeros from a rank
-        whose stages do not hold it; a rank holding it on two of its stages has summed them in
-        its own gradient already). Every rank calls it after its step's backwards; the
-        data-parallel sync leaves these parameters alone (`LAYOUT_SYNCED`)."""
+        it (an allreduce over the pp axis, zeros from a rank whose stages do not hold it; a rank
+        holding it on two of its stages has summed them in its own gradient already), then
+        averaged over the replicas (the dp axis). Under tensor parallelism each tp rank sums its
+        own slice with the stages of its own tp index. Every rank calls it after its step's
+        backwards; the data-parallel sync leaves these parameters alone (`LAYOUT_SYNCED`)."""
         shared = self.tied()
         if not shared:
             return
@@ -229,8 +233,9 @@ class GraphStages:
         flat = torch.cat(
             [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
         )
-        allreduce(flat, kind="pipeline")
-        flat /= rt.mesh["dp"].size
+        allreduce(flat, group=rt.mesh["pp"].group, kind="pipeline")  # over the stages
+        if rt.mesh["dp"].size > 1:  # and the replicas
+            allreduce(flat, op="average", group=rt.mesh["dp"].group, kind="pipeline")
         held = self.holders()
         axis = rt.mesh["pp"]
         mine = set(range(axis.index, len(self.points) + 1, axis.size))  # this rank's stages
@@ -330,11 +335,6 @@ def graph_pipeline(
     names; default: balanced by forward FLOPs on `example`, a batch like the ones `step` will
     get). `engine.stage_module` holds the rank's parameters."""
     pp = rt.mesh["pp"].size * chunks
-    if rt.mesh["tp"].size > 1:
-        raise GradmeshError(
-            f"model {model_name}: tensor parallelism with pipeline stages cut on the graph is not "
-            "supported yet; use --tensor-parallel 1, or a sequence of layers"
-        )
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     check_interleaved(schedule, rt.mesh["pp"].size, microbatches, chunks)

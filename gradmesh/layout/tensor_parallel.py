@@ -7,7 +7,7 @@ is a partial sum, and one allreduce over `tp` makes it whole. A column-parallel 
 a row-parallel one (with anything elementwise between, as ReLU or max-pooling per channel)
 therefore costs one allreduce in forward (the row layer's partial sums) and one in backward (the
 gradient of the column layer's input, which every rank computed only partly): the paired
-autograd functions `_CopyToTP` (identity forward, allreduce backward) and `_ReduceFromTP`
+operators `gradmesh::tp_copy` (identity forward, allreduce backward) and `gradmesh::tp_reduce`
 (allreduce forward, identity backward). Parameters keep their names, so a split model's
 state_dict reads like the whole model's, each tensor being this rank's slice.
 
@@ -15,8 +15,9 @@ Why not torch's DTensor styles (`parallelize_module` with `ColwiseParallel`/`Row
 They do work on Gloo and CPU (tried: same outputs and gradients as here). But (1) they are
 slower: `gradmesh bench tp-styles --rounds 5` (the built-in GPT, width 128, 2 blocks, its MLPs
 split over 2 ranks, 8 sequences of 64 tokens, forward + backward + AdamW, medians of 5
-interleaved rounds of 20 steps, loopback) measured 35.6 ms a step with DTensor against 28.7 ms
-here (1.24x; 1.14x with 3 rounds), most likely DTensor's dispatch (not profiled); (2)
+interleaved rounds of 20 steps, loopback) measured 28.51 ms a step with DTensor against
+22.17 ms here on 2026-11-25 (1.29x; 1.14x-1.24x on an earlier day), most likely DTensor's
+dispatch (not profiled); (2)
 parameters would be DTensors in every sync path (DistributedOptimizer's flat buckets, local SGD,
 parameter broadcast, checkpoints), each needing to unwrap them; (3) their collectives bypass
 gradmesh's per-call numbering, byte counts by kind and one-line timeout messages. The placement
@@ -70,55 +71,79 @@ def tp_gather(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
     return torch.cat(list(rows.unbind(0)), dim=dim)
 
 
-class _CopyToTP(torch.autograd.Function):
-    """Identity forward; allreduce of the gradient over tp in backward."""
+# The exchanges are torch custom operators with their own gradients, not autograd.Functions:
+# `torch.export` (which cuts a model into pipeline stages on its graph) keeps a custom operator
+# in the graph as one call, gradient and all, where it would trace through a Function's forward
+# and lose its backward; so a tensor-parallel model can also be cut into pipeline stages.
+@torch.library.custom_op("gradmesh::tp_copy", mutates_args=())
+def _tp_copy(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward (an operator may not return its input: a copy); allreduce of the
+    gradient over tp in backward."""
+    return x.clone()
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _tp_allreduce(grad.clone(), "input gradient")
-
-
-class _ReduceFromTP(torch.autograd.Function):
+@torch.library.custom_op("gradmesh::tp_reduce", mutates_args=())
+def _tp_reduce(x: torch.Tensor, what: str) -> torch.Tensor:
     """Allreduce over tp in forward; identity in backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _tp_allreduce(x.clone(), "partial sums")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    return _tp_allreduce(x.clone(), what)
 
 
-class _GatherFromTP(torch.autograd.Function):
+@torch.library.custom_op("gradmesh::tp_gather", mutates_args=())
+def _tp_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     """All-gather of the features over tp in forward; this rank's slice in backward (what comes
     after is replicated, so every rank holds the same whole gradient)."""
+    return tp_gather(x, dim, "output gather")
 
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim, ctx.size = dim, x.shape[dim]
-        return tp_gather(x, dim, "output gather")
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        index = get_runtime().mesh["tp"].index
-        return grad.narrow(ctx.dim, index * ctx.size, ctx.size).contiguous(), None
+@_tp_copy.register_fake
+@_tp_reduce.register_fake
+def _same_shape(x: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@_tp_gather.register_fake
+def _gathered_shape(x: torch.Tensor, dim: int) -> torch.Tensor:
+    shape = list(x.shape)
+    shape[dim] *= get_runtime().mesh["tp"].size
+    return x.new_empty(shape)
+
+
+def _copy_backward(_ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    return reduce_from_tp(grad, "input gradient")
+
+
+def _reduce_backward(_ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return grad, None
+
+
+def _gather_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+    x, dim = inputs
+    ctx.dim, ctx.size = dim, x.shape[dim]
+
+
+def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    index = get_runtime().mesh["tp"].index
+    return grad.narrow(ctx.dim, index * ctx.size, ctx.size).contiguous(), None
+
+
+_tp_copy.register_autograd(_copy_backward)
+_tp_reduce.register_autograd(_reduce_backward)
+_tp_gather.register_autograd(_gather_backward, setup_context=_gather_context)
 
 
 def copy_to_tp(x: torch.Tensor) -> torch.Tensor:
-    return _CopyToTP.apply(x)  # type: ignore[no-untyped-call,no-any-return]
+    out: torch.Tensor = _tp_copy(x)
+    return out
 
 
-def reduce_from_tp(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceFromTP.apply(x)  # type: ignore[no-untyped-call,no-any-return]
+def reduce_from_tp(x: torch.Tensor, what: str = "partial sums") -> torch.Tensor:
+    out: torch.Tensor = _tp_reduce(x, what)
+    return out
 
 
 def gather_from_tp(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return _GatherFromTP.apply(x, dim)  # type: ignore[no-untyped-call,no-any-return]
+    out: torch.Tensor = _tp_gather(x, dim % x.dim())
+    return out
 
 
 def chunk_sizes(size: int, chunks: tuple[int, ...]) -> list[int]:

@@ -121,24 +121,33 @@ def loss_of(kind: str) -> Any:
 
 def train_pipeline(kind: str, args: dict[str, int], schedule: str, points: list[str]) -> Any:
     """20 AdamW steps in float64 with 4 micro-batches on this rank's stage (one process: the
-    whole model); returns (pp index, dp index, parameters by every name, aliases included)."""
+    whole model; with a tp axis, the model split by its plan first); returns (pp index, dp
+    index, tp index, parameters by every name, aliases included, and how each is split)."""
     rt = gradmesh.get_runtime()
     coords = rt.mesh.shape.coords(rt.rank)
     model = _model(kind, args).double()
+    if rt.mesh["tp"].size > 1:
+        model = gradmesh.parallelize(model, dict(model.tp_plan))
+    split = shard_specs(model)
+    by_id = {id(p): split[n] for n, p in model.named_parameters() if n in split}
+    specs = {
+        n: by_id[id(p)] for n, p in model.named_parameters(remove_duplicate=False) if id(p) in by_id
+    }
     xs, ys = _batches(kind)
     xs = xs.double() if xs.is_floating_point() else xs
     dp = rt.mesh["dp"].size
     pp = rt.mesh["pp"].size
+    passes = 1
     if pp == 1:
         module, step = model, None
     else:
         chunks = 2 if schedule == "interleaved" else 1  # 2 stages per rank, 4 in all
         engine = graph_pipeline(model, rt, xs[0], points, 4, schedule, loss_of(kind), kind, chunks)
-        module, step = engine.stage_module, engine.step
+        module, step, passes = engine.stage_module, engine.step, engine.backward_passes
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     if dp > 1:  # each micro-batch's backward accumulates into the step's gradient
         opt = gradmesh.DistributedOptimizer(
-            opt, named_parameters=module.named_parameters(), backward_passes_per_step=4
+            opt, named_parameters=module.named_parameters(), backward_passes_per_step=passes
         )
     for i in range(STEPS):
         x, y = xs[i].chunk(dp)[coords["dp"]], ys[i].chunk(dp)[coords["dp"]]
@@ -149,20 +158,21 @@ def train_pipeline(kind: str, args: dict[str, int], schedule: str, points: list[
             step(x, y, 1.0 / y.numel())
         opt.step()
     params = module.named_parameters(remove_duplicate=False)
-    return coords["pp"], coords["dp"], {k: v.detach().clone() for k, v in params}
+    state = {k: v.detach().clone() for k, v in params}
+    return coords["pp"], coords["dp"], coords["tp"], state, specs
 
 
 @pytest.fixture(scope="module")
 def references64() -> dict[str, dict[str, torch.Tensor]]:
     return {
-        kind: run_ranks(train_pipeline, 1, kind, args, "gpipe", [])[0][2]
+        kind: run_ranks(train_pipeline, 1, kind, args, "gpipe", [])[0][3]
         for kind, args in (("gpt", DEEP), ("cnn", {}))
     }
 
 
 DEEP = {**MHA, "depth": 4}
 PIPELINES = {
-    # name: (kind, args, schedule, split points, world)
+    # name: (kind, args, schedule, split points, world[, tp])
     "gpt-pp2-gpipe": ("gpt", DEEP, "gpipe", ["blocks.2"], 2),
     "gpt-pp2-1f1b-balanced": ("gpt", DEEP, "1f1b", [], 2),
     "gpt-dp2-pp2": ("gpt", DEEP, "1f1b", ["blocks.1"], 4),
@@ -172,6 +182,18 @@ PIPELINES = {
     "gpt-pp2-interleaved": ("gpt", DEEP, "interleaved", ["blocks.1", "blocks.2", "blocks.3"], 2),
     "gpt-pp2-interleaved-balanced": ("gpt", DEEP, "interleaved", [], 2),
     "residual-cnn-pp2-interleaved": ("cnn", {}, "interleaved", ["blocks.0", "blocks.1", "fc1"], 2),
+    # split by the plan, then cut on the graph: each stage's tp exchanges are operators in its
+    # graph; the tied embedding and head are split by vocabulary on both ends
+    "gpt-tp2-pp2": ("gpt", DEEP, "1f1b", ["blocks.2"], 4, 2),
+    "gpt-tp2-pp2-interleaved": (
+        "gpt",
+        DEEP,
+        "interleaved",
+        ["blocks.1", "blocks.2", "blocks.3"],
+        4,
+        2,
+    ),
+    "residual-cnn-tp2-pp2": ("cnn", {}, "gpipe", ["blocks.1"], 4, 2),
 }
 
 
@@ -182,15 +204,26 @@ def test_pipeline_cut_on_the_graph_equals_one_process(
     """Float64, so that the comparison sees the schedule's arithmetic, not float32 rounding that
     AdamW amplifies where a gradient cancels to about its eps (float32 gives 9e-5 on one
     element of blocks.1.mlp.fc1.weight for gpt-pp2-gpipe, and 1e-6 with SGD)."""
-    kind, args, schedule, points, world = PIPELINES[case]
-    results = run_ranks(
-        train_pipeline, world, kind, args, schedule, points, init={"pipeline_parallel": 2}
-    )
+    kind, args, schedule, points, world, *tp = PIPELINES[case]
+    init = {"pipeline_parallel": 2, "tensor_parallel": tp[0] if tp else 1}
+    results = run_ranks(train_pipeline, world, kind, args, schedule, points, init=init)
     want = references64[kind]
     seen: set[str] = set()
-    for stage, _dp, params in results:
-        for name, tensor in params.items():
+    for stage in {r[0] for r in results}:  # the first replica's tp ranks of each stage
+        group = sorted((r for r in results if r[0] == stage and r[1] == 0), key=lambda r: r[2])
+        specs = group[0][4]
+        for name, whole in want.items():
+            if name not in group[0][3]:
+                continue
             seen.add(name)
-            error = float((tensor - want[name]).abs().max() / want[name].abs().max())
+            pieces = [r[3][name] for r in group]
+            got = unshard(pieces, *specs[name]) if name in specs else pieces[0]
+            error = float((got - whole).abs().max() / whole.abs().max())
             assert error <= 1e-9, f"stage {stage} {name}: {error:.2e} of its largest value"
     assert seen == set(want)  # every parameter is on some stage; the tied head on both ends
+    if tp:
+        assert group[0][4], "nothing was split"
+    for other in results:  # every data-parallel replica ends the same
+        same = next(r for r in results if r[0] == other[0] and r[2] == other[2] and r[1] == 0)
+        for name, tensor in other[3].items():
+            torch.testing.assert_close(tensor, same[3][name], rtol=0, atol=1e-12)

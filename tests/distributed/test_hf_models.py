@@ -42,13 +42,13 @@ def train_llama() -> Any:
     model = build("llama")((SEQ,), VOCAB, **LLAMA).double()
     data = torch.randint(0, VOCAB, (STEPS, 8, SEQ + 1), generator=torch.Generator().manual_seed(1))
     step_fn = None
-    if rt.mesh["pp"].size > 1:
+    model = gradmesh.parallelize(model)  # the plan the model declares (tp 1: left whole)
+    specs = shard_specs(model)
+    if rt.mesh["pp"].size > 1:  # then cut on the graph
         stage = gradmesh.pipeline_stage(
             model, data[0, :, :-1], ["net.model.layers.1"], 4, "1f1b", lm_loss
         )
         model, step_fn = stage.stage_module, stage.step
-    else:
-        model = gradmesh.parallelize(model)  # the plan the model declares (tp 1: left whole)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
         x, y = data[step, :, :-1], data[step, :, 1:]
@@ -59,14 +59,14 @@ def train_llama() -> Any:
             (lm_loss(model(x), y) / len(y)).backward()
         opt.step()
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    index = rt.mesh["pp"].index if step_fn else rt.mesh["tp"].index
-    return index, params, shard_specs(model)
+    return (rt.mesh["pp"].index, rt.mesh["tp"].index), params, specs
 
 
 def test_a_tiny_llama_split_by_its_declared_plan_equals_one_process() -> None:
     ((_, want, _),) = run_ranks(train_llama, 1)
     parts = sorted(run_ranks(train_llama, 2, init={"tensor_parallel": 2}), key=lambda r: r[0])
     specs = parts[0][2]
+    assert [p[0] for p in parts] == [(0, 0), (0, 1)]
     # q/k/v/o, the MLP, the embedding and the head are split; the norms stay whole
     assert {n.rsplit(".", 2)[-2] for n in specs} >= {"q_proj", "k_proj", "o_proj", "down_proj"}
     assert "net.model.embed_tokens.weight" in specs and "net.lm_head.weight" in specs
@@ -91,4 +91,25 @@ def test_a_tiny_llama_cut_on_its_graph_equals_one_process() -> None:
             seen.add(name)
             error = float((tensor - want[name]).abs().max() / want[name].abs().max())
             assert error <= 1e-9, f"{name}: {error:.2e} of its largest value"
+    assert seen == set(want)
+
+
+def test_a_tiny_llama_split_by_its_plan_then_cut_on_its_graph_equals_one_process() -> None:
+    """tp 2 x pp 2: each stage's q/k/v/o and MLP split over its 2 tp ranks (the grouped-query
+    heads too: 2 query and 1 key/value head a rank), the cut carrying the split model's
+    residual stream, rotary embeddings and mask."""
+    ((_, want, _),) = run_ranks(train_llama, 1)
+    init = {"pipeline_parallel": 2, "tensor_parallel": 2}
+    parts = run_ranks(train_llama, 4, init=init)
+    specs = parts[0][2]
+    assert "net.model.layers.1.self_attn.k_proj.weight" in specs
+    seen = set()
+    for stage in (0, 1):
+        group = sorted((p for p in parts if p[0][0] == stage), key=lambda p: p[0][1])
+        for name in group[0][1]:
+            seen.add(name)
+            pieces = [p[1][name] for p in group]
+            got = unshard(pieces, *specs[name]) if name in specs else pieces[0]
+            error = float((got - want[name]).abs().max() / want[name].abs().max())
+            assert error <= 1e-9, f"stage {stage} {name}: {error:.2e} of its largest value"
     assert seen == set(want)

@@ -98,11 +98,14 @@ def any_model_losses(np: int, *flags: str) -> list[float]:
 
 def test_users_own_gpt_is_split_by_its_plan_and_its_graph() -> None:
     """examples/any_model.py: a plain-PyTorch GPT (tied head, fused q/k/v) made dp 2 x tp 2 by
-    a plan of module names and dp 2 x pp 2 by a cut at h.2 takes the steps of one process."""
+    a plan of module names, dp 2 x pp 2 by a cut at h.2, and tp 2 x pp 2 by both, takes the
+    steps of one process."""
     one = any_model_losses(1)
     assert len(one) == 2
     assert any_model_losses(4, "--tensor-parallel", "2") == pytest.approx(one, rel=1e-4)
     assert any_model_losses(4, "--pipeline-parallel", "2") == pytest.approx(one, rel=1e-4)
+    both = any_model_losses(4, "--tensor-parallel", "2", "--pipeline-parallel", "2")
+    assert both == pytest.approx(one, rel=1e-4)
 
 
 USER = "tests.integration.scripts.user_code"
@@ -140,11 +143,6 @@ def test_train_imports_the_users_model_dataset_and_loss(tmp_path: Path, layout: 
         (
             ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2", "--stages", "x.1"],
             "split point 'x.1' is not a module of model gpt",
-        ),
-        (
-            ["--model", "gpt", "--dataset", "text", "--workers", "4"]
-            + ["--pipeline-parallel", "2", "--tensor-parallel", "2"],
-            "tensor parallelism with pipeline stages cut on the graph is not supported yet",
         ),
         (  # 2 ranks x 2 chunks: 4 stages, and the default gpt has 2 blocks
             ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2"]
