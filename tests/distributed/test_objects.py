@@ -21,6 +21,7 @@ def rich(rank: int) -> dict[object, object]:
         "floats": [0.1, -0.0, math.inf, 2.0**-1074],
         "rank": rank,
         "nested": {"t": ((),), "l": [[], {}]},
+        "sets": [{1, "a"}, frozenset({(1, 2)}), set()],
     }
 
 
@@ -32,7 +33,7 @@ def objects() -> dict[str, object]:
         "empty": allgather_object(None),
     }
     try:
-        allgather_object({1, 2} if r == 1 else r)
+        allgather_object(1j if r == 1 else r)
     except GradmeshError as exc:
         out["refused"] = str(exc)
     try:
@@ -54,8 +55,9 @@ def test_plain_values_round_trip_and_others_are_refused_on_every_rank(world: int
         got = out["bcast"]
         assert 0 in got and "0" not in got and isinstance(got[(1, "a")][0], bytes)
         assert math.copysign(1.0, got["floats"][1]) == -1.0
+        assert [type(v) for v in got["sets"]] == [set, frozenset, set]
         assert out["after"] == ("still", "in", "step")
         # every rank raises the refusing rank's own one-line reason
-        assert out["refused"].startswith("rank 1: allgather_object cannot send type set")
+        assert out["refused"].startswith("rank 1: allgather_object cannot send type complex")
         assert out["too_big"].startswith("rank 0: broadcast_object cannot send this object")
         assert "does not fit in 64 bits" in out["too_big"]
