@@ -1,9 +1,19 @@
 """Per-layer FLOPs of a model, from torch's FLOP counter: what the simulator prices a layer's
 compute by (`gradmesh.simulate`) and what emulated compute spreads its sleep by
-(`gradmesh.train.emulated`), so the two split a step's compute over the layers alike."""
+(`gradmesh.train.emulated`), so the two split a step's compute over the layers alike; and
+what a training run's model FLOPs utilisation (MFU) is made of: the model's FLOPs per sample
+and the peak rate a worker measures for itself.
+
+Why a measured peak: a CPU's nominal peak depends on its vector units, its clock under load and
+the cores a worker shares, none of which torch reports. A worker's peak here is the best rate
+of a float32 512 x 512 matrix multiply it reaches in a quarter of a second, measured by every
+worker at once before training (so workers sharing cores share them here too): MFU against it
+says how far the model's step is from the best dense arithmetic this worker can do."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -54,3 +64,28 @@ def layer_flops(net: nn.Module, x: torch.Tensor) -> list[Layer]:
         )
         for n, f, share in zip(order, mine, shares, strict=True)
     ]
+
+
+def flops_per_sample(build: Callable[[], nn.Module], sample: torch.Tensor) -> float:
+    """Forward and backward FLOPs of one sample through the model `build` makes, counted on
+    the meta device (no weights are made)."""
+    with torch.device("meta"):
+        net = build()
+    with FlopCounterMode(display=False) as counter:
+        out = net(sample.to("meta"))
+        (out[0] if isinstance(out, tuple | list) else out).float().sum().backward()
+    return float(counter.get_total_flops())
+
+
+def measured_peak_flops(seconds: float = 0.25, n: int = 512) -> float:
+    """FLOP/s of this process on a float32 `n` x `n` matrix multiply: the best of runs of 4
+    over `seconds` (see the module docstring)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b  # warm-up
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        started = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - started))
+    return best

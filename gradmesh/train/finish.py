@@ -56,6 +56,7 @@ def layout_figures(job: Job, steps: int) -> dict[str, float]:
         "compression_sent_bytes_per_step": rt.comm.compressed.get("sync", [0, 0])[1] / steps,
         "stage_busy_s": engine_clock.busy_s / steps if engine_clock is not None else 0.0,
         "stage_idle": engine_clock.idle() if engine_clock is not None else 0.0,
+        "peak_flops": job.model_flops[1],
     }
 
 
@@ -78,6 +79,7 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
         _faults(job),
         clock.steps,
         clock.cpu_idle,
+        job.model_flops[0],
     )
     if job.evaluator is not None:
         job.evaluator.close()

@@ -131,6 +131,13 @@ class RunReport:
     tokens_per_sample: int = 0
     """A language model's tokens per sample (its sequence length; 0 for other models): the
     loss is per token, so the summary adds perplexity and tokens/s."""
+    flops_per_sample: float = 0.0
+    """A language model's forward + backward FLOPs per sample (torch's FLOP counter)."""
+    peak_flops: float = 0.0
+    """The workers' mean measured peak FLOP/s (`gradmesh.models.flops.measured_peak_flops`)."""
+    mfu: float = 0.0
+    """Model FLOPs utilisation: the model's FLOPs per second (samples/s x FLOPs per sample)
+    over the workers' peak (workers x `peak_flops`); 0 where either is unknown."""
     emulated_compute_ms: float = 0.0
     """EMULATED compute (`--emulate-compute-ms`): the sleep each step's forward and backward
     took on top of the real arithmetic; 0 for a run that only computed."""
@@ -150,8 +157,11 @@ class RunReport:
         faults: dict[str, Any] | None = None,
         steps: int = 0,
         cpu_idle: float = 0.0,
+        flops_per_sample: float = 0.0,
     ) -> RunReport:
         figures = summarize_layout(stats.layout)
+        peak = figures.pop("peak_flops", 0.0)
+        rate = samples / wall_s if wall_s > 0 else 0.0
         given = figures.pop("compression_given_bytes_per_step", 0.0)
         sent = figures.pop("compression_sent_bytes_per_step", 0.0)
         compression = (
@@ -163,7 +173,7 @@ class RunReport:
             test_accuracy=accuracy,
             final_loss=losses[-1] if losses else None,
             wall_s=wall_s,
-            samples_per_s=samples / wall_s if wall_s > 0 else 0.0,
+            samples_per_s=rate,
             comm_s=_mean(stats.comm_s),
             compute_s=_mean(stats.compute_s),
             bytes_sent=_mean(stats.bytes_sent),
@@ -189,6 +199,9 @@ class RunReport:
             tokens_per_sample=(
                 config.data.sequence_length if config.data.dataset in TOKEN_DATASETS else 0
             ),
+            flops_per_sample=flops_per_sample,
+            peak_flops=peak,
+            mfu=rate * flops_per_sample / (workers * peak) if peak else 0.0,
         )
 
     @classmethod
@@ -241,10 +254,20 @@ class RunReport:
     def _language_line(self) -> list[str]:
         if not self.tokens_per_sample or self.final_loss is None:
             return []
+        mfu = (
+            [
+                f"  MFU {self.mfu:.1%}: {self.flops_per_sample / 1e6:.1f} MFLOP a sample (forward "
+                f"+ backward, torch's FLOP counter) against {self.peak_flops / 1e9:.1f} GFLOP/s "
+                "per worker (a float32 matmul measured by each worker)"
+            ]
+            if self.mfu
+            else []
+        )
         return [
             f"  language model: training perplexity {math.exp(self.final_loss):.2f} (per "
             f"token), {self.samples_per_s * self.tokens_per_sample:.0f} tokens/s; the test "
-            "accuracy counts every position's next token"
+            "accuracy counts every position's next token",
+            *mfu,
         ]
 
     def _straggler_line(self) -> list[str]:

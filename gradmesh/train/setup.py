@@ -15,11 +15,13 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
+from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
 from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
+from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
 from gradmesh.observe.timeline import start_timeline
@@ -180,6 +182,9 @@ class Job:
     """With --tensorboard, on the process that writes per-step scalars (rank 0; a ps job's
     worker 0)."""
     evaluator: Evaluator | None = None
+    model_flops: tuple[float, float] = (0.0, 0.0)
+    """A language model's forward + backward FLOPs per sample (torch's FLOP counter) and this
+    worker's measured peak FLOP/s (`gradmesh.models.flops`): what its MFU is made of."""
 
 
 def setup(config: TrainConfig, rt: Runtime) -> Job:
@@ -219,7 +224,11 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     strategy = STRATEGIES.get(config.sync.strategy)(
         config.sync, split.engine.backward_passes, config.job.timeout_s
     )
-    return Job(config, rt, data, split, optimizer, strategy, lr)
+    job = Job(config, rt, data, split, optimizer, strategy, lr)
+    if config.data.dataset in TOKEN_DATASETS:  # every worker measures its peak at once
+        flops = flops_per_sample(lambda: model_of(config, data), data.train.x[:1])
+        job.model_flops = (flops, measured_peak_flops())
+    return job
 
 
 def attach(job: Job) -> None:

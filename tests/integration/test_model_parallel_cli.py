@@ -261,3 +261,26 @@ def test_plan_refuses_a_model_that_is_not_a_sequence_in_one_line() -> None:
     assert out.returncode == 2, out.stderr
     assert "gradmesh plan places each layer of a sequence of layers; model gpt" in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_language_model_reports_perplexity_tokens_and_mfu(tmp_path: Path) -> None:
+    """`gradmesh train --model gpt --dataset text`: perplexity, tokens/s and MFU, whose FLOPs
+    are the transformer's own arithmetic (forward: the blocks' matmuls, attention's two
+    products over all 64 positions, the head; backward twice that) counted by torch."""
+    report = tmp_path / "run.json"
+    out = gradmesh(
+        "train", "--model", "gpt", "--dataset", "text", "--workers", "2", "--epochs", "1",
+        "--json", str(report),
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(report.read_text())
+    d, depth, seq, vocab = 64, 2, 64, 256  # gpt's defaults on the byte-level text dataset
+    block = 2 * d * 3 * d + 2 * d * d + 2 * 2 * d * 4 * d + 2 * 2 * seq * d
+    forward = seq * (depth * block + 2 * d * vocab)
+    assert result["tokens_per_sample"] == seq
+    assert result["flops_per_sample"] == pytest.approx(3 * forward, rel=0.01)
+    assert result["peak_flops"] > 0
+    rate = result["samples_per_s"] * result["flops_per_sample"]
+    assert result["mfu"] == pytest.approx(rate / (2 * result["peak_flops"]), rel=1e-6)
+    assert 0 < result["mfu"] < 1
+    assert "perplexity" in out.stdout and f"MFU {result['mfu']:.1%}" in out.stdout
