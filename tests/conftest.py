@@ -78,6 +78,26 @@ def emulated_namespaces() -> set[str]:
     return set(namespaces.our_namespaces()) if namespaces.missing_capability() is None else set()
 
 
+def foreign_namespace(name: str, ours: list[int]) -> bool:
+    """Whether namespace `name` belongs to a live process outside this test (another test
+    session on the machine): its owner's pid is in its name, and is neither this process nor
+    one of the test's own. Such a namespace is not this test's leak, and deleting it would
+    break the other session's cluster."""
+    import re
+
+    match = re.match(r"gmesh-(\d+)x", name)
+    if match is None:
+        return False
+    pid = int(match.group(1))
+    if pid == os.getpid() or pid in ours:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 THREAD_GRACE_S = 5.0
 """How long a thread a test told to stop may take to end before it counts as leaked."""
 
@@ -147,13 +167,14 @@ def no_leaked_processes() -> Iterator[str]:
     deadline = time.monotonic() + 5.0  # a process that was just told to exit may take a moment
     while (leaked := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    new_namespaces = emulated_namespaces() - namespaces_before
+    left_namespaces = {n for n in new_namespaces if not foreign_namespace(n, leaked)}
     children = [p for p in multiprocessing.active_children() if p.is_alive()]
     for pid in leaked:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     for child in children:
         child.kill()
-    left_namespaces = emulated_namespaces() - namespaces_before
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
     left_temp = our_temp_dirs() - temp_before

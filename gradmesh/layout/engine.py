@@ -11,7 +11,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+import gradmesh.layout.batch as batch
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.batch import Batch
 from gradmesh.layout.config import SCHEDULES, check_interleaved
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
@@ -34,12 +36,13 @@ from gradmesh.runtime.world import Runtime
 class Engine(Protocol):
     """What the training loop and evaluation call instead of `model(x)` / `backward()`."""
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        """Forward and backward of (x, y), the loss scaled by `scale` before backward; returns
-        the unscaled loss summed over the samples (zero on ranks that do not see it)."""
+    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+        """Forward and backward of (x, y) (each a tensor, or a tuple or dict of tensors:
+        `gradmesh.layout.batch`), the loss scaled by `scale` before backward; returns the
+        unscaled loss summed over the samples (zero on ranks that do not see it)."""
         ...
 
-    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+    def predict(self, x: Batch) -> torch.Tensor | None:
         """Logits of `x` (None on ranks that do not produce them)."""
         ...
 
@@ -64,20 +67,20 @@ class PlainEngine:
     def backward_passes(self) -> int:
         return self.microbatches
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64)
         m = self.microbatches
-        for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+        for xs, ys in zip(batch.split(x, m), batch.split(y, m), strict=True):
             with span("forward"):
-                loss = self.loss_fn(self.module(xs), ys)
+                loss = self.loss_fn(batch.call(self.module, xs), ys)
             with span("backward"):
                 (loss * scale).backward()  # type: ignore[no-untyped-call]
             total += loss.detach().double()
         return total
 
     @torch.no_grad()
-    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
-        out: torch.Tensor = self.module(x)
+    def predict(self, x: Batch) -> torch.Tensor | None:
+        out: torch.Tensor = batch.call(self.module, x)
         return out
 
 

@@ -35,11 +35,15 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
+import gradmesh.layout.batch as batch
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.batch import Batch
 from gradmesh.layout.config import SCHEDULES, check_interleaved
+from gradmesh.layout.graph_routes import Routes, routes_of
 from gradmesh.layout.pipeline import LossFn, balance, sum_cross_entropy
 from gradmesh.layout.stage_engine import Boundary, PipelineEngine, as_values
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
@@ -85,7 +89,7 @@ def check_points(model: nn.Module, points: list[str], pp: int, model_name: str) 
         raise GradmeshError(f"split points {','.join(points)} would leave a stage empty")
 
 
-def balanced_points(model: nn.Module, sample: torch.Tensor, pp: int, model_name: str) -> list[str]:
+def balanced_points(model: nn.Module, sample: Batch, pp: int, model_name: str) -> list[str]:
     """Split points that balance the stages' forward FLOPs (counted by torch's FLOP counter
     on `sample`); what comes before the first block counts with it, what follows the last
     with the last."""
@@ -97,7 +101,7 @@ def balanced_points(model: nn.Module, sample: torch.Tensor, pp: int, model_name:
         )
     blocks = [starts[0].rsplit(".", 1)[0] + ".0", *starts]
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(sample)
+        batch.call(model, sample)
     counts = counter.get_flop_counts()
     root = type(model).__name__
     per_block = [float(sum(counts.get(f"{root}.{b}", {}).values())) for b in blocks]
@@ -123,23 +127,24 @@ class GraphStages:
     """Every stage of `model` cut at `points`, traced per micro-batch size on demand."""
 
     def __init__(
-        self, model: nn.Module, points: list[str], model_name: str, example: torch.Tensor
+        self, model: nn.Module, points: list[str], model_name: str, example: Batch
     ) -> None:
         self.model, self.points, self.model_name = model, points, model_name
         self.example = example
         """A model input like the ones this pipeline runs (each size's trace runs its rows)."""
         self._specs: dict[int, list[Boundary]] = {}
-        self._sizes: dict[tuple[int, tuple[tuple[int, ...], ...]], int] = {}
+        self.routes: dict[tuple[tuple[int, ...], ...], Routes] = {}
+        """Each trace's routes (`gradmesh.layout.graph_routes`)."""
         self.originals: dict[str, torch.Tensor] = {
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False)),
         }
-        self.traces: dict[tuple[int, ...], list[nn.Module]] = {}
+        self.traces: dict[tuple[tuple[int, ...], ...], list[nn.Module]] = {}
         self._holders: dict[str, set[int]] | None = None
 
-    def stages(self, sample: torch.Tensor) -> list[nn.Module]:
+    def stages(self, sample: Batch) -> list[nn.Module]:
         """The stage modules for inputs shaped like `sample` (traced on first use)."""
-        key = tuple(sample.shape)
+        key = _shapes(sample)
         if key not in self.traces:
             from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -149,7 +154,10 @@ class GraphStages:
                 # that was cut once cannot be traced again (the copy's weights are pointed back)
                 with warnings.catch_warnings():  # torch's own deprecations, not the user's
                     warnings.simplefilter("ignore", FutureWarning)
-                    pipe = pipeline(copy.deepcopy(self.model), mb_args=(sample,), split_spec=spec)
+                    args, kwargs = batch.arguments(sample)
+                    pipe = pipeline(
+                        copy.deepcopy(self.model), mb_args=args, mb_kwargs=kwargs, split_spec=spec
+                    )
             except Exception as exc:  # noqa: BLE001 - torch's reasons vary; one line for the user
                 cause = exc.__cause__ or exc
                 why = (str(cause).splitlines() or [type(cause).__name__])[0]
@@ -165,12 +173,13 @@ class GraphStages:
             stages = [pipe.get_stage_module(i) for i in range(pipe.num_stages)]
             for stage in stages:
                 _point_back(stage, self.originals)
+            self.routes[key] = routes_of(pipe.split_gm, self.model_name)
             self.traces[key] = stages
         return self.traces[key]
 
-    def sample(self, n: int) -> torch.Tensor:
+    def sample(self, n: int) -> Batch:
         """A model input of `n` samples like the pipeline's (the example's first row)."""
-        return self.example[:1].expand(n, *self.example.shape[1:]).contiguous()
+        return tree_map(lambda t: t[:1].expand(n, *t.shape[1:]).contiguous(), self.example)
 
     def specs(self, n: int) -> list[Boundary]:
         """What enters each stage for a micro-batch of `n` samples: every tensor a cut carries
@@ -178,23 +187,22 @@ class GraphStages:
         autograd on (so that each flag is what the real run will have); cached per size."""
         if n not in self._specs:
             sample = self.sample(n)
-            values, found = [sample], []
+            values: list[torch.Tensor] = []
+            found: list[Boundary] = [[(t.shape, t.dtype, False) for t in batch.leaves(sample)]]
             with torch.enable_grad():
-                for stage in self.stages(sample):
-                    found.append([(v.shape, v.dtype, v.requires_grad) for v in values])
-                    outs = as_values(stage(*values))
+                for i in range(len(self.points) + 1):
+                    if i:
+                        found.append([(v.shape, v.dtype, v.requires_grad) for v in values])
+                    outs = as_values(self.run(i, values, sample))
                     values = [v.detach().requires_grad_(v.requires_grad) for v in outs]
             self._specs[n] = found
-            for i, spec in enumerate(found):
-                self._sizes[i, tuple(tuple(shape) for shape, _, _ in spec)] = n
         return self._specs[n]
 
-    def size_of(self, stage: int, values: tuple[torch.Tensor, ...]) -> int:
-        """The micro-batch size whose inputs to `stage` are shaped as `values`."""
-        key = (stage, tuple(tuple(v.shape) for v in values))
-        if key not in self._sizes:
-            raise GradmeshError(f"pipeline stage {stage}: unexpected input shapes {key[1]}")
-        return self._sizes[key]
+    def run(self, index: int, values: list[torch.Tensor], part: Batch) -> Any:
+        """Stage `index` on what its cut carried and on the micro-batch `part` (traced for its
+        size): what the next cut carries, or the model's output from the last stage."""
+        stage = self.stages(part)[index]  # traced for the shapes of `part` (cached)
+        return self.routes[_shapes(part)].run(index, stage, values, part)
 
     def holders(self) -> dict[str, set[int]]:
         """Each parameter (by one of its names) and the stages that hold it (every trace cuts
@@ -245,16 +253,22 @@ class GraphStages:
                 p.grad = piece.view_as(p).clone()
 
 
+def _shapes(sample: Batch) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(t.shape) for t in batch.leaves(sample))
+
+
 class Dispatch(nn.Module):
-    """Runs stage `index` of `stages` on its inputs, traced for their micro-batch's size."""
+    """Runs stage `index` of `stages` on what its cut carried and on its micro-batch."""
+
+    takes_batch = True
+    """The engine hands it the micro-batch too (a later stage may read the model's inputs)."""
 
     def __init__(self, stages: GraphStages, index: int) -> None:
         super().__init__()
         self._stages, self.index = stages, index
 
-    def forward(self, *values: torch.Tensor) -> Any:
-        n = values[0].shape[0] if self.index == 0 else self._stages.size_of(self.index, values)
-        return self._stages.stages(self._stages.sample(n))[self.index](*values)
+    def forward(self, values: list[torch.Tensor], part: Batch) -> Any:
+        return self._stages.run(self.index, values, part)
 
 
 class GraphPipelineEngine(PipelineEngine):
@@ -265,14 +279,14 @@ class GraphPipelineEngine(PipelineEngine):
         self,
         rt: Runtime,
         stages: GraphStages,
-        example: torch.Tensor,
+        example: Batch,
         microbatches: int,
         schedule: str,
         loss_fn: LossFn,
     ) -> None:
         axis = rt.mesh["pp"]
-        part = example[: max(1, len(example) // microbatches)]
-        stages.specs(len(part))  # traced now: a cut that cannot carry its values fails here
+        part = batch.rows(example, slice(0, max(1, batch.size(example) // microbatches)))
+        stages.specs(batch.size(part))  # traced now: a cut that cannot carry its values fails here
         mine = list(range(axis.index, len(stages.points) + 1, axis.size))
         super().__init__(
             rt,
@@ -322,7 +336,7 @@ def merged(parts: list[nn.Module]) -> nn.Module:
 def graph_pipeline(
     model: nn.Module,
     rt: Runtime,
-    example: torch.Tensor,
+    example: Batch,
     points: list[str] | None = None,
     microbatches: int = 1,
     schedule: str = "1f1b",
@@ -338,7 +352,7 @@ def graph_pipeline(
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     check_interleaved(schedule, rt.mesh["pp"].size, microbatches, chunks)
-    part = example[: max(1, len(example) // microbatches)]
+    part = batch.rows(example, slice(0, max(1, batch.size(example) // microbatches)))
     if not points:
         points = balanced_points(model, part, pp, model_name)
     check_points(model, points, pp, model_name)
@@ -354,7 +368,7 @@ def graph_pipeline(
 
 def pipeline_stage(
     model: nn.Module,
-    example: torch.Tensor,
+    example: Batch,
     split: list[str] | None = None,
     microbatches: int = 1,
     schedule: str = "1f1b",

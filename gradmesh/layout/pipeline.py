@@ -36,6 +36,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -239,7 +240,9 @@ def bubble(busy_s: list[float], idle: list[float]) -> float:
     return idle[max(range(len(busy_s)), key=busy_s.__getitem__)]
 
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""loss_fn(outputs, targets) -> the loss summed over the micro-batch's samples; targets are
+what the step was given (a tensor, or a tuple or dict of tensors)."""
 
 
 def sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -28,8 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import gradmesh.layout.batch as batch
 from gradmesh.collectives.channel import Channel
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.batch import Batch
 from gradmesh.layout.pipeline import BubbleClock, LossFn, schedule_actions, sum_cross_entropy
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
@@ -56,8 +58,8 @@ class _Step:
     """One step's state on a stage: what each (chunk, micro-batch) took in and gave out, the
     receives posted ahead, the sends to wait for at the end, the loss and the compute time."""
 
-    xs: tuple[torch.Tensor, ...]
-    ys: tuple[torch.Tensor, ...]
+    xs: list[Batch]
+    ys: list[Batch]
     scale: float
     ch: Channel
     inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
@@ -133,14 +135,14 @@ class PipelineEngine:
             ch.wait(work, peer, "receive from")
         return [buf for buf, _ in posted]
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        """Forward and backward of every micro-batch of (x, y); the loss (summed over samples,
-        times `scale`, before scaling) on the last stage, zero elsewhere."""
+    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+        """Forward and backward of every micro-batch of (x, y) (tensors, or tuples or dicts of
+        them: `gradmesh.layout.batch`); the loss (summed over samples, times `scale`, before
+        scaling) on the last stage, zero elsewhere."""
         self.steps += 1
-        st = _Step(
-            x.tensor_split(self.m), y.tensor_split(self.m), scale, self._channel("forward/backward")
-        )
-        sizes = [len(part) for part in st.ys]
+        xs, ys = batch.split(x, self.m), batch.split(y, self.m)
+        st = _Step(xs, ys, scale, self._channel("forward/backward"))
+        sizes = [batch.size(part) for part in st.ys]
         plan = schedule_actions(self.schedule, self.stage, self.stages, self.m, len(self.modules))
         actions = [(a, c, i) for a, c, i in plan if sizes[i]]
         forwards = [(c, i) for a, c, i in actions if a == "F"]
@@ -171,15 +173,14 @@ class PipelineEngine:
 
     def _forward(self, st: _Step, c: int, i: int) -> None:
         g = self._global(c)
-        if g == 0:
-            ins = [st.xs[i]]
-        else:
+        ins: list[torch.Tensor] = []  # what came from the stage before (the batch: nothing)
+        if g:
             ins = self._received(st.ch, st.posted.pop(("F", c, i)), self.up)
-            for v, (_, _, grad) in zip(ins, self.inputs_of(g, len(st.ys[i])), strict=True):
+            for v, (_, _, grad) in zip(ins, self.inputs_of(g, batch.size(st.ys[i])), strict=True):
                 v.requires_grad_(grad)
         t0 = time.perf_counter()
         with span("forward", microbatch=i):
-            outs = as_values(self.modules[c](*ins))
+            outs = as_values(_run_stage(self.modules[c], g, ins, st.xs[i]))
             if g == self.depth - 1:
                 loss = self.loss_fn(outs[0], st.ys[i])
                 st.losses += loss.detach().double()
@@ -215,23 +216,23 @@ class PipelineEngine:
                     st.sends.append((work, self.up))
 
     @torch.no_grad()
-    def predict(self, x: torch.Tensor) -> torch.Tensor | None:
+    def predict(self, x: Batch) -> torch.Tensor | None:
         """The logits of `x` on the rank holding the last stage (None on the others), forward
         only: every chunk in turn runs every micro-batch."""
         ch = self._channel("evaluation")
         out = None
         pending = []
-        parts = [(i, part) for i, part in enumerate(x.tensor_split(self.m)) if len(part)]
+        parts = [(i, part) for i, part in enumerate(batch.split(x, self.m)) if batch.size(part)]
         posted = {}  # every receive up front (see the module's docstring)
         for c in range(len(self.modules)):
             if self._global(c):
                 for i, part in parts:
-                    posted[c, i] = self._post_inputs(ch, self._global(c), i, len(part))
+                    posted[c, i] = self._post_inputs(ch, self._global(c), i, batch.size(part))
         for c, module in enumerate(self.modules):
             g = self._global(c)
             for i, part in parts:
-                ins = [part] if g == 0 else self._received(ch, posted.pop((c, i)), self.up)
-                result = as_values(module(*ins))
+                ins = self._received(ch, posted.pop((c, i)), self.up) if g else []
+                result = as_values(_run_stage(module, g, ins, part))
                 if g == self.depth - 1:
                     out = result[0] if out is None else torch.cat([out, result[0]])
                 else:
@@ -242,6 +243,14 @@ class PipelineEngine:
             ch.wait(work, self.down, "send to")
         self.rt.comm.add(ch.sent, 0.0, "pipeline")
         return out
+
+
+def _run_stage(module: Callable[..., Any], g: int, ins: list[torch.Tensor], part: Batch) -> Any:
+    """Pipeline stage `g` on what its cut carried (`ins`): a graph stage (`takes_batch`) also
+    gets its micro-batch, the first stage of a layer sequence gets the micro-batch alone."""
+    if getattr(module, "takes_batch", False):
+        return module(ins, part)
+    return batch.call(module, part) if g == 0 else module(*ins)
 
 
 def single_input(

@@ -17,6 +17,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.batch import Batch
+from gradmesh.layout.batch import size as batch_size
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
@@ -88,14 +90,14 @@ def loss_of(config: TrainConfig) -> LossFn:
         return sum_cross_entropy
     fn = import_path(config.data.loss, "loss")
 
-    def summed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def summed(out: torch.Tensor, y: Batch) -> torch.Tensor:
         value = fn(out, y)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise GradmeshError(
                 f"loss {config.data.loss} returned {shape}, not a scalar (the batch's mean)"
             )
-        return value * len(y)
+        return value * batch_size(y)
 
     return summed
 

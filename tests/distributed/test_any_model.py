@@ -227,3 +227,85 @@ def test_pipeline_cut_on_the_graph_equals_one_process(
         same = next(r for r in results if r[0] == other[0] and r[2] == other[2] and r[1] == 0)
         for name, tensor in other[3].items():
             torch.testing.assert_close(tensor, same[3][name], rtol=0, atol=1e-12)
+
+
+class Tagger(torch.nn.Module):
+    """A model with two inputs, token ids and a mask, whose graph routes values every way a
+    cut can: the mask's unsqueezed copy, made in stage 0, is used by every block; the
+    embedding, made in stage 0, is used again by the head (so stages in between carry it); the
+    mask itself is read again by the last stage from the model's inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 16)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(4))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        e = self.embed(input_ids)
+        m = attention_mask.unsqueeze(-1)
+        h = e
+        for block in self.blocks:
+            h = h + torch.tanh(block(h)) * m
+        return self.head(h + e) * attention_mask.unsqueeze(-1)
+
+
+def tagger_loss(out: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Each sequence's weighted mean over its positions, summed over the sequences."""
+    per_token = F.cross_entropy(out.flatten(0, 1), targets["tags"].flatten(), reduction="none")
+    weighted = per_token.view_as(targets["weight"]) * targets["weight"]
+    return weighted.sum() / targets["weight"].shape[1]
+
+
+def train_tagger(kind: str, schedule: str) -> Any:
+    """20 AdamW steps of the tagger on batches that are a dict (keyword inputs) or a tuple
+    (positional), targets a dict; returns (pp index, parameters)."""
+    rt = gradmesh.get_runtime()
+    torch.manual_seed(0)
+    model = Tagger().double()
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 32, (STEPS, 8, 6), generator=g)
+    masks = (torch.rand(STEPS, 8, 6, generator=g) > 0.2).double()
+    tags = torch.randint(0, 5, (STEPS, 8, 6), generator=g)
+    weights = torch.rand(STEPS, 8, 6, generator=g, dtype=torch.float64)
+
+    def inputs(i: int) -> Any:
+        if kind == "dict":
+            return {"input_ids": ids[i], "attention_mask": masks[i]}
+        return (ids[i], masks[i])
+
+    step = None
+    module: torch.nn.Module = model
+    if rt.mesh["pp"].size > 1:
+        chunks = 2 if schedule == "interleaved" else 1
+        engine = graph_pipeline(
+            model, rt, inputs(0), [], 4, schedule, tagger_loss, "tagger", chunks
+        )
+        module, step = engine.stage_module, engine.step
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    for i in range(STEPS):
+        targets = {"tags": tags[i], "weight": weights[i]}
+        opt.zero_grad()
+        if step is None:
+            x = inputs(i)
+            out = model(**x) if isinstance(x, dict) else model(*x)
+            (tagger_loss(out, targets) / 8).backward()
+        else:
+            step(inputs(i), targets, 1.0 / 8)
+        opt.step()
+    return rt.mesh["pp"].index, {k: v.detach().clone() for k, v in module.named_parameters()}
+
+
+@pytest.mark.parametrize(("kind", "schedule"), [("dict", "1f1b"), ("tuple", "interleaved")])
+def test_batches_and_targets_that_are_dicts_or_tuples_cross_a_pipeline(
+    kind: str, schedule: str
+) -> None:
+    ((_, want),) = run_ranks(train_tagger, 1, kind, schedule)
+    stages = run_ranks(train_tagger, 2, kind, schedule, init={"pipeline_parallel": 2})
+    seen = set()
+    for stage, params in stages:
+        for name, tensor in params.items():
+            seen.add(name)
+            error = float((tensor - want[name]).abs().max() / want[name].abs().max())
+            assert error <= 1e-9, f"stage {stage} {name}: {error:.2e} of its largest value"
+    assert seen == set(want)

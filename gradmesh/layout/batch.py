@@ -1,0 +1,71 @@
+"""Batches as users hold them: a tensor, a tuple or list of tensors (the model's positional
+inputs), or a dict of tensors (its keyword inputs, as a Hugging Face model takes `input_ids`
+and `attention_mask`); targets likewise, handed whole to the loss. Every tensor of a batch has
+the samples on its first dimension, so a batch splits into micro-batches and into data-parallel
+slices tensor by tensor (torch's pytree does the walking)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+from gradmesh.errors import GradmeshError
+
+Batch = Any
+"""A tensor, or a tuple, list or dict of them (nested as deep as the model needs)."""
+
+
+def leaves(batch: Batch, what: str = "batch") -> list[torch.Tensor]:
+    """The batch's tensors, or one line saying what else it holds or that their sample
+    counts differ."""
+    found, _ = tree_flatten(batch)
+    if not found or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in found):
+        kinds = ", ".join(sorted({type(t).__name__ for t in found})) or "nothing"
+        raise GradmeshError(
+            f"a {what} must be a tensor, or a tuple, list or dict of tensors with the samples "
+            f"first; got {kinds}"
+        )
+    counts = {len(t) for t in found}
+    if len(counts) > 1:
+        raise GradmeshError(
+            f"the tensors of a {what} hold different numbers of samples: {sorted(counts)}"
+        )
+    return found
+
+
+def size(batch: Batch) -> int:
+    """Samples in the batch."""
+    return len(leaves(batch)[0])
+
+
+def split(batch: Batch, parts: int) -> list[Batch]:
+    """The batch in `parts` micro-batches along the samples (as `tensor_split`: some may be
+    empty when there are fewer samples than parts)."""
+    found, spec = tree_flatten(batch)
+    leaves(batch)
+    pieces = [t.tensor_split(parts) for t in found]
+    return [tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
+
+
+def rows(batch: Batch, index: Any) -> Batch:
+    """The samples `index` (a slice, or indices) of every tensor of the batch."""
+    return tree_map(lambda t: t[index], batch)
+
+
+def arguments(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A batch as the model's arguments: a dict's entries as keyword arguments, a tuple's or a
+    list's as positional ones, a tensor as the one input."""
+    if isinstance(batch, dict):
+        return (), dict(batch)
+    if isinstance(batch, tuple | list):
+        return tuple(batch), {}
+    return (batch,), {}
+
+
+def call(module: Callable[..., Any], batch: Batch) -> Any:
+    """The model on a batch (`arguments`)."""
+    args, kwargs = arguments(batch)
+    return module(*args, **kwargs)
