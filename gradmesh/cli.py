@@ -222,6 +222,10 @@ BENCHES = {  # each module has Config (its options) and run(config)
         "parameter servers 1..S against ring allreduce, on emulated hosts",
         "gradmesh.bench.ps",
     ),
+    "memory": (
+        "activation checkpointing's peak activation bytes and step time, per worker",
+        "gradmesh.bench.memory",
+    ),
     "tp-styles": (
         "gradmesh's tensor-parallel layers against torch's DTensor styles, on the GPT's MLPs",
         "gradmesh.bench.tp_styles",

@@ -32,6 +32,11 @@ class LayoutConfig:
         "layers (4,9) or module names of any other model (blocks.2,blocks.4); default: "
         "balanced (by measured layer time, or by forward FLOPs on the model's graph)",
     )
+    activation_checkpointing: str = option(
+        "",
+        "recompute activations in backward instead of keeping them: blocks (every block of the "
+        "model's block list) or every:K (every K-th block)",
+    )
     plan: str = option(
         "",
         "hybrid plan, a placement per layer: a plan file (gradmesh plan --json), or auto to "
@@ -71,3 +76,16 @@ def bubble_formula(pp: int, m: int, virtual: int = 1) -> float:
     """The idle part of the step of a pipeline of equal stages: (p - 1) / (v m + p - 1), v the
     chunks per rank (1 but under the interleaved schedule)."""
     return (pp - 1) / (virtual * m + pp - 1)
+
+
+def every_of(spec: str) -> int:
+    """'blocks' -> 1, 'every:k' -> k; one line for anything else."""
+    if spec == "blocks":
+        return 1
+    head, _, k = spec.partition(":")
+    if head == "every" and k.isdigit() and int(k) >= 1:
+        return int(k)
+    raise GradmeshError(
+        f"--activation-checkpointing {spec!r}: expected blocks (every block) or every:K "
+        "(every K-th block)"
+    )

@@ -42,6 +42,7 @@ import gradmesh.layout.batch as batch
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.batch import Batch
+from gradmesh.layout.blocks import block_list
 from gradmesh.layout.config import SCHEDULES, check_interleaved
 from gradmesh.layout.graph_routes import Routes, routes_of
 from gradmesh.layout.pipeline import LossFn, balance, sum_cross_entropy
@@ -50,24 +51,10 @@ from gradmesh.runtime.mesh import LAYOUT_SYNCED
 from gradmesh.runtime.world import Runtime
 
 
-def _container(model: nn.Module) -> str | None:
-    """The model's list of blocks: its largest ModuleList or Sequential (by parameters)."""
-    best, size = None, -1
-    for name, module in model.named_modules():
-        if name and isinstance(module, nn.ModuleList | nn.Sequential) and len(module) > 1:
-            n = sum(p.numel() for p in module.parameters())
-            if n > size:
-                best, size = name, n
-    return best
-
-
 def candidates(model: nn.Module) -> list[str]:
     """Where a stage may start when the cut is balanced: each block of the block list but the
     first (`blocks.1`, `blocks.2`, ...)."""
-    name = _container(model)
-    if name is None:
-        return []
-    return [f"{name}.{child}" for child, _ in list(model.get_submodule(name).named_children())[1:]]
+    return block_list(model)[1:]
 
 
 def check_points(model: nn.Module, points: list[str], pp: int, model_name: str) -> None:

@@ -27,6 +27,11 @@ then its shard's mean-loss gradient, and averaging over the T x dp ranks of the 
 the replica average, exactly as for a data-parallel job of T x dp ranks.
 
 Conversions hang on the layers as forward pre-hooks, so parameter names are the whole model's.
+A model that is not a sequence of layers is planned by module name (wildcards as in a
+tensor-parallel plan: `blocks.*.conv1`), its layers being the modules that hold parameters, in
+the order it registers them; the states chain along that order, so a residual block lies wholly
+in one state (a residual CNN's convolutions `data`, its classifier pair split, as Krizhevsky
+did), and a cut inside a block fails on the first step with mismatched batch sizes, not quietly.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from gradmesh.collectives import allgather
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline import layers_of
-from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
+from gradmesh.layout.tp_plan import apply_tp_plan, check_plan, matches
 from gradmesh.runtime.mesh import BATCH_SHARDED
 from gradmesh.runtime.world import Runtime, get_runtime
 
@@ -104,8 +109,35 @@ def load_plan(text_or_path: str) -> Plan:
 
 
 def weighted(model: nn.Module, model_name: str) -> list[str]:
-    """The names of the model's layers with weights, in order (a plan's rows)."""
-    return [n for n, m in layers_of(model, model_name) if any(True for _ in m.parameters())]
+    """The names of the model's layers with weights, in order (a plan's rows): the layers of a
+    sequence; of any other model, every module holding parameters of its own, in the order the
+    model registers them (which must be the order its forward runs them: the activation's
+    state chains from one to the next)."""
+    if isinstance(model, nn.Sequential):
+        return [n for n, m in layers_of(model, model_name) if any(True for _ in m.parameters())]
+    return [n for n, m in model.named_modules() if n and any(True for _ in m.parameters(False))]
+
+
+def placements(plan: Plan, names: list[str]) -> dict[str, str]:
+    """Each layer's placement: the plan's entry naming it, or the first whose pattern fits it
+    (`blocks.*.conv1`); one line for an entry that fits no layer with weights."""
+    unknown = [p for p in plan.layers if not any(matches(p, n) for n in names)]
+    if unknown:
+        raise GradmeshError(
+            f"plan: model {plan.model} has no layer {unknown[0]!r} with weights "
+            f"(its layers with weights: {', '.join(names)})"
+        )
+    out = {}
+    for name in names:
+        pattern = (
+            name
+            if name in plan.layers
+            else next((p for p in plan.layers if matches(p, name)), None)
+        )
+        if pattern is None:
+            raise GradmeshError(f"plan: no placement for layer {name} of model {plan.model}")
+        out[name] = plan.layers[pattern]
+    return out
 
 
 def conversions(choices: list[str]) -> tuple[list[str], str]:
@@ -130,15 +162,7 @@ def check(plan: Plan, model: nn.Module, workers: int) -> None:
     every layer with weights and nothing else, placements chain, splits divide."""
     names = weighted(model, plan.model)
     tp = plan.tensor_parallel
-    unknown = [n for n in plan.layers if n not in names]
-    if unknown:
-        raise GradmeshError(
-            f"plan: model {plan.model} has no layer {unknown[0]!r} with weights "
-            f"(its layers with weights: {', '.join(names)})"
-        )
-    missing = [n for n in names if n not in plan.layers]
-    if missing:
-        raise GradmeshError(f"plan: no placement for layer {missing[0]} of model {plan.model}")
+    placed = placements(plan, names)
     for name, choice in plan.layers.items():
         if choice not in CHOICES:
             raise GradmeshError(
@@ -146,13 +170,13 @@ def check(plan: Plan, model: nn.Module, workers: int) -> None:
             )
     if tp < 1 or workers % tp:
         raise GradmeshError(f"plan: tensor_parallel {tp} does not divide the {workers} workers")
-    choices = [plan.layers[n] for n in names]
+    choices = [placed[n] for n in names]
     try:
         conversions(choices)
     except ValueError as exc:
         position, why = str(exc).split(": ", 1)
         raise GradmeshError(f"plan: layer {names[int(position)]}: {why}") from None
-    split = {n: c for n, c in plan.layers.items() if c in ("colwise", "rowwise")}
+    split = {n: c for n, c in placed.items() if c in ("colwise", "rowwise")}
     if tp > 1 and not split:
         raise GradmeshError(
             f"plan: tensor_parallel {tp} but no layer is split; use tensor_parallel 1 for pure "
@@ -242,8 +266,9 @@ def apply_plan(model: nn.Module, plan: Plan, rt: Runtime) -> nn.Module:
         )
     check(plan, model, rt.size)
     names = weighted(model, plan.model)
-    choices = [plan.layers[n] for n in names]
-    split = {n: c for n, c in plan.layers.items() if c in ("colwise", "rowwise")}
+    placed = placements(plan, names)
+    choices = [placed[n] for n in names]
+    split = {n: c for n, c in placed.items() if c in ("colwise", "rowwise")}
     apply_tp_plan(model, split, tp.size, tp.index, plan.model)
     if tp.size == 1:
         return model

@@ -85,7 +85,8 @@ def parse_style(text: str, where: str) -> Style:
     return Style(kind)
 
 
-def _matches(pattern: str, name: str) -> bool:
+def matches(pattern: str, name: str) -> bool:
+    """Whether module `name` fits `pattern` (a `*` stands for one segment of the name)."""
     parts, names = pattern.split("."), name.split(".")
     return len(parts) == len(names) and all(
         fnmatch.fnmatchcase(n, p) for p, n in zip(parts, names, strict=True)
@@ -99,7 +100,7 @@ def resolve(model: nn.Module, plan: dict[str, str], model_name: str) -> dict[str
     out: dict[str, Style] = {}
     for pattern, text in plan.items():
         style = parse_style(text, f"model {model_name}: plan entry {pattern!r}")
-        hits = [n for n in names if _matches(pattern, n)]
+        hits = [n for n in names if matches(pattern, n)]
         if not hits:  # the nearest names, numbered segments written as wildcards
             forms = list(dict.fromkeys(re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n in names))
             near = difflib.get_close_matches(pattern, forms, n=4, cutoff=0.4)

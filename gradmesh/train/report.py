@@ -304,8 +304,13 @@ class RunReport:
 
     def _layout_lines(self) -> list[str]:
         lay = self.layout
+        recomputed = (
+            [f"  activation checkpointing: {lay['recomputed_blocks']} blocks recompute in backward"]
+            if lay.get("recomputed_blocks")
+            else []
+        )
         if not lay or lay.get("tp", 1) * lay.get("pp", 1) == 1:
-            return []
+            return recomputed
         split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"
         if lay["pp"] > 1:
             chunks = lay.get("chunks", 1)
@@ -323,6 +328,7 @@ class RunReport:
             split,
             f"  per rank: parameters {lay.get('param_bytes', 0) / 1e6:.2f} MB; "
             f"sent per step: {per_step}",
+            *recomputed,
         ]
 
 

@@ -22,6 +22,7 @@ from gradmesh.layout.batch import size as batch_size
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
+from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model
@@ -121,6 +122,8 @@ def check_layout(config: TrainConfig) -> None:
 
     data = load_data(config)
     model = model_of(config, data)
+    if config.layout.activation_checkpointing:
+        checkpoint_blocks(model, config.layout.activation_checkpointing, config.data.model)
     if config.data.loss:  # the user's loss must give a scalar: tried on two samples
         with torch.no_grad():
             loss_of(config)(model(data.train.x[:2]), data.train.y[:2])
@@ -203,6 +206,11 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
         emulate_compute(whole, data.train.x[:1], config.job.emulate_compute_ms)
+    recomputed = []
+    if config.layout.activation_checkpointing:  # before the split: every layout recomputes
+        recomputed = checkpoint_blocks(
+            whole, config.layout.activation_checkpointing, config.data.model
+        )
     split = split_model(
         whole,
         config.data.model,
@@ -222,6 +230,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.data.batch_size,
         config.optimizer.reference_batch or None,
     )
+    if recomputed:
+        split.info["recomputed_blocks"] = len(recomputed)
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
     strategy = STRATEGIES.get(config.sync.strategy)(
         config.sync, split.engine.backward_passes, config.job.timeout_s

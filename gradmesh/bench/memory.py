@@ -1,0 +1,130 @@
+"""`gradmesh bench memory`: what activation checkpointing saves and what it costs, per worker.
+
+One process takes training steps (forward, backward) of the model on a fixed batch under each
+of `--modes` (`none`: every activation kept; `every:K`; `blocks`: `--activation-checkpointing`'s
+values), the modes interleaved over `--rounds`: the median step time, and the step's peak of
+live tensor bytes on the CPU. The peak is read off torch's profiler (`profile_memory=True`
+records every allocation and free, each attributed to the op that made it; summed in time
+order, a transient inside one op counting at its net): what the step adds on top of the weights
+and their gradients, which are allocated before it. It is the same every round (deterministic);
+the time is a median. One thread, as a worker of the suite's; layouts divide the figure further
+(tensor parallelism: the activations of split layers; a pipeline: the micro-batches in flight).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gradmesh.bench.harness import interleaved, median, report
+from gradmesh.options import option
+
+
+@dataclass
+class Config:
+    """gradmesh bench memory: activation checkpointing's memory and time, per worker"""
+
+    model: str = option("gpt", "model (built-in name or pkg.module:factory)", name=True)
+    model_args: str = option("dim=128,depth=8,heads=4", "the model builder's keyword arguments")
+    batch: int = option(16, "samples per step")
+    sequence_length: int = option(128, "token models: tokens per sample")
+    modes: str = option("none,every:2,blocks", "none, blocks or every:K, comma-separated")
+    steps: int = option(5, "timed steps per mode and round")
+    warmup: int = option(2, "untimed steps per mode first")
+    rounds: int = option(3, "interleaved rounds")
+    json: str | None = option(None, "write the result here")
+
+
+def peak_bytes(step: Any) -> int:
+    """The most tensor bytes `step()` holds at once beyond what was live before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = top = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        top = max(top, live)
+    return top
+
+
+def _steps(args: Config) -> dict[str, Any]:
+    """Per mode, its training step on its own copy of the model (the same weights)."""
+    import torch
+
+    from gradmesh.bench.layout import tokens
+    from gradmesh.layout.memory import checkpoint_blocks
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.setup import load_data, loss_of, model_of
+
+    config = TrainConfig.of(
+        model=args.model,
+        model_args=args.model_args,
+        dataset="text" if tokens(args.model) else "synthetic",
+        sequence_length=args.sequence_length,
+        synthetic_shape="3x32x32",
+        synthetic_samples=args.batch * 2,
+    )
+    data = load_data(config)
+    torch.manual_seed(0)
+    base = model_of(config, data)
+    x, y, loss_fn = data.train.x[: args.batch], data.train.y[: args.batch], loss_of(config)
+    steps = {}
+    for mode in [m for m in args.modes.split(",") if m]:
+        model = copy.deepcopy(base)
+        if mode != "none":
+            checkpoint_blocks(model, mode, args.model)
+        for p in model.parameters():  # allocated now, accumulated into: not the step's bytes
+            p.grad = torch.zeros_like(p)
+
+        def step(model: torch.nn.Module = model) -> None:
+            loss_fn(model(x), y).backward()  # type: ignore[no-untyped-call]
+
+        steps[mode] = step
+    return steps
+
+
+def run(args: Config, _command: list[str] | None = None) -> int:
+    import torch
+
+    from gradmesh.runtime.process import cpu_jiffies, idle_since
+
+    torch.set_num_threads(1)
+    steps = _steps(args)
+    times: dict[str, list[float]] = {mode: [] for mode in steps}
+    cpu = cpu_jiffies()
+    for _, mode in interleaved(list(steps), args.rounds):
+        for _ in range(args.warmup):
+            steps[mode]()
+        started = time.perf_counter()
+        for _ in range(args.steps):
+            steps[mode]()
+        times[mode].append((time.perf_counter() - started) / args.steps)
+    idle = idle_since(cpu)
+    results = {
+        mode: {"step_s": median(times[mode]), "peak_bytes": peak_bytes(step)}
+        for mode, step in steps.items()
+    }
+    base = results.get("none")
+    for r in results.values():
+        if base is not None:
+            r["memory_vs_none"] = r["peak_bytes"] / base["peak_bytes"]
+            r["time_vs_none"] = r["step_s"] / base["step_s"]
+    payload = {
+        **{k: getattr(args, k) for k in ("model", "model_args", "batch", "sequence_length")},
+        "rounds": args.rounds,
+        "cpu_idle": idle,
+        "modes": results,
+    }
+    lines = [
+        f"{mode:8} step {r['step_s'] * 1e3:7.1f} ms  peak {r['peak_bytes'] / 1e6:7.1f} MB"
+        + (
+            f"  ({r['memory_vs_none']:.2f}x the memory, {r['time_vs_none']:.2f}x the time)"
+            if "memory_vs_none" in r
+            else ""
+        )
+        for mode, r in results.items()
+    ]
+    return report(args.json, payload, [*lines, f"cpu idle {idle:.2f} (one process, one thread)"])

@@ -1,0 +1,76 @@
+"""Activation checkpointing on one process: the same gradients, fewer bytes held in a step."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gradmesh.bench.memory import peak_bytes
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.memory import checkpoint_blocks
+from gradmesh.models.gpt import GPT, GPTConfig
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab=64, seq=32, dim=32, depth=4, heads=4))
+
+
+def grads_and_peak(spec: str) -> tuple[dict[str, torch.Tensor], int, list[str]]:
+    model = gpt()
+    chosen = checkpoint_blocks(model, spec, "gpt") if spec else []
+    x = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+
+    def step() -> None:
+        out = model(x)
+        F.cross_entropy(out.flatten(0, 1), x.flatten()).backward()
+
+    peak = peak_bytes(step)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, peak, chosen
+
+
+def test_recomputed_blocks_give_the_same_gradients_for_less_memory() -> None:
+    want, kept, _ = grads_and_peak("")
+    half, half_peak, every_other = grads_and_peak("every:2")
+    none, least, every = grads_and_peak("blocks")
+    assert every == ["blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    assert every_other == ["blocks.0", "blocks.2"]
+    for grads in (half, none):
+        assert sorted(grads) == sorted(want)  # the names are the model's own
+        for name, g in grads.items():
+            torch.testing.assert_close(g, want[name], rtol=0, atol=0)  # recomputed exactly
+    # measured on this model: every block 0.21x, every other 0.60x of the bytes kept without
+    assert least < 0.45 * kept
+    assert least < half_peak < 0.8 * kept
+
+
+def test_checkpointing_keeps_names_and_survives_a_copy() -> None:
+    import copy
+
+    model = gpt()
+    names = [n for n, _ in model.named_parameters()]
+    checkpoint_blocks(model, "blocks", "gpt")
+    twin = copy.deepcopy(model)
+    assert [n for n, _ in twin.named_parameters()] == names
+    assert getattr(twin.blocks[0], "recomputed", False)  # the copy recomputes its own block
+    x = torch.randint(0, 64, (2, 32))
+    torch.testing.assert_close(twin(x), model(x))
+
+
+@pytest.mark.parametrize(
+    ("spec", "model", "message"),
+    [
+        ("every:0", gpt, "expected blocks (every block) or every:K"),
+        ("some", gpt, "expected blocks (every block) or every:K"),
+        ("blocks", lambda: torch.nn.Linear(2, 2), "has no list of blocks to recompute"),
+    ],
+)
+def test_bad_checkpointing_is_one_line(spec: str, model: object, message: str) -> None:
+    with pytest.raises(GradmeshError, match=re.escape(message)) as err:
+        checkpoint_blocks(model(), spec, "m")  # type: ignore[operator]
+    assert "\n" not in str(err.value)
