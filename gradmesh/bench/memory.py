@@ -2,7 +2,8 @@
 
 One process takes training steps (forward, backward) of the model on a fixed batch under each
 of `--modes` (`none`: every activation kept; `every:K`; `blocks`: `--activation-checkpointing`'s
-values), the modes interleaved over `--rounds`: the median step time, and the step's peak of
+values) and each of `--precisions` (`bf16`: the forward under bf16 autocast, as `--precision
+bf16` runs it), interleaved over `--rounds`: the median step time, and the step's peak of
 live tensor bytes on the CPU. The peak is read off torch's profiler (`profile_memory=True`
 records every allocation and free, each attributed to the op that made it; summed in time
 order, a transient inside one op counting at its net): what the step adds on top of the weights
@@ -31,6 +32,9 @@ class Config:
     batch: int = option(16, "samples per step")
     sequence_length: int = option(128, "token models: tokens per sample")
     modes: str = option("none,every:2,blocks", "none, blocks or every:K, comma-separated")
+    precisions: str = option(
+        "fp32", "fp32 and/or bf16 (forward under bf16 autocast), comma-separated"
+    )
     steps: int = option(5, "timed steps per mode and round")
     warmup: int = option(2, "untimed steps per mode first")
     rounds: int = option(3, "interleaved rounds")
@@ -55,6 +59,7 @@ def _steps(args: Config) -> dict[str, Any]:
     import torch
 
     from gradmesh.bench.layout import tokens
+    from gradmesh.layout.engine import PlainEngine
     from gradmesh.layout.memory import checkpoint_blocks
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.setup import load_data, loss_of, model_of
@@ -73,16 +78,15 @@ def _steps(args: Config) -> dict[str, Any]:
     x, y, loss_fn = data.train.x[: args.batch], data.train.y[: args.batch], loss_of(config)
     steps = {}
     for mode in [m for m in args.modes.split(",") if m]:
-        model = copy.deepcopy(base)
-        if mode != "none":
-            checkpoint_blocks(model, mode, args.model)
-        for p in model.parameters():  # allocated now, accumulated into: not the step's bytes
-            p.grad = torch.zeros_like(p)
-
-        def step(model: torch.nn.Module = model) -> None:
-            loss_fn(model(x), y).backward()  # type: ignore[no-untyped-call]
-
-        steps[mode] = step
+        for precision in [p for p in args.precisions.split(",") if p]:
+            model = copy.deepcopy(base)
+            if mode != "none":
+                checkpoint_blocks(model, mode, args.model)
+            for p in model.parameters():  # allocated now, accumulated into: not the step's bytes
+                p.grad = torch.zeros_like(p)
+            engine = PlainEngine(model, 1, loss_fn, bf16=precision == "bf16")
+            key = mode if precision == "fp32" else f"{mode}+{precision}"
+            steps[key] = lambda engine=engine: engine.step(x, y, 1.0)
     return steps
 
 

@@ -32,6 +32,12 @@ class LayoutConfig:
         "layers (4,9) or module names of any other model (blocks.2,blocks.4); default: "
         "balanced (by measured layer time, or by forward FLOPs on the model's graph)",
     )
+    precision: str = option(
+        "fp32",
+        "bf16: forwards under bf16 autocast; weights, gradients, optimizer state and reductions "
+        "stay fp32 (not yet with --pipeline-parallel)",
+        choices=("fp32", "bf16"),
+    )
     activation_checkpointing: str = option(
         "",
         "recompute activations in backward instead of keeping them: blocks (every block of the "
@@ -89,3 +95,12 @@ def every_of(spec: str) -> int:
         f"--activation-checkpointing {spec!r}: expected blocks (every block) or every:K "
         "(every K-th block)"
     )
+
+
+def check_precision(precision: str, pp: int) -> None:
+    """One line unless `precision` can run on a pipeline of `pp` ranks."""
+    if precision == "bf16" and pp > 1:
+        raise GradmeshError(
+            "--precision bf16 with --pipeline-parallel is not supported yet (the stages' "
+            "boundaries are fp32); use it with data or tensor parallelism"
+        )

@@ -4,6 +4,7 @@ rank's part with the engine that runs it: `PlainEngine` (forward, backward) or t
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -14,7 +15,7 @@ from torch import nn
 import gradmesh.layout.batch as batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.batch import Batch
-from gradmesh.layout.config import SCHEDULES, check_interleaved
+from gradmesh.layout.config import SCHEDULES, check_interleaved, check_precision
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
@@ -54,14 +55,29 @@ class Engine(Protocol):
 
 class PlainEngine:
     """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward
-    per micro-batch (more than one: an elastic job's gradient accumulation)."""
+    per micro-batch (more than one: an elastic job's gradient accumulation). With `bf16`, each
+    forward and its loss run under bf16 autocast (matmuls and convolutions in bf16); weights,
+    gradients, the optimizer's state and every reduction stay fp32, and backward runs outside
+    autocast, as torch advises."""
 
     def __init__(
-        self, module: nn.Module, microbatches: int = 1, loss_fn: LossFn = sum_cross_entropy
+        self,
+        module: nn.Module,
+        microbatches: int = 1,
+        loss_fn: LossFn = sum_cross_entropy,
+        bf16: bool = False,
     ) -> None:
         self.module = module
         self.microbatches = microbatches
         self.loss_fn = loss_fn
+        self.bf16 = bf16
+        self.device_type = next((p.device.type for p in module.parameters()), "cpu")
+
+    def _forward(self) -> Any:
+        """The context a forward runs in: bf16 autocast, or nothing."""
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=torch.bfloat16)
 
     @property
     def backward_passes(self) -> int:
@@ -71,8 +87,8 @@ class PlainEngine:
         total = torch.zeros((), dtype=torch.float64)
         m = self.microbatches
         for xs, ys in zip(batch.split(x, m), batch.split(y, m), strict=True):
-            with span("forward"):
-                loss = self.loss_fn(batch.call(self.module, xs), ys)
+            with span("forward"), self._forward():
+                loss = self.loss_fn(batch.call(self.module, xs), ys).float()
             with span("backward"):
                 (loss * scale).backward()  # type: ignore[no-untyped-call]
             total += loss.detach().double()
@@ -80,8 +96,9 @@ class PlainEngine:
 
     @torch.no_grad()
     def predict(self, x: Batch) -> torch.Tensor | None:
-        out: torch.Tensor = batch.call(self.module, x)
-        return out
+        with self._forward():
+            out: torch.Tensor = batch.call(self.module, x)
+        return out.float()
 
 
 def tp_plan(model_name: str, model: nn.Module | None = None) -> dict[str, str]:
@@ -144,6 +161,7 @@ def split_model(
     plan: Plan | None = None,
     loss_fn: LossFn = sum_cross_entropy,
     chunks: int = 1,
+    precision: str = "fp32",
 ) -> Split:
     """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut
     (`chunks` stages per rank: more than one under the interleaved schedule), or a hybrid
@@ -157,15 +175,14 @@ def split_model(
         "microbatches": microbatches if pp.size > 1 else 1,
         "schedule": schedule if pp.size > 1 else None,
         "chunks": chunks if pp.size > 1 else 1,
+        "precision": precision,
     }
+    _check_run(pp.size, microbatches, schedule, chunks, precision)
+    bf16 = precision == "bf16"
     if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
         info["plan"] = dict(plan.layers)
         module = apply_plan(model, plan, rt)
-        return Split(module, PlainEngine(module, 1, loss_fn), info, tp.index == 0)
-    if schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    if pp.size > 1:
-        check_interleaved(schedule, pp.size, microbatches, chunks)
+        return Split(module, PlainEngine(module, 1, loss_fn, bf16), info, tp.index == 0)
     if pp.size > 1 and not isinstance(model, nn.Sequential):  # split, then cut on the graph
         if tp.size > 1:
             model = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
@@ -185,12 +202,21 @@ def split_model(
     if starts is None:
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
             info["accumulation"] = microbatches
-        return Split(module, PlainEngine(module, microbatches, loss_fn), info, owns)
+        return Split(module, PlainEngine(module, microbatches, loss_fn, bf16), info, owns)
     ends = [*starts[1:], len(list(module.children()))]
     info["stage_layers"] = [[s, e] for s, e in zip(starts, ends, strict=True)]
     return _layer_pipeline(
         module, model_name, rt, starts, sample[:1], (microbatches, schedule, loss_fn), info
     )
+
+
+def _check_run(pp: int, microbatches: int, schedule: str, chunks: int, precision: str) -> None:
+    """One line unless the schedule and the precision can run on `pp` pipeline ranks."""
+    if schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
+    if pp > 1:
+        check_interleaved(schedule, pp, microbatches, chunks)
+    check_precision(precision, pp)
 
 
 def _layer_pipeline(

@@ -5,7 +5,7 @@ what spans components (a layout a strategy cannot carry) is checked here."""
 from __future__ import annotations
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import check_interleaved, every_of
+from gradmesh.layout.config import check_interleaved, check_precision, every_of
 from gradmesh.runtime.mesh import MeshShape
 from gradmesh.sync.config import SPLIT_LAYOUTS
 from gradmesh.train.config import TrainConfig
@@ -86,6 +86,7 @@ def _check_layout(config: TrainConfig) -> None:
         )
     if layout.activation_checkpointing:
         every_of(layout.activation_checkpointing)
+    check_precision(layout.precision, shape.pp)
     if layout.stages and shape.pp == 1:
         raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
     if config.job.emulate_compute_ms and (layout.split or layout.plan):

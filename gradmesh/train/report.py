@@ -309,6 +309,10 @@ class RunReport:
             if lay.get("recomputed_blocks")
             else []
         )
+        if lay.get("precision") == "bf16":
+            recomputed.append(
+                "  precision bf16: forwards under autocast; weights, gradients and reductions fp32"
+            )
         if not lay or lay.get("tp", 1) * lay.get("pp", 1) == 1:
             return recomputed
         split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"

@@ -222,6 +222,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         load_plan(config.layout.plan) if config.layout.plan else None,
         loss_of(config),
         config.layout.chunks,
+        config.layout.precision,
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,

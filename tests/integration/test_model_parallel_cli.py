@@ -98,12 +98,11 @@ def any_model_losses(np: int, *flags: str) -> list[float]:
 
 def test_users_own_gpt_is_split_by_its_plan_and_its_graph() -> None:
     """examples/any_model.py: a plain-PyTorch GPT (tied head, fused q/k/v) made dp 2 x tp 2 by
-    a plan of module names, dp 2 x pp 2 by a cut at h.2, and tp 2 x pp 2 by both, takes the
-    steps of one process."""
+    a plan of module names, and tp 2 x pp 2 by the plan and a cut at h.2, takes the steps of
+    one process (dp 2 x pp 2 alone: tests/distributed/test_any_model.py, in float64)."""
     one = any_model_losses(1)
     assert len(one) == 2
     assert any_model_losses(4, "--tensor-parallel", "2") == pytest.approx(one, rel=1e-4)
-    assert any_model_losses(4, "--pipeline-parallel", "2") == pytest.approx(one, rel=1e-4)
     both = any_model_losses(4, "--tensor-parallel", "2", "--pipeline-parallel", "2")
     assert both == pytest.approx(one, rel=1e-4)
 
@@ -297,7 +296,7 @@ def test_a_hybrid_plan_by_module_name_trains_the_residual_cnn(tmp_path: Path) ->
     for extra in ([], ["--plan", str(plan)]):
         report = tmp_path / f"run{len(reports)}.json"
         out = gradmesh(
-            "train", "--model", "residual", "--workers", "4", "--epochs", "2",
+            "train", "--model", "residual", "--workers", "4", "--epochs", "1",
             "--json", str(report), *extra,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr

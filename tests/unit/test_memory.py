@@ -74,3 +74,25 @@ def test_bad_checkpointing_is_one_line(spec: str, model: object, message: str) -
     with pytest.raises(GradmeshError, match=re.escape(message)) as err:
         checkpoint_blocks(model(), spec, "m")  # type: ignore[operator]
     assert "\n" not in str(err.value)
+
+
+def test_bf16_runs_the_forward_in_bf16_and_keeps_weights_and_gradients_fp32() -> None:
+    from gradmesh.layout.engine import PlainEngine
+    from gradmesh.models.gpt import lm_loss
+
+    model = gpt()
+    seen: list[torch.dtype] = []
+    model.blocks[0].mlp.fc1.register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
+    x = torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(1))
+    engine = PlainEngine(model, 1, lm_loss, bf16=True)
+    loss = engine.step(x[:, :-1], x[:, 1:], 1.0 / 8)
+    assert seen == [torch.bfloat16]
+    assert all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters()
+    )
+    assert loss.dtype == torch.float64 and torch.isfinite(loss)
+    # the same step in fp32 gives nearly the same loss: bf16 keeps 8 bits of mantissa
+    plain = gpt()
+    want = PlainEngine(plain, 1, lm_loss).step(x[:, :-1], x[:, 1:], 1.0 / 8)
+    assert float(loss) == pytest.approx(float(want), rel=0.02)
+    assert engine.predict(x[:, :-1]).dtype == torch.float32
