@@ -68,11 +68,18 @@ def layer_flops(net: nn.Module, x: torch.Tensor) -> list[Layer]:
 
 def flops_per_sample(build: Callable[[], nn.Module], sample: torch.Tensor) -> float:
     """Forward and backward FLOPs of one sample through the model `build` makes, counted on
-    the meta device (no weights are made)."""
-    with torch.device("meta"):
-        net = build()
+    the meta device (no weights are made), or, for a model whose forward reads values back
+    (a Hugging Face Llama calls `.item()`), on a real copy made for the count."""
+    try:
+        with torch.device("meta"):
+            return _counted(build(), sample.to("meta"))
+    except (RuntimeError, NotImplementedError):
+        return _counted(build(), sample)
+
+
+def _counted(net: nn.Module, sample: torch.Tensor) -> float:
     with FlopCounterMode(display=False) as counter:
-        out = net(sample.to("meta"))
+        out = net(sample)
         (out[0] if isinstance(out, tuple | list) else out).float().sum().backward()
     return float(counter.get_total_flops())
 
