@@ -1,6 +1,6 @@
 """`gradmesh bench tp-styles`: gradmesh's tensor-parallel layers against torch's DTensor styles
 on the same model, the figure `gradmesh.layout.tensor_parallel`'s docstring gives for keeping
-its own autograd functions.
+its own operators.
 
 The built-in GPT's MLPs are split over `--world` tensor-parallel ranks both ways: by gradmesh's
 plan (`blocks.*.mlp.fc1: colwise`, `fc2: rowwise`) and by `parallelize_module` with

@@ -21,7 +21,12 @@ Batch = Any
 def leaves(batch: Batch, what: str = "batch") -> list[torch.Tensor]:
     """The batch's tensors, or one line saying what else it holds or that their sample
     counts differ."""
-    found, _ = tree_flatten(batch)
+    return _flat(batch, what)[0]
+
+
+def _flat(batch: Batch, what: str = "batch") -> tuple[list[torch.Tensor], Any]:
+    """The batch's tensors and the structure they fill (checked as `leaves` says)."""
+    found, spec = tree_flatten(batch)
     if not found or not all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in found):
         kinds = ", ".join(sorted({type(t).__name__ for t in found})) or "nothing"
         raise GradmeshError(
@@ -33,7 +38,7 @@ def leaves(batch: Batch, what: str = "batch") -> list[torch.Tensor]:
         raise GradmeshError(
             f"the tensors of a {what} hold different numbers of samples: {sorted(counts)}"
         )
-    return found
+    return found, spec
 
 
 def size(batch: Batch) -> int:
@@ -44,8 +49,7 @@ def size(batch: Batch) -> int:
 def split(batch: Batch, parts: int) -> list[Batch]:
     """The batch in `parts` micro-batches along the samples (as `tensor_split`: some may be
     empty when there are fewer samples than parts)."""
-    found, spec = tree_flatten(batch)
-    leaves(batch)
+    found, spec = _flat(batch)
     pieces = [t.tensor_split(parts) for t in found]
     return [tree_unflatten([p[i] for p in pieces], spec) for i in range(parts)]
 

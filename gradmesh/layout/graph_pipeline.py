@@ -129,9 +129,12 @@ class GraphStages:
         self.traces: dict[tuple[tuple[int, ...], ...], list[nn.Module]] = {}
         self._holders: dict[str, set[int]] | None = None
 
-    def stages(self, sample: Batch) -> list[nn.Module]:
-        """The stage modules for inputs shaped like `sample` (traced on first use)."""
-        key = _shapes(sample)
+    def stages(
+        self, sample: Batch, key: tuple[tuple[int, ...], ...] | None = None
+    ) -> list[nn.Module]:
+        """The stage modules for inputs shaped like `sample` (`key`: their shapes, when the
+        caller has them; traced on first use)."""
+        key = key or _shapes(sample)
         if key not in self.traces:
             from torch.distributed.pipelining import SplitPoint, pipeline
 
@@ -188,8 +191,9 @@ class GraphStages:
     def run(self, index: int, values: list[torch.Tensor], part: Batch) -> Any:
         """Stage `index` on what its cut carried and on the micro-batch `part` (traced for its
         size): what the next cut carries, or the model's output from the last stage."""
-        stage = self.stages(part)[index]  # traced for the shapes of `part` (cached)
-        return self.routes[_shapes(part)].run(index, stage, values, part)
+        key = _shapes(part)
+        stage = self.stages(part, key)[index]  # traced for the shapes of `part` (cached)
+        return self.routes[key].run(index, stage, values, part)
 
     def holders(self) -> dict[str, set[int]]:
         """Each parameter (by one of its names) and the stages that hold it (every trace cuts
@@ -240,6 +244,11 @@ class GraphStages:
                 p.grad = piece.view_as(p).clone()
 
 
+def first_part(example: Batch, microbatches: int) -> Batch:
+    """A micro-batch of `example` (a batch like the ones to come) cut in `microbatches`."""
+    return batch.rows(example, slice(0, max(1, batch.size(example) // microbatches)))
+
+
 def _shapes(sample: Batch) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in batch.leaves(sample))
 
@@ -272,7 +281,7 @@ class GraphPipelineEngine(PipelineEngine):
         loss_fn: LossFn,
     ) -> None:
         axis = rt.mesh["pp"]
-        part = batch.rows(example, slice(0, max(1, batch.size(example) // microbatches)))
+        part = first_part(example, microbatches)
         stages.specs(batch.size(part))  # traced now: a cut that cannot carry its values fails here
         mine = list(range(axis.index, len(stages.points) + 1, axis.size))
         super().__init__(
@@ -339,7 +348,7 @@ def graph_pipeline(
     if schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
     check_interleaved(schedule, rt.mesh["pp"].size, microbatches, chunks)
-    part = batch.rows(example, slice(0, max(1, batch.size(example) // microbatches)))
+    part = first_part(example, microbatches)
     if not points:
         points = balanced_points(model, part, pp, model_name)
     check_points(model, points, pp, model_name)

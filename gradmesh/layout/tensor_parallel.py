@@ -17,12 +17,11 @@ slower: `gradmesh bench tp-styles --rounds 5` (the built-in GPT, width 128, 2 bl
 split over 2 ranks, 8 sequences of 64 tokens, forward + backward + AdamW, medians of 5
 interleaved rounds of 20 steps, loopback) measured 28.51 ms a step with DTensor against
 22.17 ms here on 2026-11-25 (1.29x; 1.14x-1.24x on an earlier day), most likely DTensor's
-dispatch (not profiled); (2)
-parameters would be DTensors in every sync path (DistributedOptimizer's flat buckets, local SGD,
-parameter broadcast, checkpoints), each needing to unwrap them; (3) their collectives bypass
-gradmesh's per-call numbering, byte counts by kind and one-line timeout messages. The placement
-vocabulary of DTensor (`Replicate`, `Shard(dim)`) is what the plan's styles follow
-(`gradmesh.layout.tp_plan`).
+dispatch (not profiled); (2) parameters would be DTensors in every sync path
+(DistributedOptimizer's flat buckets, local SGD, parameter broadcast, checkpoints), each needing
+to unwrap them; (3) their collectives bypass gradmesh's per-call numbering, byte counts by kind
+and one-line timeout messages. The placement vocabulary of DTensor (`Replicate`, `Shard(dim)`)
+is what the plan's styles follow (`gradmesh.layout.tp_plan`).
 
 Besides the pair, a column-parallel layer can gather its output (`gather`: every rank ends
 with the whole output, as DTensor's `ColwiseParallel(output_layouts=Replicate())`), and can

@@ -11,6 +11,7 @@ from typing import Any
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import check_interleaved
 from gradmesh.layout.planner import Links, Profile, predict
 from gradmesh.registry import Registry
 from gradmesh.simulate.profile import Split
@@ -150,11 +151,7 @@ def _pipeline(job: Job) -> float:
         stages = max(d for d in range(1, len(units_) + 1) if n % d == 0)
     m = job.microbatches
     v = job.virtual_stages if job.schedule == "interleaved" else 1
-    if v > 1 and m % stages:
-        raise GradmeshError(
-            f"--microbatches {m}: the interleaved schedule on {stages} stages needs a multiple "
-            f"of {stages}"
-        )
+    check_interleaved(job.schedule, stages, m, job.virtual_stages)
     v = max(1, min(v, len(units_) // stages))  # no chunk without a layer
     depth = stages * v
     samples = split.prof.batch * stages / m  # per micro-batch (the profile is at one GPU's)
