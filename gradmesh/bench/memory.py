@@ -58,16 +58,16 @@ def _steps(args: Config) -> dict[str, Any]:
     """Per mode, its training step on its own copy of the model (the same weights)."""
     import torch
 
-    from gradmesh.bench.layout import tokens
     from gradmesh.layout.engine import PlainEngine
     from gradmesh.layout.memory import checkpoint_blocks
+    from gradmesh.models.registry import is_token_model
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.setup import load_data, loss_of, model_of
 
     config = TrainConfig.of(
         model=args.model,
         model_args=args.model_args,
-        dataset="text" if tokens(args.model) else "synthetic",
+        dataset="text" if is_token_model(args.model) else "synthetic",
         sequence_length=args.sequence_length,
         synthetic_shape="3x32x32",
         synthetic_samples=args.batch * 2,

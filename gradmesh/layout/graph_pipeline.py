@@ -76,17 +76,16 @@ def check_points(model: nn.Module, points: list[str], pp: int, model_name: str) 
         raise GradmeshError(f"split points {','.join(points)} would leave a stage empty")
 
 
-def balanced_points(model: nn.Module, sample: Batch, pp: int, model_name: str) -> list[str]:
-    """Split points that balance the stages' forward FLOPs (counted by torch's FLOP counter
-    on `sample`); what comes before the first block counts with it, what follows the last
-    with the last."""
-    starts = candidates(model)
-    if len(starts) + 1 < pp:
+def block_flops(model: nn.Module, sample: Batch, pp: int, model_name: str) -> dict[str, float]:
+    """Each block's forward FLOPs on `sample` (counted by torch's FLOP counter), in forward
+    order, what comes before the first block counted with it and what follows the last with
+    the last; one line when the model has fewer blocks than `pp` stages need."""
+    blocks = block_list(model)
+    if len(blocks) < max(pp, 2):
         raise GradmeshError(
-            f"a pipeline of {pp} stages: model {model_name} has {len(starts) + 1} blocks to cut "
+            f"a pipeline of {pp} stages: model {model_name} has {len(blocks)} blocks to cut "
             "into stages; give split points with --stages (module names)"
         )
-    blocks = [starts[0].rsplit(".", 1)[0] + ".0", *starts]
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         batch.call(model, sample)
     counts = counter.get_flop_counts()
@@ -96,7 +95,14 @@ def balanced_points(model: nn.Module, sample: Batch, pp: int, model_name: str) -
     rest = total - sum(per_block)
     per_block[0] += rest / 2  # embeddings before, head after: half the rest each
     per_block[-1] += rest / 2
-    return [blocks[i] for i in balance(per_block, pp)[1:]]
+    return dict(zip(blocks, per_block, strict=True))
+
+
+def balanced_points(model: nn.Module, sample: Batch, pp: int, model_name: str) -> list[str]:
+    """Split points that balance the stages' forward FLOPs (`block_flops`)."""
+    flops = block_flops(model, sample, pp, model_name)
+    blocks = list(flops)
+    return [blocks[i] for i in balance(list(flops.values()), pp)[1:]]
 
 
 def _point_back(stage: nn.Module, originals: dict[str, torch.Tensor]) -> None:

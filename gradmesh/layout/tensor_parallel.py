@@ -31,7 +31,9 @@ in `parts`, so each rank holds q, k and v of its own heads, never a mix).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,10 +46,49 @@ from gradmesh.collectives.api import Op
 from gradmesh.runtime.world import get_runtime
 
 
+@dataclass
+class DryExchanges:
+    """While a planner measures one rank's slice of a tensor-parallel model in a process of its
+    own (`dry_exchanges`): the tp degree it stands for, and each exchange the slice would have
+    made (what, bytes this rank sends in, `allreduce` or `allgather`), in call order."""
+
+    size: int
+    made: list[tuple[str, int, str]] = field(default_factory=list)
+
+
+_DRY: DryExchanges | None = None
+
+
+@contextmanager
+def dry_exchanges(size: int) -> Iterator[DryExchanges]:
+    """Run rank 0's slice of a model split over `size` tp ranks in this process alone: every tp
+    exchange is recorded instead of made (an allreduce leaves this rank's tensor as it is, a
+    gather repeats it), so the slice computes what it would on a mesh, at its own cost, and the
+    planner prices the recorded exchanges on the links. The values are not a mesh's: for timing
+    and counting only."""
+    global _DRY
+    before, _DRY = _DRY, DryExchanges(size)
+    try:
+        yield _DRY
+    finally:
+        _DRY = before
+
+
+def tp_place() -> tuple[int, int]:
+    """(tp degree, this rank's index on the tp axis): the mesh's, or a dry run's (index 0)."""
+    if _DRY is not None:
+        return _DRY.size, 0
+    axis = get_runtime().mesh["tp"]
+    return axis.size, axis.index
+
+
 def _tp_collective(tensor: torch.Tensor, what: str, op: Op = "sum") -> torch.Tensor:
     """Reduce `tensor` over the tp axis in place (`op`). The mesh's tp group carries only these
     calls, made by the same layers in the same order on every tp rank (same model, same
     samples), so each call agrees by construction and needs no signature exchange."""
+    if _DRY is not None:
+        _DRY.made.append((what, tensor.numel() * tensor.element_size(), "allreduce"))
+        return tensor
     rt = get_runtime()
     axis = rt.mesh["tp"]
     check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
@@ -61,6 +102,9 @@ def _tp_allreduce(tensor: torch.Tensor, what: str) -> torch.Tensor:
 
 def tp_gather(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
     """Every tp rank's `x` concatenated along `dim`, in tp order (equal shapes on every rank)."""
+    if _DRY is not None:
+        _DRY.made.append((what, x.numel() * x.element_size(), "allgather"))
+        return torch.cat([x] * _DRY.size, dim=dim)
     rt = get_runtime()
     axis = rt.mesh["tp"]
     check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
@@ -103,7 +147,7 @@ def _same_shape(x: torch.Tensor, *_: Any) -> torch.Tensor:
 @_tp_gather.register_fake
 def _gathered_shape(x: torch.Tensor, dim: int) -> torch.Tensor:
     shape = list(x.shape)
-    shape[dim] *= get_runtime().mesh["tp"].size
+    shape[dim] *= tp_place()[0]
     return x.new_empty(shape)
 
 
@@ -121,7 +165,7 @@ def _gather_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
 
 
 def _gather_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    index = get_runtime().mesh["tp"].index
+    index = tp_place()[1]
     return grad.narrow(ctx.dim, index * ctx.size, ctx.size).contiguous(), None
 
 

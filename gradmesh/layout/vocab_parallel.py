@@ -24,8 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmesh.layout.tensor_parallel import _tp_collective, reduce_from_tp, shard
-from gradmesh.runtime.world import get_runtime
+from gradmesh.layout.tensor_parallel import _tp_collective, reduce_from_tp, shard, tp_place
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,9 +58,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int
     ) -> torch.Tensor:
-        axis = get_runtime().mesh["tp"]
         vocab = logits.shape[-1]
-        start = axis.index * vocab
+        start = tp_place()[1] * vocab
         flat = logits.reshape(-1, vocab)
         if flat.dtype in (torch.float16, torch.bfloat16):  # the softmax sums in float32
             flat = flat.float()
@@ -95,7 +93,7 @@ def vocab_parallel_cross_entropy(
     """Per-token cross-entropy (shape of `target`; 0 where target is `ignore_index`) of logits
     split over tp by vocabulary (this rank's slice last). On a mesh with tp 1 it is
     `F.cross_entropy(..., reduction="none")`."""
-    if get_runtime().mesh["tp"].size == 1:
+    if tp_place()[0] == 1:
         flat = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]),
             target.reshape(-1),

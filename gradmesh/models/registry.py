@@ -16,6 +16,7 @@ __all__ = [
     "FEATURE_ID_MODELS",
     "MODELS",
     "TOKEN_MODELS",
+    "is_token_model",
     "TP_PLANS",
     "ModelFn",
     "build_model",
@@ -28,6 +29,12 @@ TP_PLANS: Registry[dict[str, str]] = Registry("tensor-parallel plan")
 FEATURE_ID_MODELS = {"bag"}
 TOKEN_MODELS = {"gpt"}
 """Models of token sequences: (batch, time) ids in, (batch, time, vocab) logits out."""
+
+
+def is_token_model(model: str) -> bool:
+    """Whether `model` is a language model (trained on the text dataset, measured in tokens):
+    a built-in one or a Hugging Face one (`hf:...`)."""
+    return model in TOKEN_MODELS or model.startswith("hf:")
 
 
 def check_pairing(model: str, dataset: str) -> None:
