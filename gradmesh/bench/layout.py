@@ -23,10 +23,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
-from gradmesh.launch.jobs import emulated_cluster, worker_main
+from gradmesh.launch.jobs import emulated_cluster
 from gradmesh.layout.config import bubble_formula
+from gradmesh.layout.planner.mesh import STATED_ERROR, Layout
+from gradmesh.layout.planner.mesh_cost import calibration_layouts
+from gradmesh.models.registry import is_token_model
 from gradmesh.options import option
-from gradmesh.train.timing import timed_steps
 
 LAYOUTS = {
     "dp": (1, 1),
@@ -40,6 +42,9 @@ INTERLEAVED = {"pp2i": (1, 2), "pp4i": (1, 4)}
 """Pipelines under the interleaved schedule (`--virtual-stages` chunks per rank), whatever
 `--schedule` the others run: not in the default list, asked for by name."""
 SHAPES = {**LAYOUTS, **INTERLEAVED}
+PLAN = "plan"
+"""The layout `gradmesh plan` chooses (`gradmesh.layout.planner.mesh`), measured like the
+others; every layout's prediction is printed beside its measurement."""
 
 
 @dataclass
@@ -61,95 +66,46 @@ class Config:
     warmup: int = option(3, "warm-up steps")
     rounds: int = option(2, "interleaved rounds")
     layouts: str = option(
-        ",".join(LAYOUTS), f"which layouts (also {', '.join(INTERLEAVED)}: interleaved 1F1B)"
+        ",".join([*LAYOUTS, PLAN]),
+        f"which layouts (also {', '.join(INTERLEAVED)}: interleaved 1F1B; {PLAN}: the planner's)",
     )
     emulate_hosts: int | None = option(None, "emulated hosts")
     bandwidth: str = option("1gbit", "emulated link rate")
     json: str | None = option(None, "write the result here")
 
 
-def measure(config: dict[str, Any]) -> tuple[int, Any]:
-    """One layout's job, on one rank: the trainer's own setup (split, optimizer, strategy),
-    steps on one fixed global batch, and the trainer's layout figures."""
-
-    from gradmesh.runtime.world import init, shutdown
-    from gradmesh.train.config import TrainConfig
-    from gradmesh.train.finish import layout_figures
-    from gradmesh.train.report import gather_rank_stats, summarize_layout
-    from gradmesh.train.setup import attach, setup
-
-    tp, pp = config["tp"], config["pp"]
-    batch = config["batch"]
-    train = TrainConfig.of(
-        workers=config["world"],
-        model=config["model"],
-        model_args=config["model_args"],
-        dataset="text" if tokens(config["model"]) else "synthetic",
-        sequence_length=config["sequence_length"],
-        synthetic_shape="3x32x32",
-        synthetic_samples=batch * 2,  # 80% of it for training: one global batch fits
-        batch_size=batch,
-        lr=0.01,
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        microbatches=config["microbatches"] if pp > 1 else 1,
-        schedule=config["schedule"],
-        virtual_stages=config["virtual_stages"],
-    )
-    rt = init(tensor_parallel=tp, pipeline_parallel=pp)
-    job = setup(train, rt)
-    attach(job)
-    step_s, cpu_idle, _ = timed_steps(job, batch, config["warmup"], config["steps"])
-    stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
-    mean = summarize_layout(stats.layout)
-    kinds = ("sync", "tensor_parallel", "pipeline")
-    result = {
-        "step_s": step_s,
-        "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in kinds},
-        "param_bytes_per_rank": mean["param_bytes"],
-        "bubble": mean["bubble"] if pp > 1 else None,
-        "stage_idle": stats.layout["stage_idle"] if pp > 1 else None,
-        "cpu_idle": cpu_idle,
-    }
-    shutdown()
-    return rt.rank, result
-
-
-def tokens(model: str) -> bool:
-    """Whether `model` is a language model (trained on the text dataset, measured in tokens)."""
-    from gradmesh.models.registry import TOKEN_MODELS
-
-    return model in TOKEN_MODELS or model.startswith("hf:")
-
-
 def _check(args: Config) -> list[str]:
     from gradmesh.errors import GradmeshError
 
     names = [n for n in args.layouts.split(",") if n]
-    unknown = sorted(set(names) - set(SHAPES))
+    unknown = sorted(set(names) - {*SHAPES, PLAN})
     if unknown:
-        raise GradmeshError(f"unknown layout(s) {', '.join(unknown)} (valid: {', '.join(SHAPES)})")
+        valid = ", ".join([*SHAPES, PLAN])
+        raise GradmeshError(f"unknown layout(s) {', '.join(unknown)} (valid: {valid})")
     for name in names:
+        if name == PLAN:
+            continue
         tp, pp = SHAPES[name]
         if args.world % (tp * pp):
             raise GradmeshError(f"layout {name} needs a world that {tp * pp} divides")
     return names
 
 
-def _summary(args: Config, name: str, runs: list[dict[str, Any]], cluster: Any) -> dict[str, Any]:
-    """One layout's figures: medians over its rounds, the bubble beside its formula."""
+def _layout(args: Config, name: str) -> Layout:
     tp, pp = SHAPES[name]
-    m = args.microbatches if pp > 1 else 1
-    pipelined = pp > 1
+    if pp == 1:
+        return Layout(args.world // tp, tp, 1)
     chunks = args.virtual_stages if name in INTERLEAVED else 1
+    schedule = "interleaved" if chunks > 1 else args.schedule
+    return Layout(args.world // (tp * pp), tp, pp, args.microbatches, schedule, chunks)
+
+
+def _summary(args: Config, lay: Layout, runs: list[dict[str, Any]], cluster: Any) -> dict[str, Any]:
+    """One layout's figures: medians over its rounds, the bubble beside its formula."""
+    pipelined = lay.pp > 1
     figures = medians(runs, ["step_s", "cpu_idle", *(["bubble"] if pipelined else [])])
     return {
-        "dp": args.world // (tp * pp),
-        "tp": tp,
-        "pp": pp,
-        "microbatches": m,
-        "schedule": ("interleaved" if chunks > 1 else args.schedule) if pipelined else None,
-        "chunks": chunks,
+        **vars(lay),
         **figures,
         "bytes_per_step": runs[0]["bytes_per_step"],
         "param_bytes_per_rank": runs[0]["param_bytes_per_rank"],
@@ -157,10 +113,12 @@ def _summary(args: Config, name: str, runs: list[dict[str, Any]], cluster: Any) 
         "stage_idle": [median([r["stage_idle"][rank] for r in runs]) for rank in range(args.world)]
         if pipelined
         else None,
-        "bubble_formula": bubble_formula(pp, m, chunks) if pipelined else None,
+        "bubble_formula": bubble_formula(lay.pp, lay.microbatches, lay.chunks)
+        if pipelined
+        else None,
         "limit": limit_of(figures["cpu_idle"], cluster),
         "tokens_per_s": args.batch * args.sequence_length / figures["step_s"]
-        if tokens(args.model)
+        if is_token_model(args.model)
         else None,
     }
 
@@ -175,42 +133,113 @@ def _line(name: str, r: dict[str, Any]) -> str:
         else ""
     )
     rate = f" ({r['tokens_per_s']:.0f} tokens/s)" if r.get("tokens_per_s") else ""
-    return (
-        f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms{rate}  "
-        f"params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: {sent}"
-        f"{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+    predicted = (
+        f" predicted {r['predicted_step_s'] * 1e3:.1f} ({r['prediction_error']:+.0%})"
+        if r.get("predicted_step_s")
+        else ""
     )
+    return (
+        f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms{rate}"
+        f"{predicted}  params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: "
+        f"{sent}{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+    )
+
+
+def _plan(args: Config, named: dict[str, Layout], cluster: Any) -> Any:
+    """The planner's `MeshPlan` on the jobs' own ranks (of `cluster`, or loopback), not yet
+    calibrated: profiled here and priced on the links as a probe fits them, as `gradmesh plan
+    --probe` does; the named layouts are profiled too."""
+    from gradmesh.layout.planner import plan_mesh
+    from gradmesh.plan.probe import mesh_probe
+    from gradmesh.plan.setting import Setting
+
+    setting = Setting(args.model, "", "", args.world, args.batch, args.world)
+    probe = mesh_probe(cluster, args.world // (args.emulate_hosts or 1), setting)
+    return plan_mesh(
+        _workload(args), args.world, args.batch, probe, args.world, also=list(named.values())
+    )
+
+
+def _measure(args: Config, named: dict[str, Layout], cluster: Any) -> dict[str, Any]:
+    """Each named layout's figures, its jobs interleaved round by round."""
+    from gradmesh.plan.calibrate import layout_job
+
+    work = _workload(args)
+    options = {**work.options, "model": work.name}
+    configs = [
+        layout_job(options, args.world, lay, args.steps, args.warmup) for lay in named.values()
+    ]
+    runs = compare_jobs("gradmesh.plan.calibrate", args.world, configs, args.rounds, cluster)
+    return {
+        n: _summary(args, lay, r, cluster) for (n, lay), r in zip(named.items(), runs, strict=True)
+    }
+
+
+def _workload(args: Config) -> Any:
+    from gradmesh.plan.mesh import workload
+
+    return workload(
+        args.model, args.model_args, "synthetic", args.sequence_length, "3x32x32", args.batch
+    )
+
+
+def _check_plan(results: dict[str, dict[str, Any]], plan: Any) -> dict[str, Any]:
+    """Whether the planner's choice measured the fastest, or within the planner's stated
+    error (`STATED_ERROR`) of the fastest; the calibration it fitted and the layouts it
+    priced."""
+    fastest = min(results, key=lambda n: results[n]["step_s"])
+    ratio = results[PLAN]["step_s"] / results[fastest]["step_s"]
+    return {
+        "fastest": fastest,
+        "plan_over_fastest": ratio,
+        "stated_error": STATED_ERROR,
+        "ok": ratio <= 1 + STATED_ERROR,
+        "prediction_errors": {n: r["prediction_error"] for n, r in results.items()},
+        "calibration": vars(plan.calibration),
+        "predicted": [p.row() for p in plan.predictions],
+    }
 
 
 def run(args: Config, _command: list[str] | None = None) -> int:
     names = _check(args)
-    keys: tuple[str, ...] = ("world", "model", "batch", "microbatches", "schedule", "steps")
-    keys += ("warmup", "model_args", "sequence_length", "virtual_stages")
-    common = {k: getattr(args, k) for k in keys}
-    configs = [
-        {"tp": SHAPES[n][0], "pp": SHAPES[n][1], **common}
-        | ({"schedule": "interleaved"} if n in INTERLEAVED else {})
-        for n in names
-    ]
+    named = {n: _layout(args, n) for n in names if n != PLAN}
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
-        runs = compare_jobs("gradmesh.bench.layout", args.world, configs, args.rounds, cluster)
+        plan = _plan(args, named, cluster) if PLAN in names else None
+        if plan is not None:  # calibration layouts the rows do not measure are measured too
+            wanted = calibration_layouts([p.layout for p in plan.predictions], args.world)
+            extra = [lay for lay in wanted if lay not in named.values()]
+            named.update({f"calibration {lay.name}": lay for lay in extra})
+        runs = _measure(args, named, cluster)
+        same = None
+        if plan is not None:
+            plan.calibrate({named[n]: r["step_s"] for n, r in runs.items()})
+            choice = plan.predictions[0].layout
+            same = next((n for n, lay in named.items() if lay == choice), None)
+            named[PLAN] = choice
+            if same is None:
+                runs.update(_measure(args, {PLAN: choice}, cluster))
         notes = cluster.notes if cluster is not None else None
-        results = {n: _summary(args, n, r, cluster) for n, r in zip(names, runs, strict=True)}
+    results = dict(runs)
+    if same:
+        results[PLAN] = {**results[same], "same_as": same}
     base = results.get("dp")
-    for r in results.values():
+    for n, r in results.items():
         if base is not None:
             r["speedup_vs_dp"] = base["step_s"] / r["step_s"]
             r["param_fraction_vs_dp"] = r["param_bytes_per_rank"] / base["param_bytes_per_rank"]
+        if plan is not None:
+            p = plan.predict(named[n])
+            r["predicted_step_s"] = p.step_s
+            r["prediction_error"] = p.step_s / r["step_s"] - 1
+            r["prediction"] = p.row()
+            r["calibration_layout"] = named[n].name in plan.calibration.fitted_on
     payload = {
-        **{k: common[k] for k in ("model", "world", "batch", "schedule", "steps")},
+        **{k: getattr(args, k) for k in ("model", "world", "batch", "steps", "schedule")},
         "emulated_hosts": args.emulate_hosts,
         "bandwidth": args.bandwidth if args.emulate_hosts else None,
         "rounds": args.rounds,
         "notes": notes,
         "layouts": results,
+        "plan": _check_plan(results, plan) if plan is not None else None,
     }
     return report(args.json, payload, [_line(n, r) for n, r in results.items()])
-
-
-if __name__ == "__main__":
-    worker_main(measure)

@@ -19,7 +19,8 @@ from typing import Any
 
 from gradmesh.errors import GradmeshError
 from gradmesh.options import component, option
-from gradmesh.plan.probe import ProbeRequest, probe_emulated
+from gradmesh.plan.mesh import TrainWorkload, describe_mesh, flags, workload
+from gradmesh.plan.probe import ProbeRequest, mesh_probe, probe_emulated
 from gradmesh.plan.setting import Setting
 from gradmesh.sync.config import AllreduceConfig
 
@@ -28,9 +29,15 @@ from gradmesh.sync.config import AllreduceConfig
 class PlanConfig:
     """gradmesh plan: the fastest placement per layer for a model on the job's links."""
 
-    model: str = option("alexnet", "model to plan for (a registered model)", name=True)
+    model: str = option(
+        "alexnet",
+        "model to plan for: a registered one, or your factory as pkg.module:factory",
+        name=True,
+    )
+    model_args: str = option("", "the model builder's keyword arguments, like depth=4")
     dataset: str = option("synthetic", "dataset whose inputs the model takes", name=True)
     synthetic_shape: str = option("3x32x32", "synthetic input shape")
+    sequence_length: int = option(64, "token models: tokens per sample")
     workers: int = option(4, "ranks of the job")
     batch: int = option(64, "global batch")
     tensor_parallel_max: int | None = option(None, "largest tp to consider (default: --workers)")
@@ -39,7 +46,10 @@ class PlanConfig:
     ranks_per_host: int | None = option(None, "ranks per host (with --bandwidth)")
     emulate_hosts: int | None = option(None, "probe an emulated cluster of H hosts")
     probe: bool = option(False, "probe loopback between the job's ranks")
-    memory_limit: str | None = option(None, "most bytes per rank, like 64MB")
+    memory_limit: str | None = option(
+        None, "most bytes per rank, like 64MB (a sequence of layers' per-layer plan)"
+    )
+    top: int = option(12, "a mesh plan (any other model): the fastest layouts to print")
     allreduce: AllreduceConfig = component(AllreduceConfig, only=("algorithm", "fusion_mb"))
     json: str | None = option(None, "write the plan file here (gradmesh train --plan FILE)")
 
@@ -197,6 +207,16 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
 
         check_writable(args.json, "--json")
     links, sharing = links_for(args, args.workers)
+    work = workload(
+        args.model,
+        args.model_args,
+        args.dataset,
+        args.sequence_length,
+        args.synthetic_shape,
+        args.batch,
+    )
+    if not _sequence_of_layers(work):
+        return _run_mesh(args, work, setting, links, sharing)
     best, refs, prof, links = make_plan(
         setting, links, sharing, limit, args.allreduce.algorithm, args.allreduce.fusion_mb
     )
@@ -204,6 +224,67 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(to_plan(best, prof, links, refs).to_json())
         print(f"plan written to {args.json} (gradmesh train --plan {args.json})", file=sys.stderr)
+    return 0
+
+
+def _sequence_of_layers(work: TrainWorkload) -> bool:
+    import torch
+
+    model = work.build()[0]
+    return isinstance(model, torch.nn.Sequential)
+
+
+def _run_mesh(
+    args: PlanConfig, work: TrainWorkload, setting: Setting, links: Any, sharing: int
+) -> int:
+    """A mesh plan (`gradmesh.plan.mesh`) for a model that is not a sequence of layers."""
+    import json
+    from pathlib import Path
+
+    from gradmesh.launch.jobs import emulated_cluster
+    from gradmesh.layout.planner import plan_mesh
+    from gradmesh.models.registry import is_token_model
+    from gradmesh.plan.calibrate import calibrator
+
+    if args.memory_limit:
+        raise GradmeshError(
+            f"--memory-limit places the layers of a sequence of layers; model {args.model} is "
+            "planned by data, tensor and pipeline degrees, which do not model memory yet"
+        )
+    with emulated_cluster(args.emulate_hosts, args.bandwidth or "1gbit") as cluster:
+        measure = None
+        if callable(links):  # probe the links for the sizes the layouts exchange; calibrate
+            links = mesh_probe(cluster, args.workers // (args.emulate_hosts or 1), setting)
+            measure = calibrator({**work.options, "model": work.name}, args.workers, cluster)
+        plan = plan_mesh(
+            work,
+            args.workers,
+            args.batch,
+            links,
+            sharing,
+            args.tensor_parallel_max,
+            args.allreduce.algorithm,
+            measure=measure,
+        )
+    preds = plan.predictions
+    if not preds:
+        raise GradmeshError(f"no layout of {args.workers} workers fits --batch {args.batch}")
+    tokens = args.sequence_length if is_token_model(args.model) else None
+    print(describe_mesh(plan, tokens, args.top))
+    if args.json:
+        rows = [p.row() for p in preds]
+        payload = {
+            "kind": "mesh",
+            "model": args.model,
+            "workers": args.workers,
+            "batch": args.batch,
+            "choice": rows[0],
+            "flags": flags(rows[0]),
+            "layouts": rows,
+            "calibration": vars(plan.calibration),
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1))
+        print(f"plan written to {args.json}", file=sys.stderr)
     return 0
 
 

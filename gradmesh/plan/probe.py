@@ -48,6 +48,8 @@ def probe_links(request: ProbeRequest, cluster: Any, per_host: int) -> tuple[Any
     from gradmesh.layout.planner import Links
 
     config = {**dataclasses.asdict(request), "setting": dataclasses.asdict(request.setting)}
+    if not request.data_layers:  # no data-parallel step to time (`mesh_probe`)
+        config["setting"] = None
     workers = request.setting.workers
     gamma, by_size, outside, pair = run_workers(
         "gradmesh.plan.probe", max(2, workers), config, 300.0, cluster
@@ -234,6 +236,18 @@ def fit_segments(
         a, b, r = points[-1]
         pieces[-1:] = [[sizes[-1], max((r - b * idle.beta) / a, 0.0), idle.beta]]
     return pieces
+
+
+def mesh_probe(cluster: Any, per_host: int, setting: Setting) -> Any:
+    """A probe for the mesh planner (`plan_mesh`): called with the message and group sizes its
+    layouts exchange, it returns the Links `loaded_fit` and `loaded_pingpong` fit on the job's
+    own ranks (of an emulated `cluster`, or loopback)."""
+
+    def probe(sizes: list[int], groups: list[int]) -> Any:
+        request = ProbeRequest(setting, "native", sizes, groups, {}, point_to_point=True)
+        return probe_links(request, cluster, per_host)[0]
+
+    return probe
 
 
 if __name__ == "__main__":

@@ -221,23 +221,40 @@ def test_plan_probes_its_own_ranks_and_writes_the_plan(tmp_path: Path) -> None:
     assert alpha >= 0 and beta > 0 and plan["predicted"]["step_ms"] > 0
 
 
-def test_bench_layout_measures_a_gpt_in_tokens(tmp_path: Path) -> None:
+def test_bench_layout_measures_a_gpt_in_tokens_beside_the_planners_predictions(
+    tmp_path: Path,
+) -> None:
     """`gradmesh bench layout --model gpt`: each layout trains on the text dataset and reports
-    tokens/s; a split holds fewer parameter bytes per rank than data parallelism."""
+    tokens/s beside the mesh planner's prediction; a split holds fewer parameter bytes per rank
+    than data parallelism; the planner's choice is measured too, calibrated on the rows that are
+    its calibration layouts, and checked against the fastest."""
     report = tmp_path / "layout.json"
     out = gradmesh(
         *("bench", "layout", "--model", "gpt", "--model-args", "dim=32,depth=2"),
-        *("--world", "2", "--layouts", "dp,tp2,pp2", "--batch", "8", "--microbatches", "2"),
+        *("--world", "2", "--layouts", "dp,tp2,pp2,plan", "--batch", "8", "--microbatches", "4"),
         *("--sequence-length", "16", "--steps", "2", "--warmup", "1", "--rounds", "1"),
         *("--json", str(report)),
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    layouts = json.loads(report.read_text())["layouts"]
+    result = json.loads(report.read_text())
+    layouts = result["layouts"]
     for name, r in layouts.items():
         assert r["tokens_per_s"] == pytest.approx(8 * 16 / r["step_s"]), name
+        assert r["predicted_step_s"] > 0
+        assert r["prediction_error"] == pytest.approx(r["predicted_step_s"] / r["step_s"] - 1)
     assert layouts["tp2"]["param_fraction_vs_dp"] < 0.75
     assert layouts["pp2"]["bytes_per_step"]["pipeline"] > 0
+    # dp2, dp1 x tp2 and dp1 x pp2 with 4 micro-batches are the calibration layouts
+    assert all(layouts[n]["calibration_layout"] for n in ("dp", "tp2", "pp2"))
+    plan = result["plan"]
+    assert set(plan["calibration"]["fitted_on"]) == {"dp2", "dp1xtp2", "dp1xpp2xm4"}
+    chosen = plan["predicted"][0]
+    assert chosen["step_s"] == min(p["step_s"] for p in plan["predicted"])
+    assert (layouts["plan"]["tp"], layouts["plan"]["pp"]) == (chosen["tp"], chosen["pp"])
+    fastest = min(r["step_s"] for r in layouts.values())
+    assert plan["plan_over_fastest"] == pytest.approx(layouts["plan"]["step_s"] / fastest)
+    assert plan["ok"] == (plan["plan_over_fastest"] <= 1 + plan["stated_error"])
 
 
 def test_bench_tp_styles_runs_gradmesh_and_dtensor_on_the_same_model(tmp_path: Path) -> None:
@@ -255,11 +272,32 @@ def test_bench_tp_styles_runs_gradmesh_and_dtensor_on_the_same_model(tmp_path: P
     )
 
 
-def test_plan_refuses_a_model_that_is_not_a_sequence_in_one_line() -> None:
-    out = gradmesh("plan", "--model", "gpt", "--dataset", "text")
-    assert out.returncode == 2, out.stderr
-    assert "gradmesh plan places each layer of a sequence of layers; model gpt" in out.stderr
-    assert len(out.stderr.strip().splitlines()) == 1
+def test_plan_chooses_data_tensor_and_pipeline_degrees_for_a_gpt(tmp_path: Path) -> None:
+    """`gradmesh plan --model gpt`: every layout of the world priced from one rank's measured
+    slice, the fastest first, with the flags that run it; a memory limit, which only a sequence
+    of layers' per-layer plan obeys yet, is refused in one line."""
+    path = tmp_path / "mesh.json"
+    out = gradmesh(
+        *("plan", "--model", "gpt", "--model-args", "dim=32,depth=2", "--workers", "2"),
+        *("--batch", "8", "--sequence-length", "16", "--json", str(path)),
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(path.read_text())
+    assert plan["kind"] == "mesh" and plan["model"] == "gpt"
+    names = [r["name"] for r in plan["layouts"]]
+    assert {"dp2", "dp1xtp2", "dp1xpp2xm2", "dp1xpp2xm4", "dp1xpp2xm8"} <= set(names)
+    steps = [r["step_s"] for r in plan["layouts"]]
+    assert steps == sorted(steps) and plan["choice"] == plan["layouts"][0]
+    assert f"plan: {names[0]}: gradmesh train" in out.stdout
+    row = {r["name"]: r for r in plan["layouts"]}
+    assert row["dp1xtp2"]["tensor_parallel_s"] > 0 and row["dp2"]["tensor_parallel_s"] == 0
+    assert row["dp1xtp2"]["param_bytes_per_rank"] < 0.75 * row["dp2"]["param_bytes_per_rank"]
+    assert row["dp1xpp2xm2"]["bubble"] == pytest.approx(1 / 3)
+    refused = gradmesh("plan", "--model", "gpt", "--memory-limit", "1GB")
+    assert refused.returncode == 2
+    assert "--memory-limit places the layers of a sequence of layers" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
 
 
 def test_a_language_model_reports_perplexity_tokens_and_mfu(tmp_path: Path) -> None:

@@ -1,0 +1,267 @@
+"""The mesh planner: data, tensor and pipeline degrees for any model (a transformer with a tied
+head, a residual CNN, a user's factory), where `search` places each layer of a sequence of
+layers. It prices every layout `split_model` can run on W ranks and returns them fastest first.
+
+**Profile** (`profile_mesh`), on this machine under the job's own contention (in as many
+processes at once as ranks share its cores, each with a rank's threads, medians over them, as
+`profile` does): for each tp degree T the model's tensor-parallel plan admits, rank 0's slice of
+the model (the plan applied as on a mesh, run under `dry_exchanges`: every tp exchange is
+recorded, not made) is timed forward and backward with the job's loss at each micro-batch size a
+candidate runs, and one optimizer step over the slice's parameters; the recorded exchanges give
+the tp bytes per sample. Per block of the model (`block_list`): its share of the forward FLOPs
+(the balanced cut the pipeline makes), its parameter bytes at each T, and the bytes per sample
+leaving it (what crosses a stage boundary).
+
+**Predict** (`mesh_cost.predict_mesh`), for dp x tp x pp = W, m micro-batches and v stages
+per pipeline rank, N samples a step, b = N / (dp m) a micro-batch; s is the largest part of the
+FLOPs one pipeline rank holds (its v stages of the p v balanced ones; 1 without a pipeline), g
+that rank's parameter bytes (the embeddings and head count on both end stages: a tied weight
+lives on both):
+- one micro-batch on that rank: u = s (t_T(b) + x_T(b)) + v (2 h(b) + e_m), with t_T(b) the
+  measured compute, x_T(b) the recorded exchanges priced on the tp group (`Links.allreduce_s`,
+  the allgather formula) plus e_x each, and h(b) one point-to-point message of the boundary's
+  bytes;
+- the pipeline: m u / (1 - bubble), bubble = (p - 1) / (v m + p - 1) (`bubble_formula`);
+- after it, the gradient sync of g bytes over the dp group (not overlapped: a pipeline syncs
+  after its flush, and so the comparison stays even), the optimizer step on g bytes, and the
+  step's own work e_s.
+The three e terms are the `Calibration`, fitted on real steps of pure data parallelism, tp 2
+and pp 2 (`fit_calibration`; zero when the links are not probed): what the formulas leave out
+(the trainer's loop and the loss, a tp group's ranks reaching an exchange at different moments,
+a pipeline engine's work per micro-batch). Routes that carry a model input or a residual past
+a stage are priced as the block outputs only. `gradmesh bench layout` prints each prediction
+beside its measurement, the calibration layouts marked.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+import gradmesh.layout.batch as batch
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.batch import Batch
+from gradmesh.layout.blocks import block_list
+from gradmesh.layout.graph_pipeline import block_flops
+from gradmesh.layout.pipeline import LossFn
+from gradmesh.layout.planner.profiling import _timed, sharing_threads
+from gradmesh.layout.tensor_parallel import dry_exchanges
+from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
+from gradmesh.runtime.mesh import divisors
+
+__all__ = ["STATED_ERROR", "Layout", "MeshProfile", "Workload", "layouts", "profile_mesh"]
+
+
+STATED_ERROR = 0.25
+"""How far a calibrated prediction may be from its measurement, as a fraction of the
+measurement: the planner's own statement, which `gradmesh bench layout` checks (its choice must
+measure within this of the fastest layout). On this machine the layouts outside the calibration
+measured within 9% of their predictions (docs/model_parallel.md); the rest is margin for a
+busier or different CPU."""
+
+
+class Workload(Protocol):
+    """What the planner measures: built anew in each measuring process (so it must pickle:
+    a dataclass of plain values whose `build` makes the rest)."""
+
+    name: str
+
+    def build(self) -> tuple[nn.Module, Batch, Batch, LossFn, Any]:
+        """(whole model, at least the largest micro-batch of inputs and of targets, the summed
+        loss, a function making the job's optimizer over parameters)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int = 1
+    schedule: str | None = None
+    chunks: int = 1
+
+    @property
+    def name(self) -> str:
+        parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1)
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
+            parts.append(f"m{self.microbatches}")
+        return "x".join(parts)
+
+
+@dataclass
+class Slice:
+    """Rank 0's slice at one tp degree."""
+
+    seconds: dict[int, float]
+    """Forward and backward with the loss, by micro-batch samples."""
+    exchanges: dict[int, list[tuple[int, str]]]
+    """(bytes, kind) of every tp exchange of a micro-batch, by its samples."""
+    update_s: float
+    block_param_bytes: dict[str, int]
+    rest_param_bytes: int
+    """Parameters outside the blocks (embeddings, head, final norm)."""
+
+
+@dataclass
+class MeshProfile:
+    model: str
+    workers: int
+    batch: int
+    threads: int
+    concurrent: int
+    blocks: dict[str, float]
+    """Each block's forward FLOPs (`block_flops`), in order."""
+    boundary_bytes: dict[str, int]
+    """Bytes per sample out of each block."""
+    slices: dict[int, Slice] = field(default_factory=dict)
+
+
+def layouts(workers: int, batch_: int, blocks: int, tps: list[int]) -> list[Layout]:
+    """Every layout to price: tp from `tps`, pp up to the blocks, 1F1B with m in (p, 2p, 4p)
+    micro-batches, and interleaved 1F1B (2 stages a rank) where the blocks allow."""
+    found = []
+    for tp in tps:
+        for pp in divisors(workers // tp):
+            dp = workers // (tp * pp)
+            if batch_ % dp:
+                continue
+            if pp == 1:
+                found.append(Layout(dp, tp, 1))
+                continue
+            for m in (pp, 2 * pp, 4 * pp):
+                if (batch_ // dp) % m:
+                    continue
+                if pp <= blocks:
+                    found.append(Layout(dp, tp, pp, m, "1f1b"))
+                if 2 * pp <= blocks:
+                    found.append(Layout(dp, tp, pp, m, "interleaved", 2))
+    return found
+
+
+def _slice_of(work: Workload, tp: int, sizes: list[int], rounds: int) -> Slice:
+    model, x, y, loss_fn, make_optimizer = work.build()
+    if tp > 1:
+        from gradmesh.layout.engine import tp_plan
+
+        apply_tp_plan(model, tp_plan(work.name, model), tp, 0, work.name)
+    optimizer = make_optimizer(list(model.parameters()))
+    seconds, exchanges = {}, {}
+    with dry_exchanges(tp) as dry:
+        for b in sizes:
+            xb, yb = batch.rows(x, slice(0, b)), batch.rows(y, slice(0, b))
+
+            def step(xb: Batch = xb, yb: Batch = yb) -> None:
+                model.zero_grad(set_to_none=True)
+                loss: torch.Tensor = loss_fn(batch.call(model, xb), yb)
+                loss.backward()  # type: ignore[no-untyped-call]
+
+            dry.made.clear()
+            step()
+            exchanges[b] = [(n, kind) for _, n, kind in dry.made]
+            seconds[b] = _timed(step, rounds)
+    update = _timed(optimizer.step, rounds)
+    names = block_list(model)
+    per_block = dict.fromkeys(names, 0)
+    rest = 0
+    for name, p in model.named_parameters():
+        owner = next((b for b in names if name.startswith(b + ".")), None)
+        n = p.numel() * p.element_size()
+        if owner is None:
+            rest += n
+        else:
+            per_block[owner] += n
+    return Slice(seconds, exchanges, update, per_block, rest)
+
+
+def _measure(
+    work: Workload, needs: dict[int, list[int]], threads: int, rounds: int
+) -> dict[int, Slice]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(0)
+        return {tp: _slice_of(work, tp, sizes, rounds) for tp, sizes in needs.items()}
+    finally:
+        torch.set_num_threads(before)
+
+
+def _median_slices(runs: list[dict[int, Slice]]) -> dict[int, Slice]:
+    first = runs[0]
+    for tp, s in first.items():
+        for b in s.seconds:
+            s.seconds[b] = statistics.median(r[tp].seconds[b] for r in runs)
+        s.update_s = statistics.median(r[tp].update_s for r in runs)
+    return first
+
+
+def _boundaries(model: nn.Module, sample: Batch) -> dict[str, int]:
+    """Bytes per sample leaving each block (tensors among its outputs)."""
+    out: dict[str, int] = {}
+    hooks = []
+    for name in block_list(model):
+
+        def hook(_m: Any, _i: Any, o: Any, name: str = name) -> None:
+            tensors = [o] if isinstance(o, torch.Tensor) else [t for t in o if torch.is_tensor(t)]
+            out[name] = sum(t.numel() * t.element_size() for t in tensors)
+
+        hooks.append(model.get_submodule(name).register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            batch.call(model, sample)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def profile_mesh(
+    work: Workload,
+    workers: int,
+    batch_: int,
+    tps: list[int],
+    sharing: int,
+    also: Sequence[Layout] = (),
+    rounds: int = 5,
+) -> tuple[MeshProfile, list[Layout]]:
+    """The profile every layout of `workers` ranks at global `batch_` needs (tp from `tps`,
+    those the model's plan admits), and those layouts; `also` names layouts to profile for
+    beside them (a benchmark's)."""
+    model, x, _, _, _ = work.build()
+    names = block_list(model)
+    sample = batch.rows(x, slice(0, 1))
+    flops = block_flops(model, sample, 1, work.name) if len(names) > 1 else {}
+    admitted = [1]
+    for tp in tps:
+        if tp > 1:
+            from gradmesh.layout.engine import tp_plan
+
+            try:
+                check_plan(model, tp_plan(work.name, model), tp, work.name)
+            except GradmeshError:
+                continue
+            admitted.append(tp)
+    found = layouts(workers, batch_, len(flops), admitted)
+    needs: dict[int, set[int]] = {}
+    for lay in [*found, *also]:
+        needs.setdefault(lay.tp, set()).add(batch_ // (lay.dp * lay.microbatches))
+    sizes = {tp: sorted(s) for tp, s in needs.items()}
+    threads = sharing_threads(sharing)
+    if sharing * threads <= (os.cpu_count() or 1):
+        slices = _measure(work, sizes, threads, rounds)
+    else:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(sharing) as pool:
+            runs = pool.starmap(_measure, [(work, sizes, threads, rounds)] * sharing)
+        slices = _median_slices(runs)
+    prof = MeshProfile(work.name, workers, batch_, threads, sharing, flops, {}, slices)
+    prof.boundary_bytes = {k: v for k, v in _boundaries(model, sample).items() if k in flops}
+    return prof, found

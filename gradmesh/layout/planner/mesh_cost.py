@@ -1,0 +1,227 @@
+"""The mesh planner's prices: each layout's step from a `MeshProfile` (the formulas are in
+`gradmesh.layout.planner.mesh`'s docstring), the calibration fitted on a few real steps, and the
+search over every layout (`plan_mesh`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradmesh.collectives.ring import allgather_cost
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import bubble_formula
+from gradmesh.layout.pipeline import balance
+from gradmesh.layout.planner.mesh import Layout, MeshProfile, Workload, profile_mesh
+from gradmesh.layout.planner.profiling import Links
+from gradmesh.runtime.mesh import divisors
+
+__all__ = [
+    "Calibration",
+    "MeshPlan",
+    "MeshPrediction",
+    "calibration_layouts",
+    "exchange_request",
+    "fit_calibration",
+    "plan_mesh",
+    "predict_mesh",
+]
+
+
+@dataclass
+class MeshPrediction:
+    layout: Layout
+    step_s: float
+    compute_s: float
+    tensor_parallel_s: float
+    pipeline_s: float
+    sync_s: float
+    update_s: float
+    bubble: float
+    param_bytes_per_rank: int
+
+    def row(self) -> dict[str, Any]:
+        out = {k: v for k, v in vars(self).items() if k != "layout"}
+        return {"name": self.layout.name, **vars(self.layout), **out}
+
+
+def _exchange_s(links: Links, ranks: list[int], exchanges: list[tuple[int, str]]) -> float:
+    total = 0.0
+    for n, kind in exchanges:
+        if kind == "allgather":
+            total += allgather_cost(len(ranks), n, links.over(ranks, n))
+        else:
+            total += links.allreduce_s("native", ranks, n)
+    return total
+
+
+def _pipeline_rank(prof: MeshProfile, lay: Layout) -> tuple[float, int, int]:
+    """(the largest FLOPs share a pipeline rank holds, that rank's parameter bytes, the
+    largest boundary's bytes per sample) under `lay`'s balanced cut."""
+    sl = prof.slices[lay.tp]
+    if lay.pp == 1:
+        return 1.0, sum(sl.block_param_bytes.values()) + sl.rest_param_bytes, 0
+    names, flops = list(prof.blocks), list(prof.blocks.values())
+    depth = lay.pp * lay.chunks
+    starts = [*balance(flops, depth), len(names)]
+    total = sum(flops)
+    share, params = 0.0, 0
+    for rank in range(lay.pp):
+        stages = [rank + c * lay.pp for c in range(lay.chunks)]
+        mine = [i for st in stages for i in range(starts[st], starts[st + 1])]
+        s = sum(flops[i] for i in mine) / total
+        ends = 0 in mine or len(names) - 1 in mine
+        n = sum(sl.block_param_bytes[names[i]] for i in mine) + sl.rest_param_bytes * ends
+        if s > share:
+            share, params = s, n
+    crossing = max(prof.boundary_bytes.get(names[starts[k] - 1], 0) for k in range(1, depth))
+    return share, params, crossing
+
+
+@dataclass
+class Calibration:
+    """What the formulas leave out, fitted on a few real steps (`fit_calibration`): a step's
+    own work (the trainer's loop, hooks, the loss's reductions; `step_overhead_s`), each tp
+    exchange's cost beyond its price on the links (`exchange_s`: the ranks of a tp group do not
+    reach an exchange at the same moment, and the slower one is waited for), and each stage's
+    work per micro-batch beyond its compute (`microbatch_s`: the engine, its sends and receives,
+    waking a stage that waits). Zero where not fitted."""
+
+    step_overhead_s: float = 0.0
+    exchange_s: float = 0.0
+    microbatch_s: float = 0.0
+    fitted_on: dict[str, float] = field(default_factory=dict)
+    """Each calibration layout's name and measured step seconds."""
+
+
+def predict_mesh(
+    prof: MeshProfile,
+    lay: Layout,
+    links: Links,
+    algorithm: str = "native",
+    calibration: Calibration | None = None,
+) -> MeshPrediction:
+    """One layout's predicted step (the module docstring's formulas, plus `calibration`'s
+    terms)."""
+    cal = calibration or Calibration()
+    sl = prof.slices[lay.tp]
+    m = lay.microbatches
+    b = prof.batch // (lay.dp * m)
+    share, params, crossing = _pipeline_rank(prof, lay)
+    tp_ranks = list(range(lay.tp))
+    tensor = _exchange_s(links, tp_ranks, sl.exchanges[b]) + cal.exchange_s * len(sl.exchanges[b])
+    p2p = 0.0
+    if lay.pp > 1:
+        pair = [0, lay.tp]
+        one = links.point_to_point or links.over(pair, crossing * b)
+        p2p = lay.chunks * (2 * (one.alpha + crossing * b * one.beta) + cal.microbatch_s)
+    bubble = bubble_formula(lay.pp, m, lay.chunks) if lay.pp > 1 else 0.0
+    stretch = m / (1 - bubble)
+    dp_ranks = [i * lay.tp * lay.pp for i in range(lay.dp)]
+    sync = links.allreduce_s(algorithm, dp_ranks, params)
+    whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
+    update = sl.update_s * params / whole + cal.step_overhead_s
+    compute, tensor = stretch * share * sl.seconds[b], stretch * share * tensor
+    step = compute + tensor + stretch * p2p + sync + update
+    return MeshPrediction(lay, step, compute, tensor, stretch * p2p, sync, update, bubble, params)
+
+
+def calibration_layouts(found: Sequence[Layout], workers: int) -> list[Layout]:
+    """The layouts `fit_calibration` needs measured, among `found`: pure data parallelism,
+    then tp 2 and pp 2 (with 2 p micro-batches, 1F1B) on the rest of the ranks, where found."""
+    wanted = [Layout(workers, 1, 1)]
+    if workers % 2 == 0:
+        wanted += [Layout(workers // 2, 2, 1), Layout(workers // 2, 1, 2, 4, "1f1b")]
+    return [lay for lay in wanted if lay in found]
+
+
+def fit_calibration(
+    prof: MeshProfile, links: Links, measured: dict[Layout, float], algorithm: str = "native"
+) -> Calibration:
+    """`Calibration` from `calibration_layouts`' measured step seconds, one term per layout in
+    turn, each given the ones before (none negative): the step's own work from pure data
+    parallelism, the exchanges' excess from tp 2, the micro-batches' from pp 2."""
+    cal = Calibration(fitted_on={lay.name: s for lay, s in measured.items()})
+    for lay, seconds in measured.items():
+        excess = seconds - predict_mesh(prof, lay, links, algorithm, cal).step_s
+        if lay.tp == 1 and lay.pp == 1:
+            cal.step_overhead_s = max(0.0, excess)
+        elif lay.pp == 1:
+            cal.exchange_s = max(0.0, excess / max(1, len(_exchanges(prof, lay))))
+        else:
+            stretch = lay.microbatches / (1 - bubble_formula(lay.pp, lay.microbatches, 1))
+            cal.microbatch_s = max(0.0, excess / stretch)
+    return cal
+
+
+def _exchanges(prof: MeshProfile, lay: Layout) -> list[tuple[int, str]]:
+    return prof.slices[lay.tp].exchanges[prof.batch // (lay.dp * lay.microbatches)]
+
+
+def exchange_request(prof: MeshProfile, found: Sequence[Layout]) -> tuple[list[int], list[int]]:
+    """(message sizes, group sizes) a probe should fit the links at for these layouts: the tp
+    exchanges, the gradient syncs and the stage boundaries they make, four sizes spread over
+    their range (the probe fits piecewise between them)."""
+    sizes: set[int] = set()
+    groups: set[int] = set()
+    for lay in found:
+        sl = prof.slices[lay.tp]
+        b = prof.batch // (lay.dp * lay.microbatches)
+        sizes.update(n for n, _ in sl.exchanges[b])
+        _, params, crossing = _pipeline_rank(prof, lay)
+        sizes.update(n for n in (params, crossing * b) if n)
+        groups.update(g for g in (lay.tp, lay.dp) if g > 1)
+    ordered = sorted(sizes) or [65536]
+    picked = {ordered[round(i * (len(ordered) - 1) / 3)] for i in range(4)}
+    return sorted(picked), sorted(groups)
+
+
+@dataclass
+class MeshPlan:
+    profile: MeshProfile
+    predictions: list[MeshPrediction]
+    """Every layout searched, fastest first."""
+    links: Links
+    calibration: Calibration
+
+    algorithm: str = "native"
+
+    def predict(self, lay: Layout) -> MeshPrediction:
+        return predict_mesh(self.profile, lay, self.links, self.algorithm, self.calibration)
+
+    def calibrate(self, measured: dict[Layout, float]) -> None:
+        """Fit the calibration on measured steps (`fit_calibration`, on those of `measured`
+        that are `calibration_layouts`) and price every layout again."""
+        wanted = calibration_layouts([p.layout for p in self.predictions], self.profile.workers)
+        steps = {lay: measured[lay] for lay in wanted if lay in measured}
+        self.calibration = fit_calibration(self.profile, self.links, steps, self.algorithm)
+        preds = [self.predict(p.layout) for p in self.predictions]
+        self.predictions = sorted(preds, key=lambda p: p.step_s)
+
+
+def plan_mesh(
+    work: Workload,
+    workers: int,
+    batch_: int,
+    links: Links | Callable[[list[int], list[int]], Links],
+    sharing: int,
+    tp_max: int | None = None,
+    algorithm: str = "native",
+    also: Sequence[Layout] = (),
+    measure: Callable[[list[Layout]], dict[Layout, float]] | None = None,
+) -> MeshPlan:
+    """Every layout of `workers` ranks for `work`, predicted, fastest first. `links` may be a
+    probe, called with `exchange_request`'s sizes once the model is profiled; `measure`, where
+    given, times real steps of `calibration_layouts` (seconds by layout) for
+    `fit_calibration`. The layouts of `also` are profiled too (`MeshPlan.predict` prices them)."""
+    if batch_ < workers:
+        raise GradmeshError(f"--batch {batch_} must be at least --workers {workers}")
+    tps = [t for t in divisors(workers) if t <= (tp_max or workers)]
+    prof, found = profile_mesh(work, workers, batch_, tps, sharing, also)
+    if callable(links):
+        links = links(*exchange_request(prof, [*found, *also]))
+    preds = [predict_mesh(prof, lay, links, algorithm) for lay in found]
+    plan = MeshPlan(prof, sorted(preds, key=lambda p: p.step_s), links, Calibration(), algorithm)
+    if measure is not None:
+        plan.calibrate(measure(calibration_layouts(found, workers)))
+    return plan

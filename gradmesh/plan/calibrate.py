@@ -1,0 +1,95 @@
+"""Real steps of a layout, for the mesh planner's calibration and for `gradmesh bench layout`:
+one job of the trainer's own setup (split, optimizer, strategy) per layout, steps on one fixed
+global batch, and the trainer's layout figures. `python -m gradmesh.plan.calibrate` is the
+job's worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradmesh.layout.planner.mesh import Layout
+
+
+def layout_job(
+    options: dict[str, Any], world: int, lay: Layout, steps: int, warmup: int
+) -> dict[str, Any]:
+    """The config of a job timing `lay` on `world` ranks; `options` are the workload's
+    `gradmesh train` options (`TrainWorkload`: model, data, batch)."""
+    return {
+        "options": options,
+        "world": world,
+        "tp": lay.tp,
+        "pp": lay.pp,
+        "microbatches": lay.microbatches,
+        "schedule": lay.schedule or "1f1b",
+        "virtual_stages": lay.chunks,
+        "steps": steps,
+        "warmup": warmup,
+    }
+
+
+def measure(config: dict[str, Any]) -> tuple[int, Any]:
+    """One layout's job, on one rank (`layout_job`'s config)."""
+    from gradmesh.runtime.world import init, shutdown
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.finish import layout_figures
+    from gradmesh.train.report import gather_rank_stats, summarize_layout
+    from gradmesh.train.setup import attach, setup
+    from gradmesh.train.timing import timed_steps
+
+    tp, pp = config["tp"], config["pp"]
+    train = TrainConfig.of(
+        **config["options"],
+        workers=config["world"],
+        tensor_parallel=tp,
+        pipeline_parallel=pp,
+        microbatches=config["microbatches"] if pp > 1 else 1,
+        schedule=config["schedule"],
+        virtual_stages=config["virtual_stages"],
+    )
+    batch = train.data.batch_size
+    rt = init(tensor_parallel=tp, pipeline_parallel=pp)
+    job = setup(train, rt)
+    attach(job)
+    step_s, cpu_idle, _ = timed_steps(job, batch, config["warmup"], config["steps"])
+    stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
+    mean = summarize_layout(stats.layout)
+    kinds = ("sync", "tensor_parallel", "pipeline")
+    result = {
+        "step_s": step_s,
+        "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in kinds},
+        "param_bytes_per_rank": mean["param_bytes"],
+        "bubble": mean["bubble"] if pp > 1 else None,
+        "stage_idle": stats.layout["stage_idle"] if pp > 1 else None,
+        "cpu_idle": cpu_idle,
+    }
+    shutdown()
+    return rt.rank, result
+
+
+def calibrator(
+    options: dict[str, Any], world: int, cluster: Any = None, steps: int = 6, warmup: int = 2
+) -> Any:
+    """A `measure` for `plan_mesh`: each calibration layout timed in a job of its own on the
+    job's ranks (of `cluster`, or loopback); its median step seconds."""
+    from gradmesh.launch.jobs import run_workers
+
+    def run(layouts: list[Layout]) -> dict[Layout, float]:
+        return {
+            lay: run_workers(
+                "gradmesh.plan.calibrate",
+                world,
+                layout_job(options, world, lay, steps, warmup),
+                300.0,
+                cluster,
+            )["step_s"]
+            for lay in layouts
+        }
+
+    return run
+
+
+if __name__ == "__main__":
+    from gradmesh.launch.jobs import worker_main
+
+    worker_main(measure)
