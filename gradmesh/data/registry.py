@@ -1,22 +1,34 @@
 """What a dataset provides and the registry that names them."""
 
+from __future__ import annotations
+
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-
+import gradmesh.data.batch as batch
+from gradmesh.data.batch import Batch
 from gradmesh.registry import Registry
 
 
 @dataclass(frozen=True)
 class Split:
-    """Inputs and integer labels held in memory."""
+    """Inputs and targets held in memory: each a tensor, or a tuple, list or dict of tensors (a
+    model's several inputs, a loss's several targets; `gradmesh.data.batch`), the samples first
+    in every tensor."""
 
-    x: torch.Tensor
-    y: torch.Tensor
+    x: Batch
+    y: Batch
 
     def __len__(self) -> int:
-        return int(self.y.shape[0])
+        return batch.size(self.y)
+
+    def rows(self, index: Any) -> Split:
+        """The samples `index` (a slice, or indices) of inputs and targets."""
+        return Split(batch.rows(self.x, index), batch.rows(self.y, index))
+
+    def to(self, device: Any) -> Split:
+        return Split(batch.to(self.x, device), batch.to(self.y, device))
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-import gradmesh.layout.batch as batch
+import gradmesh.data.batch as batch
+from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.batch import Batch
 from gradmesh.layout.config import SCHEDULES, check_interleaved, check_precision
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
@@ -39,7 +39,7 @@ class Engine(Protocol):
 
     def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
         """Forward and backward of (x, y) (each a tensor, or a tuple or dict of tensors:
-        `gradmesh.layout.batch`), the loss scaled by `scale` before backward; returns the
+        `gradmesh.data.batch`), the loss scaled by `scale` before backward; returns the
         unscaled loss summed over the samples (zero on ranks that do not see it)."""
         ...
 

@@ -38,10 +38,10 @@ from torch import nn
 from torch.utils._pytree import tree_map
 from torch.utils.flop_counter import FlopCounterMode
 
-import gradmesh.layout.batch as batch
+import gradmesh.data.batch as batch
 from gradmesh.collectives import allreduce
+from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.batch import Batch
 from gradmesh.layout.blocks import block_list
 from gradmesh.layout.config import SCHEDULES, check_interleaved
 from gradmesh.layout.graph_routes import Routes, routes_of

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from gradmesh.data.batch import Batch, arguments
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.batch import Batch, arguments
 
 Key = tuple[str, int, int]
 """A value: ("root", input index, 0) for the model's input, ("out", stage, index) for a stage's

@@ -28,10 +28,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import gradmesh.layout.batch as batch
+import gradmesh.data.batch as batch
 from gradmesh.collectives.channel import Channel
+from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.batch import Batch
 from gradmesh.layout.pipeline import BubbleClock, LossFn, schedule_actions, sum_cross_entropy
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
@@ -137,7 +137,7 @@ class PipelineEngine:
 
     def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
         """Forward and backward of every micro-batch of (x, y) (tensors, or tuples or dicts of
-        them: `gradmesh.layout.batch`); the loss (summed over samples, times `scale`, before
+        them: `gradmesh.data.batch`); the loss (summed over samples, times `scale`, before
         scaling) on the last stage, zero elsewhere."""
         self.steps += 1
         xs, ys = batch.split(x, self.m), batch.split(y, self.m)

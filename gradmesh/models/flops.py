@@ -20,6 +20,9 @@ import torch
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
+import gradmesh.data.batch as batch
+from gradmesh.data.batch import Batch
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -66,21 +69,22 @@ def layer_flops(net: nn.Module, x: torch.Tensor) -> list[Layer]:
     ]
 
 
-def flops_per_sample(build: Callable[[], nn.Module], sample: torch.Tensor) -> float:
+def flops_per_sample(build: Callable[[], nn.Module], sample: Batch) -> float:
     """Forward and backward FLOPs of one sample through the model `build` makes, counted on
     the meta device (no weights are made), or, for a model whose forward reads values back
     (a Hugging Face Llama calls `.item()`), on a real copy made for the count."""
     try:
         with torch.device("meta"):
-            return _counted(build(), sample.to("meta"))
+            return _counted(build(), batch.to(sample, "meta"))
     except (RuntimeError, NotImplementedError):
         return _counted(build(), sample)
 
 
-def _counted(net: nn.Module, sample: torch.Tensor) -> float:
+def _counted(net: nn.Module, sample: Batch) -> float:
     with FlopCounterMode(display=False) as counter:
-        out = net(sample)
-        (out[0] if isinstance(out, tuple | list) else out).float().sum().backward()
+        out = batch.call(net, sample)
+        first = batch.leaves(out, "model output")[0] if not torch.is_tensor(out) else out
+        first.float().sum().backward()  # type: ignore[no-untyped-call]
     return float(counter.get_total_flops())
 
 

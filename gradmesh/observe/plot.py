@@ -54,7 +54,7 @@ def run_plot(path: str, report: Any) -> None:
     ranks.legend()
     fig.suptitle(
         f"{report.model} on {report.dataset}, {report.strategy}, {report.workers} workers: "
-        f"test accuracy {report.test_accuracy:.3f}"
+        + (f"test accuracy {report.test_accuracy:.3f}" if report.test_accuracy is not None else "")
     )
     _save(fig, path)
 

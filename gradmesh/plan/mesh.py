@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradmesh.layout.batch import Batch
+from gradmesh.data.batch import Batch
 
 
 @dataclass
@@ -31,7 +31,8 @@ class TrainWorkload:
         torch.manual_seed(config.job.seed)
         model = model_of(config, data)
         n = config.data.batch_size
-        x, y = data.train.x[:n], data.train.y[:n]
+        part = data.train.rows(slice(0, n))
+        x, y = part.x, part.y
 
         def optimizer(params: list[Any]) -> Any:
             return build_optimizer(config.optimizer, params, config.optimizer.lr)

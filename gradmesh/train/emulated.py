@@ -15,12 +15,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradmesh.errors import GradmeshError
 from gradmesh.models.flops import layer_flops
 
 
 def emulate_compute(model: nn.Module, sample: torch.Tensor, ms: float) -> list[Any]:
     """Hooks on `model` (input like `sample`, one row is enough) that add `ms` of sleep to one
-    forward and backward pass; returns the hook handles."""
+    forward and backward pass; returns the hook handles. The model takes one input tensor."""
+    if not isinstance(sample, torch.Tensor):
+        raise GradmeshError("--emulate-compute-ms takes a model of one input tensor")
     with torch.device("meta"):
         shadow = _meta_copy(model)
         x = torch.empty(sample.shape, dtype=sample.dtype)

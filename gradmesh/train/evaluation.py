@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+import gradmesh.data.batch as batch
 from gradmesh.collectives import allreduce
 from gradmesh.data import Split
 from gradmesh.data.registry import DataSpec
@@ -15,17 +16,27 @@ from gradmesh.observe.metrics import Metrics
 from gradmesh.runtime.world import Runtime
 
 
-def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float:
+def has_classes(data: Split) -> bool:
+    """Whether the targets are class ids (one integer tensor), so accuracy applies (the same
+    answer on every rank: it reads only the data)."""
+    return isinstance(data.y, torch.Tensor) and not data.y.is_floating_point()
+
+
+def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float | None:
     """Accuracy over the whole split, each replica scoring its own slice through the engine;
-    only the rank that holds a replica's logits counts them."""
+    only the rank that holds a replica's logits counts them. None where the targets are not
+    class ids (a tuple or dict of targets, real values): accuracy does not apply."""
+    if not has_classes(data):
+        return None
     mine = torch.tensor_split(torch.arange(len(data)), rt.dp.size)[rt.dp.index]
+    part = data.rows(mine)
     split.module.eval()
-    logits = split.engine.predict(data.x[mine].to(rt.device))
+    logits = split.engine.predict(batch.to(part.x, rt.device))
     split.module.train()
     counts = torch.zeros(2, dtype=torch.float64)
     if split.owns_output and logits is not None:
-        correct = (logits.argmax(dim=-1).cpu() == data.y[mine]).sum()  # every position
-        counts += torch.tensor([float(correct), float(data.y[mine].numel())], dtype=torch.float64)
+        correct = (logits.argmax(dim=-1).cpu() == part.y).sum()  # every position
+        counts += torch.tensor([float(correct), float(part.y.numel())], dtype=torch.float64)
     allreduce(counts, kind="metrics")
     return float(counts[0] / counts[1])
 
@@ -50,14 +61,18 @@ class Evaluator:
 
     def close(self) -> None:
         """Score every copy and write its accuracy at its step."""
-        model = self.build().eval()
         test = self.data.test
+        if not has_classes(test):
+            self.kept.clear()
+            return
+        model = self.build().eval()
         for step, state in self.kept:
             model.load_state_dict(state)
             correct = 0
             with torch.no_grad():
                 for i in range(0, len(test), 512):
-                    logits = model(test.x[i : i + 512])
-                    correct += int((logits.argmax(dim=-1) == test.y[i : i + 512]).sum())
+                    part = test.rows(slice(i, i + 512))
+                    logits = batch.call(model, part.x)
+                    correct += int((logits.argmax(dim=-1) == part.y).sum())
             self.metrics.scalars(step, {"accuracy/test": correct / max(test.y.numel(), 1)})
         self.kept.clear()

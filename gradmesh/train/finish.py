@@ -21,7 +21,9 @@ def _run_scalars(job: Job, report: RunReport, steps: int) -> None:
     for epoch, loss in enumerate(report.loss_history):
         metrics.scalars((epoch + 1) * per_epoch, {"loss/epoch_mean": loss})
     info = report.strategy_info
-    values = {"accuracy/test_final": report.test_accuracy, "job/restarts": float(restarts())}
+    values = {"job/restarts": float(restarts())}
+    if report.test_accuracy is not None:
+        values["accuracy/test_final"] = report.test_accuracy
     if "updates_applied" in info:
         values["hogwild/updates_applied"] = float(info["updates_applied"])
     for server in info.get("server_stats", []):

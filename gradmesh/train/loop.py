@@ -150,7 +150,8 @@ class _Run:
             rt.timeline.new_step()
         kinds_before = dict(rt.comm.by_kind) if job.metrics is not None else {}
         comm_before, step_started = rt.comm.comm_s, time.perf_counter()
-        x, y = job.data.train.x[indices].to(rt.device), job.data.train.y[indices].to(rt.device)
+        part = job.data.train.rows(indices).to(rt.device)
+        x, y = part.x, part.y
         job.optimizer.zero_grad(set_to_none=False)
         loss = job.split.engine.step(x, y, job.replicas / global_count)
         if self.fault is not None and self.fault.kind == "slow":
@@ -250,7 +251,7 @@ def _epoch_accuracy(job: Job, step: int) -> None:
     shape = job.rt.mesh.shape
     if shape.tp * shape.pp > 1:
         accuracy = evaluate(job.split, job.data.test, job.rt)
-        if job.metrics is not None:
+        if job.metrics is not None and accuracy is not None:
             job.metrics.scalars(step, {"accuracy/test": accuracy})
     elif job.metrics is not None:
         if job.evaluator is None:

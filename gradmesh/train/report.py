@@ -91,7 +91,8 @@ STRAGGLER = 1.5
 class RunReport:
     """The outcome of one training run; `comm_s`, `compute_s`, `bytes_sent` are per-worker means."""
 
-    test_accuracy: float
+    test_accuracy: float | None
+    """None where the targets are not class ids (accuracy does not apply)."""
     final_loss: float | None
     wall_s: float
     samples_per_s: float
@@ -148,7 +149,7 @@ class RunReport:
         config: TrainConfig,
         workers: int,
         strategy_info: dict[str, Any],
-        accuracy: float,
+        accuracy: float | None,
         losses: list[float],
         wall_s: float,
         samples: int,
@@ -235,7 +236,7 @@ class RunReport:
             [
                 f"gradmesh train: {self.model} on {self.dataset}, strategy {self.strategy} {info}, "
                 f"{self.workers} workers, {self.epochs} epochs, global batch {self.batch_size}",
-                f"  test accuracy {self.test_accuracy:.4f}   final loss {loss}",
+                f"  test accuracy {self._accuracy()}   final loss {loss}",
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
@@ -250,6 +251,11 @@ class RunReport:
                 *self._straggler_line(),
             ]
         )
+
+    def _accuracy(self) -> str:
+        if self.test_accuracy is None:
+            return "n/a (targets are not class ids)"
+        return f"{self.test_accuracy:.4f}"
 
     def _language_line(self) -> list[str]:
         if not self.tokens_per_sample or self.final_loss is None:

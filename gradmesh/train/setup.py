@@ -14,11 +14,12 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+import gradmesh.data.batch as batch
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
+from gradmesh.data.batch import Batch
+from gradmesh.data.batch import size as batch_size
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.batch import Batch
-from gradmesh.layout.batch import size as batch_size
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
@@ -36,7 +37,7 @@ from gradmesh.sync.strategies import STRATEGIES, Strategy
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.emulated import emulate_compute
-from gradmesh.train.evaluation import Evaluator
+from gradmesh.train.evaluation import Evaluator, has_classes
 from gradmesh.train.optimizers import build_optimizer
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
 from gradmesh.units import parse_shape
@@ -57,24 +58,32 @@ def load_data(config: TrainConfig) -> DataSpec:
 
 
 def user_data(name: str, made: object) -> DataSpec:
-    """What a user's dataset factory returned, as a `DataSpec`: one itself, or the four tensors
-    x_train, y_train, x_test, y_test (classes: the labels' largest value + 1)."""
+    """What a user's dataset factory returned, as a `DataSpec`: one itself, or x_train,
+    y_train, x_test, y_test, each a tensor or a tuple, list or dict of tensors with the samples
+    first (`gradmesh.data.batch`: a model's several inputs, a loss's several targets; classes,
+    where the targets are one tensor of class ids: the largest id + 1)."""
     if isinstance(made, DataSpec):
         return made
-    if (
-        isinstance(made, tuple | list)
-        and len(made) == 4
-        and all(isinstance(t, torch.Tensor) for t in made)
-    ):
-        xt, yt, xs, ys = made
-        if len(xt) != len(yt) or len(xs) != len(ys):
-            raise GradmeshError(f"dataset {name}: inputs and labels differ in length")
-        classes = int(max(int(yt.max()), int(ys.max()))) + 1
-        return DataSpec(Split(xt, yt), Split(xs, ys), tuple(xt.shape[1:]), classes)
-    raise GradmeshError(
-        f"dataset {name} returned a {type(made).__name__}; expected a gradmesh DataSpec or "
-        "(x_train, y_train, x_test, y_test) tensors"
-    )
+    if not isinstance(made, tuple | list) or len(made) != 4:
+        raise GradmeshError(
+            f"dataset {name} returned a {type(made).__name__}; expected a gradmesh DataSpec or "
+            "(x_train, y_train, x_test, y_test), each a tensor or a tuple, list or dict of them"
+        )
+    xt, yt, xs, ys = made
+    what = ("x_train", "y_train", "x_test", "y_test")
+    for w, b in zip(what, made, strict=True):  # one line on anything but tensors
+        batch.leaves(b, f"{w} of dataset {name}")
+    sizes = [batch.size(b) for b in made]
+    if sizes[0] != sizes[1] or sizes[2] != sizes[3]:
+        raise GradmeshError(f"dataset {name}: inputs and targets differ in length")
+    train, test = Split(xt, yt), Split(xs, ys)
+    classes = int(max(int(yt.max()), int(ys.max()))) + 1 if has_classes(train) else 0
+    return DataSpec(train, test, tuple(batch.leaves(xt)[0].shape[1:]), classes)
+
+
+def first_input(data: DataSpec) -> Batch:
+    """The first training sample's input (a batch of one): what a model is traced on."""
+    return data.train.rows(slice(0, 1)).x
 
 
 def model_of(config: TrainConfig, data: DataSpec) -> torch.nn.Module:
@@ -126,7 +135,8 @@ def check_layout(config: TrainConfig) -> None:
         checkpoint_blocks(model, config.layout.activation_checkpointing, config.data.model)
     if config.data.loss:  # the user's loss must give a scalar: tried on two samples
         with torch.no_grad():
-            loss_of(config)(model(data.train.x[:2]), data.train.y[:2])
+            two = data.train.rows(slice(0, 2))
+            loss_of(config)(batch.call(model, two.x), two.y)
     check(
         model,
         config.data.model,
@@ -205,7 +215,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     data = load_data(config)
     whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
-        emulate_compute(whole, data.train.x[:1], config.job.emulate_compute_ms)
+        emulate_compute(whole, first_input(data), config.job.emulate_compute_ms)
     recomputed = []
     if config.layout.activation_checkpointing:  # before the split: every layout recomputes
         recomputed = checkpoint_blocks(
@@ -218,7 +228,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.layout.microbatches,
         config.layout.schedule,
         config.layout.stages,
-        data.train.x[:1].to(rt.device),
+        batch.to(first_input(data), rt.device),
         load_plan(config.layout.plan) if config.layout.plan else None,
         loss_of(config),
         config.layout.chunks,
@@ -239,7 +249,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     )
     job = Job(config, rt, data, split, optimizer, strategy, lr)
     if config.data.dataset in TOKEN_DATASETS:  # every worker measures its peak at once
-        flops = flops_per_sample(lambda: model_of(config, data), data.train.x[:1])
+        flops = flops_per_sample(lambda: model_of(config, data), first_input(data))
         job.model_flops = (flops, measured_peak_flops())
     return job
 

@@ -29,7 +29,8 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
 
     rt, engine = job.rt, job.split.engine
     mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
-    x, y = job.data.train.x[mine], job.data.train.y[mine]
+    part = job.data.train.rows(mine)
+    x, y = part.x, part.y
     times, outside = [], []
     for step in range(warmup + steps):
         if step == warmup:

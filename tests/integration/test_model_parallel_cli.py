@@ -125,6 +125,23 @@ def test_train_imports_the_users_model_dataset_and_loss(tmp_path: Path, layout: 
     assert result["layout"]["pp"] == (2 if layout else 1)
 
 
+def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> None:
+    """`--dataset` returning dicts (the model's keyword inputs, the loss's targets): trained
+    data-parallel and pipelined, the two take the same steps; accuracy does not apply."""
+    flags = (f"--model={USER}:weighted_model", f"--dataset={USER}:weighted_data")
+    flags += (f"--loss={USER}:weighted_loss", "--epochs", "2", "--workers", "2", "--lr", "0.05")
+    runs = {}
+    for name, layout in (("dp", []), ("pp", ["--pipeline-parallel", "2", "--microbatches", "2"])):
+        out = gradmesh("train", *flags, *layout, "--json", str(tmp_path / f"{name}.json"))
+        assert out.returncode == 0, out.stderr
+        assert "test accuracy n/a (targets are not class ids)" in out.stdout
+        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert runs["dp"]["test_accuracy"] is None
+    losses = runs["dp"]["loss_history"]
+    assert losses[-1] < 0.5 * losses[0]  # 4 separated blobs
+    assert runs["pp"]["loss_history"] == pytest.approx(losses, rel=1e-4)
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [

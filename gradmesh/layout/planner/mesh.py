@@ -44,9 +44,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-import gradmesh.layout.batch as batch
+import gradmesh.data.batch as batch
+from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.batch import Batch
 from gradmesh.layout.blocks import block_list
 from gradmesh.layout.graph_pipeline import block_flops
 from gradmesh.layout.pipeline import LossFn

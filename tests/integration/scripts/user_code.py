@@ -37,3 +37,37 @@ def smooth_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def per_sample_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(out, y, reduction="none")  # not a scalar: refused
+
+
+class Weighted(nn.Module):
+    """Two inputs by keyword (as a Hugging Face model takes input_ids and attention_mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net(24)
+
+    def forward(self, features: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.net(features * scale)
+
+
+def weighted_model() -> nn.Module:
+    return Weighted()
+
+
+def weighted_data() -> tuple[dict, dict, dict, dict]:
+    """The blobs as dicts: inputs {features, scale}, targets {label, weight}."""
+    x_train, y_train, x_test, y_test = data()
+    g = torch.Generator().manual_seed(1)
+
+    def inputs(x: torch.Tensor) -> dict:
+        return {"features": x, "scale": 0.5 + torch.rand(len(x), 1, generator=g)}
+
+    def targets(y: torch.Tensor) -> dict:
+        return {"label": y, "weight": 0.5 + torch.rand(len(y), generator=g)}
+
+    return inputs(x_train), targets(y_train), inputs(x_test), targets(y_test)
+
+
+def weighted_loss(out: torch.Tensor, y: dict) -> torch.Tensor:
+    per_sample = F.cross_entropy(out, y["label"], reduction="none")
+    return (per_sample * y["weight"]).mean()

@@ -59,6 +59,11 @@ def rows(batch: Batch, index: Any) -> Batch:
     return tree_map(lambda t: t[index], batch)
 
 
+def to(batch: Batch, device: Any) -> Batch:
+    """Every tensor of the batch on `device`."""
+    return tree_map(lambda t: t.to(device), batch)
+
+
 def arguments(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """A batch as the model's arguments: a dict's entries as keyword arguments, a tuple's or a
     list's as positional ones, a tensor as the one input."""
