@@ -58,12 +58,12 @@ from gradmesh.runtime.mesh import divisors
 __all__ = ["STATED_ERROR", "Layout", "MeshProfile", "Workload", "layouts", "profile_mesh"]
 
 
-STATED_ERROR = 0.25
+STATED_ERROR = 0.3
 """How far a calibrated prediction may be from its measurement, as a fraction of the
 measurement: the planner's own statement, which `gradmesh bench layout` checks (its choice must
-measure within this of the fastest layout). On this machine the layouts outside the calibration
-measured within 9% of their predictions (docs/model_parallel.md); the rest is margin for a
-busier or different CPU."""
+measure within this of the fastest layout). On this 2-core machine the layouts outside the
+calibration measured within -10% to +28% of their predictions, the worst a pipeline of 4 stages
+on 4 ranks sharing 2 cores (docs/model_parallel.md)."""
 
 
 class Workload(Protocol):
