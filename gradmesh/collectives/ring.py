@@ -115,7 +115,12 @@ def ring_allreduce(flat: torch.Tensor, ch: Channel) -> None:
     ring_pass(flat, ch, reduce=True, gather=True)
 
 
-def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def reduce_scatter(
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    check: Check | None = None,
+    kind: str = "sync",
+) -> torch.Tensor:
     """Sum `tensor` over the group and return this rank's block of the flattened result: group
     index i gets elements [i*n//p, (i+1)*n//p). `tensor` is clobbered."""
     flat = tensor.reshape(-1)
@@ -126,7 +131,7 @@ def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None)
         a, b = bounds(view.numel(), ch.size)[ch.index]
         box.append(view[a:b].clone())
 
-    run_collective(flat, "ring reduce_scatter", body, group)
+    run_collective(flat, "ring reduce_scatter", body, group, check=check, kind=kind)
     if not box:  # a group of one: the whole tensor is this rank's block
         return flat.clone()
     return box[0]

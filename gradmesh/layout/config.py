@@ -38,6 +38,11 @@ class LayoutConfig:
         "stay fp32 (not yet with --pipeline-parallel)",
         choices=("fp32", "bf16"),
     )
+    sequence_parallel: bool = option(
+        False,
+        "with --tensor-parallel: between the split layers each tp rank holds its part of the "
+        "sequence (norms, residuals; the model's sp_plan; not with --pipeline-parallel)",
+    )
     activation_checkpointing: str = option(
         "",
         "recompute activations in backward instead of keeping them: blocks (every block of the "
@@ -95,6 +100,16 @@ def every_of(spec: str) -> int:
         f"--activation-checkpointing {spec!r}: expected blocks (every block) or every:K "
         "(every K-th block)"
     )
+
+
+def check_sequence_parallel(sequence_parallel: bool, tp: int, pp: int) -> None:
+    """One line unless sequence parallelism can run on this mesh."""
+    if sequence_parallel and (tp < 2 or pp > 1):
+        raise GradmeshError(
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks: it needs "
+            "--tensor-parallel 2 or more, and not --pipeline-parallel (a pipeline stage's graph "
+            "does not carry the hooks that sum the norms' gradients)"
+        )
 
 
 def check_precision(precision: str, pp: int) -> None:

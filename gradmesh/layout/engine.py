@@ -15,7 +15,12 @@ from torch import nn
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import SCHEDULES, check_interleaved, check_precision
+from gradmesh.layout.config import (
+    SCHEDULES,
+    check_interleaved,
+    check_precision,
+    check_sequence_parallel,
+)
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.pipeline import (
@@ -101,9 +106,20 @@ class PlainEngine:
         return out.float()
 
 
-def tp_plan(model_name: str, model: nn.Module | None = None) -> dict[str, str]:
+def tp_plan(
+    model_name: str, model: nn.Module | None = None, sequence_parallel: bool = False
+) -> dict[str, str]:
     """The model's tensor-parallel plan: registered with its name, or declared by the model
-    itself (a `tp_plan` attribute, module name -> style, as `gradmesh.models.gpt.GPT`'s)."""
+    itself (a `tp_plan` attribute, module name -> style, as `gradmesh.models.gpt.GPT`'s); with
+    `sequence_parallel`, its `sp_plan` attribute (the plan with the sequence styles)."""
+    if sequence_parallel:
+        declared = getattr(model, "sp_plan", None)
+        if isinstance(declared, dict):
+            return declared
+        raise GradmeshError(
+            f"model {model_name} declares no sequence-parallel plan: give it an sp_plan "
+            "attribute (its tp_plan with rowwise(seq) and sequence styles; docs/your_model.md)"
+        )
     if model_name in TP_PLANS:
         return TP_PLANS.get(model_name)
     declared = getattr(model, "tp_plan", None)
@@ -130,14 +146,21 @@ class Split:
 
 
 def check_layout(
-    model: nn.Module, model_name: str, tp: int, pp: int, stages: str, chunks: int = 1
+    model: nn.Module,
+    model_name: str,
+    tp: int,
+    pp: int,
+    stages: str,
+    chunks: int = 1,
+    sequence_parallel: bool = False,
 ) -> None:
     """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
     layers make `pp` stages of `chunks` chunks each (the flags alone are checked by
     `TrainConfig.validate`)."""
+    check_sequence_parallel(sequence_parallel, tp, pp)
     pp *= chunks
     if tp > 1:
-        check_plan(model, tp_plan(model_name, model), tp, model_name)
+        check_plan(model, tp_plan(model_name, model, sequence_parallel), tp, model_name)
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
         if stages:
             check_points(model, stages.split(","), pp, model_name)
@@ -162,6 +185,7 @@ def split_model(
     loss_fn: LossFn = sum_cross_entropy,
     chunks: int = 1,
     precision: str = "fp32",
+    sequence_parallel: bool = False,
 ) -> Split:
     """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut
     (`chunks` stages per rank: more than one under the interleaved schedule), or a hybrid
@@ -176,8 +200,10 @@ def split_model(
         "schedule": schedule if pp.size > 1 else None,
         "chunks": chunks if pp.size > 1 else 1,
         "precision": precision,
+        "sequence_parallel": sequence_parallel,
     }
     _check_run(pp.size, microbatches, schedule, chunks, precision)
+    check_sequence_parallel(sequence_parallel, tp.size, pp.size)
     bf16 = precision == "bf16"
     if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
         info["plan"] = dict(plan.layers)
@@ -197,7 +223,8 @@ def split_model(
     starts = cut_stages(model, model_name, depth, stages, sample[:1], rt) if pp.size > 1 else None
     module = model
     if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
-        module = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
+        plan_ = tp_plan(model_name, model, sequence_parallel)
+        module = apply_tp_plan(model, plan_, tp.size, tp.index, model_name)
     owns = tp.index == 0 and pp.index == pp.size - 1
     if starts is None:
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmesh.collectives import allgather, allreduce
+from gradmesh.collectives import allgather, allreduce, reduce_scatter
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.api import Op
 from gradmesh.runtime.world import get_runtime
@@ -112,6 +112,20 @@ def tp_gather(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         x.contiguous(), group=axis.group, check=check, kind="tensor_parallel", backend=True
     )
     return torch.cat(list(rows.unbind(0)), dim=dim)
+
+
+def tp_reduce_scatter(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+    """The sum over tp of `x`, this rank's `dim`-part of it (`dim` divisible by tp)."""
+    if _DRY is not None:
+        _DRY.made.append((what, x.numel() * x.element_size(), "reduce_scatter"))
+        return x.chunk(_DRY.size, dim)[0].clone()
+    rt = get_runtime()
+    axis = rt.mesh["tp"]
+    moved = x.movedim(dim, 0).contiguous()  # the parts are then contiguous blocks
+    check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
+    block = reduce_scatter(moved, group=axis.group, check=check, kind="tensor_parallel")
+    part = block.reshape(moved.shape[0] // axis.size, *moved.shape[1:])
+    return part.movedim(0, dim).contiguous()
 
 
 # The exchanges are torch custom operators with their own gradients, not autograd.Functions:
@@ -225,7 +239,9 @@ Slicer = Callable[[torch.Tensor, int, tuple[int, ...]], nn.Parameter]
 class ParallelLayer(nn.Module):
     """A Linear or Conv2d whose weight is this rank's slice of the whole layer's (`style`
     colwise or rowwise); forward is the whole layer's, with the tp exchanges it needs. A
-    colwise layer may `gather` its output, or split a fused projection by `chunks`."""
+    colwise layer may `gather` its output, or split a fused projection by `chunks`; a rowwise
+    layer's partial sums are reduced by `reduce` (default: allreduced over tp; sequence
+    parallelism reduce-scatters them along the sequence)."""
 
     def __init__(
         self,
@@ -236,9 +252,11 @@ class ParallelLayer(nn.Module):
         chunks: tuple[int, ...] = (),
         gather: bool = False,
         slicer: Slicer | None = None,
+        reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         super().__init__()
         self.style, self.chunks, self.gather = style, chunks, gather
+        self.reduce = reduce or reduce_from_tp
         self.conv: tuple[Any, ...] | None = (
             (layer.stride, layer.padding, layer.dilation, layer.groups)
             if isinstance(layer, nn.Conv2d)
@@ -268,7 +286,7 @@ class ParallelLayer(nn.Module):
             if self.gather:
                 return gather_from_tp(out, -1 if self.conv is None else 1)
             return out
-        out = reduce_from_tp(self._apply_weight(x, None))
+        out = self.reduce(self._apply_weight(x, None))
         if self.bias is None:
             return out
         if self.conv is None:
@@ -278,4 +296,9 @@ class ParallelLayer(nn.Module):
     def extra_repr(self) -> str:
         extra = f", chunks {self.chunks}" if self.chunks else ""
         extra += ", output gathered" if self.gather else ""
+        extra += (
+            ", sums reduce-scattered along the sequence"
+            if self.reduce is not reduce_from_tp
+            else ""
+        )
         return f"{self.style}, weight slice {tuple(self.weight.shape)}{extra}"

@@ -11,6 +11,11 @@ declare `base_model_tp_plan`):
   matrix; `colwise(8,2,2)` for 8 query and 2 key/value heads), so each rank holds whole heads.
 - `rowwise`: input features split (the output of a colwise layer), output allreduced.
 - `embedding`: an `nn.Embedding` split by vocabulary rows (`VocabParallelEmbedding`).
+- Sequence parallelism (`gradmesh.layout.sequence_parallel`): `rowwise(seq)` reduce-scatters
+  the partial sums along the sequence instead of allreducing them; `sequence` runs a module (a
+  norm, dropout) on this rank's part of the sequence, its parameters' gradients summed over tp;
+  `sequence(gather)` does so and all-gathers its output for the colwise layers after it;
+  `sequence(scatter)` cuts a module's input to this rank's part (the first block).
 - `heads(attr, ...)`: no weight is split; the module's integer attributes (its head counts, its
   width) are divided by tp, so that an attention module that reshapes by `self.n_head` works on
   its local heads. Refused with one line when an attribute is not divisible (grouped-query
@@ -31,10 +36,16 @@ from dataclasses import dataclass
 from torch import nn
 
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.sequence_parallel import (
+    mark_sequence,
+    reduce_scatter_sequence,
+    sum_gradient_over_tp,
+)
 from gradmesh.layout.tensor_parallel import ParallelLayer, chunk_sizes, shard
 from gradmesh.layout.vocab_parallel import VocabParallelEmbedding
 
-KINDS = ("colwise", "rowwise", "embedding", "heads")
+KINDS = ("colwise", "rowwise", "embedding", "heads", "sequence")
+SEQUENCE_MODES = ("", "gather", "scatter")
 ALIASES = {  # Hugging Face's names for the same styles
     "colwise_rep": "colwise(gather)",
     "colwise_gather_output": "colwise(gather)",
@@ -51,6 +62,8 @@ class Style:
     chunks: tuple[int, ...] = ()
     gather: bool = False
     attrs: tuple[str, ...] = ()
+    mode: str = ""
+    """`rowwise(seq)`: "seq"; `sequence(...)`: its mode, one of `SEQUENCE_MODES`."""
 
     @property
     def dim(self) -> int:
@@ -66,7 +79,8 @@ def parse_style(text: str, where: str) -> Style:
     if kind not in KINDS:
         raise GradmeshError(
             f"{where}: unknown style {text!r} (valid: colwise, colwise(gather), colwise(1,1,1), "
-            "rowwise, embedding, heads(attr,...))"
+            "rowwise, rowwise(seq), embedding, heads(attr,...), sequence, sequence(gather), "
+            "sequence(scatter))"
         )
     assert match is not None
     args = [a.strip() for a in (match.group(2) or "").split(",") if a.strip()]
@@ -76,6 +90,10 @@ def parse_style(text: str, where: str) -> Style:
                 f"{where}: heads(...) names the attributes to divide, like heads(n_head)"
             )
         return Style(kind, attrs=tuple(args))
+    if kind == "sequence" and len(args) <= 1 and (args or [""])[0] in SEQUENCE_MODES:
+        return Style(kind, mode=(args or [""])[0])
+    if kind == "rowwise" and args == ["seq"]:
+        return Style(kind, mode="seq")
     if kind == "colwise" and args == ["gather"]:
         return Style(kind, gather=True)
     if kind == "colwise" and args and all(a.isdigit() and int(a) > 0 for a in args):
@@ -120,6 +138,8 @@ def _fits(size: int, tp: int) -> str:
 def _check_one(model: nn.Module, name: str, style: Style, tp: int, model_name: str) -> None:
     module = model.get_submodule(name)
     where = f"layer {name} of model {model_name}"
+    if style.kind == "sequence":  # any module: it runs on a part of the sequence as it is
+        return
     if style.kind == "heads":
         for attr in style.attrs:
             value = getattr(module, attr, None)
@@ -187,7 +207,9 @@ def _check_tied(model: nn.Module, styles: dict[str, Style], model_name: str) -> 
         if not isinstance(weight, nn.Parameter):
             continue
         style = styles.get(name)
-        cut = None if style is None or style.kind == "heads" else (style.dim, style.chunks)
+        cut = None
+        if style is not None and style.kind not in ("heads", "sequence"):
+            cut = (style.dim, style.chunks)
         first = seen.setdefault(id(weight), (name, cut))
         if first[1] != cut:
             raise GradmeshError(
@@ -213,8 +235,12 @@ def apply_tp_plan(
             made[key] = nn.Parameter(shard(t, dim, parts, index, chunks))
         return made[key]
 
+    summed: set[int] = set()  # parameters whose gradient is summed over tp (sequence parallel)
     for name, style in styles.items():
         module = model.get_submodule(name)
+        if style.kind == "sequence":
+            mark_sequence(module, style.mode, summed)
+            continue
         if style.kind == "heads":
             for attr in style.attrs:
                 setattr(module, attr, getattr(module, attr) // parts)
@@ -234,7 +260,10 @@ def apply_tp_plan(
                 style.chunks,
                 style.gather,
                 slicer,
+                reduce_scatter_sequence if style.mode == "seq" else None,
             )
+            if style.mode == "seq" and new.bias is not None:  # added to a part of the tokens
+                sum_gradient_over_tp(new.bias, summed)
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     return model

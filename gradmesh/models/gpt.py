@@ -123,6 +123,22 @@ class GPT(nn.Module):
             "head": "colwise(gather)",
         }
 
+    @property
+    def sp_plan(self) -> dict[str, str]:
+        """`tp_plan` with sequence parallelism (`gradmesh.layout.sequence_parallel`): the blocks
+        hold each tp rank's part of the sequence from the first block's input on; each norm
+        runs on its part and all-gathers its output for the split layers after it, and the
+        rowwise layers reduce-scatter their sums back to the parts."""
+        return {
+            **self.tp_plan,
+            "blocks.0": "sequence(scatter)",
+            "blocks.*.ln1": "sequence(gather)",
+            "blocks.*.ln2": "sequence(gather)",
+            "blocks.*.attn.proj": "rowwise(seq)",
+            "blocks.*.mlp.fc2": "rowwise(seq)",
+            "norm": "sequence(gather)",
+        }
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         if t > self.config.seq:

@@ -322,6 +322,7 @@ class RunReport:
         if not lay or lay.get("tp", 1) * lay.get("pp", 1) == 1:
             return recomputed
         split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"
+        split += ", sequence parallel" if lay.get("sequence_parallel") else ""
         if lay["pp"] > 1:
             chunks = lay.get("chunks", 1)
             split += f", {lay['microbatches']} micro-batches {lay['schedule']}"

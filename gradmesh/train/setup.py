@@ -144,6 +144,7 @@ def check_layout(config: TrainConfig) -> None:
         config.layout.pipeline_parallel,
         config.layout.stages,
         config.layout.chunks,
+        config.layout.sequence_parallel,
     )
 
 
@@ -233,6 +234,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         loss_of(config),
         config.layout.chunks,
         config.layout.precision,
+        config.layout.sequence_parallel,
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,

@@ -46,12 +46,13 @@ def _batches(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def train(kind: str, args: dict[str, int], vocab_loss: bool) -> Any:
-    """20 AdamW steps on this rank's part; returns (tp index, dp index, parameters, specs)."""
+def train(kind: str, args: dict[str, int], vocab_loss: bool, sequence: bool = False) -> Any:
+    """20 AdamW steps on this rank's part (with `sequence`, by the model's sequence-parallel
+    plan); returns (tp index, dp index, parameters, specs)."""
     rt = gradmesh.get_runtime()
     coords = rt.mesh.shape.coords(rt.rank)
     model = _model(kind, args).double()
-    plan = dict(model.tp_plan)
+    plan = dict(model.sp_plan if sequence else model.tp_plan)
     if vocab_loss:
         plan["head"] = "colwise"  # logits stay split by vocabulary
     model = gradmesh.parallelize(model, plan)
@@ -84,11 +85,13 @@ def references() -> dict[str, dict[str, torch.Tensor]]:
 
 
 CASES = {
-    # name: (reference, kind, args, vocab-parallel loss, world, tp)
-    "gpt-tp2": ("mha", "gpt", MHA, False, 2, 2),
-    "gpt-gqa-tp2-vocab-loss": ("gqa", "gpt", GQA, True, 2, 2),
-    "gpt-dp2-tp2": ("mha", "gpt", MHA, False, 4, 2),
-    "residual-cnn-tp2": ("cnn", "cnn", {}, False, 2, 2),
+    # name: (reference, kind, args, vocab-parallel loss, world, tp, sequence parallel)
+    "gpt-tp2": ("mha", "gpt", MHA, False, 2, 2, False),
+    "gpt-gqa-tp2-vocab-loss": ("gqa", "gpt", GQA, True, 2, 2, False),
+    "gpt-dp2-tp2": ("mha", "gpt", MHA, False, 4, 2, False),
+    "residual-cnn-tp2": ("cnn", "cnn", {}, False, 2, 2, False),
+    "gpt-tp2-sequence": ("mha", "gpt", MHA, False, 2, 2, True),
+    "gpt-gqa-dp2-tp2-sequence-vocab-loss": ("gqa", "gpt", GQA, True, 4, 2, True),
 }
 
 
@@ -96,8 +99,10 @@ CASES = {
 def test_tensor_parallel_by_name_equals_one_process(
     case: str, references: dict[str, dict[str, torch.Tensor]]
 ) -> None:
-    ref, kind, args, vocab_loss, world, tp = CASES[case]
-    results = run_ranks(train, world, kind, args, vocab_loss, init={"tensor_parallel": tp})
+    ref, kind, args, vocab_loss, world, tp, sequence = CASES[case]
+    results = run_ranks(
+        train, world, kind, args, vocab_loss, sequence, init={"tensor_parallel": tp}
+    )
     replica = sorted((r for r in results if r[1] == 0), key=lambda r: r[0])
     specs = replica[0][3]
     assert specs, "nothing was split"

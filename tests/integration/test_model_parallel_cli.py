@@ -160,6 +160,10 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
             ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2", "--stages", "x.1"],
             "split point 'x.1' is not a module of model gpt",
         ),
+        (
+            ["--model", "gpt", "--dataset", "text", "--sequence-parallel"],
+            "--sequence-parallel splits the sequence over the tensor-parallel ranks",
+        ),
         (  # 2 ranks x 2 chunks: 4 stages, and the default gpt has 2 blocks
             ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2"]
             + ["--schedule", "interleaved", "--microbatches", "4"],

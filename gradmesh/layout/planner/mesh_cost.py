@@ -48,7 +48,7 @@ class MeshPrediction:
 def _exchange_s(links: Links, ranks: list[int], exchanges: list[tuple[int, str]]) -> float:
     total = 0.0
     for n, kind in exchanges:
-        if kind == "allgather":
+        if kind in ("allgather", "reduce_scatter"):  # a ring moves the same bytes in both
             total += allgather_cost(len(ranks), n, links.over(ranks, n))
         else:
             total += links.allreduce_s("native", ranks, n)
