@@ -31,31 +31,8 @@ from typing import Any
 from torch import nn
 from torch.optim import Optimizer
 
-from gradmesh.errors import GradmeshError
 from gradmesh.layout.blocks import block_list
 from gradmesh.runtime.world import Runtime
-
-STAGES = (0, 1, 2, 3)
-
-
-def check_stage(stage: int, pp: int, strategy: str, compression: str) -> None:
-    """One line unless sharded data parallelism at `stage` can run with these settings."""
-    if stage not in STAGES:
-        raise GradmeshError(f"--zero-stage {stage}: valid stages are 0 (off), 1, 2, 3")
-    if not stage:
-        return
-    if strategy != "allreduce":
-        raise GradmeshError(
-            f"--zero-stage {stage} shards the state of synchronous data parallelism; strategy "
-            f"{strategy} keeps its own copies (use --strategy allreduce)"
-        )
-    if pp > 1:
-        raise GradmeshError(f"--zero-stage {stage} with --pipeline-parallel is not supported yet")
-    if compression != "none":
-        raise GradmeshError(
-            f"--zero-stage {stage} reduces gradients with torch's own collectives; "
-            "--compression does not apply to them"
-        )
 
 
 def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
@@ -90,13 +67,6 @@ def shard_optimizer(optimizer: Optimizer, stage: int, rt: Runtime) -> Optimizer:
         process_group=rt.mesh["dp"].group,
         **settings,
     )
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether FSDP2 reduces `model`'s gradients itself (stages 2 and 3)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(model, FSDPModule)
 
 
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:

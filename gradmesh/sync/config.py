@@ -32,6 +32,11 @@ class AllreduceConfig:
     on_nonfinite: str = option(
         "error", "NaN/Inf in gradients: error, or skip the step", choices=ON_NONFINITE
     )
+    zero_stage: int = option(
+        0,
+        "sharded data parallelism (ZeRO): 1 shards the optimizer state over the replicas, 2 "
+        "also the gradients, 3 also the parameters; 0 off",
+    )
 
     def check(self) -> None:
         if self.fusion_mb <= 0:

@@ -116,8 +116,14 @@ class AllreduceStrategy(_Defaults):
         self.microbatches = microbatches
         self.timeout_s = timeout_s
         self.optimizer: Optimizer | None = None
+        self.sharded = False
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):  # zero stages 2 and 3: FSDP2 reduce-scatters the
+            self.sharded = True  # gradients itself (gradmesh.layout.sharded)
+            return optimizer
         broadcast_replica(model, rt)
         self.optimizer = DistributedOptimizer(
             optimizer,
@@ -143,7 +149,10 @@ class AllreduceStrategy(_Defaults):
     def report(self) -> dict[str, Any]:
         skipped = self.optimizer._gm.skipped_steps if self.optimizer is not None else 0  # type: ignore[attr-defined]
         return {
-            "allreduce": self.config.allreduce.algorithm,
+            "allreduce": "fsdp2 reduce-scatter"
+            if self.sharded
+            else self.config.allreduce.algorithm,
+            "zero_stage": self.config.allreduce.zero_stage,
             "compression": compressor(self.config.compression).describe(),
             "skipped_steps": skipped,
         }

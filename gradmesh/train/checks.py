@@ -5,7 +5,13 @@ what spans components (a layout a strategy cannot carry) is checked here."""
 from __future__ import annotations
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import check_interleaved, check_precision, every_of
+from gradmesh.layout.config import (
+    check_interleaved,
+    check_precision,
+    check_sequence_parallel,
+    check_stage,
+    every_of,
+)
 from gradmesh.runtime.mesh import MeshShape
 from gradmesh.sync.config import SPLIT_LAYOUTS
 from gradmesh.train.config import TrainConfig
@@ -87,6 +93,14 @@ def _check_layout(config: TrainConfig) -> None:
     if layout.activation_checkpointing:
         every_of(layout.activation_checkpointing)
     check_precision(layout.precision, shape.pp)
+    check_sequence_parallel(layout.sequence_parallel, shape.tp, shape.pp)
+    stage = config.sync.allreduce.zero_stage
+    check_stage(stage, shape.pp, strategy, config.sync.compression.method)
+    if stage and (layout.plan or config.checkpoint.dir):
+        raise GradmeshError(
+            f"--zero-stage {stage} with --plan or --checkpoint-dir is not supported yet (a "
+            "sharded checkpoint needs each rank to write its own shard)"
+        )
     if layout.stages and shape.pp == 1:
         raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
     if config.job.emulate_compute_ms and (layout.split or layout.plan):

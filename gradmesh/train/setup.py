@@ -25,6 +25,7 @@ from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
+from gradmesh.layout.sharded import shard_model, shard_optimizer
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
@@ -245,7 +246,10 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     )
     if recomputed:
         split.info["recomputed_blocks"] = len(recomputed)
+    stage = config.sync.allreduce.zero_stage  # shards over the replicas: before the optimizer
+    shard_model(split.module, stage, rt)
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
+    optimizer = shard_optimizer(optimizer, stage, rt)
     strategy = STRATEGIES.get(config.sync.strategy)(
         config.sync, split.engine.backward_passes, config.job.timeout_s
     )

@@ -125,6 +125,23 @@ def test_train_imports_the_users_model_dataset_and_loss(tmp_path: Path, layout: 
     assert result["layout"]["pp"] == (2 if layout else 1)
 
 
+def test_zero_stages_take_the_steps_of_plain_data_parallelism(tmp_path: Path) -> None:
+    """`--zero-stage 1` and `3` (optimizer state; and gradients and parameters, FSDP2) from the
+    CLI: the same losses as plain data parallelism (float32: to 1e-4; tests/distributed/
+    test_sharded.py checks every stage with tp in float64 to 1e-9)."""
+    flags = ("--model", "gpt", "--dataset", "text", "--model-args", "depth=1", "--workers", "2")
+    flags += ("--optimizer", "adamw", "--lr", "3e-3", "--epochs", "1")
+    runs = {}
+    for stage in ("0", "1", "3"):
+        path = tmp_path / f"z{stage}.json"
+        out = gradmesh("train", *flags, "--zero-stage", stage, "--json", str(path))
+        assert out.returncode == 0, out.stderr
+        runs[stage] = json.loads(path.read_text())
+    assert runs["3"]["strategy_info"]["allreduce"] == "fsdp2 reduce-scatter"
+    for stage in ("1", "3"):
+        assert runs[stage]["loss_history"] == pytest.approx(runs["0"]["loss_history"], rel=1e-4)
+
+
 def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> None:
     """`--dataset` returning dicts (the model's keyword inputs, the loss's targets): trained
     data-parallel and pipelined, the two take the same steps; accuracy does not apply."""
@@ -159,6 +176,24 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
         (
             ["--model", "gpt", "--dataset", "text", "--pipeline-parallel", "2", "--stages", "x.1"],
             "split point 'x.1' is not a module of model gpt",
+        ),
+        (
+            [
+                "--zero-stage",
+                "3",
+                "--model",
+                "gpt",
+                "--dataset",
+                "text",
+                "--pipeline-parallel",
+                "2",
+            ],
+            "--zero-stage 3 with --pipeline-parallel is not supported yet",
+        ),
+        (["--zero-stage", "2", "--strategy", "local-sgd"], "strategy local-sgd keeps its own"),
+        (
+            ["--zero-stage", "1", "--checkpoint-dir", "ckpt-never-made"],
+            "--zero-stage 1 with --plan or --checkpoint-dir is not supported yet",
         ),
         (
             ["--model", "gpt", "--dataset", "text", "--sequence-parallel"],
