@@ -1,4 +1,6 @@
-"""`gradmesh bench memory`: what activation checkpointing saves and what it costs, per worker.
+"""`gradmesh bench memory`: what activation checkpointing saves and what it costs, per worker
+(and with `--world W`, what each rank holds under sharded data parallelism:
+`gradmesh.bench.memory_ranks`).
 
 One process takes training steps (forward, backward) of the model on a fixed batch under each
 of `--modes` (`none`: every activation kept; `every:K`; `blocks`: `--activation-checkpointing`'s
@@ -38,7 +40,27 @@ class Config:
     steps: int = option(5, "timed steps per mode and round")
     warmup: int = option(2, "untimed steps per mode first")
     rounds: int = option(3, "interleaved rounds")
+    world: int = option(1, "ranks: above 1, each of --layouts is a job of this many ranks")
+    layouts: str = option(
+        "dp,zero1,zero2,zero3,zero3+ac,dpxtp2,zero3xtp2",
+        "with --world: dp or zero1-3, with xtpT (tensor parallel) and +ac (checkpointing)",
+    )
     json: str | None = option(None, "write the result here")
+
+
+def _run_ranks(args: Config) -> int:
+    from gradmesh.bench.memory_ranks import line, parse_layout, run_ranks
+
+    names = [n for n in args.layouts.split(",") if n]
+    for n in names:
+        parse_layout(n, args.world)  # one line before any job starts
+    results = run_ranks(args, names)
+    payload = {
+        **{k: getattr(args, k) for k in ("model", "model_args", "batch", "sequence_length")},
+        **{"world": args.world, "rounds": args.rounds, "optimizer": "adamw"},
+        "layouts": results,
+    }
+    return report(args.json, payload, [line(n, r) for n, r in results.items()])
 
 
 def peak_bytes(step: Any) -> int:
@@ -93,6 +115,8 @@ def _steps(args: Config) -> dict[str, Any]:
 def run(args: Config, _command: list[str] | None = None) -> int:
     import torch
 
+    if args.world > 1:
+        return _run_ranks(args)
     from gradmesh.runtime.process import cpu_jiffies, idle_since
 
     torch.set_num_threads(1)

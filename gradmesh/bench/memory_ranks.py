@@ -1,0 +1,174 @@
+"""`gradmesh bench memory --world W`: what each rank holds under sharded data parallelism.
+
+One job per layout of `--layouts` (`dp`: plain data parallelism; `zero1`, `zero2`, `zero3`:
+`--zero-stage`; a `+ac` suffix adds `--activation-checkpointing blocks`; `dpxtp2` and
+`zero3xtp2`: with tensor parallelism 2, dp the rest), interleaved over `--rounds`: the
+trainer's own setup (AdamW), `--warmup` then `--steps` steps on one fixed global batch, the
+median step, and then, on every rank, the bytes it holds at rest (parameters, gradients,
+optimizer state: DTensor shards as held, `gradmesh.layout.sharded.state_bytes`) and the peak
+of one more step's live tensor bytes (`peak_bytes`, the profiler's) on top of them. Rank 0's
+figures are reported (the ranks hold the same to within a shard's padding).
+
+The state is predicted beside its measurement from the whole model's parameter bytes P (fp32),
+AdamW's two slots, tp T and dp N: parameters P/T, gradients P/T, optimizer state 2P/T; stage 1
+divides the optimizer state by N, stages 2 and 3 all three (FSDP2 keeps parameters sharded
+between steps at both stages; they differ inside the step, where stage 2 keeps the gathered
+units from forward to backward). The step's peak is measured, not predicted: the activation
+model is still to come.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gradmesh.bench.harness import compare_jobs, limit_of, medians
+
+_LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(\+ac)?$")
+
+
+def parse_layout(name: str, world: int) -> dict[str, Any]:
+    """`dp`, `zero1`..`zero3`, with `xtpT` (tensor parallelism T, dp the rest) and `+ac`
+    (activation checkpointing of every block): (stage, tp, checkpointing)."""
+    from gradmesh.errors import GradmeshError
+
+    match = _LAYOUT.match(name)
+    if not match:
+        raise GradmeshError(
+            f"unknown memory layout {name!r} (like dp, zero1, zero2, zero3, zero3+ac, dpxtp2, "
+            "zero3xtp2)"
+        )
+    kind, tp = match.group(1), int(match.group(2) or 1)
+    if tp < 1 or world % tp:
+        raise GradmeshError(f"layout {name}: tp {tp} does not divide --world {world}")
+    return {
+        "stage": 0 if kind == "dp" else int(kind[-1]),
+        "tp": tp,
+        "checkpointing": bool(match.group(3)),
+    }
+
+
+def predicted(param_bytes: int, stage: int, tp: int, dp: int, slots: int = 2) -> dict[str, float]:
+    """The state a rank holds at rest (the module docstring's formulas)."""
+    whole = param_bytes / tp
+    shard = whole / dp
+    return {
+        "param_bytes": shard if stage >= 2 else whole,
+        "grad_bytes": shard if stage >= 2 else whole,
+        "optimizer_bytes": slots * (shard if stage >= 1 else whole),
+    }
+
+
+def measure(config: dict[str, Any]) -> tuple[int, Any]:
+    """One layout's job, on one rank."""
+    import torch
+
+    from gradmesh.bench.memory import peak_bytes
+    from gradmesh.layout.sharded import state_bytes
+    from gradmesh.runtime.world import init, shutdown
+    from gradmesh.train.config import TrainConfig
+    from gradmesh.train.setup import attach, model_of, setup
+    from gradmesh.train.timing import timed_steps
+
+    layout = config["layout"]
+    train = TrainConfig.of(
+        **config["options"],
+        workers=config["world"],
+        tensor_parallel=layout["tp"],
+        zero_stage=layout["stage"],
+        activation_checkpointing="blocks" if layout["checkpointing"] else "",
+        optimizer="adamw",
+    )
+    rt = init(tensor_parallel=layout["tp"])
+    job = setup(train, rt)
+    attach(job)
+    step_s, cpu_idle, _ = timed_steps(job, train.data.batch_size, config["warmup"], config["steps"])
+    held = state_bytes(job.split.module, job.optimizer)
+    part = job.data.train.rows(
+        torch.arange(train.data.batch_size).tensor_split(rt.dp.size)[rt.dp.index]
+    )
+
+    def step() -> None:
+        job.optimizer.zero_grad(set_to_none=False)
+        job.split.engine.step(part.x, part.y, rt.dp.size / train.data.batch_size)
+        job.optimizer.step()
+
+    peak = peak_bytes(step)
+    whole = sum(p.numel() * p.element_size() for p in model_of(train, job.data).parameters())
+    shutdown()
+    return rt.rank, {
+        "step_s": step_s,
+        "cpu_idle": cpu_idle,
+        **held,
+        "peak_bytes": peak,
+        "model_param_bytes": whole,
+    }
+
+
+def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
+    """Every layout's figures at `args.world` ranks, beside the predicted state."""
+    from gradmesh.models.registry import is_token_model
+
+    options = {
+        "model": args.model,
+        "model_args": args.model_args,
+        "dataset": "text" if is_token_model(args.model) else "synthetic",
+        "sequence_length": args.sequence_length,
+        "synthetic_shape": "3x32x32",
+        "synthetic_samples": args.batch * 2,
+        "batch_size": args.batch,
+        "lr": 1e-3,
+    }
+    layouts = {n: parse_layout(n, args.world) for n in names}
+    configs = [
+        {
+            "options": options,
+            "world": args.world,
+            "layout": lay,
+            "steps": args.steps,
+            "warmup": args.warmup,
+        }
+        for lay in layouts.values()
+    ]
+    runs = compare_jobs("gradmesh.bench.memory_ranks", args.world, configs, args.rounds)
+    results = {}
+    for (name, lay), rs in zip(layouts.items(), runs, strict=True):
+        r = {**lay, **medians(rs, ["step_s", "cpu_idle"])}
+        for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_bytes"):
+            r[key] = rs[0][key]
+        r["state_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
+        want = predicted(
+            rs[0]["model_param_bytes"], lay["stage"], lay["tp"], args.world // lay["tp"]
+        )
+        r["predicted"] = {**want, "state_bytes": sum(want.values())}
+        r["prediction_error"] = r["predicted"]["state_bytes"] / r["state_bytes"] - 1
+        r["limit"] = limit_of(r["cpu_idle"], None)
+        results[name] = r
+    base = results.get("dp")
+    for r in results.values():
+        if base is not None:
+            r["state_vs_dp"] = r["state_bytes"] / base["state_bytes"]
+            r["time_vs_dp"] = r["step_s"] / base["step_s"]
+    return results
+
+
+def line(name: str, r: dict[str, Any]) -> str:
+    vs = (
+        f" ({r['state_vs_dp']:.2f}x dp's state, {r['time_vs_dp']:.2f}x its step)"
+        if "state_vs_dp" in r
+        else ""
+    )
+    mb = {k: r[k] / 1e6 for k in ("state_bytes", "param_bytes", "grad_bytes", "optimizer_bytes")}
+    return (
+        f"{name:10} state {mb['state_bytes']:6.2f} MB (predicted "
+        f"{r['predicted']['state_bytes'] / 1e6:6.2f}, {r['prediction_error']:+.1%}: params "
+        f"{mb['param_bytes']:.2f}, grads {mb['grad_bytes']:.2f}, optimizer "
+        f"{mb['optimizer_bytes']:.2f})  step peak {r['peak_bytes'] / 1e6:6.1f} MB  "
+        f"step {r['step_s'] * 1e3:6.1f} ms{vs}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+    )
+
+
+if __name__ == "__main__":
+    from gradmesh.launch.jobs import worker_main
+
+    worker_main(measure)
