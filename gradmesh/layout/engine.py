@@ -192,18 +192,13 @@ def split_model(
     `plan`'s placement per layer. Collective over the world when stages are balanced (the layer
     times are averaged)."""
     tp, pp = rt.mesh["tp"], rt.mesh["pp"]
-    info: dict[str, Any] = {
-        "dp": rt.mesh.shape.dp,
-        "tp": tp.size,
-        "pp": pp.size,
-        "microbatches": microbatches if pp.size > 1 else 1,
-        "schedule": schedule if pp.size > 1 else None,
-        "chunks": chunks if pp.size > 1 else 1,
-        "precision": precision,
-        "sequence_parallel": sequence_parallel,
-    }
     _check_run(pp.size, microbatches, schedule, chunks, precision)
     check_sequence_parallel(sequence_parallel, tp.size, pp.size)
+    piped = pp.size > 1
+    info: dict[str, Any] = {"dp": rt.mesh.shape.dp, "tp": tp.size, "pp": pp.size}
+    info |= {"microbatches": microbatches if piped else 1, "schedule": schedule if piped else None}
+    info |= {"chunks": chunks if piped else 1, "precision": precision}
+    info["sequence_parallel"] = sequence_parallel
     bf16 = precision == "bf16"
     if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
         info["plan"] = dict(plan.layers)
