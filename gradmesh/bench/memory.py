@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import interleaved, median, report
+from gradmesh.bench.harness import interleaved, median, peak_bytes, report
 from gradmesh.options import option
 
 
@@ -61,19 +61,6 @@ def _run_ranks(args: Config) -> int:
         "layouts": results,
     }
     return report(args.json, payload, [line(n, r) for n, r in results.items()])
-
-
-def peak_bytes(step: Any) -> int:
-    """The most tensor bytes `step()` holds at once beyond what was live before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = top = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        top = max(top, live)
-    return top
 
 
 def _steps(args: Config) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gradmesh.bench.harness import compare_jobs, limit_of, medians
+from gradmesh.bench.harness import compare_jobs, limit_of, medians, peak_bytes
 
 _LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(\+ac)?$")
 
@@ -63,7 +63,6 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     """One layout's job, on one rank."""
     import torch
 
-    from gradmesh.bench.memory import peak_bytes
     from gradmesh.layout.sharded import state_bytes
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.config import TrainConfig
