@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradmesh.bench.memory import peak_bytes
+from gradmesh.bench.harness import peak_bytes
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.models.gpt import GPT, GPTConfig
