@@ -101,6 +101,11 @@ def _check_layout(config: TrainConfig) -> None:
             f"--zero-stage {stage} with --plan or --checkpoint-dir is not supported yet (a "
             "sharded checkpoint needs each rank to write its own shard)"
         )
+    if stage >= 2 and config.output.tensorboard:
+        raise GradmeshError(
+            f"--zero-stage {stage} with --tensorboard is not supported yet (its per-epoch "
+            "accuracy scores a copy of the whole model, which no rank holds)"
+        )
     if layout.stages and shape.pp == 1:
         raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
     if config.job.emulate_compute_ms and (layout.split or layout.plan):
