@@ -62,7 +62,7 @@ STATED_ERROR = 0.4
 """How far a calibrated prediction may be from its measurement, as a fraction of the
 measurement: the planner's own statement, which `gradmesh bench layout` checks (its choice must
 measure within this of the fastest layout). On this 2-core machine the layouts outside the
-calibration measured from -22% to +37% of their predictions in four runs (docs/model_parallel.md):
+calibration measured from -22% to +37% of their predictions in four runs (docs/your_model.md):
 the per-micro-batch term fitted on dp 2 x pp 2 overprices a pipeline without data parallelism,
 and tp 4 on emulated 1 Gbit/s links waits longer per exchange than tp 2 did."""
 
