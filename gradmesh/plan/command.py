@@ -121,9 +121,9 @@ def make_plan(
     model = build_model(setting.model, data)
     if not isinstance(model, torch.nn.Sequential):
         raise GradmeshError(
-            f"gradmesh plan places each layer of a sequence of layers; model {setting.model} is "
-            "not one (split it with --tensor-parallel / --pipeline-parallel and compare the "
-            "layouts with gradmesh bench layout)"
+            f"a per-layer plan (--plan) places each layer of a sequence of layers; model "
+            f"{setting.model} is not one: `gradmesh plan --model {setting.model}` chooses its "
+            "data, tensor and pipeline degrees instead"
         )
     tps = [t for t in divisors(setting.workers, setting.tp_max) if t > 1]
     prof = profile(
