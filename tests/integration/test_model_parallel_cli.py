@@ -125,20 +125,21 @@ def test_train_imports_the_users_model_dataset_and_loss(tmp_path: Path, layout: 
 
 
 def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> None:
-    """`--dataset` returning dicts (the model's keyword inputs, the loss's targets): trained
-    data-parallel and pipelined, the two take the same steps; accuracy does not apply."""
-    flags = (f"--model={USER}:weighted_model", f"--dataset={USER}:weighted_data")
-    flags += (f"--loss={USER}:weighted_loss", "--epochs", "2", "--workers", "2", "--lr", "0.05")
-    runs = {}
-    for name, layout in (("dp", []), ("pp", ["--pipeline-parallel", "2", "--microbatches", "2"])):
-        out = gradmesh("train", *flags, *layout, "--json", str(tmp_path / f"{name}.json"))
-        assert out.returncode == 0, out.stderr
-        assert "test accuracy n/a (targets are not class ids)" in out.stdout
-        runs[name] = json.loads((tmp_path / f"{name}.json").read_text())
-    assert runs["dp"]["test_accuracy"] is None
-    losses = runs["dp"]["loss_history"]
-    assert losses[-1] < 0.5 * losses[0]  # 4 separated blobs
-    assert runs["pp"]["loss_history"] == pytest.approx(losses, rel=1e-4)
+    """`--dataset` returning dicts (the model's keyword inputs, the loss's targets), pipelined:
+    it learns, and accuracy does not apply (a pipeline equal to one process on dict batches:
+    tests/distributed/test_any_model.py)."""
+    path = tmp_path / "pp.json"
+    out = gradmesh(
+        *("train", f"--model={USER}:weighted_model", f"--dataset={USER}:weighted_data"),
+        *(f"--loss={USER}:weighted_loss", "--epochs", "2", "--workers", "2", "--lr", "0.05"),
+        *("--pipeline-parallel", "2", "--microbatches", "2", "--json", str(path)),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "test accuracy n/a (targets are not class ids)" in out.stdout
+    run = json.loads(path.read_text())
+    assert run["test_accuracy"] is None and run["layout"]["pp"] == 2
+    losses = run["loss_history"]
+    assert losses[-1] < 0.5 * losses[0]  # 4 separated blobs: 0.378 -> 0.00097 measured
 
 
 @pytest.mark.parametrize(
