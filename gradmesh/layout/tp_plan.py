@@ -196,7 +196,22 @@ def check_plan(
     for name, style in styles.items():
         _check_one(model, name, style, tp, model_name)
     _check_tied(model, styles, model_name)
+    _check_sequence(styles, model_name)
     return styles
+
+
+def _check_sequence(styles: dict[str, Style], model_name: str) -> None:
+    """A module that runs on a part of the sequence (`sequence`, `sequence(gather)`) sums its
+    parameters' gradients over tp, so it may hold no split layer (whose slices differ)."""
+    for name, style in styles.items():
+        if style.kind != "sequence" or style.mode == "scatter":
+            continue
+        inside = [n for n, s in styles.items() if n.startswith(name + ".") and s.kind != "heads"]
+        if inside:
+            raise GradmeshError(
+                f"model {model_name}: {name} is {style.kind}({style.mode}) but holds the split "
+                f"layer {inside[0]}; mark the norms and dropout inside it, not the block"
+            )
 
 
 def _check_tied(model: nn.Module, styles: dict[str, Style], model_name: str) -> None:

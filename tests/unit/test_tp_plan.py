@@ -31,6 +31,9 @@ def test_styles_parse() -> None:
     assert parse_style("colwise_rep", "").gather  # Hugging Face's name
     assert parse_style("heads(n_head, n_embd)", "").attrs == ("n_head", "n_embd")
     assert parse_style("rowwise", "").dim == 1
+    assert parse_style("rowwise(seq)", "").mode == "seq"
+    assert parse_style("sequence(gather)", "").mode == "gather"
+    assert parse_style("sequence", "").mode == ""
 
 
 @pytest.mark.parametrize("chunks", [(), (1, 1, 1), (4, 2, 2)])
@@ -90,6 +93,13 @@ def test_shard_then_unshard_is_the_whole(chunks: tuple[int, ...]) -> None:
             "layer blocks.0.attn of model gpt has no integer attribute 'n_head'",
         ),
         (
+            gpt(),
+            {"blocks.*": "sequence", "blocks.*.mlp.fc1": "colwise"},
+            2,
+            "blocks.0 is sequence() but holds the split layer blocks.0.mlp.fc1",
+        ),
+        (gpt(), {"norm": "sequence(all)"}, 2, "style 'sequence(all)' takes no such arguments"),
+        (
             ResidualCNN(1, 10, width=6),
             {"blocks.*.conv1": "colwise"},
             8,
@@ -111,3 +121,4 @@ def test_the_models_declared_plans_fit() -> None:
     for model, tp in ((gpt(), 2), (gpt(), 4), (gpt(kv_heads=2), 2), (ResidualCNN(), 2)):
         styles = check_plan(model, model.tp_plan, tp, type(model).__name__)
         assert styles
+    assert check_plan(gpt(), gpt().sp_plan, 2, "gpt")["blocks.0"].mode == "scatter"
