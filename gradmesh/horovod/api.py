@@ -63,6 +63,7 @@ __all__ = [
     "gloo_built",
     "gloo_enabled",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "join",
     "local_rank",
@@ -102,6 +103,11 @@ def init(
 
 def _env_world() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_homogeneous() -> bool:
+    """Whether every host of the job holds the same number of ranks."""
+    return get_runtime().homogeneous
 
 
 def shutdown() -> None:

@@ -11,8 +11,16 @@ import torch
 
 from gradmesh.collectives import allgather_object as _allgather_object
 from gradmesh.collectives import broadcast_object as _broadcast_object
+from gradmesh.errors import GradmeshError
+from gradmesh.horovod.compression import Compression
 from gradmesh.horovod.process_sets import _group, _root, global_process_set
-from gradmesh.horovod.reductions import _autograd, _named, allreduce
+from gradmesh.horovod.reductions import (
+    _autograd,
+    _named,
+    allreduce,
+    reducescatter,
+    reducescatter_async,
+)
 from gradmesh.runtime.world import rank
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import Handle, synchronize
@@ -29,6 +37,10 @@ __all__ = [
     "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
 ]
 
 
@@ -40,6 +52,62 @@ def allgather_async(
 ) -> Handle:
     group = _group(process_set, "allgather")
     return _named(name, lambda: _api.allgather_async(tensor, group))
+
+
+def grouped_allgather_async(
+    tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> Future[list[torch.Tensor]]:
+    """Each of `tensors` all-gathered, as one operation on the communication thread (the same
+    order on every rank); `synchronize` returns the list."""
+    if not tensors:
+        raise GradmeshError("grouped_allgather needs at least one tensor")
+    group = _group(process_set, "allgather")
+    copies = [t.detach().clone() for t in tensors]
+    return _named(
+        name, lambda: _api.submit(lambda: [_api.allgather_tensor(t, group) for t in copies])
+    )
+
+
+def grouped_allgather(
+    tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
+) -> list[torch.Tensor]:
+    """`allgather` of each of `tensors`, in order; differentiable."""
+    if not tensors:
+        raise GradmeshError("grouped_allgather needs at least one tensor")
+    return [allgather(t, None, process_set) for t in tensors]
+
+
+def grouped_reducescatter_async(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> Future[list[torch.Tensor]]:
+    """Each of `tensors` reduce-scattered as `reducescatter` does, as one operation;
+    `synchronize` returns the list (each rank's block of each)."""
+    if not tensors:
+        raise GradmeshError("grouped_reducescatter needs at least one tensor")
+    scale = (op, process_set, prescale_factor, postscale_factor)
+    parts = [reducescatter_async(t, None, *scale) for t in tensors]
+    # the communication thread runs in order: this waits only for the parts submitted above
+    return _named(name, lambda: _api.submit(lambda: [p.result() for p in parts]))
+
+
+def grouped_reducescatter(
+    tensors: list[torch.Tensor],
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = global_process_set,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """`reducescatter` of each of `tensors`, in order; differentiable."""
+    if not tensors:
+        raise GradmeshError("grouped_reducescatter needs at least one tensor")
+    scale = (op, process_set, prescale_factor, postscale_factor)
+    return [reducescatter(t, None, Compression.none, *scale) for t in tensors]
 
 
 class _Allgather(torch.autograd.Function):

@@ -121,9 +121,9 @@ def _join_default_group(backend: str, rank: int, size: int, timeout: timedelta) 
 
 def host_groups(
     rank: int, size: int, local_rank: int, device: torch.device, timeout: timedelta
-) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int, int]:
-    """Intra-host and cross-host groups, this rank's cross rank and size, and the most ranks
-    any host holds; hosts are found by all-gathering each rank's node id."""
+) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None, int, int, list[int]]:
+    """Intra-host and cross-host groups, this rank's cross rank and size, and the ranks each
+    host holds (by host); hosts are found by all-gathering each rank's node id."""
     node = _env_int("GROUP_RANK", -1)
     mine = torch.tensor([node, local_rank], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(size)]
@@ -138,10 +138,10 @@ def host_groups(
     by_local = [[r for r, (_, lr) in enumerate(pairs) if lr == want] for want in local_ranks]
     my_node, my_local = pairs[rank]
     if size == 1:
-        return None, None, 0, 1, 1
+        return None, None, 0, 1, [1]
     # every group gets the job's timeout: without it torch gives subgroups its 30-minute default
     local_group, _ = dist.new_subgroups_by_enumeration(by_node, timeout=timeout)  # type: ignore[no-untyped-call]
     cross_group, _ = dist.new_subgroups_by_enumeration(by_local, timeout=timeout)  # type: ignore[no-untyped-call]
     cross_members = by_local[local_ranks.index(my_local)]
-    widest = max(len(ranks) for ranks in by_node)
-    return local_group, cross_group, cross_members.index(rank), len(cross_members), widest
+    hosts = [len(ranks) for ranks in by_node]
+    return local_group, cross_group, cross_members.index(rank), len(cross_members), hosts

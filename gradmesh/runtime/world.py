@@ -48,11 +48,13 @@ class Runtime:
     local_group: dist.ProcessGroup | None
     cross_group: dist.ProcessGroup | None
     mesh: Mesh
+    """The world as dp x pp x tp (`gradmesh.mesh()`): `tensor_parallel` x `pipeline_parallel`
+    adjacent ranks hold one replica of the model, the rest of the world is data-parallel."""
     widest_host: int = 1
     """The most ranks any host holds: the same on every rank (unlike `local_size` when hosts
     hold different numbers of ranks), so choices made from it agree across the world."""
-    """The world as dp x pp x tp (`gradmesh.mesh()`): `tensor_parallel` x `pipeline_parallel`
-    adjacent ranks hold one replica of the model, the rest of the world is data-parallel."""
+    homogeneous: bool = True
+    """Whether every host holds the same number of ranks (Horovod's `is_homogeneous`)."""
     comm: CommStats = field(default_factory=CommStats)
     workspace: dict[tuple[object, ...], torch.Tensor] = field(default_factory=dict)
     """Scratch buffers of the collectives, kept across calls so the hot path allocates nothing."""
@@ -190,7 +192,7 @@ def _build(
     """The runtime of a joined job: its host groups, mesh and communication-thread group, each
     named for messages."""
     local_rank = _env_int("LOCAL_RANK", 0)
-    local_group, cross_group, cross_rank, cross_size, widest = host_groups(
+    local_group, cross_group, cross_rank, cross_size, hosts = host_groups(
         rank, size, local_rank, device, timeout
     )
     local_size = (
@@ -211,7 +213,8 @@ def _build(
         local_group=local_group,
         cross_group=cross_group,
         mesh=build_mesh(shape, rank, timeout, owned),
-        widest_host=widest,
+        widest_host=max(hosts),
+        homogeneous=len(set(hosts)) == 1,
         async_group=async_group,
         owned=owned,
     )

@@ -223,3 +223,41 @@ def test_broadcast_optimizer_state_initialises_an_unstepped_optimizer_as_horovod
         # step, exp_avg and exp_avg_sq for each of those
         assert got["grads"] == [True, True, False, True]
         assert got["state"] == [3, 3, 0, 3]
+
+
+def grouped_gathers() -> dict[str, Any]:
+    me = hvd.rank()
+    a = torch.full((me + 1, 2), float(me))  # rank r gives r + 1 rows: first dimensions differ
+    b = torch.arange(4, dtype=torch.int64) + 10 * me
+    x = torch.arange(6, dtype=torch.float32).reshape(6, 1) * (me + 1)
+    gathered = hvd.grouped_allgather([a, b])
+    handle = hvd.grouped_allgather_async([b], name="ga")
+    scattered = hvd.grouped_reducescatter([x, x * 2], op=hvd.Sum)
+    rs_async = hvd.synchronize(hvd.grouped_reducescatter_async([x], op=hvd.Average, name="rs"))
+    return {
+        "gathered": [t.tolist() for t in gathered],
+        "async": [t.tolist() for t in hvd.synchronize(handle)],
+        "scattered": [t.tolist() for t in scattered],
+        "rs_async": [t.tolist() for t in rs_async],
+        "homogeneous": hvd.is_homogeneous(),
+    }
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_grouped_gathers_and_reduce_scatters_are_each_tensors_own(world: int) -> None:
+    """grouped_allgather / grouped_reducescatter (and their async forms) give, for each tensor,
+    what allgather / reducescatter give; 3 ranks on hosts of 2 and 1 are not homogeneous."""
+    total = sum(range(1, world + 1))  # sum over ranks of (r + 1)
+    for me, got in enumerate(run_ranks(grouped_gathers, world, local_size=2)):
+        rows = [[float(r), float(r)] for r in range(world) for _ in range(r + 1)]
+        ints = [v + 10 * r for r in range(world) for v in range(4)]
+        assert got["gathered"] == [rows, ints]
+        assert got["async"] == [ints]
+        n = 6 // world  # 6 rows split evenly over 2 or 3 ranks
+        mine = range(me * n, (me + 1) * n)
+        assert got["scattered"] == [
+            [[float(v * total)] for v in mine],
+            [[float(2 * v * total)] for v in mine],
+        ]
+        assert got["rs_async"] == [[[v * total / world] for v in mine]]
+        assert got["homogeneous"] == (world == 2)
