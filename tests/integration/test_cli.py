@@ -278,7 +278,8 @@ def test_example_trains_under_gradmesh_run_and_torchrun(tmp_path: Path) -> None:
     ours = gradmesh("run", "-np", "2", "--", "python", example)
     assert ours.returncode == 0, ours.stderr
     assert "[0] test accuracy" in ours.stdout and "on 2 workers" in ours.stdout
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # torchrun's agent leaves a torchelastic_* folder in the temp dir: keep it in tmp_path too
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path)}
     theirs = subprocess.run(
         [
             sys.executable,
