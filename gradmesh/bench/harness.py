@@ -153,16 +153,3 @@ def shutdown_after_ddp() -> None:
     gc.collect()
     dist.barrier()
     shutdown()
-
-
-def peak_bytes(step: Any) -> int:
-    """The most tensor bytes `step()` holds at once beyond what was live before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = top = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        top = max(top, live)
-    return top

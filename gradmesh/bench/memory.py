@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import interleaved, median, peak_bytes, report
+from gradmesh.bench.harness import interleaved, median, report
 from gradmesh.options import option
 
 
@@ -101,6 +101,8 @@ def _steps(args: Config) -> dict[str, Any]:
 
 def run(args: Config, _command: list[str] | None = None) -> int:
     import torch
+
+    from gradmesh.train.timing import peak_bytes
 
     if args.world > 1:
         return _run_ranks(args)

@@ -1,6 +1,7 @@
 """`gradmesh bench memory --world W`: what each rank holds under sharded data parallelism.
 
-One job per layout of `--layouts` (`dp`: plain data parallelism; `zero1`, `zero2`, `zero3`:
+One job per layout of `--layouts` (the planner's job, `gradmesh.plan.calibrate`, with
+`memory_figures`; `dp`: plain data parallelism; `zero1`, `zero2`, `zero3`:
 `--zero-stage`; a `+ac` suffix adds `--activation-checkpointing blocks`; `dpxtp2` and
 `zero3xtp2`: with tensor parallelism 2, dp the rest), interleaved over `--rounds`: the
 trainer's own setup (AdamW), `--warmup` then `--steps` steps on one fixed global batch, the
@@ -22,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from gradmesh.bench.harness import compare_jobs, limit_of, medians, peak_bytes
+from gradmesh.bench.harness import compare_jobs, limit_of, medians
 
 _LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(\+ac)?$")
 
@@ -59,77 +60,24 @@ def predicted(param_bytes: int, stage: int, tp: int, dp: int, slots: int = 2) ->
     }
 
 
-def measure(config: dict[str, Any]) -> tuple[int, Any]:
-    """One layout's job, on one rank."""
-    import torch
-
-    from gradmesh.layout.sharded import state_bytes
-    from gradmesh.runtime.world import init, shutdown
-    from gradmesh.train.config import TrainConfig
-    from gradmesh.train.setup import attach, model_of, setup
-    from gradmesh.train.timing import timed_steps
-
-    layout = config["layout"]
-    train = TrainConfig.of(
-        **config["options"],
-        workers=config["world"],
-        tensor_parallel=layout["tp"],
-        zero_stage=layout["stage"],
-        activation_checkpointing="blocks" if layout["checkpointing"] else "",
-        optimizer="adamw",
-    )
-    rt = init(tensor_parallel=layout["tp"])
-    job = setup(train, rt)
-    attach(job)
-    step_s, cpu_idle, _ = timed_steps(job, train.data.batch_size, config["warmup"], config["steps"])
-    held = state_bytes(job.split.module, job.optimizer)
-    part = job.data.train.rows(
-        torch.arange(train.data.batch_size).tensor_split(rt.dp.size)[rt.dp.index]
-    )
-
-    def step() -> None:
-        job.optimizer.zero_grad(set_to_none=False)
-        job.split.engine.step(part.x, part.y, rt.dp.size / train.data.batch_size)
-        job.optimizer.step()
-
-    peak = peak_bytes(step)
-    whole = sum(p.numel() * p.element_size() for p in model_of(train, job.data).parameters())
-    shutdown()
-    return rt.rank, {
-        "step_s": step_s,
-        "cpu_idle": cpu_idle,
-        **held,
-        "peak_bytes": peak,
-        "model_param_bytes": whole,
-    }
-
-
 def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
     """Every layout's figures at `args.world` ranks, beside the predicted state."""
-    from gradmesh.models.registry import is_token_model
+    from gradmesh.layout.planner.mesh import Layout
+    from gradmesh.plan.calibrate import layout_job
+    from gradmesh.plan.mesh import workload
 
-    options = {
-        "model": args.model,
-        "model_args": args.model_args,
-        "dataset": "text" if is_token_model(args.model) else "synthetic",
-        "sequence_length": args.sequence_length,
-        "synthetic_shape": "3x32x32",
-        "synthetic_samples": args.batch * 2,
-        "batch_size": args.batch,
-        "lr": 1e-3,
-    }
+    work = workload(
+        args.model, args.model_args, "synthetic", args.sequence_length, "3x32x32", args.batch
+    )
     layouts = {n: parse_layout(n, args.world) for n in names}
-    configs = [
-        {
-            "options": options,
-            "world": args.world,
-            "layout": lay,
-            "steps": args.steps,
-            "warmup": args.warmup,
-        }
-        for lay in layouts.values()
-    ]
-    runs = compare_jobs("gradmesh.bench.memory_ranks", args.world, configs, args.rounds)
+    configs = []
+    for lay in layouts.values():
+        options = {**work.options, "model": work.name, "optimizer": "adamw"}
+        options |= {"zero_stage": lay["stage"]}
+        options |= {"activation_checkpointing": "blocks" if lay["checkpointing"] else ""}
+        grid = Layout(args.world // lay["tp"], lay["tp"], 1)
+        configs.append(layout_job(options, args.world, grid, args.steps, args.warmup, True))
+    runs = compare_jobs("gradmesh.plan.calibrate", args.world, configs, args.rounds)
     results = {}
     for (name, lay), rs in zip(layouts.items(), runs, strict=True):
         r = {**lay, **medians(rs, ["step_s", "cpu_idle"])}
@@ -165,9 +113,3 @@ def line(name: str, r: dict[str, Any]) -> str:
         f"{mb['optimizer_bytes']:.2f})  step peak {r['peak_bytes'] / 1e6:6.1f} MB  "
         f"step {r['step_s'] * 1e3:6.1f} ms{vs}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
     )
-
-
-if __name__ == "__main__":
-    from gradmesh.launch.jobs import worker_main
-
-    worker_main(measure)

@@ -157,7 +157,6 @@ def check_layout(
     """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
     layers make `pp` stages of `chunks` chunks each (the flags alone are checked by
     `TrainConfig.validate`)."""
-    check_sequence_parallel(sequence_parallel, tp, pp)
     pp *= chunks
     if tp > 1:
         check_plan(model, tp_plan(model_name, model, sequence_parallel), tp, model_name)

@@ -39,14 +39,13 @@ DIM = 1
 """The sequence dimension of the activations (batch, sequence, features)."""
 
 
-def _check(x: torch.Tensor) -> int:
+def _check(x: torch.Tensor) -> None:
     size = tp_place()[0]
     if x.dim() <= DIM or x.shape[DIM] % size:
         raise GradmeshError(
             f"sequence parallelism: activations of shape {tuple(x.shape)} do not split their "
             f"sequence (dimension {DIM}) over tp {size}"
         )
-    return size
 
 
 def _mine(x: torch.Tensor) -> torch.Tensor:

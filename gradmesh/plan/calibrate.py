@@ -11,11 +11,19 @@ from gradmesh.layout.planner.mesh import Layout
 
 
 def layout_job(
-    options: dict[str, Any], world: int, lay: Layout, steps: int, warmup: int
+    options: dict[str, Any],
+    world: int,
+    lay: Layout,
+    steps: int,
+    warmup: int,
+    memory: bool = False,
 ) -> dict[str, Any]:
     """The config of a job timing `lay` on `world` ranks; `options` are the workload's
-    `gradmesh train` options (`TrainWorkload`: model, data, batch)."""
+    `gradmesh train` options (`TrainWorkload`: model, data, batch; any other `gradmesh train`
+    option, as `zero_stage`). With `memory`, the job also reports what each rank holds
+    (`memory_figures`)."""
     return {
+        "memory": memory,
         "options": options,
         "world": world,
         "tp": lay.tp,
@@ -29,7 +37,7 @@ def layout_job(
 
 
 def measure(config: dict[str, Any]) -> tuple[int, Any]:
-    """One layout's job, on one rank (`layout_job`'s config)."""
+    """One layout's job, on one rank (`layout_job`'s config): rank 0's figures."""
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.finish import layout_figures
@@ -63,8 +71,26 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
         "stage_idle": stats.layout["stage_idle"] if pp > 1 else None,
         "cpu_idle": cpu_idle,
     }
+    if config["memory"]:
+        result |= memory_figures(job, batch)
     shutdown()
     return rt.rank, result
+
+
+def memory_figures(job: Any, batch: int) -> dict[str, int]:
+    """This rank's parameter, gradient and optimizer-state bytes at rest (shards as held), the
+    peak of live tensor bytes one more step adds, and the whole model's parameter bytes."""
+    from gradmesh.layout.sharded import state_bytes
+    from gradmesh.train.setup import model_of
+    from gradmesh.train.timing import peak_bytes, replica_step
+
+    held = state_bytes(job.split.module, job.optimizer)
+    whole = model_of(job.config, job.data).parameters()
+    return {
+        **held,
+        "peak_bytes": peak_bytes(replica_step(job, batch)),
+        "model_param_bytes": sum(p.numel() * p.element_size() for p in whole),
+    }
 
 
 def calibrator(

@@ -1,9 +1,11 @@
 """Timing a trainer job's steps, for benchmarks and the planner's probe: medians, the machine's
-idle CPU, and the slowest rank's time outside communication."""
+idle CPU, and the slowest rank's time outside communication; and a step's peak of live tensor
+bytes (`peak_bytes`)."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from gradmesh.runtime.process import cpu_jiffies, idle_since
@@ -19,6 +21,35 @@ class Timed(NamedTuple):
     slowest rank of each step."""
 
 
+def replica_step(job: Any, batch: int) -> Callable[[], None]:
+    """One training step of a trainer `Job` on this replica's slice of the first `batch`
+    samples of its training data (the same slice every call)."""
+    import torch
+
+    rt, engine = job.rt, job.split.engine
+    part = job.data.train.rows(torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index])
+
+    def step() -> None:
+        job.optimizer.zero_grad(set_to_none=False)  # as the trainer's loop: gradients stay
+        engine.step(part.x, part.y, rt.dp.size / batch)
+        job.optimizer.step()
+
+    return step
+
+
+def peak_bytes(step: Any) -> int:
+    """The most tensor bytes `step()` holds at once beyond what was live before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    live = top = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        top = max(top, live)
+    return top
+
+
 def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
     """`warmup` then `steps` training steps of a trainer `Job` on one fixed global batch (this
     replica's slice of its first `batch` samples). Byte counts (and a pipeline's clock) restart
@@ -28,9 +59,7 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
     import torch
 
     rt, engine = job.rt, job.split.engine
-    mine = torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index]
-    part = job.data.train.rows(mine)
-    x, y = part.x, part.y
+    step_once = replica_step(job, batch)
     times, outside = [], []
     for step in range(warmup + steps):
         if step == warmup:
@@ -40,9 +69,7 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
                 clock.step_s = clock.busy_s = 0.0
             cpu_before = cpu_jiffies()
         started, comm_before = time.perf_counter(), rt.comm.comm_s
-        job.optimizer.zero_grad()
-        engine.step(x, y, rt.dp.size / batch)
-        job.optimizer.step()
+        step_once()
         times.append(time.perf_counter() - started)
         outside.append(times[-1] - (rt.comm.comm_s - comm_before))
     # The step is this rank's own: its steps run back to back, so their median is the job's

@@ -8,10 +8,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gradmesh.bench.harness import peak_bytes
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.models.gpt import GPT, GPTConfig
+from gradmesh.train.timing import peak_bytes
 
 
 def gpt() -> GPT:

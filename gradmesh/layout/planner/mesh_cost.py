@@ -109,7 +109,8 @@ def predict_mesh(
     b = prof.batch // (lay.dp * m)
     share, params, crossing = _pipeline_rank(prof, lay)
     tp_ranks = list(range(lay.tp))
-    tensor = _exchange_s(links, tp_ranks, sl.exchanges[b]) + cal.exchange_s * len(sl.exchanges[b])
+    made = _exchanges(prof, lay)
+    tensor = _exchange_s(links, tp_ranks, made) + cal.exchange_s * len(made)
     p2p = 0.0
     if lay.pp > 1:
         pair = [0, lay.tp]
@@ -165,9 +166,8 @@ def exchange_request(prof: MeshProfile, found: Sequence[Layout]) -> tuple[list[i
     sizes: set[int] = set()
     groups: set[int] = set()
     for lay in found:
-        sl = prof.slices[lay.tp]
         b = prof.batch // (lay.dp * lay.microbatches)
-        sizes.update(n for n, _ in sl.exchanges[b])
+        sizes.update(n for n, _ in _exchanges(prof, lay))
         _, params, crossing = _pipeline_rank(prof, lay)
         sizes.update(n for n in (params, crossing * b) if n)
         groups.update(g for g in (lay.tp, lay.dp) if g > 1)
