@@ -22,6 +22,9 @@ import torch.distributed as dist
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
 from gradmesh.horovod.gathers import _on_set
+from gradmesh.horovod.joining import announce_now, forget, register
+from gradmesh.horovod.joining import join as _join
+from gradmesh.horovod.joining import optimizer as _joining_optimizer
 from gradmesh.horovod.process_sets import (
     ProcessSet,
     _group,
@@ -115,6 +118,7 @@ def shutdown() -> None:
     for process_set in _sets.values():
         process_set._invalidate()
     _sets.clear()
+    forget()
     _shutdown()
 
 
@@ -139,7 +143,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     `num_groups` / `groups` are accepted, the fusion buffers being sized by bytes instead.
     With `process_set`, gradients are averaged over the set's ranks only (one optimizer per
     set at a time)."""
-    return _DistributedOptimizer(
+    group = _group(process_set, "DistributedOptimizer", optimizer=True)
+    wrapped = _DistributedOptimizer(
         optimizer,
         named_parameters,
         compression=compression,
@@ -147,26 +152,33 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         op=op,
         on_nonfinite="pass",
         gradient_predivide_factor=gradient_predivide_factor,
-        group=_group(process_set, "DistributedOptimizer", optimizer=True),
+        group=group,
     )
+    if group is None:  # its steps are announced, for `join`
+        register(wrapped)
+    return wrapped
 
 
 def barrier(process_set: Any = global_process_set) -> None:
     """Wait until every rank of the set reaches this point."""
     if _group(process_set, "barrier") is None:
+        announce_now("barrier")
         _barrier()
     else:
         _on_set(process_set, "barrier", lambda group: dist.barrier(group=group))
 
 
 def join(device: int = -1) -> int:
-    """Wait, taking part in the others' gradient reductions, until every rank has joined (for
-    the most recently created DistributedOptimizer). Returns -1: gradmesh does not track which
-    rank joined last."""
+    """This rank has no more data: take part in the other ranks' operations on the global set
+    (zeros into sums, no rows into gathers, the optimizer's steps on zero gradients) until
+    every rank has joined; returns the last rank to join. When the most recent
+    DistributedOptimizer reduces over another process set, only its steps are taken part in,
+    and -1 is returned (see `joining`)."""
     joinable = get_runtime().joinable
-    if joinable is not None:
+    if joinable is not None and getattr(joinable, "__self__", None) is not _joining_optimizer():
         joinable()
-    return -1
+        return -1
+    return _join()
 
 
 def mpi_built() -> bool:

@@ -13,6 +13,7 @@ from gradmesh.collectives import allgather_object as _allgather_object
 from gradmesh.collectives import broadcast_object as _broadcast_object
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
+from gradmesh.horovod.joining import ALLGATHER, BROADCAST, OTHER, announce_now, before
 from gradmesh.horovod.process_sets import _group, _root, global_process_set
 from gradmesh.horovod.reductions import (
     _autograd,
@@ -51,7 +52,13 @@ def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
 ) -> Handle:
     group = _group(process_set, "allgather")
-    return _named(name, lambda: _api.allgather_async(tensor, group))
+    announce = _announce(group, ALLGATHER, "allgather")
+    return _named(name, lambda: _api.allgather_async(tensor, group, announce))
+
+
+def _announce(group: Any, kind: int, what: str, extra: int = 0) -> Any:
+    """An operation's announcement for `hvd.join` on the global set (None on another set)."""
+    return before(kind, what, extra) if group is None else None
 
 
 def grouped_allgather_async(
@@ -63,9 +70,14 @@ def grouped_allgather_async(
         raise GradmeshError("grouped_allgather needs at least one tensor")
     group = _group(process_set, "allgather")
     copies = [t.detach().clone() for t in tensors]
-    return _named(
-        name, lambda: _api.submit(lambda: [_api.allgather_tensor(t, group) for t in copies])
-    )
+    announce = _announce(group, ALLGATHER, "allgather")
+
+    def gather_each() -> list[torch.Tensor]:
+        for t in copies if announce is not None else ():
+            announce(t)
+        return [_api.allgather_tensor(t, group) for t in copies]
+
+    return _named(name, lambda: _api.submit(gather_each))
 
 
 def grouped_allgather(
@@ -160,7 +172,8 @@ def _broadcast_async(
 ) -> Handle:
     group = _group(process_set, "broadcast")
     root = _root(root_rank, group, "broadcast")
-    return _named(name, lambda: _api.broadcast_async(tensor, root, in_place, group))
+    announce = _announce(group, BROADCAST, "broadcast", root)
+    return _named(name, lambda: _api.broadcast_async(tensor, root, in_place, group, announce))
 
 
 class _Broadcast(torch.autograd.Function):
@@ -207,7 +220,8 @@ def alltoall_async(
 ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """`synchronize` returns (rows received, int32 counts received from each rank)."""
     group = _group(process_set, "alltoall")
-    return _named(name, lambda: _api.alltoall_async(tensor, splits, group))
+    announce = _announce(group, OTHER, "alltoall")
+    return _named(name, lambda: _api.alltoall_async(tensor, splits, group, announce))
 
 
 class _Alltoall(torch.autograd.Function):
@@ -246,6 +260,7 @@ def _on_set(process_set: Any, what: str, fn: Callable[..., Any], *args: Any) -> 
     """`fn(*args)` on the world, or on the set's group through the communication thread."""
     group = _group(process_set, what)
     if group is None:
+        announce_now(what)
         return fn(*args)
     return _api.submit(fn, *args, group).result()
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.horovod.compression import Compression
+from gradmesh.horovod.joining import reduction
 from gradmesh.horovod.process_sets import _group, global_process_set
 from gradmesh.runtime.world import rank, size
 from gradmesh.sync.data_parallel import api as _api
@@ -80,18 +81,21 @@ def _reduction(
     process_set: Any,
     what: str,
 ) -> Any:
-    """Start one of gradmesh's reductions with Horovod's reduction arguments."""
+    """Start one of gradmesh's reductions with Horovod's reduction arguments; on the global set,
+    announced for `hvd.join` (each fused buffer of a group on its own)."""
     group = _group(process_set, what)
+    reduce_op = _op(average, op)
     return _named(
         name,
         lambda: start(
             tensors,
-            op=_op(average, op),
+            op=reduce_op,
             compression=compression,
             name=name,
             prescale_factor=prescale,
             postscale_factor=postscale,
             group=group,
+            before=None if group is not None else reduction(reduce_op),
         ),
     )
 

@@ -24,6 +24,11 @@ from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import get_runtime
 
 Handle = Future[torch.Tensor]
+Before = Callable[[torch.Tensor], int] | None
+"""Run on the communication thread just before an operation, given the tensor it sends (for a
+grouped reduction, each fused buffer): returns how many ranks contribute
+to it (fewer than the group's size when some have joined: they add zeros and are left out of
+averages). Horovod's join announces operations this way (`gradmesh.horovod.joining`)."""
 
 
 def members(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
@@ -68,9 +73,15 @@ def _reduce_copy(
     prescale: float,
     postscale: float,
     group: dist.ProcessGroup | None = None,
+    before: Before = None,
 ) -> torch.Tensor:
-    copy = _scaled(tensor.detach().clone(), prescale)
     on, _, size = members(group)
+    contributors = size if before is None else before(tensor)
+    if contributors < size:  # joined ranks add zeros, uncompressed, and leave the average
+        if op == "average":
+            op, postscale = "sum", postscale / contributors
+        compression, name = None, None
+    copy = _scaled(tensor.detach().clone(), prescale)
     if size > 1:
         copy = compressed_allreduce(copy, resolve(compression), op, algorithm, on, name)
     return _scaled(copy, postscale)
@@ -106,11 +117,13 @@ def allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    before: Before = None,
 ) -> Handle:
     """Start reducing a copy of `tensor` (times `prescale_factor` before, `postscale_factor`
     after, as Horovod does) over the world or `group`; `synchronize(handle)` returns the
     result. `name`, if given, must be the same on every rank for the same call."""
-    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor, group)
+    scale = (prescale_factor, postscale_factor)
+    args = (tensor, op, algorithm, compression, name, *scale, group, before)
     return submit(_reduce_copy, *args)
 
 
@@ -123,12 +136,14 @@ def _reduce_group(
     prescale: float,
     postscale: float,
     group: dist.ProcessGroup | None,
+    before: Before,
 ) -> list[torch.Tensor]:
     """The tensors of each dtype fused into one flat buffer, reduced in one operation, split."""
     out: dict[int, torch.Tensor] = {}
     for flat, members in flat_buffers(tensors):
         label = None if name is None else f"{name}.{str(flat.dtype).removeprefix('torch.')}"
-        reduced = _reduce_copy(flat, op, algorithm, compression, label, prescale, postscale, group)
+        scale = (prescale, postscale, group, before)
+        reduced = _reduce_copy(flat, op, algorithm, compression, label, *scale)
         out.update({id(t): part for t, part in zip(members, views(reduced, members), strict=True)})
     return [out[id(t)] for t in tensors]
 
@@ -142,12 +157,13 @@ def grouped_allreduce_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    before: Before = None,
 ) -> Future[list[torch.Tensor]]:
-    """Reduce several tensors as one operation (one fused buffer per dtype); `synchronize`
-    returns the list of results in the order given."""
+    """Reduce several tensors as one operation (one fused buffer per dtype, each announced to
+    `before` on its own); `synchronize` returns the list of results in the order given."""
     if not tensors:
         raise GradmeshError("grouped allreduce needs at least one tensor")
-    args = (op, algorithm, compression, name, prescale_factor, postscale_factor, group)
+    args = (op, algorithm, compression, name, prescale_factor, postscale_factor, group, before)
     return submit(_reduce_group, list(tensors), *args)
 
 
@@ -160,6 +176,7 @@ def reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    before: Before = None,
 ) -> Handle:
     """Reduce `tensor` over every rank (of `group`) and give each rank its block of rows: with
     n rows over W ranks, rank r gets n // W rows, plus one for the first n % W ranks (Horovod's
@@ -169,7 +186,8 @@ def reducescatter_async(
         raise GradmeshError(f"reducescatter reduces with average or sum, not {op}")
     if tensor.dim() == 0:
         raise GradmeshError("reducescatter needs a tensor with a first dimension to split")
-    args = (tensor, op, algorithm, compression, name, prescale_factor, postscale_factor, group)
+    scale = (prescale_factor, postscale_factor)
+    args = (tensor, op, algorithm, compression, name, *scale, group, before)
 
     def scatter() -> torch.Tensor:
         reduced = _reduce_copy(*args)
@@ -243,13 +261,14 @@ def alltoall_async(
     tensor: torch.Tensor,
     splits: torch.Tensor | list[int] | None = None,
     group: dist.ProcessGroup | None = None,
+    before: Before = None,
 ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """Send rows of `tensor` to every rank (`splits[r]` rows to rank r, in order; without
     splits, equal parts) and receive theirs, concatenated in rank order; `synchronize` returns
     (rows received, how many came from each rank). Every rank's splits are checked first, so
     bad ones are one error on every rank, not a hang."""
     wanted = None if splits is None else [int(s) for s in torch.as_tensor(splits).reshape(-1)]
-    return submit(_alltoall, tensor, wanted, group)
+    return submit(_after(before, _alltoall), tensor, wanted, group)
 
 
 def synchronize(handle: Handle) -> torch.Tensor:
@@ -277,9 +296,24 @@ def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     return torch.cat([everyone[r, :n] for r, n in enumerate(lengths)])
 
 
-def allgather_async(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> Handle:
+def allgather_async(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, before: Before = None
+) -> Handle:
     """`allgather_tensor` of a copy of `tensor`, on the communication thread."""
-    return submit(allgather_tensor, tensor.detach().clone(), members(group)[0])
+    return submit(_after(before, allgather_tensor), tensor.detach().clone(), members(group)[0])
+
+
+def _after(before: Before, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn(tensor, ...)`, run after `before(tensor)` (whose count it does not need: a joined
+    rank takes its part)."""
+    if before is None:
+        return fn
+
+    def run(tensor: torch.Tensor, *args: Any) -> Any:
+        before(tensor)
+        return fn(tensor, *args)
+
+    return run
 
 
 def broadcast_async(
@@ -287,6 +321,7 @@ def broadcast_async(
     root_rank: int,
     in_place: bool = False,
     group: dist.ProcessGroup | None = None,
+    before: Before = None,
 ) -> Handle:
     """Root's (a global rank's) value of `tensor`: written into `tensor` itself with
     `in_place`, else into a copy (the argument left as it was)."""
@@ -294,7 +329,7 @@ def broadcast_async(
     on, _, size = members(group)
     if size == 1:
         return submit(lambda: target)
-    return submit(broadcast, target, root_rank, on)
+    return submit(_after(before, broadcast), target, root_rank, on)
 
 
 def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:

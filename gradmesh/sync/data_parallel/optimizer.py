@@ -103,10 +103,19 @@ class _DistributedMixin:
                 f"rank {gm.rt.rank}: join() is not supported with a hybrid plan's "
                 "batch-sharded layers"
             )
+        while self.join_step() > 0:
+            pass
+
+    def join_step(self) -> float:
+        """One step of a joined rank: zero gradients into the others' reductions, then the same
+        update as theirs; returns how many ranks still train (0: every rank has joined)."""
+        gm = self._gm
         try:
-            while (active := gm.join_round()) > 0:
+            active = gm.join_round()
+            if active > 0:
                 gm.unpack_all(active)
                 self._apply()
+            return active
         finally:
             gm.reset()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, Literal
 
@@ -149,6 +150,10 @@ class GradientReducer:
         self.skipped_steps = 0
         self.skip_sync = False
         self.synced = False
+        self.announce: Callable[[], Future[Any]] | None = None
+        """Called before a step's first reduction leaves on a rank that trains (Horovod's join
+        learns from it that a step follows); its future is checked at `synchronize`."""
+        self.announced: Future[Any] | None = None
         self.also: list[GradientReducer] = []
         """Reducers of other parameters of the same optimizer (a hybrid plan's batch-sharded
         layers, over the batch group), synchronized and reset with this one."""
@@ -216,6 +221,8 @@ class GradientReducer:
         self._launch_ready()
 
     def _launch_ready(self, active: bool = True) -> None:
+        if active and self.announce is not None and self.announced is None:
+            self.announced = self.announce()  # before any collective of the step
         if not self.checked and self.group is not None:  # before the first bucket, once
             check_models_agree(self.rt, self.params, self.group)
         self.checked = True
@@ -265,6 +272,8 @@ class GradientReducer:
             return
         if self.next_launch < len(self.buckets):  # no (or an unfinished) backward this step
             self._flush()
+        if self.announced is not None:
+            self.announced.result()  # a peer's different operation: said before the wait
         self.unpack_all(self._wait_all() if self.replicas > 1 else 1.0)
         for other in self.also:
             other.synchronize()
@@ -288,6 +297,7 @@ class GradientReducer:
         self.next_launch = 0
         self.passes = 0
         self.synced = False
+        self.announced = None
         for other in self.also:
             other.reset()
 

@@ -1,0 +1,145 @@
+"""Horovod's join through the drop-in, on 2 and 3 ranks: a rank out of data calls `hvd.join()`
+and the others' allreduce, allgather, broadcast and optimizer steps still complete (zeros into
+sums, left out of averages, no rows gathered); training on uneven data ends equal to one process
+over the same samples; an operation a joined rank cannot take part in is one line on every rank."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import gradmesh.horovod as hvd
+from tests.harness import run_ranks
+
+BATCHES = [4, 2, 3]
+"""Batches per rank: rank 1 joins first, rank 2 next, rank 0 last."""
+NO_WAIT_S = 15.0
+"""A refused operation fails at its announcement: well inside the harness's 30 s collective
+timeout, which a call that waited for a joined rank would run into."""
+
+
+def _batch(r: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * r + i)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 1, generator=g)
+
+
+def uneven() -> dict[str, Any]:
+    hvd.init()
+    r = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    )
+    seen = []
+    for i in range(BATCHES[r]):
+        x, y = _batch(r, i)
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        seen.append(
+            [
+                hvd.allreduce(loss.detach(), name="loss").item(),  # averaged over those left
+                hvd.allreduce(torch.tensor([1, r]), op=hvd.Sum).tolist(),
+                hvd.allgather(torch.tensor([[r, i]])).tolist(),
+                hvd.broadcast(torch.tensor([10.0 * i]), root_rank=0).item(),
+            ]
+        )
+    return {"last": hvd.join(), "params": [p.detach() for p in model.parameters()], "seen": seen}
+
+
+def test_join_lets_the_others_reduce_gather_broadcast_and_step_as_one_process_would() -> None:
+    results = run_ranks(uneven, 3, timeout=60)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(max(BATCHES)):
+        left = [r for r in range(3) if BATCHES[r] > i]
+        opt.zero_grad()
+        losses = [F.mse_loss(model(_batch(r, i)[0]), _batch(r, i)[1]) for r in left]
+        (sum(losses) / len(left)).backward()
+        mean = float(sum(losses).detach()) / len(left)
+        opt.step()
+        for r in left:
+            loss, counts, rows, value = results[r]["seen"][i]
+            assert abs(loss - mean) < 1e-5 * max(1.0, abs(mean))
+            assert counts == [len(left), sum(left)]
+            assert rows == [[k, i] for k in left]
+            assert value == 10.0 * i
+    for got in results:
+        assert got["last"] == 0  # rank 0 ran out of data last
+        for param, want in zip(got["params"], model.parameters(), strict=True):
+            assert torch.allclose(param, want.detach(), atol=1e-6)
+
+
+def refused() -> list[str]:
+    hvd.init()
+    r = hvd.rank()
+    said = []
+    cases = [
+        lambda: hvd.broadcast(torch.ones(2), root_rank=1),  # from the joined rank
+        lambda: hvd.alltoall(torch.ones(2)),
+        lambda: hvd.allreduce(torch.ones(2), op=hvd.Max),  # zeros would change a max
+        lambda: hvd.allgather_object(r),
+    ]
+    for case in cases:
+        started = time.monotonic()
+        try:
+            hvd.join() if r == 1 else case()
+            said.append("no error")
+        except hvd.GradmeshError as exc:
+            said.append(str(exc))
+        assert time.monotonic() - started < NO_WAIT_S
+    try:  # both training, calling different operations
+        hvd.allreduce(torch.ones(2)) if r == 0 else hvd.allgather(torch.ones(3, 2))
+        said.append("no error")
+    except hvd.GradmeshError as exc:
+        said.append(str(exc))
+    said.append(str(hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum).item()))  # still in step
+    return said
+
+
+def test_an_operation_a_joined_rank_cannot_serve_is_one_line_on_every_rank() -> None:
+    results = run_ranks(refused, 2)
+    for r, said in enumerate(results):
+        refusals = ["broadcast", "alltoall", "max", "allgather_object"]
+        for line, what in zip(said[:4], refusals, strict=True):
+            assert line.startswith(f"rank {r}: ") and "\n" not in line
+            assert "rank 1 has joined" in line and what in line
+        assert "root rank 1 has joined" in said[0]
+        assert said[4].startswith(f"rank {r}: ") and "called different operations" in said[4]
+        assert "rank 0: allreduce of float32 (2,)" in said[4]
+        assert "rank 1: allgather of float32 (-1, 2)" in said[4]
+        assert said[5] == "3.0"
+
+
+def on_a_set() -> tuple[int, list[torch.Tensor]] | str:
+    hvd.init()
+    pair = hvd.add_process_set([0, 1])
+    r = hvd.rank()
+    if r == 2:  # outside the set: never waited for
+        return "outside"
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        process_set=pair,
+    )
+    for i in range(BATCHES[r]):
+        opt.zero_grad()
+        F.mse_loss(model(_batch(r, i)[0]), _batch(r, i)[1]).backward()
+        opt.step()
+    return hvd.join(), [p.detach() for p in model.parameters()]
+
+
+def test_join_on_a_process_sets_optimizer_waits_for_no_rank_outside_it() -> None:
+    first, second, outside = run_ranks(on_a_set, 3, timeout=60)
+    assert outside == "outside"
+    assert first[0] == second[0] == -1
+    for a, b in zip(first[1], second[1], strict=True):
+        assert torch.equal(a, b)
