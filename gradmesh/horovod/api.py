@@ -139,8 +139,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
 ) -> torch.optim.Optimizer:
     """Horovod's DistributedOptimizer, in Horovod's argument order and with its behaviour:
     non-finite gradients reach the optimizer as in plain torch (gradmesh's own API stops on
-    them by default). Sparse gradients are always reduced dense (`sparse_as_dense`'s result);
-    `num_groups` / `groups` are accepted, the fusion buffers being sized by bytes instead.
+    them by default). Sparse gradients stay sparse (indices and values all-gathered) unless
+    `sparse_as_dense`; `num_groups` / `groups` are accepted, the fusion buffers being sized by
+    bytes instead.
     With `process_set`, gradients are averaged over the set's ranks only (one optimizer per
     set at a time)."""
     group = _group(process_set, "DistributedOptimizer", optimizer=True)
@@ -153,6 +154,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         on_nonfinite="pass",
         gradient_predivide_factor=gradient_predivide_factor,
         group=group,
+        sparse_as_dense=sparse_as_dense,
     )
     if group is None:  # its steps are announced, for `join`
         register(wrapped)

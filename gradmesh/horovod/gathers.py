@@ -24,8 +24,9 @@ from gradmesh.horovod.reductions import (
 )
 from gradmesh.runtime.world import rank
 from gradmesh.sync.data_parallel import api as _api
-from gradmesh.sync.data_parallel.api import Handle, synchronize
-from gradmesh.sync.data_parallel.reducer import Average
+from gradmesh.sync.data_parallel.api import Handle, members, synchronize
+from gradmesh.sync.data_parallel.reducer import Average, Sum
+from gradmesh.sync.data_parallel.sparse import sparse_sum
 
 __all__ = [
     "allgather",
@@ -42,6 +43,7 @@ __all__ = [
     "grouped_allgather_async",
     "grouped_reducescatter",
     "grouped_reducescatter_async",
+    "sparse_allreduce_async",
 ]
 
 
@@ -251,6 +253,32 @@ def alltoall(
     Differentiable."""
     output, received = _autograd(_Alltoall, tensor, splits, name, process_set)
     return output if splits is None else (output, received)
+
+
+def sparse_allreduce_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: str = Average,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Reduce a sparse COO tensor keeping it sparse: every rank's indices and values gathered
+    and coalesced (Sum, or Average over the set's ranks); `synchronize` returns the sparse
+    result, equal to a dense allreduce of the dense tensors."""
+    if op not in (Average, Sum):
+        raise GradmeshError(f"sparse_allreduce reduces with Average or Sum, not {op}")
+    if not tensor.is_sparse:
+        raise GradmeshError("sparse_allreduce_async takes a sparse tensor (allreduce: dense ones)")
+    group = _group(process_set, "sparse_allreduce")
+    announce = before(OTHER, "sparse_allreduce") if group is None else None
+    copy = tensor.detach().coalesce()
+
+    def reduce() -> torch.Tensor:
+        if announce is not None:
+            announce(copy)
+        summed = sparse_sum(copy, group)
+        return summed / members(group)[2] if op == Average else summed
+
+    return _named(name, lambda: _api.submit(reduce))
 
 
 # -- objects, barrier, join ----------------------------------------------------------------

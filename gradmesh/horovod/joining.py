@@ -48,7 +48,14 @@ DTYPES = (
 )
 OPS = (Sum, Average, "min", "max", "product")
 """A reduction's op, by the index its header carries."""
-OTHERS = ("operation", "alltoall", "barrier", "broadcast_object", "allgather_object")
+OTHERS = (
+    "operation",
+    "alltoall",
+    "barrier",
+    "broadcast_object",
+    "allgather_object",
+    "sparse_allreduce",
+)
 """Operations a joined rank cannot take part in, by the index their header carries."""
 KIND, DTYPE, EXTRA, NDIM, SHAPE = 0, 1, 2, 3, 4
 WIDTH = SHAPE + MAX_DIMS

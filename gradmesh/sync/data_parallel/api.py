@@ -290,6 +290,8 @@ def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     lengths = [int(n) for n in rows.reshape(-1)]
     longest = max(lengths)
     item = tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.reshape(1)
+    if longest == 0:  # every rank sent no rows
+        return item.detach().clone()
     padded = torch.zeros((longest, *item.shape[1:]), dtype=item.dtype, device=item.device)
     padded[: item.shape[0]] = item
     everyone = gather_equal(padded, group)

@@ -30,6 +30,9 @@ class Bucket:
     """Positions (in `params`) whose gradient is final for this step."""
     views: list[torch.Tensor] = field(default_factory=list)
     """Each parameter's slice of the buffer, shaped like it: one fused copy moves them all."""
+    skip: set[int] = field(default_factory=set)
+    """Positions whose gradients travel sparse instead (`sparse.SparseGradients`): packed as
+    zeros, never written back."""
 
     def __post_init__(self) -> None:
         self.views = [
@@ -40,7 +43,7 @@ class Bucket:
     def _dense_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's gradient, when all exist and are dense (the usual step)."""
         grads = [p.grad for _, p in self.params]
-        if any(g is None or g.is_sparse for g in grads):
+        if not grads or self.skip or any(g is None or g.is_sparse for g in grads):
             return None
         return grads  # type: ignore[return-value]
 
@@ -62,8 +65,8 @@ class Bucket:
             if self.has_flag:
                 self.buffer[-1] = 1.0
             return
-        for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
-            if p.grad is None:
+        for j, ((_, p), (a, b)) in enumerate(zip(self.params, self.offsets, strict=True)):
+            if p.grad is None or j in self.skip:
                 self.buffer[a:b].zero_()
             else:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
@@ -79,7 +82,9 @@ class Bucket:
         if (dense := self._dense_grads()) is not None:
             torch._foreach_copy_(dense, self.views)
             return
-        for (_, p), (a, b) in zip(self.params, self.offsets, strict=True):
+        for j, ((_, p), (a, b)) in enumerate(zip(self.params, self.offsets, strict=True)):
+            if j in self.skip:
+                continue
             reduced = grads[a:b].view_as(p)
             if p.grad is None or p.grad.is_sparse:
                 p.grad = reduced.clone()

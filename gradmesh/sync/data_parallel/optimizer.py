@@ -17,6 +17,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, cast
 
 import torch
@@ -113,7 +114,7 @@ class _DistributedMixin:
         try:
             active = gm.join_round()
             if active > 0:
-                gm.unpack_all(active)
+                gm.unpack_all(active, mine=False)
                 self._apply()
             return active
         finally:
@@ -137,6 +138,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     on_nonfinite: OnNonfinite = "error",
     gradient_predivide_factor: float = 1.0,
     group: dist.ProcessGroup | None = None,
+    sparse_as_dense: bool = True,
 ) -> Optimizer:
     """Wrap `optimizer` so gradients are averaged over all ranks, overlapped with backward.
 
@@ -146,7 +148,10 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     on every rank, "pass" steps on it as plain torch would. `gradient_predivide_factor` f
     (average only): gradients are divided by f before the sum and by size / f after it.
     `group`: average over this group's ranks (one the runtime made, such as a Horovod process
-    set's, used by this optimizer alone) instead of the data-parallel axis.
+    set's, used by this optimizer alone) instead of the data-parallel axis. `sparse_as_dense`
+    False: sparse gradients (an `nn.Embedding(sparse=True)`'s) stay sparse, each rank sending
+    only its rows (`sparse.py`), for optimizers such as SparseAdam; True: densified into the
+    fusion buckets.
     """
     _check_options(allreduce, op, backward_passes_per_step, on_nonfinite, gradient_predivide_factor)
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -160,28 +165,24 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     ]
     batch = [(n, p) for n, p in trainable if getattr(p, BATCH_SHARDED, False)]
 
-    def reducer_of(
-        params: list[tuple[str, torch.nn.Parameter]], codec: Compressor, over: Any
-    ) -> GradientReducer:
-        return GradientReducer(
-            params,
-            allreduce,
-            cast(Op, op),
-            fusion_mb,
-            codec,
-            backward_passes_per_step,
-            on_nonfinite,
-            gradient_predivide_factor,
-            over,
-        )
-
+    reducer_of = partial(
+        GradientReducer,
+        algorithm=allreduce,
+        op=cast(Op, op),
+        fusion_mb=fusion_mb,
+        backward_passes_per_step=backward_passes_per_step,
+        on_nonfinite=on_nonfinite,
+        predivide=gradient_predivide_factor,
+    )
     whole = [(n, p) for n, p in trainable if not getattr(p, BATCH_SHARDED, False)]
-    reducer = reducer_of(whole, resolve(compression), group)
+    reducer = reducer_of(
+        whole, compression=resolve(compression), group=group, keep_sparse=not sparse_as_dense
+    )
     if batch:  # their layers saw 1/tp of the replica's batch: averaged over dp x tp ranks
         if group is not None or reducer.rt.mesh["pp"].size > 1:
             raise GradmeshError("batch-sharded parameters need the mesh's dp group and pp 1")
         hybrid = reducer.rt.new_group("hybrid batch")
-        reducer.also.append(reducer_of(batch, NoCompression(), hybrid))
+        reducer.also.append(reducer_of(batch, compression=NoCompression(), group=hybrid))
     wrapped = wrap_optimizer(optimizer, _DistributedMixin, _gm=reducer)
     wrapped._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]  # Horovod's
     reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins

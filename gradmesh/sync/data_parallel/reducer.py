@@ -32,6 +32,7 @@ from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime, get_runtime
 from gradmesh.sync.data_parallel.buckets import Bucket, plan_buckets
+from gradmesh.sync.data_parallel.sparse import SparseGradients
 
 Average: Op = "average"
 Sum: Op = "sum"
@@ -116,6 +117,7 @@ class GradientReducer:
         on_nonfinite: OnNonfinite,
         predivide: float = 1.0,
         group: dist.ProcessGroup | None = None,
+        keep_sparse: bool = False,
     ) -> None:
         self.rt = get_runtime()
         self.predivide = predivide
@@ -129,18 +131,14 @@ class GradientReducer:
         """None: buckets travel as they are (the backend's async allreduce for native)."""
         self.passes_per_step = backward_passes_per_step
         self.on_nonfinite = on_nonfinite
-        self.buckets = plan_buckets(params, int(fusion_mb * (1 << 20)))
         own = self._own_group() if group is None else group
         self._group = weakref.ref(own) if own is not None else None  # the runtime owns it
-        self.states: list[State] = [
-            compression.new_state(b.grad_numel, [tuple(p.shape) for _, p in b.params])
-            for b in self.buckets
-        ]
-        """Each bucket's compressor state (error-feedback residual, PowerSGD's Q)."""
-        self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
+        self.fusion_bytes, self.codec = int(fusion_mb * (1 << 20)), compression
+        self._plan(params)
+        self.sparse = SparseGradients(params) if keep_sparse else None
+        """Sparse gradients kept sparse (else densified into the buckets)."""
         self.counts = [0] * len(params)
         self.index = {id(p): i for i, (_, p) in enumerate(params)}
-        self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
         self.next_launch = 0
         self.passes = 0
         self.in_backward = False
@@ -159,6 +157,17 @@ class GradientReducer:
         layers, over the batch group), synchronized and reset with this one."""
         for _, p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+
+    def _plan(self, params: list[tuple[str, nn.Parameter]]) -> None:
+        """Buckets for `params` (the parameters whose gradients travel dense)."""
+        self.buckets = plan_buckets(params, self.fusion_bytes)
+        self.states: list[State] = [
+            self.codec.new_state(b.grad_numel, [tuple(p.shape) for _, p in b.params])
+            for b in self.buckets
+        ]
+        """Each bucket's compressor state (error-feedback residual, PowerSGD's Q)."""
+        self.where = {id(p): (b, j) for b in self.buckets for j, (_, p) in enumerate(b.params)}
+        self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
 
     def state_dict(self) -> dict[str, Any]:
         """Step counters and each bucket's compressor state (residuals), for a checkpoint."""
@@ -200,7 +209,7 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         i = self.index[id(p)]
         self.counts[i] += 1
-        if self.counts[i] == self.passes_per_step:
+        if self.counts[i] == self.passes_per_step and id(p) in self.where:  # else sent sparse
             bucket, j = self.where[id(p)]
             bucket.ready.add(j)
             self._launch_ready()
@@ -319,9 +328,19 @@ class GradientReducer:
             future.result()
         return float(self.buckets[-1].buffer[-1])
 
-    def unpack_all(self, active: float) -> None:
-        divisor = max(active, 1.0) / self.predivide if self.op == "average" else 1.0
+    def unpack_all(self, active: float, mine: bool = True) -> None:
+        """Write the reduced gradients back (`mine` False on a rank that has joined); sparse
+        ones kept sparse are reduced now, after the buckets."""
+        group = self.group if self.replicas > 1 else None
+        found = self.sparse is not None and self.sparse.designate(mine, group, self.where)
+        average = max(active, 1.0) if self.op == "average" else 1.0
         for bucket in self.buckets:
             with span("unpack", "comm", bucket=bucket.index):
-                bucket.unpack(divisor)
+                bucket.unpack(average / self.predivide if self.op == "average" else 1.0)
+        if self.sparse is not None and group is not None:
+            with span("sparse", "comm"):
+                self.sparse.reduce(mine, average, group)
+        if found:  # from the next step on, the sparse parameters leave the buckets
+            assert self.sparse is not None
+            self._plan(self.sparse.dense)
         self.synced = True
