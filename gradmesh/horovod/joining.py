@@ -24,7 +24,7 @@ import torch
 
 from gradmesh.collectives import allgather as gather_equal
 from gradmesh.collectives import allreduce, broadcast
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import MAX_DIMS, Before
@@ -83,10 +83,18 @@ def _header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> to
     return row
 
 
-def _exchange(row: torch.Tensor) -> torch.Tensor:
-    """Every rank's header (on the communication thread)."""
+def _exchange(row: torch.Tensor, what: str) -> torch.Tensor:
+    """Every rank's header (on the communication thread); a rank that never announces (it
+    called another operation on another group, or none) is an error naming the operation."""
     _Join.rounds += 1
-    return gather_equal(row, get_runtime().async_group)
+    rt = get_runtime()
+    try:
+        return gather_equal(row, rt.async_group)
+    except (RuntimeError, GradmeshError) as exc:
+        raise PeerFailure(
+            f"rank {rt.rank}: {what}: the ranks did not all announce their next operation on the "
+            f"global process set: {first_line(exc)}"
+        ) from None
 
 
 def _said(row: torch.Tensor) -> str:
@@ -141,7 +149,7 @@ def announce(kind: int, what: str, tensor: torch.Tensor | None = None, extra: in
     rt = get_runtime()
     if rt.size == 1:
         return 1
-    table = _exchange(_header(kind, tensor, extra))
+    table = _exchange(_header(kind, tensor, extra), what)
     return rt.size - len(_check(table, what))
 
 
@@ -210,7 +218,7 @@ def join() -> int:
     entered = _Join.rounds
     what = "join"
     while True:
-        table = _api.submit(_exchange, _header(JOINED, extra=entered)).result()
+        table = _api.submit(_exchange, _header(JOINED, extra=entered), what).result()
         joined = _check(table, what)
         if len(joined) == rt.size:
             return max(joined, key=lambda r: (int(table[r, EXTRA]), r))

@@ -143,3 +143,25 @@ def test_join_on_a_process_sets_optimizer_waits_for_no_rank_outside_it() -> None
     assert first[0] == second[0] == -1
     for a, b in zip(first[1], second[1], strict=True):
         assert torch.equal(a, b)
+
+
+def alone_after_join() -> tuple[str, float] | str:
+    hvd.init()
+    assert hvd.join() == 1  # the highest rank of those joining last
+    if hvd.rank() == 1:
+        time.sleep(4.0)  # alive, but calling nothing
+        return "idle"
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(2))
+        return "no error", 0.0
+    except hvd.GradmeshError as exc:
+        return str(exc), time.monotonic() - started
+
+
+def test_a_collective_no_other_rank_calls_after_join_names_the_rank_and_the_operation() -> None:
+    (said, waited), idle = run_ranks(alone_after_join, 2, init={"timeout_s": 2.0})
+    assert idle == "idle"
+    assert said.startswith("rank 0: allreduce: the ranks did not all announce") and "\n" not in said
+    assert "rank(s) 1 did not join the call (timeout 2 s)" in said
+    assert waited < NO_WAIT_S
