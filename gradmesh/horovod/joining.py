@@ -21,8 +21,8 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from gradmesh.collectives import allgather as gather_equal
 from gradmesh.collectives import allreduce, broadcast
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.runtime.world import get_runtime
@@ -88,12 +88,17 @@ def _exchange(row: torch.Tensor, what: str) -> torch.Tensor:
     called another operation on another group, or none) is an error naming the operation."""
     _Join.rounds += 1
     rt = get_runtime()
-    try:
-        return gather_equal(row, rt.async_group)
-    except (RuntimeError, GradmeshError) as exc:
+    table = torch.empty(rt.size * WIDTH, dtype=torch.int64)
+    try:  # the backend's own all-gather: the header is the check, no signature exchange first
+        dist.all_gather_into_tensor(table, row, group=rt.async_group, async_op=True).wait(
+            rt.timeout
+        )
+        return table.view(rt.size, WIDTH)
+    except RuntimeError as exc:
         raise PeerFailure(
-            f"rank {rt.rank}: {what}: the ranks did not all announce their next operation on the "
-            f"global process set: {first_line(exc)}"
+            f"rank {rt.rank}: {what}: not every rank announced an operation on the global "
+            f"process set within {rt.timeout.total_seconds():g} s (every rank calls the same "
+            f"operations in the same order, or join()): {first_line(exc)}"
         ) from None
 
 
