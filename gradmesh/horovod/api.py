@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradmesh.collectives import allgather as gather_equal
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
 from gradmesh.horovod.gathers import _on_set
@@ -174,13 +175,20 @@ def join(device: int = -1) -> int:
     """This rank has no more data: take part in the other ranks' operations on the global set
     (zeros into sums, no rows into gathers, the optimizer's steps on zero gradients) until
     every rank has joined; returns the last rank to join. When the most recent
-    DistributedOptimizer reduces over another process set, only its steps are taken part in,
-    and -1 is returned (see `joining`)."""
+    DistributedOptimizer reduces over another process set, only its steps are taken part in
+    (see `joining`), and the last of the set's ranks to join is returned."""
     joinable = get_runtime().joinable
-    if joinable is not None and getattr(joinable, "__self__", None) is not _joining_optimizer():
-        joinable()
-        return -1
-    return _join()
+    optimizer = getattr(joinable, "__self__", None)
+    if optimizer is None or optimizer is _joining_optimizer():
+        return _join()
+    gm = optimizer._gm
+    entered = gm.steps  # the steps every rank of the set has taken so far, joined or not
+    joinable()
+    group = gm.group
+    if group is None:
+        return rank()
+    table = gather_equal(torch.tensor([entered, rank()]), group)
+    return int(max(table.tolist())[1])  # the latest to join; of those, the highest rank
 
 
 def mpi_built() -> bool:

@@ -11,7 +11,8 @@ announce; when every header says joined, all of them return. The headers also ca
 call different operations: one error on every rank, not a hang.
 
 Process sets other than the global one are not announced: an optimizer over a set joins
-through its own step loop (`DistributedOptimizer.join`), and `join()` then returns -1.
+through its own step loop (`DistributedOptimizer.join`, the count of ranks still training riding
+on its last bucket).
 """
 
 from __future__ import annotations
