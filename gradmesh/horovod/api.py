@@ -183,7 +183,7 @@ def join(device: int = -1) -> int:
         return _join()
     gm = optimizer._gm
     entered = gm.steps  # the steps every rank of the set has taken so far, joined or not
-    joinable()
+    optimizer.join()
     group = gm.group
     if group is None:
         return rank()
