@@ -297,4 +297,5 @@ def shard_specs(model: nn.Module) -> dict[str, tuple[int, tuple[int, ...]]]:
             specs[id(module.weight)] = (dim, module.chunks)
             if module.bias is not None and module.style == "colwise":
                 specs[id(module.bias)] = (0, module.chunks)
-    return {n: specs[id(p)] for n, p in model.named_parameters() if id(p) in specs}
+    everyone = model.named_parameters(remove_duplicate=False)  # a tied weight under each name
+    return {n: specs[id(p)] for n, p in everyone if id(p) in specs}

@@ -101,6 +101,8 @@ def _check_layout(config: TrainConfig) -> None:
             f"--zero-stage {stage} with --plan or --checkpoint-dir is not supported yet (a "
             "sharded checkpoint needs each rank to write its own shard)"
         )
+    if config.checkpoint.reshard:
+        _check_reshard(config, shape.pp)
     if stage >= 2 and config.output.tensorboard:
         raise GradmeshError(
             f"--zero-stage {stage} with --tensorboard is not supported yet (its per-epoch "
@@ -115,6 +117,22 @@ def _check_layout(config: TrainConfig) -> None:
             "--pipeline-parallel or --plan)"
         )
     _check_microbatches(config, shape)
+
+
+def _check_reshard(config: TrainConfig, pp: int) -> None:
+    """One line unless --reshard can move this run's checkpoints between layouts."""
+    problem = ""
+    if not config.checkpoint.dir:
+        problem = "it needs --checkpoint-dir"
+    elif config.sync.strategy != "allreduce" or pp > 1:
+        problem = (
+            "it moves synchronous data x tensor-parallel state (--strategy allreduce, "
+            "no --pipeline-parallel)"
+        )
+    elif config.sync.compression.method != "none":
+        problem = "compression keeps state per fusion bucket, which another layout cuts otherwise"
+    if problem:
+        raise GradmeshError(f"--reshard: {problem}")
 
 
 def _check_microbatches(config: TrainConfig, shape: MeshShape) -> None:

@@ -156,6 +156,11 @@ class CheckpointConfig:
     max_restarts: int = option(
         0, "restart every worker up to N times after a failure, from the newest checkpoint"
     )
+    reshard: bool = option(
+        False,
+        "resume from a checkpoint saved with other --workers / --tensor-parallel: each rank "
+        "takes its part of the whole model and optimizer state",
+    )
 
 
 IDENTITY = (
@@ -254,6 +259,12 @@ class TrainConfig:
         )
         flat = values_by_key(self)
         return {k: flat[k] for k in keys}
+
+    def resume_identity(self) -> dict[str, Any]:
+        """The settings a checkpoint to resume from must share with this run: its identity,
+        less the data x tensor-parallel layout with --reshard."""
+        moved = ("workers", "tensor_parallel") if self.checkpoint.reshard else ()
+        return {k: v for k, v in self.identity().items() if k not in moved}
 
     def check_choices(self) -> None:
         check_choices(self)

@@ -102,6 +102,7 @@ def _checkpoint(
         "optimizer": job.optimizer.state_dict(),
         "strategy": job.strategy.state_dict(),
         "rng": checkpoint.rng_state(),
+        "layout": checkpoint.layout_record(job.split.module, job.optimizer),
         "progress": {
             "loss_sum": loss_sum.clone(),
             "losses": torch.tensor(clock.losses, dtype=torch.float64),

@@ -3,6 +3,8 @@ state, RNG, position), and the check before launch that it belongs to this run."
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch.optim import Optimizer
 
@@ -38,6 +40,17 @@ def check_resume(config: TrainConfig) -> None:
     )  # parts 0..S-1 are shards
 
     def usable(meta: checkpoint.Meta) -> None:
+        now = (config.job.workers, config.layout.tensor_parallel, config.layout.pipeline_parallel)
+        if config.checkpoint.reshard and checkpoint.saved_layout(meta) != now:
+            weights, saved = checkpoint.whole_state(meta)  # fits the whole model, before launch
+            problem = checkpoint.model_problem(weights, model)
+            if problem is not None:
+                raise GradmeshError(
+                    f"checkpoint {meta.checkpoint} does not fit this run: {problem}"
+                )
+            entries = checkpoint.part_for((weights, saved), model, optimizer, 1, 0)[1]
+            _load_optimizer(optimizer, entries, meta.checkpoint)
+            return
         for rank in range(meta.world):
             fits = model if whole and rank >= servers else None
             state = checkpoint.read_rank(meta.checkpoint, rank, fits)
@@ -45,7 +58,7 @@ def check_resume(config: TrainConfig) -> None:
                 path = checkpoint.rank_file(meta.checkpoint, rank)
                 _load_optimizer(optimizer, state["optimizer"], path)
 
-    checkpoint.choose(config.checkpoint.dir, config.identity(), usable)
+    checkpoint.choose(config.checkpoint.dir, config.resume_identity(), usable)
 
 
 def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]]:
@@ -57,16 +70,30 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     `TrainConfig.check_elastic`): rank r loads rank (r mod the old world)'s part, and its RNG;
     rank 0 carries the world's epoch loss sum."""
     rank, world, _ = job.place
-    if meta.world != world and elastic_world() is None:
+    moved = _moved(job, meta)
+    if meta.world != world and elastic_world() is None and not moved:
         raise checkpoint.ForeignCheckpoint(
             f"checkpoint {meta.checkpoint} belongs to another run: world={meta.world} (now {world})"
         )
     source = rank % meta.world
     path = checkpoint.rank_file(meta.checkpoint, source)
-    state = checkpoint.read_rank(meta.checkpoint, source, job.split.module)
+    state = checkpoint.read_rank(meta.checkpoint, source, None if moved else job.split.module)
+    if moved:  # --reshard: this rank's part of the whole state, cut for its layout
+        tp = job.rt.mesh["tp"]
+        whole = checkpoint.whole_state(meta)
+        model, optimizer = checkpoint.part_for(
+            whole, job.split.module, job.optimizer, tp.size, tp.index
+        )
+        # no compression under --reshard: its per-bucket states hold nothing but their sizes,
+        # which this layout's buckets have otherwise; the counters carry over
+        strategy = {**state["strategy"], **_bucket_states(job.strategy.state_dict())}
+        state = {**state, "model": model, "optimizer": optimizer, "strategy": strategy}
+        problem = checkpoint.model_problem(model, job.split.module)
+        if problem is not None:
+            raise GradmeshError(f"checkpoint {meta.checkpoint} does not fit this run: {problem}")
     loss_sum = state["progress"].get("loss_sum")
     if meta.world != world:
-        total = meta.epoch_loss if rank == 0 else [0.0, 0.0]
+        total = _epoch_loss(meta) if rank == 0 else [0.0, 0.0]
         loss_sum = None if total is None else torch.tensor(total, dtype=torch.float64)
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.shape != (2,):
         raise GradmeshError(f"checkpoint {path} does not fit this run: no epoch loss sum")
@@ -88,6 +115,27 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     return loss_sum.to(torch.float64), history
 
 
+def _bucket_states(strategy: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in strategy.items() if k == "compressor"}
+
+
+def _moved(job: Job, meta: checkpoint.Meta) -> bool:
+    """Whether `meta`'s checkpoint was saved at another layout that --reshard resumes from."""
+    now = (job.config.job.workers, job.rt.mesh["tp"].size, job.rt.mesh["pp"].size)
+    return job.config.checkpoint.reshard and checkpoint.saved_layout(meta) != now
+
+
+def _epoch_loss(meta: checkpoint.Meta) -> list[float] | None:
+    """The world's (loss sum, count) of the epoch under way: saved by an elastic job, else the
+    sum of every rank file's own."""
+    if meta.epoch_loss is not None or meta.identity.get("strategy") == "ps":
+        return meta.epoch_loss
+    sums = [
+        checkpoint.read_rank(meta.checkpoint, r)["progress"]["loss_sum"] for r in range(meta.world)
+    ]
+    return [float(sum(s[0] for s in sums)), float(sum(s[1] for s in sums))]
+
+
 def _agree(ok: bool) -> bool:
     """Whether every rank's `ok` is True (a collective)."""
     failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
@@ -102,7 +150,7 @@ def resume(job: Job) -> None:
     config, rt = job.config, job.rt
     if config.checkpoint.dir:
         chosen = checkpoint.choose(
-            config.checkpoint.dir, config.identity(), lambda m: _restore(job, m), _agree
+            config.checkpoint.dir, config.resume_identity(), lambda m: _restore(job, m), _agree
         )
         if chosen is not None:
             meta, (job.loss_sum, job.losses) = chosen

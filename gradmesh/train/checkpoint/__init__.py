@@ -19,8 +19,9 @@ The folder must be visible to every rank (one host, or a shared filesystem): ran
 the other ranks' files there before it writes the metadata.
 """
 
-from gradmesh.train.checkpoint import files, writer
+from gradmesh.train.checkpoint import files, reshard, writer
 from gradmesh.train.checkpoint.files import *  # noqa: F403
+from gradmesh.train.checkpoint.reshard import *  # noqa: F403
 from gradmesh.train.checkpoint.writer import *  # noqa: F403
 
-__all__ = [*files.__all__, *writer.__all__]
+__all__ = [*files.__all__, *reshard.__all__, *writer.__all__]
