@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import interleaved, median, report
+from gradmesh.errors import GradmeshError
 from gradmesh.options import option
 
 
@@ -45,22 +46,35 @@ class Config:
         "dp,zero1,zero2,zero3,zero3+ac,dpxtp2,zero3xtp2",
         "with --world: dp or zero1-3, with xtpT (tensor parallel) and +ac (checkpointing)",
     )
+    limit: str | None = option(
+        None,
+        "with --world: hold every rank to this much memory (a cgroup; binary units: 700MB, "
+        "2GB) and say which layouts train within it and which the kernel kills for going over",
+    )
     json: str | None = option(None, "write the result here")
 
 
 def _run_ranks(args: Config) -> int:
-    from gradmesh.bench.memory_ranks import line, parse_layout, run_ranks
+    from gradmesh.bench.memory_ranks import limited_line, line, parse_layout, run_ranks
 
     names = [n for n in args.layouts.split(",") if n]
     for n in names:
         parse_layout(n, args.world)  # one line before any job starts
+    if args.limit:
+        from gradmesh.launch.cgroup import problem
+        from gradmesh.units import parse_size
+
+        parse_size(args.limit)
+        if (trouble := problem()) is not None:
+            raise GradmeshError(f"--limit: cannot enforce a memory limit: {trouble}")
     results = run_ranks(args, names)
     payload = {
         **{k: getattr(args, k) for k in ("model", "model_args", "batch", "sequence_length")},
         **{"world": args.world, "rounds": args.rounds, "optimizer": "adamw"},
         "layouts": results,
     }
-    return report(args.json, payload, [line(n, r) for n, r in results.items()])
+    describe = limited_line if args.limit else line
+    return report(args.json, payload, [describe(n, r) for n, r in results.items()])
 
 
 def _steps(args: Config) -> dict[str, Any]:
@@ -104,6 +118,8 @@ def run(args: Config, _command: list[str] | None = None) -> int:
 
     from gradmesh.train.timing import peak_bytes
 
+    if args.limit and args.world < 2:
+        raise GradmeshError("--limit holds each rank of a --world job: give --world 2 or more")
     if args.world > 1:
         return _run_ranks(args)
     from gradmesh.runtime.process import cpu_jiffies, idle_since

@@ -20,10 +20,12 @@ model is still to come.
 
 from __future__ import annotations
 
+import itertools
 import re
 from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, medians
+from gradmesh.units import parse_size
 
 _LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(\+ac)?$")
 
@@ -77,6 +79,11 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
         options |= {"activation_checkpointing": "blocks" if lay["checkpointing"] else ""}
         grid = Layout(args.world // lay["tp"], lay["tp"], 1)
         configs.append(layout_job(options, args.world, grid, args.steps, args.warmup, True))
+    if args.limit:
+        return {
+            n: limited(c, args.world, parse_size(args.limit))
+            for n, c in zip(layouts, configs, strict=True)
+        }
     runs = compare_jobs("gradmesh.plan.calibrate", args.world, configs, args.rounds)
     results = {}
     for (name, lay), rs in zip(layouts.items(), runs, strict=True):
@@ -97,6 +104,66 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
             r["state_vs_dp"] = r["state_bytes"] / base["state_bytes"]
             r["time_vs_dp"] = r["step_s"] / base["step_s"]
     return results
+
+
+def limited(config: dict[str, Any], world: int, limit: int) -> dict[str, Any]:
+    """One job of `config` with every rank held to `limit` bytes (`gradmesh.launch.cgroup`):
+    whether it trained, each rank's peak charged memory, and the ranks the kernel killed for
+    going over."""
+    import os
+
+    from gradmesh.errors import GradmeshError
+    from gradmesh.launch import cgroup
+    from gradmesh.launch.jobs import run_workers
+
+    prefix = f"gmesh-limit-{os.getpid()}-{next(_JOBS)}-rank"
+    # glibc raises its mmap threshold as big blocks are freed, then serves them from the heap,
+    # which it keeps: a rank's resident peak would be its high-water mark, not what it holds.
+    # Fixed at 128 KiB, freed tensors go back to the kernel (and a step pays their page faults).
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
+    names = [f"{prefix}{r}" for r in range(world)]
+    try:
+        for name in names:
+            cgroup.create(name, limit)
+        try:
+            # no profiler (`memory`): its records would be charged to the ranks too
+            job = {**config, "memory": False, "memory_cgroup": prefix}
+            result = run_workers("gradmesh.plan.calibrate", world, job, 600.0)
+            failure = None
+        except GradmeshError as exc:
+            result, failure = {}, str(exc)
+        used = [cgroup.usage(name) for name in names]
+    finally:
+        for name in names:
+            if (cgroup.ROOT / name).exists():
+                cgroup.remove(name)
+    killed = [r for r, u in enumerate(used) if u["oom_kills"]]
+    if failure is not None and not killed:
+        raise GradmeshError(failure)
+    return {
+        "limit_bytes": limit,
+        "fits": failure is None,
+        "oom_killed_ranks": killed,
+        "charged_peak_bytes": [u["peak_bytes"] for u in used],
+        "step_s": result.get("step_s"),
+    }
+
+
+_JOBS = itertools.count()
+
+
+def limited_line(name: str, r: dict[str, Any]) -> str:
+    peak = max(r["charged_peak_bytes"]) / 2**20
+    limit = r["limit_bytes"] / 2**20
+    if r["fits"]:
+        return (
+            f"{name:10} trained within {limit:.0f} MiB a rank: peak {peak:.0f} MiB charged, "
+            f"step {r['step_s'] * 1e3:.1f} ms"
+        )
+    return (
+        f"{name:10} out of memory at {limit:.0f} MiB a rank: the kernel killed rank(s) "
+        f"{', '.join(map(str, r['oom_killed_ranks']))} (peak {peak:.0f} MiB charged)"
+    )
 
 
 def line(name: str, r: dict[str, Any]) -> str:

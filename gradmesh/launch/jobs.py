@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -70,7 +71,12 @@ def worker_main(measure: Callable[[dict[str, Any]], tuple[int, Any]]) -> NoRetur
     parser.add_argument("--config", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    rank, result = measure(json.loads(args.config))
+    config = json.loads(args.config)
+    if config.get("memory_cgroup"):  # a limit of this rank's own (`cgroup`), named by the job
+        from gradmesh.launch.cgroup import join
+
+        join(f"{config['memory_cgroup']}{os.environ.get('RANK', '0')}")
+    rank, result = measure(config)
     if rank == 0:
         write_json(args.out, result)
     exit_process(0)
