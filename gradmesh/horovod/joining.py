@@ -96,10 +96,11 @@ def _exchange(row: torch.Tensor, what: str) -> torch.Tensor:
         )
         return table.view(rt.size, WIDTH)
     except RuntimeError as exc:
+        others = ", ".join(str(r) for r in range(rt.size) if r != rt.rank)
         raise PeerFailure(
-            f"rank {rt.rank}: {what}: not every rank announced an operation on the global "
-            f"process set within {rt.timeout.total_seconds():g} s (every rank calls the same "
-            f"operations in the same order, or join()): {first_line(exc)}"
+            f"rank {rt.rank}: {what} (announcement #{_Join.rounds} on the global process set): "
+            f"rank(s) {others} did not join the call (timeout {rt.timeout.total_seconds():g} "
+            f"s): {first_line(exc)}"
         ) from None
 
 
@@ -128,7 +129,7 @@ def _check(table: torch.Tensor, what: str) -> list[int]:
     first = table[active[0]]
     if any(not torch.equal(table[r], first) for r in active):
         said = "; ".join(f"rank {r}: {_said(table[r])}" for r in active)
-        raise GradmeshError(f"rank {me}: {what}: the ranks called different operations: {said}")
+        raise PeerFailure(f"rank {me}: {what}: the ranks called different operations: {said}")
     if not joined:
         return joined
     kind, extra = int(first[KIND]), int(first[EXTRA])

@@ -256,6 +256,7 @@ class TrainConfig:
             IDENTITY
             + (PS_IDENTITY if self.sync.strategy == "ps" else ())
             + (("plan",) if self.layout.plan else ())
+            + (("zero_stage",) if self.sync.allreduce.zero_stage else ())
         )
         flat = values_by_key(self)
         return {k: flat[k] for k in keys}
@@ -263,7 +264,7 @@ class TrainConfig:
     def resume_identity(self) -> dict[str, Any]:
         """The settings a checkpoint to resume from must share with this run: its identity,
         less the data x tensor-parallel layout with --reshard."""
-        moved = ("workers", "tensor_parallel") if self.checkpoint.reshard else ()
+        moved = ("workers", "tensor_parallel", "zero_stage") if self.checkpoint.reshard else ()
         return {k: v for k, v in self.identity().items() if k not in moved}
 
     def check_choices(self) -> None:

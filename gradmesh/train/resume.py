@@ -40,8 +40,8 @@ def check_resume(config: TrainConfig) -> None:
     )  # parts 0..S-1 are shards
 
     def usable(meta: checkpoint.Meta) -> None:
-        now = (config.job.workers, config.layout.tensor_parallel, config.layout.pipeline_parallel)
-        if config.checkpoint.reshard and checkpoint.saved_layout(meta) != now:
+        moved = _check_layout(config, meta)
+        if moved or config.sync.allreduce.zero_stage >= 2:  # shards: check them put together
             weights, saved = checkpoint.whole_state(meta)  # fits the whole model, before launch
             problem = checkpoint.model_problem(weights, model)
             if problem is not None:
@@ -70,7 +70,7 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     `TrainConfig.check_elastic`): rank r loads rank (r mod the old world)'s part, and its RNG;
     rank 0 carries the world's epoch loss sum."""
     rank, world, _ = job.place
-    moved = _moved(job, meta)
+    moved = _check_layout(job.config, meta)
     if meta.world != world and elastic_world() is None and not moved:
         raise checkpoint.ForeignCheckpoint(
             f"checkpoint {meta.checkpoint} belongs to another run: world={meta.world} (now {world})"
@@ -100,8 +100,13 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     losses = state["progress"].get("losses")  # this rank's history: a ps worker's is its own
     if losses is not None and (not isinstance(losses, torch.Tensor) or losses.dim() != 1):
         raise GradmeshError(f"checkpoint {path} does not fit this run: 'losses' is not a list")
-    job.split.module.load_state_dict(state["model"])
-    _load_optimizer(job.optimizer, state["optimizer"], path)
+    try:
+        checkpoint.load_model(job.split.module, state["model"])
+    except (GradmeshError, RuntimeError, KeyError) as exc:
+        raise GradmeshError(f"checkpoint {path} does not fit this run: {first_line(exc)}") from None
+    _load_optimizer(
+        job.optimizer, checkpoint.optimizer_state(job.optimizer, state["optimizer"]), path
+    )
     try:
         job.strategy.load_state_dict(state["strategy"])
         checkpoint.restore_rng(state["rng"])
@@ -119,10 +124,23 @@ def _bucket_states(strategy: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in strategy.items() if k == "compressor"}
 
 
-def _moved(job: Job, meta: checkpoint.Meta) -> bool:
-    """Whether `meta`'s checkpoint was saved at another layout that --reshard resumes from."""
-    now = (job.config.job.workers, job.rt.mesh["tp"].size, job.rt.mesh["pp"].size)
-    return job.config.checkpoint.reshard and checkpoint.saved_layout(meta) != now
+def _check_layout(config: TrainConfig, meta: checkpoint.Meta) -> bool:
+    """Whether `meta`'s checkpoint was saved at another layout, which --reshard resumes from;
+    without it, one line for another tensor-parallel degree or ZeRO stage (another number of
+    workers is the identity's to refuse, or an elastic job's to take)."""
+    layout = config.layout
+    now = (config.job.workers, layout.tensor_parallel, layout.pipeline_parallel)
+    now_ = (*now, config.sync.allreduce.zero_stage)
+    saved = checkpoint.saved_layout(meta)
+    if config.checkpoint.reshard:
+        return saved != now_
+    if saved[1:] != now_[1:]:
+        raise checkpoint.ForeignCheckpoint(
+            f"checkpoint {meta.checkpoint} was saved at tp {saved[1]}, pp {saved[2]}, ZeRO stage "
+            f"{saved[3]} (now {now_[1]}, {now_[2]}, {now_[3]}): add --reshard to resume it in "
+            "this layout"
+        )
+    return False
 
 
 def _epoch_loss(meta: checkpoint.Meta) -> list[float] | None:

@@ -212,7 +212,9 @@ def refuse_old_format(directory: str | Path) -> None:
 
 def model_problem(saved: dict[str, Any], model: nn.Module) -> str | None:
     """The first way `saved` is not a state dict of `model`, or None."""
-    expected = model.state_dict()
+    expected = {  # a shard's shape where the model holds shards (DTensors)
+        k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()
+    }
     for name in sorted(set(expected) ^ set(saved)):
         side = "the model has no" if name in saved else "missing model entry"
         return f"{side} {name!r}"
@@ -265,14 +267,18 @@ def rng_state() -> dict[str, Any]:
     return state
 
 
-def _copy(value: Any) -> Any:
-    """A snapshot of nested state: tensors copied to the CPU, containers rebuilt."""
+def _copy(value: Any, copy: bool = True) -> Any:
+    """A snapshot of nested state: tensors copied to the CPU (with `copy` False, only where they
+    are not there), containers rebuilt; a DTensor (sharded data parallelism) as this rank's
+    shard, the part the rank writes."""
+    if hasattr(value, "to_local"):
+        value = value.to_local()
     if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
+        return value.detach().to("cpu", copy=copy)
     if isinstance(value, dict):
-        return {k: _copy(v) for k, v in value.items()}
+        return {k: _copy(v, copy) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return type(value)(_copy(v) for v in value)
+        return type(value)(_copy(v, copy) for v in value)
     return value
 
 

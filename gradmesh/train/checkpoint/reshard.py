@@ -9,11 +9,18 @@ each tensor back together from the first replica's files (`unshard`), then cuts 
 slice with the new layout's own specs (`shard`): parameters and every optimizer tensor shaped
 like its parameter (Adam's moments), with the optimizer's entries matched by parameter name.
 
+Under sharded data parallelism (`--zero-stage` 2 and 3, FSDP2) each rank holds a shard of
+every tensor (its rows `[d c, (d + 1) c)`, c = ceil(rows / dp), of each tp slice) and writes only
+that: `dp_shards` records which parameters are so sharded. Putting a tensor back together then
+reads every replica's file (the shards, in dp order, are its tp slice), and cutting a rank's
+part of a sharded model takes its rows of its slice. Loading wraps the shards back into the
+DTensors FSDP2 holds (`load_model`, `optimizer_state`).
+
 Why not torch's distributed checkpoint (DCP), which reshards too: its reader loads the
 checkpoint's `.metadata` with pickle, and these files load with `weights_only=True` only. What it
 does that this does not: each rank reads just the byte ranges it needs. Here every rank reads
 the first replica's files whole and holds the whole state while it cuts its part, which suits
-models whose state fits a host's memory; layouts with pipeline stages or ZeRO shards are refused.
+models whose state fits a host's memory; layouts with pipeline stages are refused.
 """
 
 from __future__ import annotations
@@ -31,10 +38,18 @@ from gradmesh.layout.tensor_parallel import shard, unshard
 from gradmesh.layout.tp_plan import shard_specs
 from gradmesh.train.checkpoint.files import Meta, complete, rank_file, read_meta, read_rank
 
-__all__ = ["layout_record", "load_whole", "part_for", "saved_layout", "whole_state"]
+__all__ = [
+    "layout_record",
+    "load_model",
+    "load_whole",
+    "optimizer_state",
+    "part_for",
+    "saved_layout",
+    "whole_state",
+]
 
-LAYOUT_KEYS = ("workers", "tensor_parallel", "pipeline_parallel")
-"""The settings a resharded resume may change: the first two."""
+LAYOUT_KEYS = ("workers", "tensor_parallel", "pipeline_parallel", "zero_stage")
+"""The settings of a layout; a resharded resume may change all but the pipeline's."""
 
 
 def optimizer_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
@@ -44,17 +59,38 @@ def optimizer_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
     return [names.get(id(p), f"(unnamed #{i})") for i, p in enumerate(params)]
 
 
+def dp_shards(module: nn.Module) -> dict[str, list[int]]:
+    """The parameters sharded over the data-parallel replicas (FSDP2's DTensors, rows split),
+    by every state-dict name: [replicas, this rank's index]."""
+    found = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None:
+            found[name] = [mesh.size(), mesh.get_local_rank()]
+    return found
+
+
 def layout_record(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """What a rank file records of its layout: each split parameter's cut, by every name it
-    has in the state dict, and the optimizer's parameters by name."""
+    has in the state dict, the parameters sharded over the replicas, and the optimizer's
+    parameters by name."""
     specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
-    return {"specs": specs, "names": optimizer_names(module, optimizer)}
+    names = optimizer_names(module, optimizer)
+    return {"specs": specs, "names": names, "dp_shards": dp_shards(module)}
 
 
-def saved_layout(meta: Meta) -> tuple[int, int, int]:
-    """(workers, tp, pp) of the run that wrote `meta`."""
-    values = [meta.identity.get(k, 1) for k in LAYOUT_KEYS]
-    return values[0], values[1], values[2]
+def saved_layout(meta: Meta) -> tuple[int, int, int, int]:
+    """(workers, tp, pp, ZeRO stage) of the run that wrote `meta`."""
+    got = [meta.identity.get(k) for k in LAYOUT_KEYS]
+    return int(got[0] or 1), int(got[1] or 1), int(got[2] or 1), int(got[3] or 0)
+
+
+def rows(whole: torch.Tensor, parts: int, index: int) -> torch.Tensor:
+    """Replica `index`'s shard of `whole` under FSDP2: rows [i c, (i + 1) c), c = ceil(n / parts)
+    (the last ones may hold fewer, or none)."""
+    per = -(-whole.shape[0] // parts)
+    start = min(index * per, whole.shape[0])
+    return whole[start : start + per].clone()
 
 
 def _cut(specs: dict[str, Any], name: str) -> tuple[int, tuple[int, ...]] | None:
@@ -65,39 +101,44 @@ def _cut(specs: dict[str, Any], name: str) -> tuple[int, tuple[int, ...]] | None
 def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The whole model's state dict and optimizer state (entries by parameter name) that
     `meta`'s checkpoint holds in parts; one line naming the file when it cannot."""
-    _, tp, pp = saved_layout(meta)
+    workers, tp, pp, _ = saved_layout(meta)
     if pp > 1:
         raise GradmeshError(
             f"checkpoint {meta.checkpoint} was saved with --pipeline-parallel {pp}: its stages "
             "cannot be put together into another layout (resume it with the same layout)"
         )
-    parts = [read_rank(meta.checkpoint, r) for r in range(tp)]  # the first replica's slices
-    layouts = [part.get("layout") for part in parts]
-    if not all(isinstance(x, dict) and {"specs", "names"} <= set(x) for x in layouts):
+    first = read_rank(meta.checkpoint, 0)
+    record = first.get("layout")
+    if not isinstance(record, dict) or not {"specs", "names"} <= set(record):
         raise GradmeshError(
             f"checkpoint {rank_file(meta.checkpoint, 0)} records no layout (written by an older "
             "gradmesh): resume it with the layout that saved it"
         )
-    specs, names = layouts[0]["specs"], layouts[0]["names"]  # type: ignore[index]
+    specs, names = record["specs"], record["names"]
+    sharded = record.get("dp_shards", {})
+    replicas = workers // tp if sharded else 1  # files read: every replica's, or the first's
+    files = [first] + [read_rank(meta.checkpoint, r) for r in range(1, replicas * tp)]
 
     def join(name: str, pieces: list[Any]) -> Any:
+        """The whole tensor from its pieces in rank order (replica-major, tp inner)."""
+        if name in sharded:  # each tp slice is its replicas' shards, in order
+            pieces = [torch.cat(pieces[t::tp]) for t in range(tp)]
         cut = _cut(specs, name)
-        if cut is None or tp == 1:
-            return pieces[0]
-        return unshard(list(pieces), *cut)
+        return pieces[0] if cut is None or tp == 1 else unshard(list(pieces[:tp]), *cut)
+
+    def local_like(name: str, value: Any, index: Any) -> bool:
+        held = first["model"].get(name)
+        return isinstance(value, torch.Tensor) and held is not None and value.shape == held.shape
 
     try:
-        model = {k: join(k, [p["model"][k] for p in parts]) for k in parts[0]["model"]}
-        saved = parts[0]["optimizer"]
+        model = {k: join(k, [f["model"][k] for f in files]) for k in first["model"]}
+        saved = first["optimizer"]
         state: dict[str, dict[str, Any]] = {}
         for index, entry in saved["state"].items():
             name = names[int(index)]
-            local = parts[0]["model"].get(name)
             state[name] = {
-                key: join(name, [p["optimizer"]["state"][index][key] for p in parts])
-                if isinstance(value, torch.Tensor)
-                and local is not None
-                and value.shape == local.shape
+                key: join(name, [f["optimizer"]["state"][index][key] for f in files])
+                if local_like(name, value, index)
                 else value
                 for key, value in entry.items()
             }
@@ -120,17 +161,21 @@ def part_for(
     index: int,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """This rank's model state dict and optimizer state dict, cut from `whole` as `module`
-    (tp slice `index` of `parts`) is cut from the whole model."""
+    (tp slice `index` of `parts`, then its own rows where FSDP2 shards it) is cut from the whole
+    model: plain tensors, the shards of a sharded model's DTensors."""
     model, saved = whole
     specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
+    sharded = dp_shards(module)
 
     def cut(name: str, value: Any) -> Any:
-        spec = _cut(specs, name)
-        if spec is None or parts == 1 or not isinstance(value, torch.Tensor):
-            return value
-        if name in model and value.shape != model[name].shape:
+        if not isinstance(value, torch.Tensor) or (
+            name in model and value.shape != model[name].shape
+        ):
             return value  # not shaped like its parameter (a step count): every rank's
-        return shard(value, spec[0], parts, index, spec[1])
+        spec = _cut(specs, name)
+        if spec is not None and parts > 1:
+            value = shard(value, spec[0], parts, index, spec[1])
+        return rows(value, *sharded[name]) if name in sharded else value
 
     names = optimizer_names(module, optimizer)
     position = {name: i for i, name in enumerate(names)}
@@ -146,6 +191,46 @@ def part_for(
     except KeyError as exc:
         raise GradmeshError(f"the optimizer has no parameter {exc.args[0]!r}") from None
     return {k: cut(k, v) for k, v in model.items()}, {"state": state, "param_groups": groups}
+
+
+def load_model(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """`module.load_state_dict(saved)`, where a sharded parameter (a DTensor) takes its shard
+    from `saved` as it was written (`to_local`)."""
+    held = module.state_dict()
+    if not any(hasattr(v, "to_local") for v in held.values()):
+        module.load_state_dict(saved)
+        return
+    missing = sorted(set(held) ^ set(saved))
+    if missing:
+        raise GradmeshError(f"the state does not name the model's entries: {missing[0]!r}")
+    with torch.no_grad():
+        for name, target in held.items():
+            local = target.to_local() if hasattr(target, "to_local") else target
+            local.copy_(saved[name])
+
+
+def optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
+    """`saved` (an optimizer state dict as written: shards as plain tensors) with each shard of
+    a sharded parameter's state made the DTensor the parameter is, for `load_state_dict`."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not any(hasattr(p, "to_local") for p in params):
+        return saved
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for index, entry in saved["state"].items():
+        p = params[int(index)]
+        local = p.to_local() if hasattr(p, "to_local") else None
+        state[index] = {
+            key: DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+            if local is not None
+            and isinstance(value, torch.Tensor)
+            and value.shape == local.shape
+            and value.dim() > 0
+            else value
+            for key, value in entry.items()
+        }
+    return {**saved, "state": state}
 
 
 def load_whole(directory: str | Path, model: nn.Module, optimizer: Optimizer | None = None) -> Meta:

@@ -120,7 +120,7 @@ class Checkpointer:
             **(extra or {}),
         }
         if self._writer is None:
-            self._write(step, state, meta)
+            self._write(step, _copy(state, copy=False), meta)
         else:
             self._pending = self._writer.submit(self._write, step, _copy(state), meta)
         self.stats.stalls_s.append(time.perf_counter() - started)
