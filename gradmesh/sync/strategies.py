@@ -139,10 +139,14 @@ class AllreduceStrategy(_Defaults):
         return self.optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        if self.sharded:  # FSDP2 keeps no state between steps beyond the optimizer's
+            return {}
         assert self.optimizer is not None
         return self.optimizer._gm.state_dict()  # type: ignore[attr-defined,no-any-return]
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
+        if self.sharded:
+            return
         assert self.optimizer is not None
         self.optimizer._gm.load_state_dict(saved)  # type: ignore[attr-defined]
 

@@ -175,6 +175,7 @@ IDENTITY = (
     "tensor_parallel",
     "pipeline_parallel",
     "compression",
+    "zero_stage",
 )
 """The options (by flag) a checkpoint must share with the run that resumes from it."""
 PS_IDENTITY = ("servers", "mode", "server_optimizer")
@@ -256,7 +257,6 @@ class TrainConfig:
             IDENTITY
             + (PS_IDENTITY if self.sync.strategy == "ps" else ())
             + (("plan",) if self.layout.plan else ())
-            + (("zero_stage",) if self.sync.allreduce.zero_stage else ())
         )
         flat = values_by_key(self)
         return {k: flat[k] for k in keys}
@@ -264,7 +264,9 @@ class TrainConfig:
     def resume_identity(self) -> dict[str, Any]:
         """The settings a checkpoint to resume from must share with this run: its identity,
         less the data x tensor-parallel layout with --reshard."""
-        moved = ("workers", "tensor_parallel", "zero_stage") if self.checkpoint.reshard else ()
+        from gradmesh.train.checkpoint.files import MOVABLE
+
+        moved = MOVABLE if self.checkpoint.reshard else set()
         return {k: v for k, v in self.identity().items() if k not in moved}
 
     def check_choices(self) -> None:

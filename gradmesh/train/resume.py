@@ -3,8 +3,6 @@ state, RNG, position), and the check before launch that it belongs to this run."
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.optim import Optimizer
 
@@ -85,8 +83,11 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
             whole, job.split.module, job.optimizer, tp.size, tp.index
         )
         # no compression under --reshard: its per-bucket states hold nothing but their sizes,
-        # which this layout's buckets have otherwise; the counters carry over
-        strategy = {**state["strategy"], **_bucket_states(job.strategy.state_dict())}
+        # which this layout's buckets have otherwise; the counters carry over, where both
+        # layouts keep them (FSDP2 keeps none)
+        fresh = job.strategy.state_dict()
+        kept = {k: v for k, v in state["strategy"].items() if k in fresh and k != "compressor"}
+        strategy = {**fresh, **kept}
         state = {**state, "model": model, "optimizer": optimizer, "strategy": strategy}
         problem = checkpoint.model_problem(model, job.split.module)
         if problem is not None:
@@ -120,27 +121,15 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     return loss_sum.to(torch.float64), history
 
 
-def _bucket_states(strategy: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in strategy.items() if k == "compressor"}
-
-
 def _check_layout(config: TrainConfig, meta: checkpoint.Meta) -> bool:
-    """Whether `meta`'s checkpoint was saved at another layout, which --reshard resumes from;
-    without it, one line for another tensor-parallel degree or ZeRO stage (another number of
-    workers is the identity's to refuse, or an elastic job's to take)."""
+    """Whether `meta`'s checkpoint was saved at another layout, which --reshard resumes from
+    (without it, the identity check has refused another layout already)."""
     layout = config.layout
     now = (config.job.workers, layout.tensor_parallel, layout.pipeline_parallel)
-    now_ = (*now, config.sync.allreduce.zero_stage)
-    saved = checkpoint.saved_layout(meta)
-    if config.checkpoint.reshard:
-        return saved != now_
-    if saved[1:] != now_[1:]:
-        raise checkpoint.ForeignCheckpoint(
-            f"checkpoint {meta.checkpoint} was saved at tp {saved[1]}, pp {saved[2]}, ZeRO stage "
-            f"{saved[3]} (now {now_[1]}, {now_[2]}, {now_[3]}): add --reshard to resume it in "
-            "this layout"
-        )
-    return False
+    return config.checkpoint.reshard and checkpoint.saved_layout(meta) != (
+        *now,
+        config.sync.allreduce.zero_stage,
+    )
 
 
 def _epoch_loss(meta: checkpoint.Meta) -> list[float] | None:

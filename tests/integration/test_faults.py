@@ -151,7 +151,9 @@ def test_spent_restarts_a_rerun_a_torn_checkpoint_and_another_run(tmp_path: Path
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
     assert kept == [f"step-{STEPS:08d}", f"step-{STEPS * 3 // 2:08d}"]
     other = one_line_error(train(*SMALL, "--workers", "3", "--checkpoint-dir", str(tmp_path)))
-    assert other.endswith("belongs to another run: workers=2 (now 3)")
+    assert other.endswith(
+        "belongs to another run: workers=2 (now 3) (--reshard resumes it in this layout)"
+    )
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")

@@ -483,12 +483,16 @@ def test_a_sharded_checkpoint_resumes_in_its_layout_and_resharded_in_another(
             said = one_line_error(
                 gradmesh("train", *args, *flags[:2], "--checkpoint-dir", str(folder))
             )
-            assert said.endswith("(now 2, 1, 3): add --reshard to resume it in this layout")
+            assert said.endswith(
+                "belongs to another run: tensor_parallel=1 (now 2) (--reshard resumes it in "
+                "this layout)"
+            )
+        report = tmp_path / f"{name}.json"
         out = gradmesh(
-            "train", *args, *flags, "--checkpoint-dir", str(folder), "--json", str(tmp_path / name)
+            "train", *args, *flags, "--checkpoint-dir", str(folder), "--json", str(report)
         )
         assert out.returncode == 0, out.stderr
-        runs[name] = json.loads((tmp_path / name).read_text())
+        runs[name] = json.loads(report.read_text())
         assert runs[name]["faults"]["resumed_from_step"] == 186
     a = json.loads((tmp_path / "a").read_text())
     assert runs["same"]["loss_history"] == a["loss_history"]

@@ -55,6 +55,12 @@ _STEP = re.compile(r"^step-(\d{8})$")
 _OLD = re.compile(r"^epoch-\d+\.pt$")
 
 
+IDENTITY_DEFAULTS = {"zero_stage": 0}
+"""What a checkpoint written before an identity setting existed had it at."""
+MOVABLE = {"workers", "tensor_parallel", "zero_stage"}
+"""The identity settings --reshard moves a checkpoint across."""
+
+
 RANK_KEYS: dict[str, type] = {
     "model": dict,
     "optimizer": dict,
@@ -190,11 +196,14 @@ def complete(directory: str | Path) -> list[Path]:
 
 def check_identity(meta: Meta, identity: dict[str, Any]) -> None:
     """One line naming what differs when `meta` was written by another run."""
-    saved = meta.identity
+    saved = {**IDENTITY_DEFAULTS, **meta.identity}
     differing = sorted(k for k in identity if saved.get(k) != identity[k])
     if differing:
         diffs = ", ".join(f"{k}={saved.get(k)!r} (now {identity[k]!r})" for k in differing)
-        raise ForeignCheckpoint(f"checkpoint {meta.checkpoint} belongs to another run: {diffs}")
+        hint = " (--reshard resumes it in this layout)" if set(differing) <= MOVABLE else ""
+        raise ForeignCheckpoint(
+            f"checkpoint {meta.checkpoint} belongs to another run: {diffs}{hint}"
+        )
 
 
 def refuse_old_format(directory: str | Path) -> None:
