@@ -35,7 +35,8 @@ class LayoutConfig:
     precision: str = option(
         "fp32",
         "bf16: forwards under bf16 autocast; weights, gradients, optimizer state and reductions "
-        "stay fp32 (not yet with --pipeline-parallel); fp16 (dynamic loss scaling) needs a GPU",
+        "stay fp32 (as do the values crossing pipeline stages); fp16 (dynamic loss scaling) "
+        "needs a GPU",
         choices=("fp32", "bf16", "fp16"),
     )
     sequence_parallel: bool = option(
@@ -138,7 +139,8 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int, pp: int) -> None:
 
 
 def check_precision(precision: str, pp: int) -> None:
-    """One line unless `precision` can run on a pipeline of `pp` ranks."""
+    """One line unless `precision` can run here (`pp`: the pipeline's ranks, which every
+    precision built runs on)."""
     if precision == "fp16":
         import torch
 
@@ -148,9 +150,4 @@ def check_precision(precision: str, pp: int) -> None:
             if not torch.cuda.is_available()
             else "--precision fp16 is not built yet (no GPU was lent to build and test it on); "
             "use --precision bf16"
-        )
-    if precision == "bf16" and pp > 1:
-        raise GradmeshError(
-            "--precision bf16 with --pipeline-parallel is not supported yet (the stages' "
-            "boundaries are fp32); use it with data or tensor parallelism"
         )

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -211,6 +211,7 @@ def split_model(
             model, rt, sample, points, microbatches, schedule, loss_fn, model_name, chunks
         )
         info["stage_points"] = graph.graph.points
+        graph.bf16 = bf16
         owns = tp.index == 0 and pp.index == pp.size - 1
         return Split(graph.stage_module, graph, info, owns)
     depth = pp.size * chunks
@@ -226,9 +227,11 @@ def split_model(
         return Split(module, PlainEngine(module, microbatches, loss_fn, bf16), info, owns)
     ends = [*starts[1:], len(list(module.children()))]
     info["stage_layers"] = [[s, e] for s, e in zip(starts, ends, strict=True)]
-    return _layer_pipeline(
+    split = _layer_pipeline(
         module, model_name, rt, starts, sample[:1], (microbatches, schedule, loss_fn), info
     )
+    cast(PipelineEngine, split.engine).bf16 = bf16
+    return split
 
 
 def _check_run(pp: int, microbatches: int, schedule: str, chunks: int, precision: str) -> None:

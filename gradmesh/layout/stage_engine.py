@@ -20,6 +20,7 @@ path at every hop.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,6 +99,21 @@ class PipelineEngine:
         self.m, self.schedule = microbatches, schedule
         self.clock = BubbleClock()
         self.steps = 0
+        self.bf16 = False
+        """Stages run under bf16 autocast; what crosses a stage boundary keeps the dtype the
+        next stage expects (the weights', fp32), so gradients come back in it too."""
+
+    def _autocast(self) -> Any:
+        if not self.bf16:
+            return contextlib.nullcontext()
+        return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
+
+    def _boundary(self, g: int, n: int, outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Stage `g`'s outputs in the dtypes stage g + 1 receives (a differentiable cast)."""
+        if not self.bf16 or g == self.depth - 1:
+            return outs
+        wanted = self.inputs_of(g + 1, n)
+        return [v.to(dtype) for v, (_, dtype, _) in zip(outs, wanted, strict=True)]
 
     @property
     def backward_passes(self) -> int:
@@ -179,10 +195,11 @@ class PipelineEngine:
             for v, (_, _, grad) in zip(ins, self.inputs_of(g, batch.size(st.ys[i])), strict=True):
                 v.requires_grad_(grad)
         t0 = time.perf_counter()
-        with span("forward", microbatch=i):
+        with span("forward", microbatch=i), self._autocast():
             outs = as_values(_run_stage(self.modules[c], g, ins, st.xs[i]))
+            outs = self._boundary(g, batch.size(st.ys[i]), outs)
             if g == self.depth - 1:
-                loss = self.loss_fn(outs[0], st.ys[i])
+                loss = self.loss_fn(outs[0], st.ys[i]).float()
                 st.losses += loss.detach().double()
                 outs = [loss * st.scale]
         st.busy += time.perf_counter() - t0
@@ -232,7 +249,9 @@ class PipelineEngine:
             g = self._global(c)
             for i, part in parts:
                 ins = self._received(ch, posted.pop((c, i)), self.up) if g else []
-                result = as_values(_run_stage(module, g, ins, part))
+                with self._autocast():
+                    result = as_values(_run_stage(module, g, ins, part))
+                result = self._boundary(g, batch.size(part), result)
                 if g == self.depth - 1:
                     out = result[0] if out is None else torch.cat([out, result[0]])
                 else:

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradmesh
 from gradmesh.layout.graph_pipeline import graph_pipeline
@@ -397,3 +398,72 @@ def test_a_hybrid_plan_by_module_name_on_a_residual_cnn_equals_one_process(world
         same = next(r for r in replica if r[0] == other[0])
         for name, tensor in other[2].items():
             torch.testing.assert_close(tensor, same[2][name], rtol=0, atol=1e-12)
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes the matrix products and convolutions run in (what autocast decides), seen
+    below autograd: in exported graph stages too, where module hooks do not fire."""
+
+    PRODUCTS = ("mm", "addmm", "bmm", "convolution")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in self.PRODUCTS:
+            self.seen.add(out.dtype)
+        return out
+
+
+def bf16_steps(pp: int, kind: str) -> tuple[list[float], list[torch.dtype], bool]:
+    """3 AdamW steps under --precision bf16, cut into `pp` stages (4 micro-batches) or whole:
+    the losses (on the last stage), the dtypes of the steps' matrix products, and whether every
+    weight and gradient stayed fp32."""
+    from gradmesh.layout.engine import split_model
+
+    rt = gradmesh.get_runtime()
+    model = _model(kind, DEEP if kind == "gpt" else {})
+    xs, ys = _batches(kind)
+    points = "blocks.2" if kind == "gpt" else ""
+    split = split_model(
+        model,
+        kind,
+        rt,
+        4 if pp > 1 else 1,
+        "1f1b",
+        points,
+        xs[0],
+        None,
+        loss_of(kind),
+        precision="bf16",
+    )
+    opt = torch.optim.AdamW(split.module.parameters(), lr=1e-2)
+    losses = []
+    products = MatmulDtypes()
+    for i in range(3):
+        opt.zero_grad()
+        with products:
+            losses.append(float(split.engine.step(xs[i], ys[i], 1.0 / ys[i].numel())))
+        opt.step()
+    fp32 = all(
+        p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+        for p in split.module.parameters()
+    )
+    return losses, sorted(products.seen, key=str), fp32
+
+
+@pytest.mark.parametrize("kind", ["gpt", "cnn"])
+def test_bf16_runs_through_a_pipeline_as_it_runs_whole(kind: str) -> None:
+    """Each stage under bf16 autocast, fp32 across the stage boundaries (and in the weights,
+    gradients and optimizer): the losses of a 2-stage pipeline follow one process's bf16 run
+    to bf16's rounding (8 bits of mantissa)."""
+    whole, seen, fp32 = run_ranks(bf16_steps, 1, 1, kind)[0]
+    assert seen == [torch.bfloat16] and fp32
+    ranks = run_ranks(bf16_steps, 2, 2, kind, init={"pipeline_parallel": 2})
+    for _, seen_stage, fp32_stage in ranks:
+        assert seen_stage == [torch.bfloat16] and fp32_stage
+    piped = ranks[1][0]  # the last stage computes the loss
+    for got, want in zip(piped, whole, strict=True):
+        assert got == pytest.approx(want, rel=2e-2)

@@ -61,10 +61,7 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             | {"schedule": "interleaved", "virtual_stages": 1},
             "--virtual-stages 1: the interleaved schedule holds at least 2 chunks",
         ),
-        (
-            {"workers": 2, "pipeline_parallel": 2, "precision": "bf16"},
-            "--precision bf16 with --pipeline-parallel is not supported yet",
-        ),
+        ({"precision": "fp16"}, "--precision fp16 "),  # needs a GPU (or: is not built yet)
         ({"activation_checkpointing": "every:x"}, "expected blocks (every block) or every:K"),
     ],
 )
