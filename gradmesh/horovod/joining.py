@@ -74,11 +74,11 @@ def _header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> to
     row = torch.full((WIDTH,), -1, dtype=torch.int64)
     row[KIND], row[EXTRA] = kind, extra
     if tensor is not None and kind != OTHER:  # (whose ranks may send different shapes)
-        if tensor.dim() > MAX_DIMS:
-            raise GradmeshError(f"at most {MAX_DIMS} dimensions, got {tensor.dim()}")
-        row[DTYPE] = DTYPES.index(tensor.dtype) if tensor.dtype in DTYPES else len(DTYPES)
-        row[NDIM] = tensor.dim()
-        row[SHAPE : SHAPE + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        known = tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
+        row[DTYPE] = DTYPES.index(tensor.dtype) if known else len(DTYPES)  # not to mirror
+        dims = tensor.shape[:MAX_DIMS]
+        row[NDIM] = len(dims)
+        row[SHAPE : SHAPE + len(dims)] = torch.tensor(dims, dtype=torch.int64)
         if kind == ALLGATHER and tensor.dim():
             row[SHAPE] = -1  # first dimensions may differ between ranks
     return row
@@ -141,7 +141,7 @@ def _check(table: torch.Tensor, what: str) -> list[int]:
     elif kind == BROADCAST and extra in joined:
         problem = f"the broadcast's root rank {extra} has joined"
     elif kind != STEP and int(first[DTYPE]) == len(DTYPES):
-        problem = "the tensor's dtype is not one it knows"
+        problem = f"it mirrors tensors of known dtypes and at most {MAX_DIMS} dimensions"
     if problem:
         raise GradmeshError(
             f"rank {me}: {what}: rank {joined[0]} has joined, and a joined rank cannot take "
