@@ -253,8 +253,17 @@ def test_spark_trains_what_local_trains_and_names_a_dead_worker(
         pytest.skip("Spark needs Java (17 or newer)")
     before = _ray_or_spark_processes()
     report = tmp_path / "spark.json"
+    own_tmp = {"TMPDIR": str(tmp_path)}  # where torchrun under Spark keeps its agent's folder
     out = gradmesh(
-        "train", "--engine", "spark", "--epochs", EPOCHS, "--json", str(report), timeout=300
+        "train",
+        "--engine",
+        "spark",
+        "--epochs",
+        EPOCHS,
+        "--json",
+        str(report),
+        env=own_tmp,
+        timeout=300,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     same_model(report, local_run)
@@ -265,7 +274,7 @@ def test_spark_trains_what_local_trains_and_names_a_dead_worker(
         "spark",
         "--epochs",
         "1",
-        env={"GRADMESH_FAULT": "kill:1:5"},
+        env={"GRADMESH_FAULT": "kill:1:5", **own_tmp},
         timeout=300,
     )
     line = dead.stderr.splitlines()[-1]  # Spark's own log lines come before it
