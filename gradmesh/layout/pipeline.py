@@ -32,6 +32,7 @@ tested on Gloo upstream, and its sends bypass gradmesh's timeouts that name the 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -250,6 +251,6 @@ def sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     (batch, time, classes), labels (batch, time)), each sample's mean over its positions."""
     if y.dim() == 1:
         return F.cross_entropy(out, y, reduction="sum")
-    per_sample = y[0].numel()
+    per_sample = math.prod(y.shape[1:])  # (a rank's share of a last, short batch may be empty)
     flat = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
     return flat / per_sample

@@ -93,3 +93,16 @@ def test_bubble_is_read_off_the_stage_that_computes_longest() -> None:
     # stage 1 computes longest: it waits only while the pipeline fills and drains
     assert bubble([0.03, 0.05, 0.02], [0.50, 0.30, 0.70]) == 0.30
     assert bubble([0.04], [0.0]) == 0.0
+
+
+def test_the_default_loss_takes_an_empty_share_of_a_short_last_batch() -> None:
+    """A rank's share of an epoch's last, short batch can be empty (3 workers, 16 samples left):
+    its sequence loss is zero, not an IndexError."""
+    import torch
+
+    from gradmesh.layout.pipeline import sum_cross_entropy
+
+    logits, labels = torch.randn(0, 8, 5), torch.zeros(0, 8, dtype=torch.long)
+    assert float(sum_cross_entropy(logits, labels)) == 0.0
+    whole = sum_cross_entropy(torch.zeros(2, 4, 5), torch.zeros(2, 4, dtype=torch.long))
+    assert float(whole) == pytest.approx(2 * torch.log(torch.tensor(5.0)).item())

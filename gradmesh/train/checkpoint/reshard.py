@@ -126,7 +126,7 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         cut = _cut(specs, name)
         return pieces[0] if cut is None or tp == 1 else unshard(list(pieces[:tp]), *cut)
 
-    def local_like(name: str, value: Any, index: Any) -> bool:
+    def local_like(name: str, value: Any) -> bool:
         held = first["model"].get(name)
         return isinstance(value, torch.Tensor) and held is not None and value.shape == held.shape
 
@@ -138,7 +138,7 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             name = names[int(index)]
             state[name] = {
                 key: join(name, [f["optimizer"]["state"][index][key] for f in files])
-                if local_like(name, value, index)
+                if local_like(name, value)
                 else value
                 for key, value in entry.items()
             }
@@ -222,7 +222,14 @@ def optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, An
         p = params[int(index)]
         local = p.to_local() if hasattr(p, "to_local") else None
         state[index] = {
-            key: DTensor.from_local(value, p.device_mesh, p.placements, run_check=False)
+            key: DTensor.from_local(  # the parameter's global shape: shards may be uneven
+                value,
+                p.device_mesh,
+                p.placements,
+                run_check=False,
+                shape=p.shape,
+                stride=p.stride(),
+            )
             if local is not None
             and isinstance(value, torch.Tensor)
             and value.shape == local.shape
