@@ -4,7 +4,6 @@ rank's part with the engine that runs it: `PlainEngine` (forward, backward) or t
 
 from __future__ import annotations
 
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
@@ -32,7 +31,7 @@ from gradmesh.layout.pipeline import (
     stage_module,
     sum_cross_entropy,
 )
-from gradmesh.layout.stage_engine import PipelineEngine, single_input
+from gradmesh.layout.stage_engine import PipelineEngine, forward_precision, single_input
 from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
 from gradmesh.models.registry import TP_PLANS
 from gradmesh.observe.timeline import span
@@ -79,10 +78,7 @@ class PlainEngine:
         self.device_type = next((p.device.type for p in module.parameters()), "cpu")
 
     def _forward(self) -> Any:
-        """The context a forward runs in: bf16 autocast, or nothing."""
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return forward_precision(self.bf16, self.device_type)
 
     @property
     def backward_passes(self) -> int:

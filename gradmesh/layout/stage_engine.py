@@ -104,9 +104,7 @@ class PipelineEngine:
         next stage expects (the weights', fp32), so gradients come back in it too."""
 
     def _autocast(self) -> Any:
-        if not self.bf16:
-            return contextlib.nullcontext()
-        return torch.autocast(self.rt.device.type, dtype=torch.bfloat16)
+        return forward_precision(self.bf16, self.rt.device.type)
 
     def _boundary(self, g: int, n: int, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Stage `g`'s outputs in the dtypes stage g + 1 receives (a differentiable cast)."""
@@ -262,6 +260,13 @@ class PipelineEngine:
             ch.wait(work, self.down, "send to")
         self.rt.comm.add(ch.sent, 0.0, "pipeline")
         return out
+
+
+def forward_precision(bf16: bool, device_type: str) -> Any:
+    """The context a forward runs in: bf16 autocast, or nothing."""
+    if not bf16:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
 
 
 def _run_stage(module: Callable[..., Any], g: int, ins: list[torch.Tensor], part: Batch) -> Any:

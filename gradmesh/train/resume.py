@@ -38,7 +38,7 @@ def check_resume(config: TrainConfig) -> None:
     )  # parts 0..S-1 are shards
 
     def usable(meta: checkpoint.Meta) -> None:
-        moved = _check_layout(config, meta)
+        moved = _resharding(config, meta)
         if moved or config.sync.allreduce.zero_stage >= 2:  # shards: check them put together
             weights, saved = checkpoint.whole_state(meta)  # fits the whole model, before launch
             problem = checkpoint.model_problem(weights, model)
@@ -68,7 +68,7 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     `TrainConfig.check_elastic`): rank r loads rank (r mod the old world)'s part, and its RNG;
     rank 0 carries the world's epoch loss sum."""
     rank, world, _ = job.place
-    moved = _check_layout(job.config, meta)
+    moved = _resharding(job.config, meta)
     if meta.world != world and elastic_world() is None and not moved:
         raise checkpoint.ForeignCheckpoint(
             f"checkpoint {meta.checkpoint} belongs to another run: world={meta.world} (now {world})"
@@ -121,7 +121,7 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     return loss_sum.to(torch.float64), history
 
 
-def _check_layout(config: TrainConfig, meta: checkpoint.Meta) -> bool:
+def _resharding(config: TrainConfig, meta: checkpoint.Meta) -> bool:
     """Whether `meta`'s checkpoint was saved at another layout, which --reshard resumes from
     (without it, the identity check has refused another layout already)."""
     layout = config.layout

@@ -29,7 +29,7 @@ def sparse_sum(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.T
     return summed.coalesce()
 
 
-def rows(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+def row_sparse(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """`grad` as a sparse tensor over the first dimension (an embedding's layout); no gradient
     is an empty one."""
     if grad is None:
@@ -78,5 +78,5 @@ class SparseGradients:
         """Each sparse parameter's gradient summed over `group` and divided by `divisor`; a
         joined rank (`mine` False) sends none."""
         for p in self.sparse or ():
-            summed = sparse_sum(rows(p.grad if mine else None, p), group)
+            summed = sparse_sum(row_sparse(p.grad if mine else None, p), group)
             p.grad = summed / divisor if divisor != 1.0 else summed
