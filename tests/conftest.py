@@ -15,7 +15,7 @@ import subprocess
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 # One thread per process, set before torch loads, for every rank and job the tests start: they
@@ -53,6 +53,33 @@ def cli() -> Iterator[CLI]:
 
     with kept_environment():
         yield main
+
+
+@pytest.fixture
+def cli_line(
+    cli: CLI, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> Callable[..., str]:
+    """`cli_line(args, **env)`: `gradmesh ARGS` in this process with `env` set, which must exit
+    with code 2, one line on stderr (no traceback) and nothing on stdout; that line. Bad input
+    is refused before anything starts, so this process's run is the command's (without a second
+    interpreter's start and torch's import: about 2 s a case)."""
+
+    def run(args: list[str], **env: str) -> str:
+        capsys.readouterr()
+        with monkeypatch.context() as patch:
+            for key, value in env.items():
+                patch.setenv(key, value)
+            try:
+                code = cli(args)
+            except SystemExit as exc:  # argparse's own errors
+                code = exc.code  # type: ignore[assignment]
+        out, err = capsys.readouterr()
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, (code, err)
+        assert out == "", out  # refused before anything ran
+        return lines[0]
+
+    return run
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -124,8 +125,18 @@ def test_default_train_reaches_accuracy_and_is_reproducible(tmp_path: Path) -> N
         ),
     ],
 )
-def test_bad_input_gets_one_clear_line(args: list[str], message: str) -> None:
-    assert message in one_line_error(gradmesh(*args, timeout=60))
+def test_bad_input_gets_one_clear_line(
+    args: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    assert message in cli_line(args)
+
+
+def test_the_command_itself_exits_2_with_the_line() -> None:
+    """The installed command, as a user's shell runs it (the cases above run its `main` in
+    the test's process)."""
+    out = gradmesh("train", "--workers", "0", timeout=60)
+    assert out.returncode == 2 and out.stdout == ""
+    assert one_line_error(out) == "gradmesh train: error: --workers must be >= 1, got 0"
 
 
 TOML_CASES = [
@@ -140,13 +151,13 @@ TOML_CASES = [
 
 @pytest.mark.parametrize(("text", "message"), TOML_CASES)
 def test_a_config_of_wrong_types_is_one_line_before_launch(
-    text: str, message: str, tmp_path: Path
+    text: str, message: str, tmp_path: Path, cli_line: Callable[..., str]
 ) -> None:
     config = tmp_path / "job.toml"
     config.write_text(text + "\n")
-    out = gradmesh("train", "--config", str(config), timeout=60)
-    assert out.returncode == 2 and out.stdout == ""
-    assert one_line_error(out) == f"gradmesh train: error: {config}: {message}"
+    assert cli_line(["train", "--config", str(config)]) == (
+        f"gradmesh train: error: {config}: {message}"
+    )
 
 
 def bad_checkpoint(folder: Path, kind: str) -> Path:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from gradmesh.launch import emulate, namespaces
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.run import cluster_defaults
 from gradmesh.train.config import TrainConfig
-from tests.harness import CLI, kept_environment
+from tests.harness import kept_environment
 from tests.integration.test_cli import ROOT, gradmesh
 
 MANIFESTS = ROOT / "deploy" / "kubernetes"
@@ -153,25 +154,8 @@ def test_a_manifest_s_pods_train_on_the_emulated_cluster(name: str, tmp_path: Pa
     assert report["workers"] == 2 and report["test_accuracy"] >= 0.9
 
 
-def cli_error(
-    capsys: pytest.CaptureFixture[str],
-    monkeypatch: pytest.MonkeyPatch,
-    cli: CLI,
-    args: list[str],
-    **env: str,
-) -> str:
-    """`gradmesh ARGS` in this process, with `env` set: its one line on stderr (exit code 2)."""
-    with monkeypatch.context() as patch:
-        for key, value in env.items():
-            patch.setenv(key, value)
-        assert cli(args) == 2
-    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(lines) == 1, lines
-    return lines[0]
-
-
 def test_kubernetes_variables_that_contradict_flags_are_one_line(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cli: CLI
+    cli_line: Callable[..., str],
 ) -> None:
     pod = {"PET_NNODES": "2", "PET_NODE_RANK": "1", "PET_NPROC_PER_NODE": "1"}
     run = ["run", "-np", "1", "--", "true"]
@@ -194,15 +178,13 @@ def test_kubernetes_variables_that_contradict_flags_are_one_line(
         ),
     ]
     for args, env, message in checks:
-        assert message in cli_error(capsys, monkeypatch, cli, args, **env), (args, env)
+        assert message in cli_line(args, **env), (args, env)
 
 
-def test_engine_input_is_checked_before_anything_starts(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, cli: CLI
-) -> None:
-    unknown = cli_error(capsys, monkeypatch, cli, ["train", "--engine", "yarn"])
+def test_engine_input_is_checked_before_anything_starts(cli_line: Callable[..., str]) -> None:
+    unknown = cli_line(["train", "--engine", "yarn"])
     assert "unknown engine 'yarn' (valid: local, ray, spark)" in unknown
-    ps = cli_error(capsys, monkeypatch, cli, ["train", "--engine", "ray", "--strategy", "ps"])
+    ps = cli_line(["train", "--engine", "ray", "--strategy", "ps"])
     assert "--engine ray cannot run --strategy ps" in ps
 
 
