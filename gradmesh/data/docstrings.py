@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import hashlib
+import json
+import os
 import re
 import sysconfig
 import zlib
@@ -43,17 +46,56 @@ PACKAGES = (
     "xml",
 )
 BUCKETS = 1 << 18
+_CACHE_VERSION = 1  # of the docstring lists kept on disk (`_documents`)
 FEATURES = 128
 MIN_WORDS = 3
 SPLIT_SEED = 11
 _WORD = re.compile(r"[a-z_][a-z0-9_]+")
 
 
+def _sources(package: Path) -> list[Path]:
+    return [
+        path
+        for path in sorted(package.rglob("*.py"))
+        if "test" not in path.relative_to(package).parts[:-1] and not path.name.startswith("test_")
+    ]
+
+
 def _documents(package: Path) -> list[str]:
+    """The package's docstrings of `MIN_WORDS` words or more, read once per machine: parsing
+    the files costs about 1 s, paid by every rank of every job, so the list is kept under
+    `~/.cache/gradmesh` (`XDG_CACHE_HOME`), keyed by the files' paths, sizes and times; a
+    cache that cannot be read or written is skipped."""
+    sources = _sources(package)
+    key = hashlib.sha256(repr((_CACHE_VERSION, MIN_WORDS, str(package))).encode())
+    for path in sources:
+        stat = path.stat()
+        key.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    cache = _cache_dir() / f"docstrings-{package.name}-{key.hexdigest()[:16]}.json"
+    try:
+        kept = json.loads(cache.read_text(encoding="utf-8"))
+        if isinstance(kept, list) and all(isinstance(doc, str) for doc in kept):
+            return kept
+    except (OSError, ValueError):
+        pass
+    docs = _parse(sources)
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        part = cache.with_suffix(f".{os.getpid()}.part")
+        part.write_text(json.dumps(docs), encoding="utf-8")
+        os.replace(part, cache)  # atomic: ranks writing at once each leave a whole file
+    except OSError:
+        pass
+    return docs
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradmesh"
+
+
+def _parse(sources: list[Path]) -> list[str]:
     docs = []
-    for path in sorted(package.rglob("*.py")):
-        if "test" in path.relative_to(package).parts[:-1] or path.name.startswith("test_"):
-            continue
+    for path in sources:
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (OSError, SyntaxError, UnicodeDecodeError):

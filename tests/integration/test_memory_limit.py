@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
 from gradmesh.launch import cgroup
-from tests.integration.test_cli import gradmesh, one_line_error
 
 ALLOCATE = """
 import sys
@@ -40,8 +40,8 @@ def test_a_process_over_its_limit_is_killed_and_counted_and_one_under_it_is_not(
     assert 16 << 20 <= under_use["peak_bytes"] < 128 << 20
 
 
-def test_a_bad_memory_limit_is_one_line() -> None:
-    said = one_line_error(gradmesh("bench", "memory", "--world", "2", "--limit", "lots"))
+def test_a_bad_memory_limit_is_one_line(cli_line: Callable[..., str]) -> None:
+    said = cli_line(["bench", "memory", "--world", "2", "--limit", "lots"])
     assert said.endswith("bad size 'lots': expected a number with KB, MB or GB, like 4MB")
-    said = one_line_error(gradmesh("bench", "memory", "--limit", "1GB"))
+    said = cli_line(["bench", "memory", "--limit", "1GB"])
     assert said.endswith("--limit holds each rank of a --world job: give --world 2 or more")

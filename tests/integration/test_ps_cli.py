@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -16,7 +17,6 @@ from tests.integration.test_cli import (
     ROOT,
     gradmesh,
     merged_trace_spans,
-    one_line_error,
     tensorboard_scalars,
 )
 
@@ -126,15 +126,13 @@ def test_a_killed_async_worker_does_not_stop_the_job(tmp_path: Path) -> None:
     assert got["test_accuracy"] > 0.9
 
 
-def test_ps_options_are_checked_before_launch() -> None:
-    assert "unknown --mode 'fast'" in one_line_error(
-        gradmesh("train", "--strategy=ps", "--mode=fast")
+def test_ps_options_are_checked_before_launch(cli_line: Callable[..., str]) -> None:
+    assert "unknown --mode 'fast'" in cli_line(["train", "--strategy=ps", "--mode=fast"])
+    assert "--mode sync pushes and pulls every step" in cli_line(
+        ["train", "--strategy=ps", "--mode=sync", "--push-every=2"]
     )
-    assert "--mode sync pushes and pulls every step" in one_line_error(
-        gradmesh("train", "--strategy=ps", "--mode=sync", "--push-every=2")
-    )
-    assert "unknown --server-optimizer 'sgdd'" in one_line_error(
-        gradmesh("train", "--strategy=ps", "--server-optimizer=sgdd")
+    assert "unknown --server-optimizer 'sgdd'" in cli_line(
+        ["train", "--strategy=ps", "--server-optimizer=sgdd"]
     )
 
 
