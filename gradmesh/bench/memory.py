@@ -116,7 +116,7 @@ def _steps(args: Config) -> dict[str, Any]:
 def run(args: Config, _command: list[str] | None = None) -> int:
     import torch
 
-    from gradmesh.train.timing import peak_bytes
+    from gradmesh.layout.memory import peak_bytes
 
     if args.limit and args.world < 2:
         raise GradmeshError("--limit holds each rank of a --world job: give --world 2 or more")

@@ -14,8 +14,10 @@ The state is predicted beside its measurement from the whole model's parameter b
 AdamW's two slots, tp T and dp N: parameters P/T, gradients P/T, optimizer state 2P/T; stage 1
 divides the optimizer state by N, stages 2 and 3 all three (FSDP2 keeps parameters sharded
 between steps at both stages; they differ inside the step, where stage 2 keeps the gathered
-units from forward to backward). The step's peak is measured, not predicted: the activation
-model is still to come.
+units from forward to backward). The step's peak is predicted beside it by the mesh planner's
+memory model (`gradmesh.layout.planner.mesh_memory.predict_memory`, from a profile of the
+model's slices taken in this process: what each block saves per sample, the step's transient,
+the units FSDP2 gathers).
 """
 
 from __future__ import annotations
@@ -69,12 +71,18 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
     from gradmesh.plan.mesh import workload
 
     work = workload(
-        args.model, args.model_args, "synthetic", args.sequence_length, "3x32x32", args.batch
+        args.model,
+        args.model_args,
+        "synthetic",
+        args.sequence_length,
+        "3x32x32",
+        args.batch,
+        "adamw",
     )
     layouts = {n: parse_layout(n, args.world) for n in names}
     configs = []
     for lay in layouts.values():
-        options = {**work.options, "model": work.name, "optimizer": "adamw"}
+        options = {**work.options, "model": work.name}
         options |= {"zero_stage": lay["stage"]}
         options |= {"activation_checkpointing": "blocks" if lay["checkpointing"] else ""}
         grid = Layout(args.world // lay["tp"], lay["tp"], 1)
@@ -85,6 +93,7 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
             for n, c in zip(layouts, configs, strict=True)
         }
     runs = compare_jobs("gradmesh.plan.calibrate", args.world, configs, args.rounds)
+    steps = predicted_steps(work, args.world, args.batch, layouts)
     results = {}
     for (name, lay), rs in zip(layouts.items(), runs, strict=True):
         r = {**lay, **medians(rs, ["step_s", "cpu_idle"])}
@@ -96,6 +105,9 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
         )
         r["predicted"] = {**want, "state_bytes": sum(want.values())}
         r["prediction_error"] = r["predicted"]["state_bytes"] / r["state_bytes"] - 1
+        step = steps[name]
+        r["predicted"] |= {"step_peak_bytes": step.step_bytes, **vars(step)}
+        r["step_peak_error"] = step.step_bytes / r["peak_bytes"] - 1
         r["limit"] = limit_of(r["cpu_idle"], None)
         results[name] = r
     base = results.get("dp")
@@ -104,6 +116,30 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
             r["state_vs_dp"] = r["state_bytes"] / base["state_bytes"]
             r["time_vs_dp"] = r["step_s"] / base["step_s"]
     return results
+
+
+def predicted_steps(
+    work: Any, world: int, batch: int, layouts: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """Each layout's predicted memory (`predict_memory`: its step peak is what a step holds on
+    top of the state), from a profile of the model's slices at the layouts' tp degrees and
+    micro-batches, taken in this process."""
+    from gradmesh.layout.planner.mesh import Layout, profile_mesh
+    from gradmesh.layout.planner.mesh_memory import predict_memory
+
+    grids = {
+        name: Layout(
+            world // lay["tp"],
+            lay["tp"],
+            1,
+            zero_stage=lay["stage"],
+            checkpointing=lay["checkpointing"],
+        )
+        for name, lay in layouts.items()
+    }
+    tps = sorted({g.tp for g in grids.values()})
+    prof, _ = profile_mesh(work, world, batch, tps, 1, list(grids.values()), 1, search=False)
+    return {name: predict_memory(prof, g) for name, g in grids.items()}
 
 
 def limited(config: dict[str, Any], world: int, limit: int) -> dict[str, Any]:
@@ -177,6 +213,7 @@ def line(name: str, r: dict[str, Any]) -> str:
         f"{name:10} state {mb['state_bytes']:6.2f} MB (predicted "
         f"{r['predicted']['state_bytes'] / 1e6:6.2f}, {r['prediction_error']:+.1%}: params "
         f"{mb['param_bytes']:.2f}, grads {mb['grad_bytes']:.2f}, optimizer "
-        f"{mb['optimizer_bytes']:.2f})  step peak {r['peak_bytes'] / 1e6:6.1f} MB  "
+        f"{mb['optimizer_bytes']:.2f})  step peak {r['peak_bytes'] / 1e6:6.1f} MB (predicted "
+        f"{r['predicted']['step_peak_bytes'] / 1e6:6.1f}, {r['step_peak_error']:+.1%})  "
         f"step {r['step_s'] * 1e3:6.1f} ms{vs}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
     )

@@ -10,10 +10,21 @@ A block's class is swapped for a subclass whose forward checkpoints the original
 names, tensor-parallel plans, checkpoints and deep copies (the graph pipeline traces a copy) see
 the same module, where a wrapper module would rename every parameter and a forward patched on
 the instance would keep calling the original object from a copy.
+
+What a step holds is measured here too, for the benchmarks and the mesh planner's memory model
+(`gradmesh.layout.planner.mesh_memory`): `peak_bytes`, the most live tensor bytes a step adds
+(torch's profiler with `profile_memory=True`: every allocation and free, in time order), and
+`saved_activations`, what each block saves for its backward (autograd's saved-tensor hooks,
+each storage counted once, the parameters and buffers not at all) and what enters it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,3 +70,111 @@ def checkpoint_blocks(model: nn.Module, spec: str, model_name: str) -> list[str]
         if not getattr(block, "recomputed", False):
             block.__class__ = _recomputed(type(block))
     return chosen
+
+
+@contextlib.contextmanager
+def _native_stderr_muted() -> Iterator[None]:
+    """The process's stderr (file descriptor 2) sent to /dev/null: torch's profiler (Kineto)
+    writes a line there as it starts and as it stops, with no setting that turns them off, and
+    a command's output (one line on bad input) must not carry them."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_bytes(step: Any) -> int:
+    """The most tensor bytes `step()` holds at once beyond what was live before it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prof: Any = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _native_stderr_muted():
+        prof.start()
+    try:
+        step()
+    finally:
+        with _native_stderr_muted():
+            prof.stop()
+    live = top = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage
+        top = max(top, live)
+    return top
+
+
+@dataclass
+class Saved:
+    """One forward and backward, as `saved_activations` measured it (bytes)."""
+
+    blocks: dict[str, int]
+    """What each block saved for its backward."""
+    inputs: dict[str, int]
+    """What entered each block (its tensor arguments): what checkpointing keeps instead."""
+    rest: int
+    """What the rest of the model and the loss saved (embeddings, head, loss)."""
+    peak: int
+    """The step's peak of live tensor bytes beyond what was live before it (`peak_bytes`)."""
+
+
+def saved_activations(model: nn.Module, run: Callable[[], torch.Tensor], inputs: Any = ()) -> Saved:
+    """What `run()` (a forward of `model` and its loss on `inputs`) saves for backward, per
+    block of the model's block list and outside them, and the peak of it and its backward
+    together (gradients allocated first, as in a training step after the first). The inputs,
+    parameters and buffers were allocated before the step and outlive it: not counted (an input
+    is often a view of the whole dataset's storage)."""
+    from torch.utils._pytree import tree_leaves
+
+    names = block_list(model)
+    held = [*model.parameters(), *model.buffers(), *tree_leaves(inputs)]
+    params = {t.untyped_storage().data_ptr() for t in held if torch.is_tensor(t)}
+    seen: set[int] = set()
+    blocks, inputs = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    rest, owner = [0], [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr, n = storage.data_ptr(), storage.nbytes()
+        if n and ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            if owner[0]:
+                blocks[owner[0]] += n
+            else:
+                rest[0] += n
+        return t
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(_m: Any, args: tuple[Any, ...]) -> None:
+            owner[0] = name
+            inputs[name] = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+
+        return hook
+
+    def leave(*_: Any) -> None:
+        owner[0] = ""
+
+    hooks = []
+    for name in names:
+        block = model.get_submodule(name)
+        hooks += [block.register_forward_pre_hook(enter(name)), block.register_forward_hook(leave)]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = run()
+    finally:
+        for h in hooks:
+            h.remove()
+    loss.backward()  # type: ignore[no-untyped-call]
+    for p in model.parameters():  # gradients allocated before the measured step, as after step 1
+        if p.grad is not None:
+            p.grad.zero_()
+
+    def step() -> None:
+        run().backward()  # type: ignore[no-untyped-call]
+
+    peak = peak_bytes(step)
+    return Saved(blocks, inputs, rest[0], peak)

@@ -80,9 +80,10 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
 def memory_figures(job: Any, batch: int) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes at rest (shards as held), the
     peak of live tensor bytes one more step adds, and the whole model's parameter bytes."""
+    from gradmesh.layout.memory import peak_bytes
     from gradmesh.layout.sharded import state_bytes
     from gradmesh.train.setup import model_of
-    from gradmesh.train.timing import peak_bytes, replica_step
+    from gradmesh.train.timing import replica_step
 
     held = state_bytes(job.split.module, job.optimizer)
     whole = model_of(job.config, job.data).parameters()

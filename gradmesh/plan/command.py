@@ -47,7 +47,12 @@ class PlanConfig:
     emulate_hosts: int | None = option(None, "probe an emulated cluster of H hosts")
     probe: bool = option(False, "probe loopback between the job's ranks")
     memory_limit: str | None = option(
-        None, "most bytes per rank, like 64MB (a sequence of layers' per-layer plan)"
+        None,
+        "most bytes per rank, like 64MB or 2GiB: only layouts predicted to fit (a mesh plan also "
+        "searches ZeRO stages and activation checkpointing)",
+    )
+    optimizer: str = option(
+        "sgd", "the job's optimizer (sgd, adam, adamw): its state counts against --memory-limit"
     )
     top: int = option(12, "a mesh plan (any other model): the fastest layouts to print")
     allreduce: AllreduceConfig = component(AllreduceConfig, only=("algorithm", "fusion_mb"))
@@ -214,6 +219,7 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
         args.sequence_length,
         args.synthetic_shape,
         args.batch,
+        args.optimizer,
     )
     if not _sequence_of_layers(work):
         return _run_mesh(args, work, setting, links, sharing)
@@ -245,12 +251,9 @@ def _run_mesh(
     from gradmesh.layout.planner import plan_mesh
     from gradmesh.models.registry import is_token_model
     from gradmesh.plan.calibrate import calibrator
+    from gradmesh.units import parse_size
 
-    if args.memory_limit:
-        raise GradmeshError(
-            f"--memory-limit places the layers of a sequence of layers; model {args.model} is "
-            "planned by data, tensor and pipeline degrees, which do not model memory yet"
-        )
+    limit = float(parse_size(args.memory_limit)) if args.memory_limit else None
     with emulated_cluster(args.emulate_hosts, args.bandwidth or "1gbit") as cluster:
         measure = None
         if callable(links):  # probe the links for the sizes the layouts exchange; calibrate
@@ -265,6 +268,7 @@ def _run_mesh(
             args.tensor_parallel_max,
             args.allreduce.algorithm,
             measure=measure,
+            memory_limit=limit,
         )
     preds = plan.predictions
     if not preds:

@@ -41,7 +41,13 @@ class TrainWorkload:
 
 
 def workload(
-    model: str, model_args: str, dataset: str, sequence_length: int, shape: str, batch: int
+    model: str,
+    model_args: str,
+    dataset: str,
+    sequence_length: int,
+    shape: str,
+    batch: int,
+    optimizer: str = "sgd",
 ) -> TrainWorkload:
     """The workload of `gradmesh train --model ... --batch-size batch` (token models on the
     text dataset unless a dataset is named)."""
@@ -59,6 +65,7 @@ def workload(
             "synthetic_samples": batch * 2,  # 80% of it for training: one global batch fits
             "batch_size": batch,
             "lr": 0.01,
+            "optimizer": optimizer,
         },
     )
 
@@ -71,6 +78,10 @@ def flags(row: dict[str, Any]) -> str:
         out.append(f"--schedule {row['schedule']}")
         if row["chunks"] > 1:
             out.append(f"--virtual-stages {row['chunks']}")
+    if row.get("zero_stage"):
+        out.append(f"--zero-stage {row['zero_stage']}")
+    if row.get("checkpointing"):
+        out.append("--activation-checkpointing blocks")
     return " ".join(out) or "(data parallel: no layout flags)"
 
 
@@ -84,7 +95,7 @@ def describe_mesh(plan: Any, tokens_per_sample: int | None, top: int) -> str:
         f"{len(preds)} layouts priced (profiled with {prof.threads} thread(s) per rank, "
         f"{prof.concurrent} rank(s) at once)",
         f"{'layout':22} {'step ms':>8} {rate:>10} {'compute':>8} {'tp':>6} {'pp':>6} "
-        f"{'sync':>6} {'update':>6} {'bubble':>6} {'params/rank':>11}",
+        f"{'sync':>6} {'update':>6} {'bubble':>6} {'params/rank':>11} {'memory/rank':>11}",
     ]
     for p in preds[:top]:
         r = p.row()
@@ -92,7 +103,8 @@ def describe_mesh(plan: Any, tokens_per_sample: int | None, top: int) -> str:
         lines.append(
             f"{r['name']:22} {p.step_s * 1e3:8.1f} {per_s:10.0f} {p.compute_s * 1e3:8.1f} "
             f"{p.tensor_parallel_s * 1e3:6.1f} {p.pipeline_s * 1e3:6.1f} {p.sync_s * 1e3:6.1f} "
-            f"{p.update_s * 1e3:6.1f} {p.bubble:6.3f} {p.param_bytes_per_rank / 1e6:9.2f}MB"
+            f"{p.update_s * 1e3:6.1f} {p.bubble:6.3f} {p.param_bytes_per_rank / 1e6:9.2f}MB "
+            f"{p.memory.total_bytes / 2**20 if p.memory else 0:8.1f}MiB"
         )
     if cal.fitted_on:
         lines.append(

@@ -1,6 +1,6 @@
 """Timing a trainer job's steps, for benchmarks and the planner's probe: medians, the machine's
-idle CPU, and the slowest rank's time outside communication; and a step's peak of live tensor
-bytes (`peak_bytes`)."""
+idle CPU, and the slowest rank's time outside communication (a step's peak of live tensor bytes
+is `gradmesh.layout.memory.peak_bytes`)."""
 
 from __future__ import annotations
 
@@ -35,19 +35,6 @@ def replica_step(job: Any, batch: int) -> Callable[[], None]:
         job.optimizer.step()
 
     return step
-
-
-def peak_bytes(step: Any) -> int:
-    """The most tensor bytes `step()` holds at once beyond what was live before it."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    live = top = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
-        top = max(top, live)
-    return top
 
 
 def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:

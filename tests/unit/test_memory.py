@@ -9,9 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.memory import checkpoint_blocks
+from gradmesh.layout.memory import checkpoint_blocks, peak_bytes
 from gradmesh.models.gpt import GPT, GPTConfig
-from gradmesh.train.timing import peak_bytes
 
 
 def gpt() -> GPT:

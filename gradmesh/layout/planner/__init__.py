@@ -35,11 +35,19 @@ pure data parallelism, pure tensor parallelism (the model's own tensor-parallel 
 and the rule "convolutions data-parallel, fully connected layers split".
 """
 
-from gradmesh.layout.planner import cost, mesh, mesh_cost, profiling, search
+from gradmesh.layout.planner import cost, mesh, mesh_cost, mesh_memory, profiling, search
 from gradmesh.layout.planner.cost import *  # noqa: F403
 from gradmesh.layout.planner.mesh import *  # noqa: F403
 from gradmesh.layout.planner.mesh_cost import *  # noqa: F403
+from gradmesh.layout.planner.mesh_memory import *  # noqa: F403
 from gradmesh.layout.planner.profiling import *  # noqa: F403
 from gradmesh.layout.planner.search import *  # noqa: F403
 
-__all__ = [*cost.__all__, *mesh.__all__, *mesh_cost.__all__, *profiling.__all__, *search.__all__]
+__all__ = [
+    *cost.__all__,
+    *mesh.__all__,
+    *mesh_cost.__all__,
+    *mesh_memory.__all__,
+    *profiling.__all__,
+    *search.__all__,
+]

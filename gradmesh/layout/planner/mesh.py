@@ -49,13 +49,22 @@ from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.blocks import block_list
 from gradmesh.layout.graph_pipeline import block_flops
-from gradmesh.layout.pipeline import LossFn
+from gradmesh.layout.memory import Saved, saved_activations
+from gradmesh.layout.pipeline import LossFn, balance
 from gradmesh.layout.planner.profiling import _timed, sharing_threads
 from gradmesh.layout.tensor_parallel import dry_exchanges
 from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
 from gradmesh.runtime.mesh import divisors
 
-__all__ = ["STATED_ERROR", "Layout", "MeshProfile", "Workload", "layouts", "profile_mesh"]
+__all__ = [
+    "STATED_ERROR",
+    "Layout",
+    "MeshProfile",
+    "Workload",
+    "layouts",
+    "profile_mesh",
+    "rank_blocks",
+]
 
 
 STATED_ERROR = 0.4
@@ -87,6 +96,10 @@ class Layout:
     microbatches: int = 1
     schedule: str | None = None
     chunks: int = 1
+    zero_stage: int = 0
+    """Sharded data parallelism's stage on the dp axis (`--zero-stage`)."""
+    checkpointing: bool = False
+    """Every block recomputed in backward (`--activation-checkpointing blocks`)."""
 
     @property
     def name(self) -> str:
@@ -94,7 +107,23 @@ class Layout:
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
             parts.append(f"m{self.microbatches}")
+        parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["ac"] * self.checkpointing
         return "x".join(parts)
+
+
+def rank_blocks(prof: MeshProfile, lay: Layout) -> list[list[list[int]]]:
+    """The blocks (indices into `prof.blocks`) of each pipeline rank's chunks under `lay`'s
+    balanced cut (chunk c of rank r is stage c p + r); without a pipeline, one rank, one chunk,
+    every block."""
+    flops = list(prof.blocks.values())
+    depth = lay.pp * lay.chunks
+    if lay.pp == 1:
+        return [[list(range(len(flops)))]]
+    starts = [*balance(flops, depth), len(flops)]
+    return [
+        [list(range(starts[c * lay.pp + r], starts[c * lay.pp + r + 1])) for c in range(lay.chunks)]
+        for r in range(lay.pp)
+    ]
 
 
 @dataclass
@@ -109,6 +138,11 @@ class Slice:
     block_param_bytes: dict[str, int]
     rest_param_bytes: int
     """Parameters outside the blocks (embeddings, head, final norm)."""
+    saved: Saved | None = None
+    """What one micro-batch of `saved_samples` saves for backward, and its step's peak."""
+    saved_samples: int = 1
+    optimizer_bytes: int = 0
+    """The optimizer's state over the slice's parameters after one step."""
 
 
 @dataclass
@@ -169,6 +203,16 @@ def _slice_of(work: Workload, tp: int, sizes: list[int], rounds: int) -> Slice:
             exchanges[b] = [(n, kind) for _, n, kind in dry.made]
             seconds[b] = _timed(step, rounds)
     update = _timed(optimizer.step, rounds)
+    most = max(sizes)
+    xb, yb = batch.rows(x, slice(0, most)), batch.rows(y, slice(0, most))
+    with dry_exchanges(tp):
+        saved = saved_activations(model, lambda: loss_fn(batch.call(model, xb), yb), (xb, yb))
+    held = sum(
+        t.numel() * t.element_size()
+        for state in optimizer.state.values()
+        for t in state.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     names = block_list(model)
     per_block = dict.fromkeys(names, 0)
     rest = 0
@@ -179,7 +223,7 @@ def _slice_of(work: Workload, tp: int, sizes: list[int], rounds: int) -> Slice:
             rest += n
         else:
             per_block[owner] += n
-    return Slice(seconds, exchanges, update, per_block, rest)
+    return Slice(seconds, exchanges, update, per_block, rest, saved, most, held)
 
 
 def _measure(
@@ -231,10 +275,11 @@ def profile_mesh(
     sharing: int,
     also: Sequence[Layout] = (),
     rounds: int = 5,
+    search: bool = True,
 ) -> tuple[MeshProfile, list[Layout]]:
     """The profile every layout of `workers` ranks at global `batch_` needs (tp from `tps`,
     those the model's plan admits), and those layouts; `also` names layouts to profile for
-    beside them (a benchmark's)."""
+    beside them (a benchmark's), and without `search` only those."""
     model, x, _, _, _ = work.build()
     names = block_list(model)
     sample = batch.rows(x, slice(0, 1))
@@ -249,7 +294,7 @@ def profile_mesh(
             except GradmeshError:
                 continue
             admitted.append(tp)
-    found = layouts(workers, batch_, len(flops), admitted)
+    found = layouts(workers, batch_, len(flops), admitted) if search else []
     needs: dict[int, set[int]] = {}
     for lay in [*found, *also]:
         needs.setdefault(lay.tp, set()).add(batch_ // (lay.dp * lay.microbatches))

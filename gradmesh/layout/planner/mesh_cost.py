@@ -4,6 +4,8 @@ search over every layout (`plan_mesh`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,8 +13,13 @@ from typing import Any
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import bubble_formula
-from gradmesh.layout.pipeline import balance
-from gradmesh.layout.planner.mesh import Layout, MeshProfile, Workload, profile_mesh
+from gradmesh.layout.planner.mesh import Layout, MeshProfile, Workload, profile_mesh, rank_blocks
+from gradmesh.layout.planner.mesh_memory import (
+    RECOMPUTE,
+    MemoryPrediction,
+    param_bytes,
+    predict_memory,
+)
 from gradmesh.layout.planner.profiling import Links
 from gradmesh.runtime.mesh import divisors
 
@@ -23,8 +30,11 @@ __all__ = [
     "calibration_layouts",
     "exchange_request",
     "fit_calibration",
+    "fitting",
+    "preference",
     "plan_mesh",
     "predict_mesh",
+    "variants",
 ]
 
 
@@ -39,9 +49,12 @@ class MeshPrediction:
     update_s: float
     bubble: float
     param_bytes_per_rank: int
+    memory: MemoryPrediction | None = None
 
     def row(self) -> dict[str, Any]:
-        out = {k: v for k, v in vars(self).items() if k != "layout"}
+        out = {k: v for k, v in vars(self).items() if k not in ("layout", "memory")}
+        if self.memory is not None:
+            out["memory"] = {**vars(self.memory), "total_bytes": self.memory.total_bytes}
         return {"name": self.layout.name, **vars(self.layout), **out}
 
 
@@ -62,19 +75,15 @@ def _pipeline_rank(prof: MeshProfile, lay: Layout) -> tuple[float, int, int]:
     if lay.pp == 1:
         return 1.0, sum(sl.block_param_bytes.values()) + sl.rest_param_bytes, 0
     names, flops = list(prof.blocks), list(prof.blocks.values())
-    depth = lay.pp * lay.chunks
-    starts = [*balance(flops, depth), len(names)]
     total = sum(flops)
     share, params = 0.0, 0
-    for rank in range(lay.pp):
-        stages = [rank + c * lay.pp for c in range(lay.chunks)]
-        mine = [i for st in stages for i in range(starts[st], starts[st + 1])]
+    for chunks in rank_blocks(prof, lay):
+        mine = [i for chunk in chunks for i in chunk]
         s = sum(flops[i] for i in mine) / total
-        ends = 0 in mine or len(names) - 1 in mine
-        n = sum(sl.block_param_bytes[names[i]] for i in mine) + sl.rest_param_bytes * ends
         if s > share:
-            share, params = s, n
-    crossing = max(prof.boundary_bytes.get(names[starts[k] - 1], 0) for k in range(1, depth))
+            share, params = s, param_bytes(prof, lay, mine)
+    firsts = [chunk[0] for chunks in rank_blocks(prof, lay) for chunk in chunks if chunk]
+    crossing = max(prof.boundary_bytes.get(names[i - 1], 0) for i in firsts if i > 0)
     return share, params, crossing
 
 
@@ -120,11 +129,57 @@ def predict_mesh(
     stretch = m / (1 - bubble)
     dp_ranks = [i * lay.tp * lay.pp for i in range(lay.dp)]
     sync = links.allreduce_s(algorithm, dp_ranks, params)
+    if lay.zero_stage in (1, 3) and lay.dp > 1:  # the updated shards' (or the units') gather
+        sync += allgather_cost(lay.dp, params, links.over(dp_ranks, params))
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
-    update = sl.update_s * params / whole + cal.step_overhead_s
-    compute, tensor = stretch * share * sl.seconds[b], stretch * share * tensor
+    mine = params / (lay.dp if lay.zero_stage else 1)
+    update = sl.update_s * mine / whole + cal.step_overhead_s
+    compute = stretch * share * sl.seconds[b] * (1 + RECOMPUTE * lay.checkpointing)
+    tensor = stretch * share * tensor * (1 + RECOMPUTE * lay.checkpointing)
     step = compute + tensor + stretch * p2p + sync + update
-    return MeshPrediction(lay, step, compute, tensor, stretch * p2p, sync, update, bubble, params)
+    memory = predict_memory(prof, lay) if sl.saved is not None else None
+    return MeshPrediction(
+        lay, step, compute, tensor, stretch * p2p, sync, update, bubble, params, memory
+    )
+
+
+def preference(pred: MeshPrediction) -> tuple[int, bool, float]:
+    """The planner's order: the lowest ZeRO stage, then no checkpointing, then the fastest
+    predicted step. The formulas leave out FSDP2's and ZeroRedundancyOptimizer's work per unit
+    and per parameter, which `gradmesh bench memory --world 4` measured at 1.34x (stage 1) to
+    2.10x (stage 3) plain data parallelism's step on this CPU, against 1.19x for recomputing
+    every block (docs/memory.md): so what saves memory is used only as far as the limit needs."""
+    lay = pred.layout
+    return lay.zero_stage, lay.checkpointing, pred.step_s
+
+
+def fitting(preds: Sequence[MeshPrediction], limit: float, workers: int) -> list[MeshPrediction]:
+    """The predictions whose memory fits `limit` bytes a rank; one line naming the smallest
+    layout, what it needs and its largest part when none does."""
+    fits = [p for p in preds if p.memory is not None and p.memory.total_bytes <= limit]
+    if fits:
+        return fits
+    least = min(preds, key=lambda p: p.memory.total_bytes if p.memory else math.inf)
+    mem = least.memory
+    assert mem is not None
+    raise GradmeshError(
+        f"no layout of {workers} workers fits --memory-limit {limit / 2**20:.1f} MiB a rank: "
+        f"the smallest, {least.layout.name}, needs {mem.total_bytes / 2**20:.1f} MiB, most of "
+        f"it {mem.dominant} ({mem.parts()[mem.dominant] / 2**20:.1f} MiB)"
+    )
+
+
+def variants(found: Sequence[Layout], blocks: int) -> list[Layout]:
+    """`found` and each with what saves memory at some time: ZeRO stages 1-3 where there are
+    replicas and no pipeline (`--zero-stage` refuses pipelines), and activation checkpointing
+    of every block where the model has blocks."""
+    out = []
+    for lay in found:
+        stages = (0, 1, 2, 3) if lay.dp > 1 and lay.pp == 1 else (0,)
+        for z in stages:
+            for ac in (False, True) if blocks else (False,):
+                out.append(dataclasses.replace(lay, zero_stage=z, checkpointing=ac))
+    return out
 
 
 def calibration_layouts(found: Sequence[Layout], workers: int) -> list[Layout]:
@@ -180,7 +235,7 @@ def exchange_request(prof: MeshProfile, found: Sequence[Layout]) -> tuple[list[i
 class MeshPlan:
     profile: MeshProfile
     predictions: list[MeshPrediction]
-    """Every layout searched, fastest first."""
+    """Every layout searched, in the order of `preference` (fastest first, without a limit)."""
     links: Links
     calibration: Calibration
 
@@ -196,7 +251,7 @@ class MeshPlan:
         steps = {lay: measured[lay] for lay in wanted if lay in measured}
         self.calibration = fit_calibration(self.profile, self.links, steps, self.algorithm)
         preds = [self.predict(p.layout) for p in self.predictions]
-        self.predictions = sorted(preds, key=lambda p: p.step_s)
+        self.predictions = sorted(preds, key=preference)
 
 
 def plan_mesh(
@@ -209,19 +264,27 @@ def plan_mesh(
     algorithm: str = "native",
     also: Sequence[Layout] = (),
     measure: Callable[[list[Layout]], dict[Layout, float]] | None = None,
+    memory_limit: float | None = None,
 ) -> MeshPlan:
     """Every layout of `workers` ranks for `work`, predicted, fastest first. `links` may be a
     probe, called with `exchange_request`'s sizes once the model is profiled; `measure`, where
     given, times real steps of `calibration_layouts` (seconds by layout) for
-    `fit_calibration`. The layouts of `also` are profiled too (`MeshPlan.predict` prices them)."""
+    `fit_calibration`. The layouts of `also` are profiled too (`MeshPlan.predict` prices them).
+    With `memory_limit` (bytes a rank) the ZeRO stages and activation checkpointing are searched
+    too (`variants`), and only the layouts whose predicted peak fits it are kept (`predict_memory`;
+    one line naming the smallest when none does), in the order of `preference`."""
     if batch_ < workers:
         raise GradmeshError(f"--batch {batch_} must be at least --workers {workers}")
     tps = [t for t in divisors(workers) if t <= (tp_max or workers)]
     prof, found = profile_mesh(work, workers, batch_, tps, sharing, also)
     if callable(links):
         links = links(*exchange_request(prof, [*found, *also]))
+    if memory_limit is not None:
+        found = variants(found, len(prof.slices[1].block_param_bytes))
     preds = [predict_mesh(prof, lay, links, algorithm) for lay in found]
-    plan = MeshPlan(prof, sorted(preds, key=lambda p: p.step_s), links, Calibration(), algorithm)
+    if memory_limit is not None:
+        preds = fitting(preds, memory_limit, workers)
+    plan = MeshPlan(prof, sorted(preds, key=preference), links, Calibration(), algorithm)
     if measure is not None:
         plan.calibrate(measure(calibration_layouts(found, workers)))
     return plan

@@ -1,0 +1,162 @@
+"""The mesh planner's memory model: the bytes one rank holds at the peak of a step under a
+layout (dp x tp x pp, m micro-batches of b samples, a schedule, a ZeRO stage z, activation
+checkpointing or not), from the same profile its time is priced on (`profile_mesh`: rank 0's
+slice at each tp degree T, measured once at its largest micro-batch of S samples). The rank
+counted is the pipeline rank that holds the most.
+
+- **State** of the rank's blocks (and of the embeddings, head and final norm on the end stages,
+  where a tied weight lives on both): parameters g, gradients g, and the optimizer's state k g,
+  k measured (the slice's optimizer state after one step over its parameters: AdamW 2, SGD with
+  momentum 1). Stage 1 divides the optimizer's part by dp, stages 2 and 3 all three.
+- **Activations**: what one micro-batch saves for backward, per block (`saved_activations`:
+  autograd's saved-tensor hooks during a forward of the slice, each storage counted once, the
+  parameters not at all) times b / S, and what the rest saves (embeddings, head, loss) on the end
+  stages. The micro-batches in flight are read off the schedule the engine runs
+  (`schedule_actions`: each (chunk, micro-batch) held from its forward to its backward, the most
+  held at once); one without a pipeline. On top, once, the step's transient: the measured peak
+  of one forward and backward beyond what it saved (the loss's buffers, the first gradients of
+  backward), times b / S. With checkpointing a block keeps only what entered it; on top of
+  those, the larger of the rest's saved bytes with the transient (the peak as backward starts)
+  and the largest block rebuilt in backward (the peak inside it).
+- **Gathered parameters** (FSDP2, stages 2 and 3; no pipeline): the root's parameters (embeddings,
+  head) stay gathered through the step; stage 3 holds two units gathered at once (one running,
+  the next prefetched) and stage 2 every unit from forward to backward; one unit's unsharded
+  gradient before its reduce-scatter; and the slice's parameters once more (`FSDP_HELD`:
+  measured, not explained).
+
+Not counted: the gradient buckets of plain data parallelism (they fill in backward as the
+activations they outlive are freed), the optimizer step's temporaries, and the runtime's own
+memory (the interpreter, torch, Gloo's buffers: `gradmesh bench memory --limit` shows that part).
+`gradmesh bench memory --world W` prints each layout's predicted step peak beside the measured
+one (docs/memory.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from gradmesh.layout.pipeline import schedule_actions
+from gradmesh.layout.planner.mesh import Layout, MeshProfile, Slice, rank_blocks
+
+__all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory"]
+
+FSDP_HELD = 1.0
+"""What FSDP2 (stages 2 and 3) holds through a step beyond the gathered units above, in
+parameter bytes of the rank's slice: measured, not yet explained. On the GPT at width 128 the
+measured step peak grew by one block's parameters per block more than the units gathered at
+once (2 ranks: 2.1 MB over the formula at 4 blocks, 5.3 MB at 8; 4 ranks, 8 blocks: 6.6 MB,
+with the whole model 6.5 MB), so the model counts the slice's parameters once more."""
+
+RECOMPUTE = 1 / 3
+"""The extra compute of checkpointing every block, as a fraction of a step's forward and
+backward: one more forward of each block, whose backward costs about twice its forward. An
+upper bound, since the embeddings, the head and the loss are not recomputed (measured on the GPT:
+1.19x the step, docs/memory.md)."""
+
+
+@dataclass
+class MemoryPrediction:
+    """Bytes one rank holds at the step's peak, by part."""
+
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    activation_bytes: float
+    gathered_bytes: float
+
+    @property
+    def state_bytes(self) -> float:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def step_bytes(self) -> float:
+        """What a step holds on top of the state: activations and gathered parameters."""
+        return self.activation_bytes + self.gathered_bytes
+
+    @property
+    def total_bytes(self) -> float:
+        return self.state_bytes + self.step_bytes
+
+    def parts(self) -> dict[str, float]:
+        return {
+            "parameters": self.param_bytes,
+            "gradients": self.grad_bytes,
+            "optimizer state": self.optimizer_bytes,
+            "activations": self.activation_bytes,
+            "gathered parameters": self.gathered_bytes,
+        }
+
+    @property
+    def dominant(self) -> str:
+        """The largest part's name."""
+        parts = self.parts()
+        return max(parts, key=lambda k: parts[k])
+
+
+def param_bytes(prof: MeshProfile, lay: Layout, blocks: Iterable[int]) -> int:
+    """The parameter bytes of these blocks at `lay`'s tp, with the rest (embeddings, head) where
+    they include an end of the model."""
+    sl = prof.slices[lay.tp]
+    names = list(prof.blocks) or list(sl.block_param_bytes)
+    mine = list(blocks)
+    ends = not names or 0 in mine or len(names) - 1 in mine
+    return sum(sl.block_param_bytes[names[i]] for i in mine) + sl.rest_param_bytes * ends
+
+
+def in_flight(lay: Layout, rank: int, held: list[float]) -> float:
+    """The most bytes `rank`'s schedule keeps at once, `held[c]` a micro-batch of chunk c."""
+    if lay.pp == 1:
+        return held[0]
+    live = top = 0.0
+    for kind, chunk, _ in schedule_actions(
+        lay.schedule or "1f1b", rank, lay.pp, lay.microbatches, lay.chunks
+    ):
+        live += held[chunk] if kind == "F" else -held[chunk]
+        top = max(top, live)
+    return top
+
+
+def _saved(sl: Slice, name: str, lay: Layout) -> float:
+    """Bytes per sample block `name` keeps from its forward to its backward."""
+    assert sl.saved is not None
+    table = sl.saved.inputs if lay.checkpointing else sl.saved.blocks
+    return table[name] / sl.saved_samples
+
+
+def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
+    """The module docstring's formulas, for the pipeline rank that holds the most."""
+    sl = prof.slices[lay.tp]
+    saved = sl.saved
+    assert saved is not None, "the profile measured no activations"
+    names = list(prof.blocks) or list(sl.block_param_bytes)
+    b = prof.batch / (lay.dp * lay.microbatches)
+    whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
+    slots = sl.optimizer_bytes / whole if whole else 0.0
+    per_sample = saved.rest + sum(saved.blocks.values())
+    transient = max(0.0, saved.peak - per_sample) / sl.saved_samples
+    biggest = max((saved.blocks[n] for n in names), default=0) / sl.saved_samples
+    best: MemoryPrediction | None = None
+    for rank, chunks in enumerate(rank_blocks(prof, lay)):
+        mine = [i for chunk in chunks for i in chunk]
+        g = float(param_bytes(prof, lay, mine))
+        ends = 0 in mine or len(names) - 1 in mine or not names
+        held = [b * sum(_saved(sl, names[i], lay) for i in chunk) for chunk in chunks]
+        rest = saved.rest / sl.saved_samples if ends else 0.0
+        if lay.checkpointing:  # the rest and the transient, or one block rebuilt: the larger
+            acts = in_flight(lay, rank, held) + b * max(rest + transient, biggest)
+        else:  # the embeddings' on the first stage, the head's and the loss's on the last
+            acts = in_flight(lay, rank, [h + b * rest for h in held]) + b * transient
+        dp = lay.dp
+        shard = g / dp if lay.zero_stage >= 2 else g
+        optimizer = slots * (g / dp if lay.zero_stage >= 1 else g)
+        gathered = 0.0
+        if lay.zero_stage >= 2:
+            unit = max((sl.block_param_bytes[n] for n in names), default=0)
+            units = whole - sl.rest_param_bytes if lay.zero_stage == 2 else 2 * unit
+            gathered = sl.rest_param_bytes + units + unit + FSDP_HELD * whole
+        this = MemoryPrediction(shard, shard, optimizer, acts, gathered)
+        if best is None or this.total_bytes > best.total_bytes:
+            best = this
+    assert best is not None
+    return best

@@ -1,0 +1,154 @@
+"""The mesh planner's memory model (`gradmesh.layout.planner.mesh_memory`): what a forward saves
+per block (measured), the micro-batches a schedule keeps in flight, what sharding and
+checkpointing take away, and the memory limit the plan obeys."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.memory import Saved, saved_activations
+from gradmesh.layout.planner import (
+    Layout,
+    MeshProfile,
+    fitting,
+    in_flight,
+    predict_memory,
+    predict_mesh,
+    preference,
+    variants,
+)
+from gradmesh.layout.planner.mesh import Slice
+from gradmesh.models.gpt import GPT, GPTConfig
+from tests.unit.test_mesh_planner import LINKS
+
+
+def _gpt_step(samples: int) -> tuple[GPT, Saved]:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab=64, seq=32, dim=32, depth=3, heads=4)
+    model = GPT(config)
+    data = torch.randint(0, 64, (1000, 33))  # a dataset: each batch is a view of its storage
+    x, y = data[:samples, :-1], data[:samples, 1:]
+
+    def run() -> torch.Tensor:
+        logits = model(x)
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    return model, saved_activations(model, run, (x, y))
+
+
+def test_saved_activations_are_what_a_step_holds_per_block_and_grow_with_the_samples() -> None:
+    _, four = _gpt_step(4)
+    model, eight = _gpt_step(8)
+    assert list(four.blocks) == ["blocks.0", "blocks.1", "blocks.2"]
+    saved = four.rest + sum(four.blocks.values())
+    # the step's peak holds everything saved, and little beyond it (the first gradients)
+    assert saved <= four.peak < 1.3 * saved
+    # the dataset's storage (264 KB), the parameters and the buffers are not activations
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert four.rest < 1000 * 33 * 8 and all(n < 20 * weights for n in four.blocks.values())
+    # per sample: twice the samples save twice the bytes (attention's scores included)
+    for name in four.blocks:
+        assert eight.blocks[name] == pytest.approx(2 * four.blocks[name], rel=0.01)
+    # a block's input (what checkpointing keeps): samples x tokens x width in fp32
+    assert four.inputs["blocks.1"] == 4 * 32 * 32 * 4
+    assert all(four.inputs[n] < four.blocks[n] / 4 for n in four.blocks)
+
+
+def _profile() -> MeshProfile:
+    """4 blocks of 40 kB (1 MB saved and 10 kB in per sample each), 20 kB of embeddings and head
+    (200 kB saved per sample), measured at 2 samples with a 100 kB transient; Adam's two slots;
+    4 ranks, global batch 32."""
+    blocks = {f"h.{i}": 1.0 for i in range(4)}
+    names = list(blocks)
+    sl = Slice(
+        {b: 1e-3 * b for b in (1, 2, 4, 8, 16, 32)},
+        {b: [] for b in (1, 2, 4, 8, 16, 32)},
+        2e-3,
+        dict.fromkeys(names, 40_000),
+        20_000,
+        Saved(dict.fromkeys(names, 2_000_000), dict.fromkeys(names, 20_000), 400_000, 8_600_000),
+        2,
+        2 * 180_000,
+    )
+    return MeshProfile("toy", 4, 32, 1, 4, blocks, dict.fromkeys(blocks, 10_000), {1: sl})
+
+
+def test_a_schedule_keeps_its_warm_up_in_flight() -> None:
+    one = [10.0]
+    assert in_flight(Layout(4, 1, 1), 0, one) == 10
+    # 1F1B: the first stage runs p forwards before its first backward, the last one
+    assert in_flight(Layout(1, 1, 2, 4, "1f1b"), 0, one) == 20
+    assert in_flight(Layout(1, 1, 2, 4, "1f1b"), 1, one) == 10
+    # GPipe: every micro-batch's forward before any backward
+    assert in_flight(Layout(1, 1, 2, 4, "gpipe"), 0, one) == 40
+    # interleaved, 2 chunks: the first rank's warm-up is 2 (p - 1) + (v - 1) p forwards, + 1
+    assert in_flight(Layout(1, 1, 2, 4, "interleaved", 2), 0, [1.0, 1.0]) == 2 + 2 + 1
+
+
+def test_memory_follows_the_stage_checkpointing_and_the_schedule() -> None:
+    prof = _profile()
+    whole = 4 * 40_000 + 20_000
+    dp = predict_memory(prof, Layout(4, 1, 1))
+    # 8 samples a rank: 4 blocks' and the rest's saved bytes per sample, and the transient
+    per_sample = 4 * 1_000_000 + 200_000
+    transient = (8_600_000 - 2 * per_sample) / 2
+    assert dp.activation_bytes == pytest.approx(8 * (per_sample + transient))
+    assert (dp.param_bytes, dp.grad_bytes, dp.optimizer_bytes) == (whole, whole, 2 * whole)
+    assert dp.gathered_bytes == 0 and dp.dominant == "activations"
+    z1 = predict_memory(prof, Layout(4, 1, 1, zero_stage=1))
+    assert (z1.param_bytes, z1.optimizer_bytes) == (whole, 2 * whole / 4)
+    z3 = predict_memory(prof, Layout(4, 1, 1, zero_stage=3))
+    assert z3.state_bytes == pytest.approx(4 * whole / 4)
+    # stage 3: the root gathered, two units at once and one unit's gradient
+    # (and the slice's parameters once more: FSDP_HELD, measured)
+    assert z3.gathered_bytes == 20_000 + 3 * 40_000 + whole
+    z2 = predict_memory(prof, Layout(4, 1, 1, zero_stage=2))
+    assert z2.gathered_bytes == whole + 40_000 + whole  # every unit kept to backward
+    # checkpointing keeps each block's input, and rebuilds one block in backward (1 MB a
+    # sample: more than the rest's 200 kB and the 100 kB transient)
+    ac = predict_memory(prof, Layout(4, 1, 1, checkpointing=True))
+    assert ac.activation_bytes == pytest.approx(8 * (4 * 10_000 + 1_000_000))
+    # 1F1B on 2 stages, 4 micro-batches of 4: the first stage holds 2 of its 2 blocks + rest
+    pp = predict_memory(prof, Layout(2, 1, 2, 4, "1f1b"))
+    stage = 2 * 1_000_000 + 200_000
+    assert pp.activation_bytes == pytest.approx(4 * (2 * stage + transient))
+    assert pp.param_bytes == 2 * 40_000 + 20_000
+
+
+def test_checkpointing_and_sharding_are_priced_where_they_cost_time() -> None:
+    prof = _profile()
+    plain = predict_mesh(prof, Layout(4, 1, 1), LINKS)
+    ac = predict_mesh(prof, Layout(4, 1, 1, checkpointing=True), LINKS)
+    assert ac.compute_s == pytest.approx(plain.compute_s * 4 / 3)
+    z3 = predict_mesh(prof, Layout(4, 1, 1, zero_stage=3), LINKS)
+    z2 = predict_mesh(prof, Layout(4, 1, 1, zero_stage=2), LINKS)
+    assert z3.sync_s > z2.sync_s == pytest.approx(plain.sync_s)  # stage 3 gathers twice
+    assert z2.update_s == pytest.approx(plain.update_s / 4)  # each rank steps its shard
+    found = variants([Layout(4, 1, 1), Layout(2, 1, 2, 4, "1f1b")], blocks=4)
+    names = {lay.name for lay in found}
+    assert {"dp4xz1", "dp4xz3xac", "dp2xpp2xm4xac"} <= names
+    assert not any(lay.pp > 1 and lay.zero_stage for lay in found)  # ZeRO refuses pipelines
+    assert len(variants([Layout(4, 1, 1)], blocks=0)) == 4  # nothing to recompute
+
+
+def test_a_memory_limit_keeps_what_fits_and_names_the_smallest_need() -> None:
+    prof = _profile()
+    preds = [predict_mesh(prof, lay, LINKS) for lay in variants([Layout(4, 1, 1)], 4)]
+    need = {p.layout.name: p.memory.total_bytes for p in preds if p.memory}
+    limit = need["dp4xz3xac"] + 1
+    kept = fitting(preds, limit, 4)
+    assert {p.layout.name for p in kept} == {n for n, b in need.items() if b <= limit}
+    assert "dp4" not in {p.layout.name for p in kept}
+    # what saves memory is used only as far as the limit needs: no stage, then no recomputing
+    saving = [(p.layout.zero_stage, p.layout.checkpointing) for p in sorted(kept, key=preference)]
+    assert saving == sorted(saving)
+    everything = sorted(fitting(preds, max(need.values()), 4), key=preference)
+    assert everything[0].layout.name == "dp4"
+    least = min(need.values())
+    with pytest.raises(GradmeshError) as refused:
+        fitting(preds, least - 1, 4)
+    message = str(refused.value)
+    assert f"needs {least / 2**20:.1f} MiB, most of it activations" in message
+    assert "\n" not in message
