@@ -9,12 +9,13 @@ import os
 import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_cli import ROOT, one_line_error
+from tests.integration.test_cli import ROOT
 
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
 SMALL = ["--epochs", "2", "--checkpoint-every", "4", "--keep-checkpoints", "2"]
@@ -105,8 +106,10 @@ def test_a_worker_killed_at_a_random_step_recovers_bit_identically(
         (["--strategy", "ps", "--max-restarts", "1"], "a ps job need --mode sync"),
     ],
 )
-def test_bad_fault_options_are_one_line(flags: list[str], message: str) -> None:
-    line = one_line_error(train(*flags))
+def test_bad_fault_options_are_one_line(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    line = cli_line(["train", *flags])
     assert line.startswith("gradmesh train: error: ") and message in line
 
 
@@ -119,13 +122,17 @@ def test_bad_fault_options_are_one_line(flags: list[str], message: str) -> None:
         ([], "give it --checkpoint-dir and --max-restarts >= 1"),
     ],
 )
-def test_an_elastic_job_refuses_what_it_cannot_resume(flags: list[str], message: str) -> None:
+def test_an_elastic_job_refuses_what_it_cannot_resume(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
     """Under --nnodes MIN:MAX (here from the variable gradmesh emulate sets on each host)."""
-    line = one_line_error(train(*flags, env={"GRADMESH_NNODES": "2:4", "GRADMESH_NODE_RANK": "0"}))
+    line = cli_line(["train", *flags], GRADMESH_NNODES="2:4", GRADMESH_NODE_RANK="0")
     assert line.startswith("gradmesh train: error: an elastic job") and message in line
 
 
-def test_spent_restarts_a_rerun_a_torn_checkpoint_and_another_run(tmp_path: Path) -> None:
+def test_spent_restarts_a_rerun_a_torn_checkpoint_and_another_run(
+    tmp_path: Path, cli_line: Callable[..., str]
+) -> None:
     """Without restarts a killed worker ends the job, naming it; the same command resumes from
     the checkpoint it left; a torn newest checkpoint falls back to the one before it; another
     run's checkpoints are refused."""
@@ -150,7 +157,7 @@ def test_spent_restarts_a_rerun_a_torn_checkpoint_and_another_run(tmp_path: Path
     assert len(report["loss_history"]) == 3
     kept = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-"))
     assert kept == [f"step-{STEPS:08d}", f"step-{STEPS * 3 // 2:08d}"]
-    other = one_line_error(train(*SMALL, "--workers", "3", "--checkpoint-dir", str(tmp_path)))
+    other = cli_line(["train", *SMALL, "--workers", "3", "--checkpoint-dir", str(tmp_path)])
     assert other.endswith(
         "belongs to another run: workers=2 (now 3) (--reshard resumes it in this layout)"
     )
@@ -175,13 +182,15 @@ def test_a_full_disk_ends_the_job_naming_the_file_and_leaves_no_checkpoint(
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
-def test_an_unwritable_folder_is_refused_before_launch(tmp_path: Path) -> None:
+def test_an_unwritable_folder_is_refused_before_launch(
+    tmp_path: Path, cli_line: Callable[..., str]
+) -> None:
     """As root every folder passes os.access: a read-only mount is what root cannot write."""
     disk = tmp_path / "ro"
     disk.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=64k", "tmpfs", str(disk)], check=True)
     try:
-        line = one_line_error(train("--checkpoint-dir", str(disk / "ck")))
+        line = cli_line(["train", "--checkpoint-dir", str(disk / "ck")])
         assert line == (
             f"gradmesh train: error: --checkpoint-dir {disk}/ck cannot be created: "
             "Read-only file system"

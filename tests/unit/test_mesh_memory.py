@@ -58,8 +58,8 @@ def test_saved_activations_are_what_a_step_holds_per_block_and_grow_with_the_sam
 
 def _profile() -> MeshProfile:
     """4 blocks of 40 kB (1 MB saved and 10 kB in per sample each), 20 kB of embeddings and head
-    (200 kB saved per sample), measured at 2 samples with a 100 kB transient; Adam's two slots;
-    4 ranks, global batch 32."""
+    (200 kB saved per sample), measured at 2 samples with a 100 kB transient; Adam's two slots,
+    and its step's temporaries one copy of the parameters; 4 ranks, global batch 32."""
     blocks = {f"h.{i}": 1.0 for i in range(4)}
     names = list(blocks)
     sl = Slice(
@@ -71,6 +71,7 @@ def _profile() -> MeshProfile:
         Saved(dict.fromkeys(names, 2_000_000), dict.fromkeys(names, 20_000), 400_000, 8_600_000),
         2,
         2 * 180_000,
+        180_000,  # the optimizer step's temporaries: one more copy of the parameters
     )
     return MeshProfile("toy", 4, 32, 1, 4, blocks, dict.fromkeys(blocks, 10_000), {1: sl})
 
@@ -102,10 +103,16 @@ def test_memory_follows_the_stage_checkpointing_and_the_schedule() -> None:
     z3 = predict_memory(prof, Layout(4, 1, 1, zero_stage=3))
     assert z3.state_bytes == pytest.approx(4 * whole / 4)
     # stage 3: the root gathered, two units at once and one unit's gradient
-    # (and the slice's parameters once more: FSDP_HELD, measured)
-    assert z3.gathered_bytes == 20_000 + 3 * 40_000 + whole
+    assert z3.gathered_bytes == 20_000 + 3 * 40_000
     z2 = predict_memory(prof, Layout(4, 1, 1, zero_stage=2))
-    assert z2.gathered_bytes == whole + 40_000 + whole  # every unit kept to backward
+    assert z2.gathered_bytes == whole + 40_000  # every unit kept from forward to backward
+    # the optimizer's temporaries come after backward: the larger phase counts, not both
+    assert dp.optimizer_step_bytes == whole and z1.optimizer_step_bytes == whole / 4
+    assert dp.step_bytes == dp.activation_bytes
+    prof.slices[1].optimizer_step_bytes = 1000 * whole  # an optimizer with big temporaries
+    heavy = predict_memory(prof, Layout(4, 1, 1))
+    assert heavy.step_bytes == heavy.optimizer_step_bytes == 1000 * whole
+    prof.slices[1].optimizer_step_bytes = whole
     # checkpointing keeps each block's input, and rebuilds one block in backward (1 MB a
     # sample: more than the rest's 200 kB and the 100 kB transient)
     ac = predict_memory(prof, Layout(4, 1, 1, checkpointing=True))

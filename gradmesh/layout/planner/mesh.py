@@ -49,7 +49,7 @@ from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.blocks import block_list
 from gradmesh.layout.graph_pipeline import block_flops
-from gradmesh.layout.memory import Saved, saved_activations
+from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline import LossFn, balance
 from gradmesh.layout.planner.profiling import _timed, sharing_threads
 from gradmesh.layout.tensor_parallel import dry_exchanges
@@ -143,6 +143,8 @@ class Slice:
     saved_samples: int = 1
     optimizer_bytes: int = 0
     """The optimizer's state over the slice's parameters after one step."""
+    optimizer_step_bytes: int = 0
+    """The most bytes one optimizer step adds beyond the state (its temporaries)."""
 
 
 @dataclass
@@ -223,7 +225,8 @@ def _slice_of(work: Workload, tp: int, sizes: list[int], rounds: int) -> Slice:
             rest += n
         else:
             per_block[owner] += n
-    return Slice(seconds, exchanges, update, per_block, rest, saved, most, held)
+    temporaries = peak_bytes(optimizer.step)
+    return Slice(seconds, exchanges, update, per_block, rest, saved, most, held, temporaries)
 
 
 def _measure(

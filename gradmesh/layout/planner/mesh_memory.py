@@ -20,13 +20,16 @@ counted is the pipeline rank that holds the most.
   and the largest block rebuilt in backward (the peak inside it).
 - **Gathered parameters** (FSDP2, stages 2 and 3; no pipeline): the root's parameters (embeddings,
   head) stay gathered through the step; stage 3 holds two units gathered at once (one running,
-  the next prefetched) and stage 2 every unit from forward to backward; one unit's unsharded
-  gradient before its reduce-scatter; and the slice's parameters once more (`FSDP_HELD`:
-  measured, not explained).
+  the next prefetched) and stage 2 every unit from forward to backward; and one unit's
+  unsharded gradient before its reduce-scatter.
+- **The optimizer's step**: its temporaries (AdamW's foreach step makes one more copy of the
+  parameters it updates), measured on the slice (`peak_bytes` of one step) and scaled to the
+  parameters this rank updates (a 1/dp part from stage 1 on). They are made after backward has
+  freed the activations, so the step holds the larger of the two, not their sum.
 
 Not counted: the gradient buckets of plain data parallelism (they fill in backward as the
-activations they outlive are freed), the optimizer step's temporaries, and the runtime's own
-memory (the interpreter, torch, Gloo's buffers: `gradmesh bench memory --limit` shows that part).
+activations they outlive are freed), and the runtime's own memory (the interpreter, torch,
+Gloo's buffers, the allocator's: `gradmesh bench memory --limit` shows that part).
 `gradmesh bench memory --world W` prints each layout's predicted step peak beside the measured
 one (docs/memory.md).
 """
@@ -40,13 +43,6 @@ from gradmesh.layout.pipeline import schedule_actions
 from gradmesh.layout.planner.mesh import Layout, MeshProfile, Slice, rank_blocks
 
 __all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory"]
-
-FSDP_HELD = 1.0
-"""What FSDP2 (stages 2 and 3) holds through a step beyond the gathered units above, in
-parameter bytes of the rank's slice: measured, not yet explained. On the GPT at width 128 the
-measured step peak grew by one block's parameters per block more than the units gathered at
-once (2 ranks: 2.1 MB over the formula at 4 blocks, 5.3 MB at 8; 4 ranks, 8 blocks: 6.6 MB,
-with the whole model 6.5 MB), so the model counts the slice's parameters once more."""
 
 RECOMPUTE = 1 / 3
 """The extra compute of checkpointing every block, as a fraction of a step's forward and
@@ -64,6 +60,7 @@ class MemoryPrediction:
     optimizer_bytes: float
     activation_bytes: float
     gathered_bytes: float
+    optimizer_step_bytes: float = 0.0
 
     @property
     def state_bytes(self) -> float:
@@ -71,8 +68,9 @@ class MemoryPrediction:
 
     @property
     def step_bytes(self) -> float:
-        """What a step holds on top of the state: activations and gathered parameters."""
-        return self.activation_bytes + self.gathered_bytes
+        """What a step holds at its peak on top of the state: activations and gathered
+        parameters in forward and backward, or the optimizer step's temporaries after them."""
+        return max(self.activation_bytes + self.gathered_bytes, self.optimizer_step_bytes)
 
     @property
     def total_bytes(self) -> float:
@@ -85,6 +83,7 @@ class MemoryPrediction:
             "optimizer state": self.optimizer_bytes,
             "activations": self.activation_bytes,
             "gathered parameters": self.gathered_bytes,
+            "the optimizer step's temporaries": self.optimizer_step_bytes,
         }
 
     @property
@@ -154,8 +153,10 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
         if lay.zero_stage >= 2:
             unit = max((sl.block_param_bytes[n] for n in names), default=0)
             units = whole - sl.rest_param_bytes if lay.zero_stage == 2 else 2 * unit
-            gathered = sl.rest_param_bytes + units + unit + FSDP_HELD * whole
-        this = MemoryPrediction(shard, shard, optimizer, acts, gathered)
+            gathered = sl.rest_param_bytes + units + unit
+        updated = g / dp if lay.zero_stage >= 1 else g
+        temporaries = sl.optimizer_step_bytes * updated / whole if whole else 0.0
+        this = MemoryPrediction(shard, shard, optimizer, acts, gathered, temporaries)
         if best is None or this.total_bytes > best.total_bytes:
             best = this
     assert best is not None
