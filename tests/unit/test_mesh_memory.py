@@ -76,6 +76,17 @@ def _profile() -> MeshProfile:
     return MeshProfile("toy", 4, 32, 1, 4, blocks, dict.fromkeys(blocks, 10_000), {1: sl})
 
 
+def test_a_model_of_one_block_holds_its_block() -> None:
+    prof = _profile()
+    sl = prof.slices[1]
+    sl.block_param_bytes = {"h.0": 40_000}
+    sl.saved = Saved({"h.0": 2_000_000}, {"h.0": 20_000}, 400_000, 2_600_000)
+    prof.blocks = {}  # the profile cuts no pipeline from one block
+    one = predict_memory(prof, Layout(4, 1, 1))
+    assert one.param_bytes == 40_000 + 20_000
+    assert one.activation_bytes == pytest.approx(8 * (1_000_000 + 200_000 + 100_000))
+
+
 def test_a_schedule_keeps_its_warm_up_in_flight() -> None:
     one = [10.0]
     assert in_flight(Layout(4, 1, 1), 0, one) == 10

@@ -117,8 +117,9 @@ def rank_blocks(prof: MeshProfile, lay: Layout) -> list[list[list[int]]]:
     every block."""
     flops = list(prof.blocks.values())
     depth = lay.pp * lay.chunks
-    if lay.pp == 1:
-        return [[list(range(len(flops)))]]
+    if lay.pp == 1:  # `prof.blocks` is empty for a model of one block: count the slice's
+        count = len(flops) or len(next(iter(prof.slices.values())).block_param_bytes)
+        return [[list(range(count))]]
     starts = [*balance(flops, depth), len(flops)]
     return [
         [list(range(starts[c * lay.pp + r], starts[c * lay.pp + r + 1])) for c in range(lay.chunks)]
