@@ -132,15 +132,15 @@ def saved_activations(model: nn.Module, run: Callable[[], torch.Tensor], inputs:
 
     names = block_list(model)
     held = [*model.parameters(), *model.buffers(), *tree_leaves(inputs)]
-    params = {t.untyped_storage().data_ptr() for t in held if torch.is_tensor(t)}
+    before = {t.untyped_storage().data_ptr() for t in held if torch.is_tensor(t)}
     seen: set[int] = set()
-    blocks, inputs = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
+    blocks, entered = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
     rest, owner = [0], [""]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
         ptr, n = storage.data_ptr(), storage.nbytes()
-        if n and ptr not in params and ptr not in seen:
+        if n and ptr not in before and ptr not in seen:
             seen.add(ptr)
             if owner[0]:
                 blocks[owner[0]] += n
@@ -151,7 +151,7 @@ def saved_activations(model: nn.Module, run: Callable[[], torch.Tensor], inputs:
     def enter(name: str) -> Callable[..., None]:
         def hook(_m: Any, args: tuple[Any, ...]) -> None:
             owner[0] = name
-            inputs[name] = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+            entered[name] = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
 
         return hook
 
@@ -177,4 +177,4 @@ def saved_activations(model: nn.Module, run: Callable[[], torch.Tensor], inputs:
         run().backward()  # type: ignore[no-untyped-call]
 
     peak = peak_bytes(step)
-    return Saved(blocks, inputs, rest[0], peak)
+    return Saved(blocks, entered, rest[0], peak)
