@@ -2,6 +2,7 @@
 traceback), and the exit code that marks a rank which failed only because another one did."""
 
 import re
+import traceback
 
 
 class GradmeshError(RuntimeError):
@@ -39,3 +40,28 @@ def on_rank(rank: int | str, exc: BaseException) -> str:
     """`exc`'s message as a line about `rank` ('rank 3: ...'), without naming the rank twice."""
     text = str(exc)
     return text if text.startswith(f"rank {rank}:") else f"rank {rank}: {text}"
+
+
+_TRANSPORT = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Timed out")
+
+
+def torch_collective_failure(exc: BaseException, rank: int | str) -> PeerFailure | None:
+    """A collective torch made on gradmesh's behalf (FSDP2's at ZeRO stages 2 and 3, the
+    ZeroRedundancyOptimizer's at stage 1) that failed because a peer left or fell silent, as
+    one line naming this rank and the operation, the way gradmesh's own collectives report it
+    (`PeerFailure`); None for any other error. The operation is the innermost of torch's
+    collective functions on the traceback."""
+    if isinstance(exc, GradmeshError) or not isinstance(exc, RuntimeError):
+        return None
+    if not any(words in str(exc) for words in _TRANSPORT):
+        return None
+    frames = [frame.f_code for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    ops = [c.co_name for c in frames if c.co_filename.endswith("distributed_c10d.py")]
+    if not ops:
+        return None
+    owner = (
+        " of FSDP2 (--zero-stage 2 or 3)"
+        if any("_fully_shard" in c.co_filename for c in frames)
+        else ""
+    )
+    return PeerFailure(f"rank {rank}: {ops[-1]}{owner} failed: {first_line(exc)}")

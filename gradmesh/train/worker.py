@@ -9,7 +9,7 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from gradmesh.errors import GradmeshError, on_rank
+from gradmesh.errors import GradmeshError, on_rank, torch_collective_failure
 from gradmesh.runtime.world import exit_process, init, mark_failed, shutdown
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.trainer import train
@@ -37,6 +37,12 @@ def main(argv: list[str] | None = None) -> int:
     except GradmeshError as exc:
         print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return mark_failed(exc)
+    except RuntimeError as exc:  # torch's own collectives (FSDP2, ZeroRedundancyOptimizer)
+        failure = torch_collective_failure(exc, rank)
+        if failure is None:
+            raise
+        print(f"gradmesh: {failure}", file=sys.stderr, flush=True)
+        return mark_failed(failure)
     finally:
         shutdown()
     return 0

@@ -488,7 +488,9 @@ def test_a_sharded_checkpoint_resumes_in_its_layout_and_resharded_in_another(
 ) -> None:
     """The GPT (q, k, v fused: a chunked split; a vocabulary-parallel embedding) trained at
     dp 4 with ZeRO stage 3, each rank writing its shards, a checkpoint before the last step.
-    Resumed from it at the same layout, the last step is the same to the bit; resumed at
+    A rank is killed on the way and the job restarted from the checkpoint before (the others'
+    FSDP2 collectives failing in a line each). Resumed from it at the same layout, the last step
+    is the same to the bit; resumed at
     dp 2 x tp 2 (stage 3 again: each tp slice sharded over 2 replicas) with --reshard, the same
     to float rounding: the epoch loss and the weights, each run's final checkpoint read back
     whole by one process."""
@@ -498,10 +500,16 @@ def test_a_sharded_checkpoint_resumes_in_its_layout_and_resharded_in_another(
 
     args = ["--model", "gpt", "--dataset", "text", "--model-args", "dim=32,depth=1,heads=2"]
     args += ["--sequence-length", "32", "--batch-size", "256", "--epochs", "1", "--workers", "4"]
-    args += ["--checkpoint-every", "46", "--keep-checkpoints", "2", "--zero-stage", "3"]
+    args += ["--checkpoint-every", "23", "--keep-checkpoints", "2", "--zero-stage", "3"]
     first = tmp_path / "first"  # 47 steps: checkpoints 46 and 47 kept
-    done = gradmesh("train", *args, "--checkpoint-dir", str(first), "--json", str(tmp_path / "a"))
+    done = gradmesh(
+        *("train", *args, "--checkpoint-dir", str(first), "--json", str(tmp_path / "a")),
+        *("--max-restarts", "1"),
+        env={"GRADMESH_FAULT": "kill:2:30"},  # restarted from step 23
+    )
     assert done.returncode == 0, done.stderr
+    # the other ranks' FSDP2 collectives failed, each in a line, before the restart
+    assert "Traceback" not in done.stderr, done.stderr
     runs = {}
     for name, flags in [("same", []), ("moved", ["--tensor-parallel", "2", "--reshard"])]:
         folder = tmp_path / name
@@ -522,6 +530,7 @@ def test_a_sharded_checkpoint_resumes_in_its_layout_and_resharded_in_another(
         runs[name] = json.loads(report.read_text())
         assert runs[name]["faults"]["resumed_from_step"] == 46
     a = json.loads((tmp_path / "a").read_text())
+    assert (a["faults"]["restarts"], a["faults"]["resumed_from_step"]) == (1, 23)
     assert runs["same"]["loss_history"] == a["loss_history"]
     # one step of 47 differs, by float rounding at most: measured 2e-11 apart (dp4 -> dp2 x tp2)
     assert abs(a["loss_history"][-1] - runs["moved"]["loss_history"][-1]) < 1e-7

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from gradmesh.collectives.agreement import describe, encode
-from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line, on_rank
+from gradmesh.errors import (
+    PEER_FAILED_EXIT,
+    GradmeshError,
+    PeerFailure,
+    first_line,
+    on_rank,
+    torch_collective_failure,
+)
 from gradmesh.launch.run import _failure_message, _first_failure
 from gradmesh.options import convert, option_named
 from gradmesh.train import checkpoint
@@ -175,3 +182,46 @@ def test_library_messages_become_one_readable_line() -> None:
         on_rank(2, GradmeshError("rank 2: ring allreduce #1: x")) == "rank 2: ring allreduce #1: x"
     )
     assert on_rank(2, GradmeshError("bad shape")) == "rank 2: bad shape"
+
+
+GLOO = (
+    "[/w/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:40607: "
+    "Connection reset by peer. This is typically caused by a remote worker hanging"
+)
+C10D = "/site-packages/torch/distributed/distributed_c10d.py"
+FSDP = "/site-packages/torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py"
+
+
+def _module(path: str, source: str, **names: Any) -> dict[str, Any]:
+    """Functions whose frames say they are in `path` (as torch's own are)."""
+    scope: dict[str, Any] = dict(names)
+    exec(compile(source, path, "exec"), scope)
+    return scope
+
+
+def test_torchs_own_collectives_failing_on_a_lost_peer_are_one_line() -> None:
+    """FSDP2's and ZeroRedundancyOptimizer's collectives are torch's: a Gloo error under them
+    becomes a `PeerFailure` naming the rank and the operation (a worker prints it as its one
+    line, where it printed a traceback); other errors are left alone."""
+    c10d = _module(C10D, f"def all_gather_single():\n    raise RuntimeError({GLOO!r})\n")
+    fsdp = _module(FSDP, "def foreach_all_gather():\n    all_gather_single()\n", **c10d)
+    with pytest.raises(RuntimeError) as under_fsdp:
+        fsdp["foreach_all_gather"]()
+    failure = torch_collective_failure(under_fsdp.value, 0)
+    assert isinstance(failure, PeerFailure)
+    assert str(failure) == (
+        "rank 0: all_gather_single of FSDP2 (--zero-stage 2 or 3) failed: Read error "
+        "[127.0.0.1]:40607: Connection reset by peer"
+    )
+    with pytest.raises(RuntimeError) as alone:
+        c10d["all_gather_single"]()
+    assert str(torch_collective_failure(alone.value, 3)).startswith(
+        "rank 3: all_gather_single failed: Read error"
+    )
+    # not a lost peer, not under torch's collectives, or gradmesh's own: left as it was
+    assert torch_collective_failure(RuntimeError("shape mismatch"), 0) is None
+    mine = _module("/x/mine.py", f"def run():\n    raise RuntimeError({GLOO!r})\n")
+    with pytest.raises(RuntimeError) as elsewhere:
+        mine["run"]()
+    assert torch_collective_failure(elsewhere.value, 0) is None
+    assert torch_collective_failure(GradmeshError(GLOO), 0) is None
