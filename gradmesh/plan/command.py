@@ -59,6 +59,11 @@ class PlanConfig:
     json: str | None = option(None, "write the plan file here (gradmesh train --plan FILE)")
 
 
+SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}
+"""State tensors per parameter of each optimizer `gradmesh train` builds (SGD with momentum:
+one), for a sequence of layers' per-layer plan; a mesh plan measures them."""
+
+
 def links_for(args: PlanConfig, workers: int) -> tuple[Any, int]:
     """(Links, or a probe: a function of what to probe that returns the Links and one data-
     parallel step's time outside communication; ranks sharing this machine's cores) for the
@@ -101,6 +106,7 @@ def make_plan(
     memory_limit: float | None = None,
     allreduce: str = "native",
     fusion_mb: float = 64.0,
+    optimizer_slots: int = 1,
 ) -> tuple[Any, list[Any], Any, Any]:
     """Profile, search, compare: (the chosen `Choice`, the references, the `Profile`, the
     `Links` priced on).
@@ -147,6 +153,7 @@ def make_plan(
         links, outside = links(request)
         computed = predict(prof, data_layers, 1, links, allreduce, fusion_mb).compute_s
         prof.step_overhead_s = max(0.0, outside - computed)
+    prof.optimizer_slots = optimizer_slots
     tp_plan = TP_PLANS.get(setting.model) if setting.model in TP_PLANS else None
     best, refs = plan(
         prof, links, setting.tp_max, model, tp_plan, allreduce, fusion_mb, memory_limit
@@ -192,6 +199,10 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
 
     if args.workers < 1:
         raise GradmeshError(f"--workers must be >= 1, got {args.workers}")
+    if args.optimizer not in SLOTS:
+        raise GradmeshError(
+            f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(sorted(SLOTS))})"
+        )
     args.allreduce.check()
     if (
         sum(bool(x) for x in (args.emulate_hosts, args.probe, args.latency and not args.bandwidth))
@@ -224,7 +235,13 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
     if not _sequence_of_layers(work):
         return _run_mesh(args, work, setting, links, sharing)
     best, refs, prof, links = make_plan(
-        setting, links, sharing, limit, args.allreduce.algorithm, args.allreduce.fusion_mb
+        setting,
+        links,
+        sharing,
+        limit,
+        args.allreduce.algorithm,
+        args.allreduce.fusion_mb,
+        SLOTS[args.optimizer],
     )
     print(describe(best, refs, prof))
     if args.json:

@@ -112,6 +112,7 @@ def test_default_train_reaches_accuracy_and_is_reproducible(
             "hogwild shares memory: it sends nothing to compress",
         ),
         (["train", "--workers", "0"], "--workers must be >= 1"),
+        (["plan", "--optimizer", "lamb"], "unknown --optimizer 'lamb' (valid: adam, adamw, sgd)"),
         (["train", "--workers", "4", "--batch-size", "2"], "global batch 2 is smaller"),
         (["train", "--epochs", "many"], "--epochs must be an integer, got 'many'"),
         (["train", "--lr", "fast"], "--lr must be a number, got 'fast'"),

@@ -3,6 +3,7 @@ against every placement, predictions read from the collectives' formulas."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -21,6 +22,7 @@ from gradmesh.layout.planner import (
     Profile,
     Unit,
     exchange_sizes,
+    memory_bytes,
     predict,
     search_tp,
 )
@@ -175,6 +177,13 @@ def test_a_memory_limit_no_plan_meets_is_one_line() -> None:
     setting = Setting("cnn", "digits", "3x32x32", 4, 64, 4)
     with pytest.raises(GradmeshError, match=r"no placement of model cnn on 4 workers fits within"):
         make_plan(setting, LINKS, 1, memory_limit=1000.0)
+    # the job's optimizer state counts (`gradmesh plan --optimizer adamw`: two tensors a
+    # parameter where SGD with momentum keeps one)
+    _, _, prof, _ = make_plan(setting, LINKS, 1, optimizer_slots=2)
+    unit = max(prof.units, key=lambda u: u.param_bytes)
+    sgd = dataclasses.replace(prof, optimizer_slots=1)
+    more = memory_bytes(prof, unit, "data", 1) - memory_bytes(sgd, unit, "data", 1)
+    assert prof.optimizer_slots == 2 and more == unit.param_bytes > 0
 
 
 def test_the_link_is_fitted_at_the_sizes_the_candidates_exchange() -> None:
