@@ -80,20 +80,28 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
         "adamw",
     )
     layouts = {n: parse_layout(n, args.world) for n in names}
-    configs = []
-    for lay in layouts.values():
-        options = {**work.options, "model": work.name}
-        options |= {"zero_stage": lay["stage"]}
-        options |= {"activation_checkpointing": "blocks" if lay["checkpointing"] else ""}
-        grid = Layout(args.world // lay["tp"], lay["tp"], 1)
-        configs.append(layout_job(options, args.world, grid, args.steps, args.warmup, True))
+    grids = {
+        name: Layout(
+            args.world // lay["tp"],
+            lay["tp"],
+            1,
+            zero_stage=lay["stage"],
+            checkpointing=lay["checkpointing"],
+        )
+        for name, lay in layouts.items()
+    }
+    options = {**work.options, "model": work.name}
+    configs = [
+        layout_job(options, args.world, grid, args.steps, args.warmup, True)
+        for grid in grids.values()
+    ]
     if args.limit:
         return {
             n: limited(c, args.world, parse_size(args.limit))
             for n, c in zip(layouts, configs, strict=True)
         }
     runs = compare_jobs("gradmesh.plan.calibrate", args.world, configs, args.rounds)
-    steps = predicted_steps(work, args.world, args.batch, layouts)
+    steps = predicted_steps(work, args.world, args.batch, grids)
     results = {}
     for (name, lay), rs in zip(layouts.items(), runs, strict=True):
         r = {**lay, **medians(rs, ["step_s", "cpu_idle"])}
@@ -118,25 +126,13 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
     return results
 
 
-def predicted_steps(
-    work: Any, world: int, batch: int, layouts: dict[str, dict[str, Any]]
-) -> dict[str, Any]:
+def predicted_steps(work: Any, world: int, batch: int, grids: dict[str, Any]) -> dict[str, Any]:
     """Each layout's predicted memory (`predict_memory`: its step peak is what a step holds on
     top of the state), from a profile of the model's slices at the layouts' tp degrees and
     micro-batches, taken in this process."""
-    from gradmesh.layout.planner.mesh import Layout, profile_mesh
+    from gradmesh.layout.planner.mesh import profile_mesh
     from gradmesh.layout.planner.mesh_memory import predict_memory
 
-    grids = {
-        name: Layout(
-            world // lay["tp"],
-            lay["tp"],
-            1,
-            zero_stage=lay["stage"],
-            checkpointing=lay["checkpointing"],
-        )
-        for name, lay in layouts.items()
-    }
     tps = sorted({g.tp for g in grids.values()})
     prof, _ = profile_mesh(work, world, batch, tps, 1, list(grids.values()), 1, search=False)
     return {name: predict_memory(prof, g) for name, g in grids.items()}

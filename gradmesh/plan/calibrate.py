@@ -20,8 +20,12 @@ def layout_job(
 ) -> dict[str, Any]:
     """The config of a job timing `lay` on `world` ranks; `options` are the workload's
     `gradmesh train` options (`TrainWorkload`: model, data, batch; any other `gradmesh train`
-    option, as `zero_stage`). With `memory`, the job also reports what each rank holds
-    (`memory_figures`)."""
+    option). `lay`'s ZeRO stage and checkpointing become `--zero-stage` and
+    `--activation-checkpointing blocks`. With `memory`, the job also reports what each rank
+    holds (`memory_figures`)."""
+    options = {**options, "zero_stage": lay.zero_stage}
+    if lay.checkpointing:
+        options["activation_checkpointing"] = "blocks"
     return {
         "memory": memory,
         "options": options,

@@ -117,9 +117,8 @@ def rank_blocks(prof: MeshProfile, lay: Layout) -> list[list[list[int]]]:
     every block."""
     flops = list(prof.blocks.values())
     depth = lay.pp * lay.chunks
-    if lay.pp == 1:  # `prof.blocks` is empty for a model of one block: count the slice's
-        count = len(flops) or len(next(iter(prof.slices.values())).block_param_bytes)
-        return [[list(range(count))]]
+    if lay.pp == 1:
+        return [[list(range(len(prof.block_names)))]]
     starts = [*balance(flops, depth), len(flops)]
     return [
         [list(range(starts[c * lay.pp + r], starts[c * lay.pp + r + 1])) for c in range(lay.chunks)]
@@ -160,6 +159,12 @@ class MeshProfile:
     boundary_bytes: dict[str, int]
     """Bytes per sample out of each block."""
     slices: dict[int, Slice] = field(default_factory=dict)
+
+    @property
+    def block_names(self) -> list[str]:
+        """The model's blocks in order: those of `blocks`, or, for a model of one block (whose
+        FLOPs are not split: no pipeline cuts it), the slices' one."""
+        return list(self.blocks) or list(next(iter(self.slices.values())).block_param_bytes)
 
 
 def layouts(workers: int, batch_: int, blocks: int, tps: list[int]) -> list[Layout]:

@@ -77,12 +77,13 @@ def _pipeline_rank(prof: MeshProfile, lay: Layout) -> tuple[float, int, int]:
     names, flops = list(prof.blocks), list(prof.blocks.values())
     total = sum(flops)
     share, params = 0.0, 0
-    for chunks in rank_blocks(prof, lay):
+    cut = rank_blocks(prof, lay)
+    for chunks in cut:
         mine = [i for chunk in chunks for i in chunk]
         s = sum(flops[i] for i in mine) / total
         if s > share:
             share, params = s, param_bytes(prof, lay, mine)
-    firsts = [chunk[0] for chunks in rank_blocks(prof, lay) for chunk in chunks if chunk]
+    firsts = [chunk[0] for chunks in cut for chunk in chunks if chunk]
     crossing = max(prof.boundary_bytes.get(names[i - 1], 0) for i in firsts if i > 0)
     return share, params, crossing
 
@@ -281,7 +282,7 @@ def plan_mesh(
     if callable(links):
         links = links(*exchange_request(prof, [*found, *also]))
     if memory_limit is not None:
-        found = variants(found, len(prof.slices[1].block_param_bytes))
+        found = variants(found, len(prof.block_names))
     preds = [predict_mesh(prof, lay, links, algorithm) for lay in found]
     if memory_limit is not None:
         preds = fitting(preds, memory_limit, workers)

@@ -97,7 +97,7 @@ def param_bytes(prof: MeshProfile, lay: Layout, blocks: Iterable[int]) -> int:
     """The parameter bytes of these blocks at `lay`'s tp, with the rest (embeddings, head) where
     they include an end of the model."""
     sl = prof.slices[lay.tp]
-    names = list(prof.blocks) or list(sl.block_param_bytes)
+    names = prof.block_names
     mine = list(blocks)
     ends = not names or 0 in mine or len(names) - 1 in mine
     return sum(sl.block_param_bytes[names[i]] for i in mine) + sl.rest_param_bytes * ends
@@ -128,7 +128,7 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
     sl = prof.slices[lay.tp]
     saved = sl.saved
     assert saved is not None, "the profile measured no activations"
-    names = list(prof.blocks) or list(sl.block_param_bytes)
+    names = prof.block_names
     b = prof.batch / (lay.dp * lay.microbatches)
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
     slots = sl.optimizer_bytes / whole if whole else 0.0
