@@ -109,15 +109,16 @@ def _predict(
     hosts: int,
     measured: dict[str, float],
     links: Any,
-    layers: list[Any],
+    layers: Any,
     args: Config,
 ) -> float:
     """The simulator's step for this point, given its measured compute and the probed link."""
-    from gradmesh.simulate.profile import Device, device_profile
+    from gradmesh.simulate.devices import Device
+    from gradmesh.simulate.profile import device_profile
     from gradmesh.simulate.strategies import STRATEGIES, Job
 
-    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
-    device = Device(flops / measured["compute_step_s"] / 1e12, 1.0, "measured")
+    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers.layers)
+    device = Device.flat(flops / measured["compute_step_s"] / 1e12, "measured")
     prof = device_profile(layers, device, args.batch_per_worker, args.model)
     job = Job(prof, hosts, links, "native", 64.0, servers=1, servers_apart=True)
     return float(STRATEGIES.get(strategy)(job))
@@ -191,7 +192,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     figures = {p: medians(rs) for p, rs in runs.items()}
     alone = figures[(BASELINE, 1)]["step_s"]
     layers = model_layers(args.model, args.batch_per_worker)
-    grad_bytes = sum(layer.param_bytes for layer in layers)
+    grad_bytes = sum(layer.param_bytes for layer in layers.layers)
     links = {h: _probe(h, args, grad_bytes) for h in hosts if h > 1}
     results: dict[str, list[dict[str, Any]]] = {}
     for s, h in points[1:]:

@@ -122,24 +122,39 @@ class Saved:
     """The step's peak of live tensor bytes beyond what was live before it (`peak_bytes`)."""
 
 
-def saved_activations(model: nn.Module, run: Callable[[], torch.Tensor], inputs: Any = ()) -> Saved:
+def _storage(t: torch.Tensor) -> tuple[object, int]:
+    """(an identity of `t`'s storage, its bytes). A meta tensor has no storage to point at
+    (every one's address is 0): it stands for itself and its own bytes, so views of one result
+    saved apart sum to at most its size and a tensor saved twice counts once."""
+    if t.is_meta:
+        base = t._base if t._base is not None else t
+        return (id(base), t.storage_offset(), t.numel()), t.numel() * t.element_size()
+    storage = t.untyped_storage()
+    return storage.data_ptr(), storage.nbytes()
+
+
+def saved_activations(
+    model: nn.Module, run: Callable[[], torch.Tensor], inputs: Any = (), peak: bool = True
+) -> Saved:
     """What `run()` (a forward of `model` and its loss on `inputs`) saves for backward, per
-    block of the model's block list and outside them, and the peak of it and its backward
-    together (gradients allocated first, as in a training step after the first). The inputs,
-    parameters and buffers were allocated before the step and outlive it: not counted (an input
-    is often a view of the whole dataset's storage)."""
+    block of the model's block list and outside them, and (with `peak`) the peak of it and its
+    backward together (gradients allocated first, as in a training step after the first). The
+    inputs, parameters and buffers were allocated before the step and outlive it: not counted
+    (an input is often a view of the whole dataset's storage). Works on the meta device (the
+    simulator's models), without the peak: the profiler sees no meta allocation."""
     from torch.utils._pytree import tree_leaves
 
     names = block_list(model)
     held = [*model.parameters(), *model.buffers(), *tree_leaves(inputs)]
-    before = {t.untyped_storage().data_ptr() for t in held if torch.is_tensor(t)}
-    seen: set[int] = set()
+    before = {_storage(t)[0] for t in held if torch.is_tensor(t)}
+    seen: set[object] = set()
+    kept: list[torch.Tensor] = []  # alive until counted: a meta tensor's identity is its id
     blocks, entered = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
     rest, owner = [0], [""]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        ptr, n = storage.data_ptr(), storage.nbytes()
+        ptr, n = _storage(t)
+        kept.append(t)
         if n and ptr not in before and ptr not in seen:
             seen.add(ptr)
             if owner[0]:
@@ -176,5 +191,4 @@ def saved_activations(model: nn.Module, run: Callable[[], torch.Tensor], inputs:
     def step() -> None:
         run().backward()  # type: ignore[no-untyped-call]
 
-    peak = peak_bytes(step)
-    return Saved(blocks, entered, rest[0], peak)
+    return Saved(blocks, entered, rest[0], peak_bytes(step) if peak else 0)

@@ -31,6 +31,8 @@ tested on Gloo upstream, and its sends bypass gradmesh's timeouts that name the 
 
 from __future__ import annotations
 
+import functools
+
 import itertools
 import math
 import time
@@ -94,7 +96,13 @@ def parse_stages(text: str, layers: list[tuple[str, nn.Module]], pp: int) -> lis
 
 def balance(times: list[float], pp: int) -> list[int]:
     """Each stage's first layer, cutting `times` into `pp` contiguous runs so that the slowest
-    run is as fast as it can be (exact, by dynamic programming)."""
+    run is as fast as it can be (exact, by dynamic programming; O(pp n^2), so remembered: the
+    planners price many layouts of one model)."""
+    return list(_balance(tuple(times), pp))
+
+
+@functools.lru_cache(maxsize=256)
+def _balance(times: tuple[float, ...], pp: int) -> tuple[int, ...]:
     n = len(times)
     prefix = [0.0]
     for t in times:
@@ -114,7 +122,7 @@ def balance(times: list[float], pp: int) -> list[int]:
     for k in range(pp, 0, -1):
         i = cut[k][i]
         starts.append(i)
-    return starts[::-1]
+    return tuple(starts[::-1])
 
 
 def layer_times(

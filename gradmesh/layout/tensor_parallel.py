@@ -152,14 +152,24 @@ def _tp_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return tp_gather(x, dim, "output gather")
 
 
+# On the meta device (the simulator's models) only these shape functions run: a dry run's
+# exchanges are recorded here too, as `_tp_collective` and `tp_gather` record them on real ones.
 @_tp_copy.register_fake
+def _same_shape(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 @_tp_reduce.register_fake
-def _same_shape(x: torch.Tensor, *_: Any) -> torch.Tensor:
+def _reduced_shape(x: torch.Tensor, what: str) -> torch.Tensor:
+    if _DRY is not None and x.is_meta:
+        _DRY.made.append((what, x.numel() * x.element_size(), "allreduce"))
     return torch.empty_like(x)
 
 
 @_tp_gather.register_fake
 def _gathered_shape(x: torch.Tensor, dim: int) -> torch.Tensor:
+    if _DRY is not None and x.is_meta:
+        _DRY.made.append(("output gather", x.numel() * x.element_size(), "allgather"))
     shape = list(x.shape)
     shape[dim] *= tp_place()[0]
     return x.new_empty(shape)

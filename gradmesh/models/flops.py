@@ -4,6 +4,15 @@ compute by (`gradmesh.simulate`) and what emulated compute spreads its sleep by
 what a training run's model FLOPs utilisation (MFU) is made of: the model's FLOPs per sample
 and the peak rate a worker measures for itself.
 
+What the simulator's roofline prices a layer by is also counted here (`layer_kernels`):
+every aten operation of a forward and backward, by kind of kernel (`KINDS`: convolutions, 3x3
+stride-1 convolutions apart since cuDNN runs them with Winograd's fewer multiplications, matrix
+products, attention, and everything else as memory-bound element-wise and normalisation work),
+with its FLOPs (torch's own FLOP formulas, `flop_registry`) and the bytes it reads and writes
+(its tensor arguments and results; views move nothing and are skipped). Forward operations
+belong to the weighted module that last started its forward (a ReLU to the convolution before
+it); backward operations are totalled by kind for the whole model.
+
 Why a measured peak: a CPU's nominal peak depends on its vector units, its clock under load and
 the cores a worker shares, none of which torch reports. A worker's peak here is the best rate
 of a float32 512 x 512 matrix multiply it reaches in a quarter of a second, measured by every
@@ -12,16 +21,43 @@ says how far the model's step is from the best dense arithmetic this worker can 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
+
+Kernels = dict[str, tuple[float, float]]
+"""(FLOPs, bytes read and written) by kind of kernel (`KINDS`)."""
+
+KINDS = ("conv", "conv3x3", "matmul", "attention", "memory")
+_aten = torch.ops.aten
+_KIND = {
+    _aten.convolution: "conv",
+    _aten.convolution_backward: "conv",
+    _aten.mm: "matmul",
+    _aten.addmm: "matmul",
+    _aten.bmm: "matmul",
+    _aten.baddbmm: "matmul",
+    **{
+        getattr(_aten, f"_scaled_dot_product_{impl}_attention{end}"): "attention"
+        for impl in ("efficient", "flash", "cudnn")
+        for end in ("", "_backward")
+    },
+}
+
+
+_VIEWS = {_aten._unsafe_view, _aten._reshape_alias}
+"""Views whose schemas do not say so."""
 
 
 @dataclass(frozen=True)
@@ -30,22 +66,78 @@ class Layer:
     fwd_flops: float
     bwd_flops: float
     param_bytes: int
+    kernels: tuple[tuple[str, float, float], ...] = ()
+    """Its forward's kernels: (kind, FLOPs, bytes), where counted (`layer_kernels`)."""
+
+
+class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Every operation's kind, FLOPs and bytes (the module docstring), forward ones by the layer
+    `current` names, the rest (backward) under None."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.current = ""
+        self.forward = True
+        self.costs: dict[str | None, Kernels] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        returns = func._schema.returns
+        views = any(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+        if views or func.overloadpacket in _VIEWS:
+            return out  # a view: nothing moves
+        packet = func.overloadpacket
+        kind = _KIND.get(packet, "memory")
+        if kind == "conv":
+            weight, stride = (args[1], args[3]) if packet is _aten.convolution else args[2:5:2]
+            if tuple(weight.shape[-2:]) == (3, 3) and tuple(stride) == (1, 1):
+                kind = "conv3x3"
+        flops = (
+            float(flop_registry[packet](*args, **kwargs, out_val=out))
+            if (packet in flop_registry)
+            else 0.0
+        )
+        tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+        moved = float(sum(t.numel() * t.element_size() for t in tensors))
+        owner = self.costs.setdefault(self.current if self.forward else None, {})
+        f, b = owner.get(kind, (0.0, 0.0))
+        owner[kind] = (f + flops, b + moved)
+        return out
 
 
 def layer_flops(net: nn.Module, x: torch.Tensor) -> list[Layer]:
     """Every module of `net` that holds weights, in the order forward first runs it, with its
     FLOPs on input `x` (forward, backward) and parameter bytes. Works on the meta device."""
+    return _counted_layers(net, x, None)[0]
+
+
+def layer_kernels(net: nn.Module, x: torch.Tensor) -> tuple[list[Layer], Kernels]:
+    """`layer_flops` with each layer's forward kernels, and the whole backward's kernels (the
+    module docstring)."""
+    return _counted_layers(net, x, KernelCounter())
+
+
+def _counted_layers(
+    net: nn.Module, x: torch.Tensor, kernels: KernelCounter | None
+) -> tuple[list[Layer], Kernels]:
     owners = [(n, m) for n, m in net.named_modules() if any(True for _ in m.parameters(False))]
     order: list[str] = []
-    hooks = [
-        m.register_forward_pre_hook(lambda _m, _a, n=n: order.append(n) if n not in order else None)
-        for n, m in owners
-    ]
+
+    def enter(name: str) -> None:
+        if name not in order:
+            order.append(name)
+        if kernels is not None:
+            kernels.current = name
+
+    hooks = [m.register_forward_pre_hook(lambda _m, _a, n=n: enter(n)) for n, m in owners]
     root = type(net).__name__
     try:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False) as counter, kernels or contextlib.nullcontext():
             out = net(x)
             fwd = {k: float(sum(v.values())) for k, v in counter.get_flop_counts().items()}
+            if kernels is not None:
+                kernels.forward = False
             out.sum().backward()
             backward = counter.get_total_flops() - fwd.get("Global", 0.0)
     finally:
@@ -58,15 +150,22 @@ def layer_flops(net: nn.Module, x: torch.Tensor) -> list[Layer]:
     shares = [f * (1 if i == 0 else 2) for i, f in enumerate(mine)]
     scale = backward / sum(shares) if sum(shares) else 0.0
     params = dict(owners)
-    return [
+    costs = kernels.costs if kernels is not None else {}
+    first = costs.setdefault(order[0], {}) if order else {}
+    for kind, (f, b) in costs.pop("", {}).items():  # before the first weighted module: its
+        had = first.get(kind, (0.0, 0.0))
+        first[kind] = (had[0] + f, had[1] + b)
+    layers = [
         Layer(
             n,
             f,
             share * scale,
             sum(p.numel() * p.element_size() for p in params[n].parameters(False)),
+            tuple((k, *v) for k, v in costs.get(n, {}).items()),
         )
         for n, f, share in zip(order, mine, shares, strict=True)
     ]
+    return layers, costs.get(None, {})
 
 
 def flops_per_sample(build: Callable[[], nn.Module], sample: Batch) -> float:

@@ -1,10 +1,10 @@
-"""The four ImageNet classifiers that published scaling results use, written out layer by layer
-(there is no CPU build of torchvision to import them from): ResNet-50 (He et al., 2016),
-VGG-16 (Simonyan & Zisserman, 2015), Inception V3 (Szegedy et al., 2016) and AlexNet in the
+"""The ImageNet classifiers that published scaling results use, written out layer by layer
+(there is no CPU build of torchvision to import them from): ResNet-50 and ResNet-101 (He et
+al., 2016), VGG-16 (Simonyan & Zisserman, 2015), Inception V3 (Szegedy et al., 2016) and AlexNet in the
 one-tower form torchvision and most benchmarks train (Krizhevsky, 2014).
 
 Their shapes (layers, channels, kernels, strides) are the published ones, so their parameter
-counts (25.6M, 138.4M, 23.8M without the auxiliary head, 61.1M) and FLOPs match what
+counts (25.6M, 44.5M, 138.4M, 23.8M without the auxiliary head, 61.1M) and FLOPs match what
 benchmarks of them report. The simulator builds them on torch's meta device (no memory, no
 compute); `gradmesh train --dataset synthetic --synthetic-shape 3x224x224` can train them too.
 `NATIVE_SHAPES` holds the input each was designed for.
@@ -22,6 +22,7 @@ from gradmesh.models.registry import MODELS, TP_PLANS
 
 NATIVE_SHAPES = {
     "resnet50": (3, 224, 224),
+    "resnet101": (3, 224, 224),
     "vgg16": (3, 224, 224),
     "inception3": (3, 299, 299),
     "alexnet-imagenet": (3, 224, 224),
@@ -78,18 +79,30 @@ class Bottleneck(nn.Module):
         return torch.relu(self.body(x) + self.shortcut(x))
 
 
-@MODELS.register("resnet50")
-def resnet50(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """ResNet-50: a 7x7 stem, then 3, 4, 6 and 3 bottleneck blocks of width 64..512."""
-    cin = _image("resnet50", input_shape, 32)
+def _resnet(
+    name: str, depths: tuple[int, ...], input_shape: tuple[int, ...], classes: int
+) -> nn.Module:
+    cin = _image(name, input_shape, 32)
     layers: list[nn.Module] = [conv_bn(cin, 64, 7, 2, 3), nn.MaxPool2d(3, 2, 1)]
     channels = 64
-    for stage, (blocks, width) in enumerate(zip((3, 4, 6, 3), (64, 128, 256, 512), strict=True)):
+    for stage, (blocks, width) in enumerate(zip(depths, (64, 128, 256, 512), strict=True)):
         for b in range(blocks):
             layers.append(Bottleneck(channels, width, 2 if b == 0 and stage > 0 else 1))
             channels = width * 4
-    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, num_classes)]
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(channels, classes)]
     return nn.Sequential(*layers)
+
+
+@MODELS.register("resnet50")
+def resnet50(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """ResNet-50: a 7x7 stem, then 3, 4, 6 and 3 bottleneck blocks of width 64..512."""
+    return _resnet("resnet50", (3, 4, 6, 3), input_shape, num_classes)
+
+
+@MODELS.register("resnet101")
+def resnet101(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
+    """ResNet-101: ResNet-50 with 23 blocks in its third stage."""
+    return _resnet("resnet101", (3, 4, 23, 3), input_shape, num_classes)
 
 
 # -- VGG-16 and AlexNet ------------------------------------------------------------------------

@@ -13,10 +13,9 @@ from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import LayoutConfig, check_interleaved
 from gradmesh.layout.planner import Links
 from gradmesh.options import check_choices, component, option
+from gradmesh.simulate.devices import COMPUTE_KINDS, DEVICES, Device
 from gradmesh.simulate.profile import (
     CPU,
-    DEVICES,
-    Device,
     device_profile,
     layout_profile,
     measured_cpu,
@@ -31,18 +30,24 @@ from gradmesh.train.config import DataConfig
 class SimulateConfig:
     """gradmesh simulate: a job's step time and scaling on clusters larger than this one."""
 
-    data: DataConfig = component(DataConfig, only=("model",))
+    data: DataConfig = component(DataConfig, only=("model", "model_args"))
     input_shape: str | None = option(
         None, "CxHxW (default: the model's own, 3x224x224 for ImageNet models)"
     )
+    sequence_length: int = option(2048, "token models: tokens a sample")
+    vocab: int = option(51200, "token models: vocabulary size (gpt)")
     gpus: str = option("8,16,32,64,128,256,512,1024", "GPU counts")
     gpus_per_node: int = option(8, "GPUs in one node")
     device: str = option("v100", "device name, or cpu (this machine, measured)", name=True)
+    precision: str = option("", "fp32, tf32, bf16 or fp16 (default: the device's)")
     tflops: float | None = option(None, "peak TFLOP/s (overrides the device's)")
-    achieved: float | None = option(None, "fraction of peak reached (0..1]")
-    intra_node_bandwidth: str = option("1200gbit", "link rate within a node")
-    inter_node_bandwidth: str = option("100gbit", "link rate between nodes")
-    latency: str = option("5us", "per message")
+    achieved: float | None = option(None, "fraction of peak every compute kernel reaches (0..4]")
+    intra_fabric: str = option("", "interconnect within a node: a preset (nvlink-v100, pcie3, ...)")
+    inter_fabric: str = option("", "interconnect between nodes: a preset (infiniband-hdr, ...)")
+    nics_per_node: int = option(1, "links of --inter-fabric each node has")
+    intra_node_bandwidth: str | None = option(None, "link rate within a node (1200gbit)")
+    inter_node_bandwidth: str | None = option(None, "link rate between nodes (100gbit)")
+    latency: str | None = option(None, "per message between nodes (5us)")
     intra_node_latency: str | None = option(None, "per message within a node (default: --latency)")
     strategy: str = option(
         "allreduce",
@@ -58,8 +63,22 @@ class SimulateConfig:
     local_sgd: LocalSGDConfig = component(LocalSGDConfig, only=("sync_every",))
     layout: LayoutConfig = component(
         LayoutConfig,
-        only=("tensor_parallel", "pipeline_parallel", "microbatches", "schedule", "virtual_stages"),
+        only=(
+            "tensor_parallel",
+            "pipeline_parallel",
+            "microbatches",
+            "schedule",
+            "virtual_stages",
+            "activation_checkpointing",
+        ),
     )
+    global_batch: int = option(0, "token models: samples a step (default: --batch-per-gpu x dp)")
+    optimizer: str = option("adamw", "token models: sgd, adam or adamw (its state's bytes)")
+    zero_stage: int = option(0, "token models: sharded data parallelism's stage (0-3)")
+    search: bool = option(False, "token models: the fastest layout that fits, and the next few")
+    top: int = option(5, "--search: layouts to print")
+    validate: bool = option(False, "price published runs (--published) beside their figures")
+    published: str = option("", "--validate: the table of rows (default: the package's own)")
     json: str | None = option(None, "write the prediction here")
     plot: str | None = option(None, "write efficiency and overhead against GPUs here (PNG)")
 
@@ -76,17 +95,38 @@ def _shape(text: str | None) -> tuple[int, ...] | None:
     return dims
 
 
-def _links(args: SimulateConfig, gamma: float) -> Links:
+def link_terms(args: SimulateConfig) -> tuple[CostParams, CostParams]:
+    """(within a node, between nodes): the fabrics' terms (`fabric_terms`, a node's
+    `--nics-per-node` links side by side), with a rate or latency given beside one in its
+    place; a bare link where no fabric is named."""
+    from gradmesh.simulate.fabrics import FABRICS, fabric_terms
     from gradmesh.units import parse_latency, parse_rate
 
-    rates = {
-        f: parse_rate(getattr(args, f)) for f in ("intra_node_bandwidth", "inter_node_bandwidth")
-    }
-    latency = parse_latency(args.latency)
-    intra_latency = parse_latency(args.intra_node_latency) if args.intra_node_latency else latency
-    intra = CostParams(intra_latency, 8 / rates["intra_node_bandwidth"], gamma)
-    inter = CostParams(latency, 8 / rates["inter_node_bandwidth"], gamma)
-    return Links(intra, inter, args.gpus_per_node)
+    def rate(text: str | None) -> float | None:
+        return parse_rate(text) / 1e9 if text else None
+
+    inter_latency = parse_latency(args.latency) if args.latency else None
+    intra_latency = (
+        parse_latency(args.intra_node_latency) if args.intra_node_latency else inter_latency
+    )
+    intra = fabric_terms(
+        FABRICS.get(args.intra_fabric) if args.intra_fabric else None,
+        1,
+        rate(args.intra_node_bandwidth),
+        intra_latency,
+        default=(1200.0, 5e-6),
+    )
+    inter = fabric_terms(
+        FABRICS.get(args.inter_fabric) if args.inter_fabric else None,
+        args.nics_per_node,
+        rate(args.inter_node_bandwidth),
+        inter_latency,
+    )
+    return intra, inter
+
+
+def _links(args: SimulateConfig) -> Links:
+    return Links(*link_terms(args), args.gpus_per_node)
 
 
 def _device(args: SimulateConfig, shape: tuple[int, ...] | None) -> Device:
@@ -97,14 +137,17 @@ def _device(args: SimulateConfig, shape: tuple[int, ...] | None) -> Device:
         device = measured_cpu(args.data.model, args.batch_per_gpu, shape)
     else:
         device = DEVICES.get(args.device)
+        device = device.at(args.precision or device.precision)
     if args.tflops is not None:
         if args.tflops <= 0:
             raise GradmeshError(f"--tflops must be positive, got {args.tflops}")
-        device = dataclasses.replace(device, peak_tflops=args.tflops, source="--tflops")
+        peaks = {**device.peak_tflops, device.precision: args.tflops}
+        device = dataclasses.replace(device, peak_tflops=peaks, source="--tflops")
     if args.achieved is not None:
-        if not 0 < args.achieved <= 1:
-            raise GradmeshError(f"--achieved must be in (0, 1], got {args.achieved}")
-        device = dataclasses.replace(device, achieved=args.achieved)
+        if not 0 < args.achieved <= 4:
+            raise GradmeshError(f"--achieved must be in (0, 4], got {args.achieved}")
+        fractions = {**device.achieved, **dict.fromkeys(COMPUTE_KINDS, args.achieved)}
+        device = dataclasses.replace(device, achieved=fractions)
     return device
 
 
@@ -175,15 +218,35 @@ def _split(args: SimulateConfig, shape: Any, device: Device) -> Any:
 
 
 def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
+    from gradmesh.models.registry import is_token_model
+
+    if args.validate:
+        from gradmesh.simulate.published import run_validate
+
+        return run_validate(args.published, args.json)
+    if is_token_model(args.data.model) or ":" in args.data.model:
+        from gradmesh.simulate.mesh_command import run_mesh
+
+        return run_mesh(args, *_check(args))
+    return _run_convnet(args)
+
+
+def _run_convnet(args: SimulateConfig) -> int:
     from gradmesh.launch.jobs import write_json
 
     gpus, strategies = _check(args)
+    if args.search or args.zero_stage or args.layout.activation_checkpointing:
+        raise GradmeshError(
+            "--search, --zero-stage and --activation-checkpointing price token models (gpt, "
+            f"hf:..., a factory); model {args.data.model} is priced by --strategy"
+        )
     started = time.perf_counter()
     shape = _shape(args.input_shape)
-    layers = model_layers(args.data.model, args.batch_per_gpu, shape)
     device = _device(args, shape)
-    links = _links(args, 0.0)
-    prof = device_profile(layers, device, args.batch_per_gpu, args.data.model)
+    costs = model_layers(args.data.model, args.batch_per_gpu, shape, device.dtype_bytes == 2)
+    layers = costs.layers
+    links = _links(args)
+    prof = device_profile(costs, device, args.batch_per_gpu, args.data.model)
     split = _split(args, shape, device) if SPLITTING & set(strategies) else None
     if split is not None and "tensor" in strategies and not split.tp_plan:
         raise GradmeshError(
@@ -193,7 +256,7 @@ def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
     results = {s: scaling(s, _job(args, prof, links, split), gpus) for s in strategies}
     payload: dict[str, Any] = {
         "model": args.data.model,
-        "parameters": sum(layer.param_bytes for layer in layers) // 4,
+        "parameters": sum(layer.param_bytes for layer in layers) // device.dtype_bytes,
         "gflops_per_sample": sum(la.fwd_flops + la.bwd_flops for la in layers)
         / args.batch_per_gpu
         / 1e9,

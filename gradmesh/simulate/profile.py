@@ -1,44 +1,20 @@
-"""What a model costs on a device, for the simulator: the device table (`DEVICES`), each
-weighted layer's FLOPs and bytes from the model built on the meta device, and the planner's
-`Profile` of it, whole (`device_profile`) or per placement (`layout_profile`)."""
+"""What a model costs on a device, for the simulator: each weighted layer's FLOPs, parameter
+bytes and kernels from the model built on the meta device (`model_layers`), and the planner's
+`Profile` of it on a device (`gradmesh.simulate.devices`), whole (`device_profile`) or per
+placement (`layout_profile`)."""
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner import Profile, Unit
-from gradmesh.models.flops import Layer, layer_flops
-from gradmesh.registry import Registry
+from gradmesh.models.flops import Kernels, Layer, layer_kernels
+from gradmesh.simulate.devices import Device
 
-
-@dataclass(frozen=True)
-class Device:
-    """A device's peak rate and the fraction of it a convnet's training step reaches."""
-
-    peak_tflops: float
-    achieved: float
-    source: str
-
-    @property
-    def flops_per_s(self) -> float:
-        return self.peak_tflops * 1e12 * self.achieved
-
-
-DEVICES: Registry[Device] = Registry("device")
-# P100 and V100: fp32 peaks (SXM2), achieved fractions from published ResNet-50 runs' own
-# single-node times (docs/scaling.md derives them); A100 and H100: dense TF32 peaks (PyTorch's
-# default for convolutions on them), achieved fractions assumed, not checked against a run.
-DEVICES.register("p100")(
-    Device(10.6, 0.32, "fp32; achieved from Goyal et al. 2017: 29 h for 90 epochs on 8 GPUs")
-)
-DEVICES.register("v100")(
-    Device(15.7, 0.51, "fp32; achieved from PyTorch's DDP benchmark: 0.097 s/iter, batch 32")
-)
-DEVICES.register("a100")(Device(156.0, 0.16, "tf32 dense; achieved assumed"))
-DEVICES.register("h100")(Device(495.0, 0.12, "tf32 dense; achieved assumed"))
 CPU = "cpu"
 """This machine's CPU: its rate is measured by running the model (`measured_cpu`)."""
 
@@ -54,9 +30,22 @@ def _input(model: str, shape: tuple[int, ...] | None) -> tuple[tuple[int, ...], 
     return shape, 1000 if shape[-1] >= 64 else 10
 
 
-def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -> list[Layer]:
+@dataclass(frozen=True)
+class Costs:
+    """A model's weighted layers at a batch (`Layer`: FLOPs, parameter bytes, forward kernels)
+    and its backward's kernels."""
+
+    layers: list[Layer]
+    backward: Kernels
+
+
+@functools.lru_cache(maxsize=32)
+def model_layers(
+    model: str, batch: int, shape: tuple[int, ...] | None = None, half: bool = False
+) -> Costs:
     """Every module that holds weights, in forward order, with its FLOPs at `batch` (forward,
-    backward) and parameter bytes, from the model built on the meta device (`layer_flops`)."""
+    backward), parameter bytes and kernels, and the backward's kernels, from the model built on
+    the meta device (`layer_kernels`), its tensors in 16 bits with `half`."""
     import torch
 
     from gradmesh.models.registry import FEATURE_ID_MODELS, MODELS
@@ -65,10 +54,12 @@ def model_layers(model: str, batch: int, shape: tuple[int, ...] | None = None) -
     if model in FEATURE_ID_MODELS:
         raise GradmeshError(f"model {model} takes feature ids; the simulator models image inputs")
     shape, classes = _input(model, shape)
+    dtype = torch.bfloat16 if half else torch.float32
     with torch.device("meta"):
-        net = builder(shape, classes)
-        x = torch.randn(batch, *shape)
-    return layer_flops(net, x)
+        net = builder(shape, classes).to(dtype)
+        x = torch.randn(batch, *shape, dtype=dtype)
+    layers, backward = layer_kernels(net, x)
+    return Costs(layers, backward)
 
 
 def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -> Device:
@@ -86,14 +77,37 @@ def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -
         started = time.perf_counter()
         net(x).sum().backward()
         times.append(time.perf_counter() - started)
-    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in model_layers(model, batch, shape))
+    layers = model_layers(model, batch, shape).layers
+    flops = sum(layer.fwd_flops + layer.bwd_flops for layer in layers)
     rate = flops / sorted(times[1:])[1]
-    return Device(rate / 1e12, 1.0, f"measured: {rate / 1e9:.1f} GFLOP/s on {model}")
+    return Device.flat(rate / 1e12, f"measured: {rate / 1e9:.1f} GFLOP/s on {model}")
 
 
-def device_profile(layers: list[Layer], device: Device, batch: int, model: str) -> Profile:
-    """A one-GPU `Profile` (the planner's) whose layers take their FLOPs over the device's rate."""
+def layer_seconds(costs: Costs, device: Device) -> list[tuple[float, float]]:
+    """Each layer's (forward, backward) seconds on `device`: forward the roofline of its own
+    kernels; backward the roofline of the whole backward's kernels, shared out in proportion to
+    each layer's forward seconds times its backward-to-forward FLOPs (2, 1 for the first layer,
+    whose input needs no gradient; 2 where it has no FLOPs: a norm's backward). A layer counted
+    without kernels (a measured device) is its FLOPs over the device's rate."""
     rate = device.flops_per_s
+    fwd = [
+        device.seconds(la.kernels) if la.kernels and device.bandwidth_gbs else la.fwd_flops / rate
+        for la in costs.layers
+    ]
+    if not costs.backward or not device.bandwidth_gbs:
+        return [(f, la.bwd_flops / rate) for f, la in zip(fwd, costs.layers, strict=True)]
+    weights = [
+        f * (la.bwd_flops / la.fwd_flops if la.fwd_flops else 2.0)
+        for f, la in zip(fwd, costs.layers, strict=True)
+    ]
+    total = device.seconds((k, f, b) for k, (f, b) in costs.backward.items())
+    scale = total / sum(weights) if sum(weights) else 0.0
+    return [(f, w * scale) for f, w in zip(fwd, weights, strict=True)]
+
+
+def device_profile(costs: Costs, device: Device, batch: int, model: str) -> Profile:
+    """A one-GPU `Profile` (the planner's) whose layers take their seconds on `device`
+    (`layer_seconds`)."""
     units = [
         Unit(
             name=layer.name,
@@ -104,10 +118,10 @@ def device_profile(layers: list[Layer], device: Device, batch: int, model: str) 
             mid_bytes=0,
             out_bytes=0,
             dims=(0, 0),
-            fwd={"data": layer.fwd_flops / rate},
-            bwd={"data": layer.bwd_flops / rate},
+            fwd={"data": f},
+            bwd={"data": b},
         )
-        for layer in layers
+        for layer, (f, b) in zip(costs.layers, layer_seconds(costs, device), strict=True)
     ]
     return Profile(model, 1, batch, units, threads=0, concurrent=1, update_s_per_byte=0.0)
 
@@ -125,10 +139,10 @@ class Split:
 def layout_profile(
     model: str, batch: int, shape: tuple[int, ...] | None, tps: list[int], device: Device
 ) -> Split:
-    """The planner's `Profile` of one GPU at `batch`, each unit's seconds from its FLOPs for
-    every placement at each tp in `tps`: data-parallel at `batch`; a colwise or rowwise slice
-    at tp t works on t times the samples and 1/t of the weights (the same FLOPs); `replicate`
-    on t times the samples. Sizes and dims are the planner's own (`describe_units`)."""
+    """The planner's `Profile` of one GPU at `batch`, each unit's seconds for every placement at
+    each tp in `tps`: data-parallel at `batch` (`layer_seconds`); a colwise or rowwise slice at
+    tp t works on t times the samples and 1/t of the weights (the same work); `replicate` on t
+    times the samples. Sizes and dims are the planner's own (`describe_units`)."""
     import torch
 
     from gradmesh.layout.pipeline import layers_of, sample_shapes
@@ -139,17 +153,17 @@ def layout_profile(
     with torch.device("meta"):
         net = MODELS.get(model)(shape, classes)
         x = torch.randn(batch, *shape)
-    flops = {la.name: la for la in layer_flops(net, x)}
+    costs = model_layers(model, batch, shape)
+    seconds = dict(zip((la.name for la in costs.layers), layer_seconds(costs, device), strict=True))
     layers = layers_of(net, model)
-    rate = device.flops_per_s
     found = []
     for unit, *_ in describe_units(layers, sample_shapes(layers, x[:1]), model):
-        la = flops[unit.name]
+        f, b = seconds[unit.name]
         for choice, t in placements(unit.dims, tps):
             times = t if choice == "replicate" else 1
             key = "data" if choice == "data" else f"{choice}@{t}"
-            unit.fwd[key] = la.fwd_flops * times / rate
-            unit.bwd[key] = la.bwd_flops * times / rate
+            unit.fwd[key] = f * times
+            unit.bwd[key] = b * times
         found.append(unit)
     prof = Profile(model, 1, batch, found, threads=0, concurrent=1, update_s_per_byte=0.0)
     return Split(prof, net, TP_PLANS.get(model) if model in TP_PLANS.names() else None)

@@ -1,19 +1,27 @@
-"""The simulator: models by layer shape on the meta device, and its predictions against the
-published scaling results docs/scaling.md lists (set-ups as the papers state them)."""
+"""The simulator: models by layer shape on the meta device, its roofline fitted on the calibration
+rows of `published.toml` and checked on the validation rows (set-ups as the sources state them),
+transformers on the mesh formulas with their memory, and the layout search."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.layout.planner import Links
-from gradmesh.simulate.profile import DEVICES, device_profile, model_layers
+from gradmesh.simulate.devices import ACHIEVED, DEVICES
+from gradmesh.simulate.profile import device_profile, model_layers
+from gradmesh.simulate.published import PUBLISHED, fit_devices, load, validate
 from gradmesh.simulate.strategies import Job, scaling
 from tests.harness import CLI
+
+KNOWN_MISSES = {"tf-p100-inception3"}
+"""Validation rows the model misses (docs/simulator.md says why): checked to stay missed, so
+the day the model meets one, this set and the docs are brought up to date."""
 
 
 def _job(
@@ -25,13 +33,13 @@ def _job(
     algorithm: str,
     fusion_mb: float = 25.0,
 ) -> Job:
-    layers = model_layers("resnet50", 32)
+    costs = model_layers("resnet50", 32)
     links = Links(
         CostParams(latency, 8 / (intra_gbit * 1e9), 0.0),
         CostParams(latency, 8 / (inter_gbit * 1e9), 0.0),
         per_node,
     )
-    prof = device_profile(layers, DEVICES.get(device), 32, "resnet50")
+    prof = device_profile(costs, DEVICES.get(device), 32, "resnet50")
     return Job(prof, 1, links, algorithm, fusion_mb)
 
 
@@ -40,14 +48,15 @@ def test_the_imagenet_models_have_their_published_sizes() -> None:
     # 4.1 G multiply-adds per 224x224 image forward; backward twice forward but the first layer
     expected = {
         "resnet50": 25_557_032,
+        "resnet101": 44_549_160,
         "vgg16": 138_357_544,
         "inception3": 23_834_568,
         "alexnet-imagenet": 61_100_840,
     }
     for name, count in expected.items():
-        layers = model_layers(name, 1)
+        layers = model_layers(name, 1).layers
         assert sum(layer.param_bytes for layer in layers) == 4 * count, name
-    layers = model_layers("resnet50", 2)
+    layers = model_layers("resnet50", 2).layers
     forward = sum(layer.fwd_flops for layer in layers)
     assert forward == pytest.approx(2 * 8.18e9, rel=0.01)
     backward = sum(layer.bwd_flops for layer in layers)
@@ -55,26 +64,62 @@ def test_the_imagenet_models_have_their_published_sizes() -> None:
     assert layers[0].name == "0.0" and layers[-1].name == "20"  # forward order: stem .. fc
 
 
-def test_goyal_et_al_resnet50_on_256_p100s_scales_about_90_percent() -> None:
-    # 8 P100s per server on NVLink, 50 Gbit/s Ethernet between servers, 32 images per GPU,
-    # reduce within the server, allreduce across servers, broadcast back: ~90% from 8 to 256
-    job = _job("p100", 8, 320, 50, 10e-6, "hierarchical")
-    rows = {r["gpus"]: r for r in scaling("allreduce", job, [8, 256])}
-    # the 8-GPU step the paper's 29 hours for 90 epochs give
-    assert rows[8]["step_s"] == pytest.approx(29 * 3600 / (1_281_167 * 90 / 256), rel=0.05)
-    efficiency = rows[8]["step_s"] / rows[256]["step_s"]
-    assert abs(efficiency - 0.90) <= 0.10
+def test_kernels_are_counted_by_kind_with_their_bytes() -> None:
+    """VGG-16's convolutions are all 3x3 stride 1 (Winograd's); ResNet-50's are mostly not, and
+    its batch norms are memory-bound layers of their own; the counted FLOPs are the counter's."""
+    vgg = model_layers("vgg16", 2)
+    kinds = {k for la in vgg.layers for k, _, _ in la.kernels}
+    assert "conv" not in kinds and {"conv3x3", "matmul", "memory"} <= kinds
+    resnet = model_layers("resnet50", 2)
+    conv = {
+        k: sum(f for la in resnet.layers for kk, f, _ in la.kernels if kk == k)
+        for k in ("conv", "conv3x3")
+    }
+    assert conv["conv"] > conv["conv3x3"] > 0
+    assert sum(conv.values()) == pytest.approx(sum(la.fwd_flops for la in resnet.layers), rel=0.01)
+    norms = [la for la in resnet.layers if la.fwd_flops == 0]
+    assert norms and all(k == "memory" and b > 0 for la in norms for k, _, b in la.kernels)
+    assert resnet.backward["memory"][1] > 0
 
 
-def test_the_pytorch_ddp_benchmark_resnet50_figures() -> None:
-    # DGX-1 V100s (NVLink), 4x100 Gbit/s InfiniBand per machine, batch 32, 25 MB buckets;
-    # sec/iter p50 against one GPU without DDP (0.097 s)
-    published = {2: 0.103, 4: 0.103, 8: 0.104, 16: 0.104}
-    job = _job("v100", 8, 1000, 400, 5e-6, "ring")
-    rows = {r["gpus"]: r for r in scaling("allreduce", job, [1, *published])}
-    assert rows[1]["step_s"] == pytest.approx(0.097, rel=0.02)
-    for gpus, seconds in published.items():
-        assert abs(rows[gpus]["efficiency"] - 0.097 / seconds) <= 0.10, gpus
+def test_validation_rows_are_not_calibration_rows() -> None:
+    table = load()
+    calibration, validation = table.role("calibration"), table.role("validation")
+    assert len(validation) >= 12 and len({r.source for r in validation}) >= 3
+    assert not {r.id for r in calibration} & {r.id for r in validation}
+    assert not {r.setup for r in calibration} & {r.setup for r in validation}
+    assert all(r.fits for r in calibration) and not any(r.fits for r in validation)
+
+
+def test_the_devices_fractions_are_the_fit_on_the_calibration_rows() -> None:
+    assert fit_devices(load()) == ACHIEVED
+
+
+def test_the_validation_rows_are_within_tolerance() -> None:
+    results, good = validate(load())
+    outside = {r["id"] for r in results if r["role"] == "validation" and not r["within"]}
+    assert outside == KNOWN_MISSES and good is not bool(KNOWN_MISSES)
+    rows = {r["id"]: r for r in results}
+    # what the issue named: VGG-16's 512-GPU efficiency is no longer optimistic beyond tolerance,
+    # and its single-P100 step (a calibration row) is the published one
+    assert abs(rows["horovod-vgg16-512"]["error"]) <= 0.10
+    assert abs(rows["tf-p100-vgg16"]["error"]) <= 0.15
+
+
+def test_validate_exits_non_zero_when_a_row_is_outside(tmp_path: Path, cli: CLI) -> None:
+    """A table of the sources and one row, Goyal et al.'s: within tolerance it exits 0; with the
+    published figure moved out of reach, 1, and the JSON names the row."""
+    text = PUBLISHED.read_text()
+    start = text.index('[[rows]]\nid = "goyal-resnet50-256"')
+    row = text[start : text.index("[[rows]]", start + 1)]
+    table = tmp_path / "rows.toml"
+    table.write_text(text[: text.index("# -- calibration")] + row)
+    assert cli(["simulate", "--validate", "--published", str(table)]) == 0
+    table.write_text(table.read_text().replace("published = 0.90", "published = 0.50"))
+    out = tmp_path / "v.json"
+    assert cli(["simulate", "--validate", "--published", str(table), "--json", str(out)]) == 1
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["id"] for r in rows if not r["within"]] == ["goyal-resnet50-256"]
 
 
 def test_communication_overlaps_backward_and_slow_links_show() -> None:

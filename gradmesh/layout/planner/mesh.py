@@ -61,6 +61,7 @@ __all__ = [
     "Layout",
     "MeshProfile",
     "Workload",
+    "block_outputs",
     "layouts",
     "profile_mesh",
     "rank_blocks",
@@ -106,6 +107,7 @@ class Layout:
         parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1)
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
+        if self.pp > 1 or self.microbatches > 1:
             parts.append(f"m{self.microbatches}")
         parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["ac"] * self.checkpointing
         return "x".join(parts)
@@ -256,7 +258,7 @@ def _median_slices(runs: list[dict[int, Slice]]) -> dict[int, Slice]:
     return first
 
 
-def _boundaries(model: nn.Module, sample: Batch) -> dict[str, int]:
+def block_outputs(model: nn.Module, sample: Batch) -> dict[str, int]:
     """Bytes per sample leaving each block (tensors among its outputs)."""
     out: dict[str, int] = {}
     hooks = []
@@ -318,5 +320,5 @@ def profile_mesh(
             runs = pool.starmap(_measure, [(work, sizes, threads, rounds)] * sharing)
         slices = _median_slices(runs)
     prof = MeshProfile(work.name, workers, batch_, threads, sharing, flops, {}, slices)
-    prof.boundary_bytes = {k: v for k, v in _boundaries(model, sample).items() if k in flops}
+    prof.boundary_bytes = {k: v for k, v in block_outputs(model, sample).items() if k in flops}
     return prof, found

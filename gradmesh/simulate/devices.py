@@ -1,0 +1,136 @@
+"""The devices the simulator prices compute on: a roofline per kind of kernel.
+
+A kernel of kind k with F FLOPs that reads and writes B bytes takes
+
+    max(F / (peak[precision] * achieved[k]), B / (bandwidth * achieved["memory"]))
+
+seconds (`Device.seconds`; the kinds are `gradmesh.models.flops.KINDS`, counted per operation on
+the meta device by `layer_kernels`). The peaks, bandwidths and memory sizes are the vendors'
+data-sheet figures (SXM parts). The achieved fractions are fitted on the calibration rows of
+`published.toml` (`gradmesh.simulate.published.fit_devices`; a test checks that the numbers
+below are that fit's), except where `ASSUMED` says otherwise: the memory-bound fraction, and the
+kinds no calibration row of a device exercises, which it takes from the device `LIKE` names.
+
+Why fractions per kind and not one per device: a convnet of 3x3 stride-1 convolutions (VGG-16)
+runs on cuDNN's Winograd kernels, which do fewer multiplications than the FLOPs counted, while
+ResNet-50 spends a third of its step in batch norm and ReLU at memory speed: one fraction made
+one of them several times too slow or too fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from gradmesh.errors import GradmeshError
+from gradmesh.registry import Registry
+
+PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
+COMPUTE_KINDS = ("conv", "conv3x3", "matmul", "attention")
+
+
+@dataclass(frozen=True)
+class Device:
+    """A device's peaks by precision, its memory bandwidth and size, and the fraction of each
+    peak every kind of kernel reaches."""
+
+    peak_tflops: dict[str, float]
+    bandwidth_gbs: float
+    """0 for a device of one measured rate (`flat`)."""
+    memory_gib: float
+    achieved: dict[str, float]
+    precision: str
+    """The precision a job runs in unless told (`--precision`)."""
+    source: str
+    dtype_bytes: int = field(default=4)
+    """Bytes of an activation element in `precision` (2 for bf16 and fp16)."""
+
+    @classmethod
+    def flat(cls, tflops: float, source: str) -> Device:
+        """A device of one measured rate for every kernel, with no bandwidth or memory figure
+        (0: this CPU's rate on the model, or a benchmark's measured compute): its seconds are
+        FLOPs over the rate."""
+        return cls(
+            {"fp32": tflops},
+            0.0,
+            0.0,
+            dict.fromkeys((*COMPUTE_KINDS, "memory"), 1.0),
+            "fp32",
+            source,
+        )
+
+    @property
+    def flops_per_s(self) -> float:
+        """The matrix products' achieved rate (what a per-FLOP estimate falls back on)."""
+        return self.peak_tflops[self.precision] * 1e12 * self.achieved["matmul"]
+
+    def at(self, precision: str) -> Device:
+        """This device running in `precision` (one line naming those it has when not)."""
+        if precision not in self.peak_tflops:
+            raise GradmeshError(
+                f"unknown precision {precision!r} for this device (valid: "
+                f"{', '.join(self.peak_tflops)})"
+            )
+        return dataclasses.replace(
+            self, precision=precision, dtype_bytes=2 if precision in ("bf16", "fp16") else 4
+        )
+
+    def seconds(self, kernels: Iterable[tuple[str, float, float]]) -> float:
+        """The roofline's seconds of these (kind, FLOPs, bytes) kernels (module docstring)."""
+        peak = self.peak_tflops[self.precision] * 1e12
+        if not self.bandwidth_gbs:
+            return sum(flops for _, flops, _ in kernels) / (peak * self.achieved["matmul"])
+        memory = self.bandwidth_gbs * 1e9 * self.achieved["memory"]
+        total = 0.0
+        for kind, flops, moved in kernels:
+            compute = flops / (peak * self.achieved[kind]) if kind != "memory" else 0.0
+            total += max(compute, moved / memory)
+        return total
+
+
+GIB = 2**30
+
+# data-sheet figures: peak dense TFLOP/s by precision (fp16/bf16 on tensor cores), GB/s, GiB
+SPECS: dict[str, tuple[dict[str, float], float, float, str]] = {
+    "p100": ({"fp32": 10.6, "fp16": 21.2}, 732.0, 16.0, "fp32"),
+    "v100": ({"fp32": 15.7, "fp16": 125.0}, 900.0, 32.0, "fp32"),
+    "a100": ({"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, 80.0, "tf32"),
+    "h100": ({"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0}, 3350.0, 80.0, "tf32"),
+}
+
+MEMORY_FRACTION = 0.8
+"""The fraction of its data-sheet bandwidth a memory-bound kernel reaches: assumed (streaming
+copies reach 75-90% on these parts), not fitted: no calibration row separates it from the
+convolutions' fraction (ResNet-50 and Inception V3 on a P100 ask for opposite signs)."""
+
+LIKE = {"p100": "", "v100": "p100", "a100": "v100", "h100": "a100"}
+"""Where a device's kinds that no calibration row of its own fits come from."""
+
+ACHIEVED: dict[str, dict[str, float]] = {
+    "p100": {"conv": 0.473, "conv3x3": 1.527, "matmul": 0.473, "attention": 0.473},
+    "v100": {"conv": 0.512, "conv3x3": 1.653, "matmul": 0.512, "attention": 0.512},
+    "a100": {"conv": 0.512, "conv3x3": 1.653, "matmul": 0.773, "attention": 0.773},
+    "h100": {"conv": 0.512, "conv3x3": 1.653, "matmul": 0.773, "attention": 0.773},
+}
+"""Each kind's fraction of peak by device: `fit_devices`' result on `published.toml`'s
+calibration rows (a test checks it), `LIKE`'s where a device has none of its own."""
+
+ASSUMED = {
+    "h100": "no calibration row: A100's fractions",
+    "memory": f"{MEMORY_FRACTION} of the data-sheet bandwidth on every device",
+}
+
+DEVICES: Registry[Device] = Registry("device")
+
+
+def make_device(name: str, achieved: dict[str, float]) -> Device:
+    """`name`'s data-sheet figures with these compute fractions."""
+    peaks, bandwidth, memory, precision = SPECS[name]
+    fractions = {**achieved, "memory": MEMORY_FRACTION}
+    source = ASSUMED.get(name, "fitted on published.toml's calibration rows")
+    return Device(peaks, bandwidth, memory, fractions, precision, source).at(precision)
+
+
+for _name in SPECS:
+    DEVICES.register(_name)(make_device(_name, ACHIEVED[_name]))

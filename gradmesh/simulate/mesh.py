@@ -1,0 +1,396 @@
+"""Transformers on clusters larger than this one: the mesh planner's formulas (`predict_mesh`
+for the step, `predict_memory` for the bytes a GPU holds) on a profile made on the meta device
+instead of measured (`meta_profile`), so a 175-billion-parameter GPT is priced in seconds and
+with the same formulas `gradmesh plan --memory-limit` obeys.
+
+**The profile.** For each tensor-parallel degree T the model's plan admits, rank 0's slice (the
+plan applied as on a mesh, its exchanges recorded by `dry_exchanges`) runs one sample forward,
+through a summed loss and backward on the meta device, in the job's precision, under
+`KernelCounter`: its seconds are the device's roofline of the kernels counted
+(`Device.seconds`), times the samples of a micro-batch; its exchanges are the recorded ones,
+times the samples. What each block saves for backward and what enters it come from
+`saved_activations` (meta tensors counted by their own size); parameter bytes from the slice.
+The optimizer's state and its step's temporaries are per parameter: Adam in mixed precision
+holds an fp32 copy and two fp32 moments (12 bytes a parameter), in fp32 the two moments (8);
+SGD one momentum. The step's update reads and writes parameters, gradients and state once at
+memory speed.
+
+**Links.** A GPU's tensor-parallel group and pipeline neighbours are priced on the links within
+or across nodes by where their ranks fall (tp fastest, then pp, then dp, as `gradmesh.runtime.
+mesh` lays them); a data-parallel group that spans nodes shares each node's links with the
+other groups whose ranks sit on that node (`shared_links`).
+
+**The search** (`search`) prices every layout gradmesh can run on the GPUs (`mesh_layouts`:
+tp within a node, pp up to the blocks, micro-batches of 1 to 8 samples, 1F1B and interleaved,
+and `variants`' ZeRO stages and recomputation) and keeps those that fit the device's memory
+(`USABLE` of it), fastest first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from gradmesh.collectives.cost import CostParams
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.planner import Links
+from gradmesh.layout.planner.mesh import Layout, MeshProfile, Slice, block_outputs
+from gradmesh.layout.planner.mesh_cost import MeshPrediction, predict_mesh, variants
+from gradmesh.runtime.mesh import divisors
+from gradmesh.simulate.devices import Device
+
+USABLE = 0.9
+"""Of a device's memory, what a layout may fill: the rest is the CUDA context, the
+communication library's buffers and the allocator's fragmentation (assumed)."""
+
+SLOTS = {"sgd": 4, "adam": 8, "adamw": 8}
+"""The optimizer's state, bytes a parameter, in fp32 (momentum; two moments)."""
+MASTER = 4
+"""Mixed precision's fp32 copy of each parameter, bytes."""
+
+
+class PerSample(dict[int, Any]):
+    """A micro-batch's figure at any number of samples, from one sample's: seconds times the
+    samples, or each exchange's bytes times the samples."""
+
+    def __init__(self, one: Any) -> None:
+        super().__init__()
+        self.one = one
+
+    def __missing__(self, samples: int) -> Any:
+        if isinstance(self.one, list):
+            return [(n * samples, kind) for n, kind in self.one]
+        return self.one * samples
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A model to build on the meta device, and what it trains with."""
+
+    model: str
+    args: dict[str, Any]
+    sequence: int
+    vocab: int
+    precision: str
+    optimizer: str = "adamw"
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision in ("bf16", "fp16")
+
+    def build(self) -> tuple[Any, Any]:
+        """(the model on the meta device in the job's precision, one sample's token ids)."""
+        import torch
+
+        from gradmesh.models.registry import MODELS
+
+        with torch.device("meta"):
+            if ":" in self.model and self.model.partition(":")[0] not in MODELS.schemes:
+                net = MODELS.get(self.model)(**self.args)
+            else:
+                net = MODELS.get(self.model)((self.sequence,), self.vocab, **self.args)
+            if self.mixed:
+                net = net.to(torch.bfloat16)
+            ids = torch.zeros(1, self.sequence, dtype=torch.long)
+        return net, ids
+
+
+@dataclass(frozen=True)
+class Counted:
+    """Rank 0's slice at one tp, counted on the meta device at one sample."""
+
+    kernels: list[tuple[str, float, float]]
+    exchanges: list[tuple[int, str]]
+    saved: Any
+    block_param_bytes: dict[str, int]
+    rest_param_bytes: int
+    parameters: float
+    flops: float
+    """Forward and backward FLOPs of the slice."""
+
+
+def _count(spec: Spec, tp: int) -> Counted:
+    """The module docstring's counts of rank 0's slice at tp."""
+    from gradmesh.layout.blocks import block_list
+    from gradmesh.layout.engine import tp_plan
+    from gradmesh.layout.memory import saved_activations
+    from gradmesh.layout.tensor_parallel import dry_exchanges
+    from gradmesh.layout.tp_plan import apply_tp_plan
+    from gradmesh.models.flops import KernelCounter
+
+    net, ids = spec.build()
+    if tp > 1:
+        apply_tp_plan(net, tp_plan(spec.model, net), tp, 0, spec.model)
+    counter = KernelCounter()
+    with dry_exchanges(tp) as dry:
+        with counter:
+            net(ids).float().sum().backward()
+        made = [(n, kind) for _, n, kind in dry.made]
+    with dry_exchanges(tp):
+        saved = saved_activations(net, lambda: net(ids).float().sum(), ids, peak=False)
+    kernels = [(k, f, b) for costs in counter.costs.values() for k, (f, b) in costs.items()]
+    names = block_list(net)
+    per_block = dict.fromkeys(names, 0)
+    rest = 0
+    for name, p in net.named_parameters():
+        owner = next((b for b in names if name.startswith(b + ".")), None)
+        if owner is None:
+            rest += p.numel() * p.element_size()
+        else:
+            per_block[owner] += p.numel() * p.element_size()
+    params = sum(p.numel() for p in net.parameters())
+    flops = sum(f for _, f, _ in kernels)
+    return Counted(kernels, made, saved, per_block, rest, params, flops)
+
+
+def _slice(spec: Spec, counted: Counted, device: Device) -> Slice:
+    """The planner's `Slice` of a counted slice on `device`."""
+    whole = sum(counted.block_param_bytes.values()) + counted.rest_param_bytes
+    state = counted.parameters * (SLOTS[spec.optimizer] + MASTER * spec.mixed)
+    memory_speed = device.bandwidth_gbs * 1e9 * device.achieved["memory"]
+    return Slice(
+        seconds=PerSample(device.seconds(counted.kernels)),
+        exchanges=PerSample(counted.exchanges),
+        update_s=(3 * whole + 2 * state) / memory_speed,  # read all, write parameters and state
+        block_param_bytes=counted.block_param_bytes,
+        rest_param_bytes=counted.rest_param_bytes,
+        saved=counted.saved,
+        saved_samples=1,
+        optimizer_bytes=int(state),
+        optimizer_step_bytes=int(counted.parameters * 4),  # a foreach step's fp32 temporary
+    )
+
+
+@dataclass
+class MetaProfile:
+    spec: Spec
+    profile: MeshProfile
+    counted: dict[int, Counted]
+    device: Device
+
+    @property
+    def flops_per_sample(self) -> float:
+        """Forward and backward FLOPs of one sample through the whole model (no recompute):
+        counted at tp 1, else the smallest tp's slice times tp (the replicated norms over)."""
+        tp = min(self.counted)
+        return self.counted[tp].flops * tp
+
+    @property
+    def parameters(self) -> float:
+        """The model's parameters, as `flops_per_sample` counts its FLOPs."""
+        tp = min(self.counted)
+        return self.counted[tp].parameters * tp
+
+    def on(self, device: Device) -> MetaProfile:
+        """The same counts priced on another device (or the same with other fractions)."""
+        slices = {tp: _slice(self.spec, c, device) for tp, c in self.counted.items()}
+        prof = dataclasses.replace(self.profile, slices=slices)
+        return MetaProfile(self.spec, prof, self.counted, device)
+
+
+def _deep(spec: Spec) -> int:
+    """The depth `spec` is extrapolated to from depths 2 and 3 (`_repeated`), or 0 to count it
+    whole: a model with a `depth` argument of more than 3 blocks."""
+    depth = spec.args.get("depth")
+    return depth if isinstance(depth, int) and depth > 3 else 0
+
+
+def _renamed(names: list[str], depth: int) -> list[str] | None:
+    """The block names of `depth` blocks, from those of 3 named `prefix.0` .. `prefix.2`."""
+    prefix = names[0].rpartition(".")[0]
+    if names != [f"{prefix}.{i}" for i in range(len(names))]:
+        return None
+    return [f"{prefix}.{i}" for i in range(depth)]
+
+
+def _grown(table: dict[str, Any], names: list[str]) -> dict[str, Any]:
+    """A per-block table of 3 blocks for all of `names`: the first and last blocks' own
+    values (they carry what comes before and after the blocks), the middle one's between."""
+    first, middle, last = table.values()
+    return {
+        n: first if i == 0 else last if i == len(names) - 1 else middle for i, n in enumerate(names)
+    }
+
+
+def _repeated(two: Counted, three: Counted, depth: int, names: list[str]) -> Counted:
+    """A model of `depth` identical blocks counted from the same model at 2 and 3 blocks:
+    every total grows by the third block's share once per block more."""
+    from collections import Counter
+
+    more = depth - 2
+
+    def grow(a: float, b: float) -> float:
+        return a + more * (b - a)
+
+    kinds: dict[str, list[float]] = {}
+    for sign, counted in ((-1, two), (1, three)):
+        for kind, f, b in counted.kernels:
+            k = kinds.setdefault(kind, [0.0, 0.0, 0.0, 0.0])
+            k[0 if sign < 0 else 2] += f
+            k[1 if sign < 0 else 3] += b
+    kernels = [(k, grow(v[0], v[2]), grow(v[1], v[3])) for k, v in kinds.items()]
+    extra = Counter(three.exchanges) - Counter(two.exchanges)
+    exchanges = list(
+        (Counter(two.exchanges) + Counter({e: more * n for e, n in extra.items()})).elements()
+    )
+    saved = dataclasses.replace(
+        three.saved,
+        blocks=_grown(three.saved.blocks, names),
+        inputs=_grown(three.saved.inputs, names),
+    )
+    return Counted(
+        kernels,
+        exchanges,
+        saved,
+        _grown(three.block_param_bytes, names),
+        three.rest_param_bytes,
+        grow(two.parameters, three.parameters),
+        grow(two.flops, three.flops),
+    )
+
+
+def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
+    """The mesh planner's profile of `spec` at global `batch` samples, at each tp of `tps`
+    (those the model's plan admits; one line when it admits none of them). A model of more
+    than 3 blocks with a `depth` argument is counted at 2 and 3 blocks and extrapolated
+    (`_repeated`: its blocks are taken to be alike, as a `depth` says; a test checks the
+    extrapolation against a count of the whole)."""
+    from gradmesh.layout.blocks import block_list
+    from gradmesh.layout.engine import tp_plan
+    from gradmesh.layout.graph_pipeline import block_flops
+    from gradmesh.layout.tp_plan import check_plan
+
+    depth = _deep(spec)
+    small = dataclasses.replace(spec, args={**spec.args, "depth": 3}) if depth else spec
+    net, ids = small.build()
+    names = block_list(net)
+    full = _renamed(names, depth) if depth else names
+    if full is None:  # blocks not named as a list: count the whole model
+        small, depth = spec, 0
+        net, ids = spec.build()
+        full = names = block_list(net)
+    counted = {}
+    for tp in tps:
+        if tp > 1:
+            try:
+                check_plan(net, tp_plan(spec.model, net), tp, spec.model)
+            except GradmeshError:
+                continue
+        if depth:
+            two = dataclasses.replace(spec, args={**spec.args, "depth": 2})
+            counted[tp] = _repeated(_count(two, tp), _count(small, tp), depth, full)
+        else:
+            counted[tp] = _count(spec, tp)
+    if not counted:
+        raise GradmeshError(f"model {spec.model} admits none of the tensor-parallel degrees {tps}")
+    blocks = block_flops(net, ids, 1, spec.model)
+    outputs = block_outputs(net, ids)
+    if depth:
+        blocks, outputs = _grown(blocks, full), _grown({n: outputs[n] for n in names}, full)
+    prof = MeshProfile(spec.model, gpus, batch, 0, 1, blocks, {}, {})
+    prof.boundary_bytes = {k: v for k, v in outputs.items() if k in blocks}
+    return MetaProfile(spec, prof, counted, device).on(device)
+
+
+def shared_links(intra: CostParams, inter: CostParams, per_node: int, lay: Layout) -> Links:
+    """The links as one GPU of `lay` sees them: a node's links out (`inter`, all its NICs) are
+    shared by the data-parallel groups with a rank on it, min(GPUs a node, tp x pp) of them."""
+    sharing = max(1, min(per_node, lay.tp * lay.pp))
+    share = dataclasses.replace(inter, beta=inter.beta * sharing)
+    return Links(intra, share, per_node)
+
+
+def mesh_layouts(gpus: int, batch: int, blocks: int, tps: list[int]) -> Iterator[Layout]:
+    """Every layout of `gpus` at global `batch`: tp from `tps`, pp up to the blocks,
+    micro-batches of 1, 2, 4 or 8 samples (without a pipeline, accumulated before the gradient
+    sync), 1F1B and (two chunks a rank, where the blocks allow) interleaved 1F1B."""
+    for tp in tps:
+        for pp in divisors(gpus // tp):
+            dp = gpus // (tp * pp)
+            if batch % dp or pp > blocks:
+                continue
+            for size in (1, 2, 4, 8):
+                if (batch // dp) % size:
+                    continue
+                m = batch // dp // size
+                if pp == 1:  # micro-batches of one replica: gradient accumulation
+                    yield Layout(dp, tp, 1, m)
+                    continue
+                yield Layout(dp, tp, pp, m, "1f1b")
+                if 2 * pp <= blocks and m % pp == 0:
+                    yield Layout(dp, tp, pp, m, "interleaved", 2)
+
+
+@dataclass
+class Priced:
+    prediction: MeshPrediction
+    fits: bool
+    tokens_per_s: float
+    mfu: float
+
+    def row(self) -> dict[str, Any]:
+        return {
+            **self.prediction.row(),
+            "fits": self.fits,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+        }
+
+
+def price(
+    meta: MetaProfile,
+    lay: Layout,
+    intra: CostParams,
+    inter: CostParams,
+    per_node: int,
+    sequence: int,
+    algorithm: str = "ring",
+) -> Priced:
+    """One layout's step, memory (fitting `USABLE` of the device or not), tokens a second and
+    model FLOPs utilisation (the model's FLOPs, recomputation not counted, over the GPUs'
+    peak)."""
+    links = shared_links(intra, inter, per_node, lay)
+    pred = predict_mesh(meta.profile, lay, links, algorithm)
+    assert pred.memory is not None
+    dev = meta.device
+    fits = pred.memory.total_bytes <= USABLE * dev.memory_gib * 2**30
+    batch = meta.profile.batch
+    gpus = lay.dp * lay.tp * lay.pp
+    peak = dev.peak_tflops[dev.precision] * 1e12
+    mfu = meta.flops_per_sample * batch / (pred.step_s * gpus * peak)
+    return Priced(pred, fits, batch * sequence / pred.step_s, mfu)
+
+
+def search(
+    meta: MetaProfile,
+    intra: CostParams,
+    inter: CostParams,
+    per_node: int,
+    sequence: int,
+    algorithm: str = "ring",
+) -> list[Priced]:
+    """Every layout (`mesh_layouts` and `variants`) priced, those that fit first, fastest first;
+    one line naming the smallest memory a GPU needs when none fits."""
+    prof = meta.profile
+    tps = sorted(prof.slices)
+    found = variants(
+        list(mesh_layouts(prof.workers, prof.batch, len(prof.block_names), tps)),
+        len(prof.block_names),
+    )
+    if not found:
+        raise GradmeshError(
+            f"no layout of {prof.workers} GPUs divides the batch of {prof.batch} samples"
+        )
+    priced = [price(meta, lay, intra, inter, per_node, sequence, algorithm) for lay in found]
+    if not any(p.fits for p in priced):
+        least = min(priced, key=lambda p: p.prediction.memory.total_bytes)  # type: ignore[union-attr]
+        mem = least.prediction.memory
+        assert mem is not None
+        raise GradmeshError(
+            f"no layout of {prof.workers} GPUs fits {USABLE:.0%} of the device's "
+            f"{meta.device.memory_gib:g} GiB: the smallest, {least.prediction.layout.name}, needs "
+            f"{mem.total_bytes / 2**30:.1f} GiB a GPU, most of it {mem.dominant}"
+        )
+    return sorted(priced, key=lambda p: (not p.fits, p.prediction.step_s))

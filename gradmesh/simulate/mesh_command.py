@@ -1,0 +1,183 @@
+"""`gradmesh simulate` on a token model (the built-in `gpt`, `hf:...`, a factory taking token
+ids): each GPU count priced at the layout the options give, or (`--search`) the fastest layout
+that fits the device, with its step, tokens a second, model FLOPs utilisation and memory a GPU
+(`gradmesh.simulate.mesh`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.planner.mesh import Layout
+from gradmesh.runtime.mesh import divisors
+from gradmesh.simulate.mesh import SLOTS, USABLE, MetaProfile, Priced, Spec, meta_profile, price
+from gradmesh.simulate.mesh import search as search_layouts
+
+GIB = 2**30
+
+
+def _spec(args: Any, device: Any) -> Spec:
+    from gradmesh.registry import parse_kwargs
+
+    if args.optimizer not in SLOTS:
+        raise GradmeshError(f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(SLOTS)})")
+    if min(args.sequence_length, args.vocab) < 1:
+        raise GradmeshError("--sequence-length and --vocab must be >= 1")
+    model_args = parse_kwargs(args.data.model_args, "--model-args")
+    return Spec(
+        args.data.model,
+        model_args,
+        args.sequence_length,
+        args.vocab,
+        device.precision,
+        args.optimizer,
+    )
+
+
+def _device(args: Any) -> Any:
+    from gradmesh.simulate.command import _device as device_of
+    from gradmesh.simulate.profile import CPU
+
+    if args.device == CPU:
+        raise GradmeshError(
+            "--device cpu measures an image model on this machine; name a GPU for a token model "
+            "(p100, v100, a100, h100)"
+        )
+    device = device_of(args, None)
+    if not args.precision:  # mixed precision, as large transformers train
+        half = "bf16" if "bf16" in device.peak_tflops else "fp16"
+        device = device.at(half)
+    return device
+
+
+def _fixed(args: Any, n: int) -> Layout:
+    """The layout the options give at `n` GPUs (one line when its degrees do not divide n)."""
+    lay = args.layout
+    tp, pp = lay.tensor_parallel, lay.pipeline_parallel
+    if n % (tp * pp):
+        raise GradmeshError(
+            f"{n} GPUs do not divide into --tensor-parallel {tp} x --pipeline-parallel {pp}"
+        )
+    if args.zero_stage and pp > 1:
+        raise GradmeshError("--zero-stage does not run with --pipeline-parallel in gradmesh")
+    if args.zero_stage not in (0, 1, 2, 3):
+        raise GradmeshError(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    if lay.activation_checkpointing not in ("", "blocks"):
+        raise GradmeshError("--activation-checkpointing: the simulator prices blocks (every one)")
+    schedule = lay.schedule if pp > 1 else None
+    chunks = lay.virtual_stages if schedule == "interleaved" else 1
+    return Layout(
+        n // (tp * pp),
+        tp,
+        pp,
+        lay.microbatches,
+        schedule,
+        chunks,
+        args.zero_stage,
+        lay.activation_checkpointing == "blocks",
+    )
+
+
+def _row(p: Priced, n: int) -> dict[str, Any]:
+    row = {"gpus": n, **p.row()}
+    if not p.fits:  # marked, not priced
+        for key in ("step_s", "tokens_per_s", "mfu"):
+            row[key] = None
+    return row
+
+
+def _line(r: dict[str, Any], memory_gib: float) -> str:
+    need = r["memory"]["total_bytes"] / GIB
+    if r["step_s"] is None:
+        return (
+            f"| {r['gpus']} | {r['name']} | - | - | - | {need:.1f} | does not fit "
+            f"({USABLE:.0%} of {memory_gib:g} GiB) |"
+        )
+    return (
+        f"| {r['gpus']} | {r['name']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
+        f"{r['mfu']:.1%} | {need:.1f} | yes |"
+    )
+
+
+def run_mesh(args: Any, gpus: list[int], strategies: list[str]) -> int:
+    from gradmesh.launch.jobs import write_json
+    from gradmesh.simulate.command import link_terms
+
+    if strategies != ["allreduce"]:
+        raise GradmeshError(
+            "a token model is priced on the mesh (--tensor-parallel, --pipeline-parallel, "
+            "--zero-stage, or --search), not by --strategy"
+        )
+    if args.search and not args.global_batch:
+        raise GradmeshError("--search needs --global-batch (samples a step)")
+    if args.global_batch < 0 or args.top < 1:
+        raise GradmeshError("--global-batch must be >= 0 and --top >= 1")
+    started = time.perf_counter()
+    device = _device(args)
+    spec = _spec(args, device)
+    intra, inter = link_terms(args)
+    per_node = args.gpus_per_node
+    fixed = {n: _fixed(args, n) for n in gpus} if not args.search else {}
+    tps = sorted({lay.tp for lay in fixed.values()}) or [
+        t for t in divisors(per_node) if all(n % t == 0 for n in gpus)
+    ]
+    batch = args.global_batch or args.batch_per_gpu
+    meta = meta_profile(spec, max(gpus), batch, tps, device)
+    rows: list[dict[str, Any]] = []
+    for n in gpus:
+        if args.search:
+            found = search_layouts(
+                _at(meta, n, args.global_batch),
+                intra,
+                inter,
+                per_node,
+                spec.sequence,
+                args.allreduce.algorithm,
+            )
+            rows += [_row(p, n) for p in found[: args.top]]
+        else:
+            lay = fixed[n]
+            b = args.global_batch or args.batch_per_gpu * lay.dp
+            p = price(
+                _at(meta, n, b),
+                lay,
+                intra,
+                inter,
+                per_node,
+                spec.sequence,
+                args.allreduce.algorithm,
+            )
+            rows.append(_row(p, n))
+    payload = {
+        "model": spec.model,
+        "model_args": spec.args,
+        "parameters": meta.parameters,
+        "flops_per_sample": meta.flops_per_sample,
+        "sequence_length": spec.sequence,
+        "device": {"name": args.device, **dataclasses.asdict(device)},
+        "gpus_per_node": per_node,
+        "links": {"intra": dataclasses.asdict(intra), "inter": dataclasses.asdict(inter)},
+        "usable_memory_fraction": USABLE,
+        "rows": rows,
+        "seconds_to_answer": time.perf_counter() - started,
+    }
+    write_json(args.json, payload)
+    print(
+        f"{spec.model}: {meta.parameters / 1e9:.2f}B parameters, "
+        f"{meta.flops_per_sample / spec.sequence / 1e9:.1f} GFLOP a token; {args.device} in "
+        f"{device.precision}, {device.memory_gib:g} GiB; answered in "
+        f"{payload['seconds_to_answer']:.1f} s"
+    )
+    print("| GPUs | layout | step s | tokens/s | MFU | GiB a GPU | fits |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(_line(r, device.memory_gib))
+    return 0
+
+
+def _at(meta: MetaProfile, gpus: int, batch: int) -> MetaProfile:
+    """`meta` for `gpus` GPUs at a global batch of `batch` samples."""
+    prof = dataclasses.replace(meta.profile, workers=gpus, batch=batch)
+    return dataclasses.replace(meta, profile=prof)
