@@ -32,7 +32,6 @@ tested on Gloo upstream, and its sends bypass gradmesh's timeouts that name the 
 from __future__ import annotations
 
 import functools
-
 import itertools
 import math
 import time

@@ -1,7 +1,7 @@
 """The ImageNet classifiers that published scaling results use, written out layer by layer
 (there is no CPU build of torchvision to import them from): ResNet-50 and ResNet-101 (He et
-al., 2016), VGG-16 (Simonyan & Zisserman, 2015), Inception V3 (Szegedy et al., 2016) and AlexNet in the
-one-tower form torchvision and most benchmarks train (Krizhevsky, 2014).
+al., 2016), VGG-16 (Simonyan & Zisserman, 2015), Inception V3 (Szegedy et al., 2016) and
+AlexNet in the one-tower form torchvision and most benchmarks train (Krizhevsky, 2014).
 
 Their shapes (layers, channels, kernels, strides) are the published ones, so their parameter
 counts (25.6M, 44.5M, 138.4M, 23.8M without the auxiliary head, 61.1M) and FLOPs match what

@@ -30,16 +30,17 @@ from gradmesh.train.config import DataConfig
 class SimulateConfig:
     """gradmesh simulate: a job's step time and scaling on clusters larger than this one."""
 
-    data: DataConfig = component(DataConfig, only=("model", "model_args"))
+    data: DataConfig = component(DataConfig, only=("model", "model_args", "sequence_length"))
     input_shape: str | None = option(
         None, "CxHxW (default: the model's own, 3x224x224 for ImageNet models)"
     )
-    sequence_length: int = option(2048, "token models: tokens a sample")
     vocab: int = option(51200, "token models: vocabulary size (gpt)")
     gpus: str = option("8,16,32,64,128,256,512,1024", "GPU counts")
     gpus_per_node: int = option(8, "GPUs in one node")
     device: str = option("v100", "device name, or cpu (this machine, measured)", name=True)
-    precision: str = option("", "fp32, tf32, bf16 or fp16 (default: the device's)")
+    dtype: str = option(
+        "", "fp32, tf32, bf16 or fp16 (default: the device's; token models: bf16 or fp16 mixed)"
+    )
     tflops: float | None = option(None, "peak TFLOP/s (overrides the device's)")
     achieved: float | None = option(None, "fraction of peak every compute kernel reaches (0..4]")
     intra_fabric: str = option("", "interconnect within a node: a preset (nvlink-v100, pcie3, ...)")
@@ -73,7 +74,7 @@ class SimulateConfig:
         ),
     )
     global_batch: int = option(0, "token models: samples a step (default: --batch-per-gpu x dp)")
-    optimizer: str = option("adamw", "token models: sgd, adam or adamw (its state's bytes)")
+    optimizer: str = option("sgd", "token models: sgd, adam or adamw (its state's bytes)")
     zero_stage: int = option(0, "token models: sharded data parallelism's stage (0-3)")
     search: bool = option(False, "token models: the fastest layout that fits, and the next few")
     top: int = option(5, "--search: layouts to print")
@@ -137,7 +138,7 @@ def _device(args: SimulateConfig, shape: tuple[int, ...] | None) -> Device:
         device = measured_cpu(args.data.model, args.batch_per_gpu, shape)
     else:
         device = DEVICES.get(args.device)
-        device = device.at(args.precision or device.precision)
+        device = device.at(args.dtype or device.precision)
     if args.tflops is not None:
         if args.tflops <= 0:
             raise GradmeshError(f"--tflops must be positive, got {args.tflops}")
@@ -227,7 +228,13 @@ def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
     if is_token_model(args.data.model) or ":" in args.data.model:
         from gradmesh.simulate.mesh_command import run_mesh
 
-        return run_mesh(args, *_check(args))
+        checked = _check(args)
+        if args.device == CPU:
+            raise GradmeshError(
+                "--device cpu measures an image model on this machine; name a GPU for a token "
+                "model (p100, v100, a100, h100)"
+            )
+        return run_mesh(args, *checked, _device(args, None), *link_terms(args))
     return _run_convnet(args)
 
 

@@ -41,7 +41,7 @@ class Device:
     memory_gib: float
     achieved: dict[str, float]
     precision: str
-    """The precision a job runs in unless told (`--precision`)."""
+    """The precision a job runs in unless told (`gradmesh simulate --dtype`)."""
     source: str
     dtype_bytes: int = field(default=4)
     """Bytes of an activation element in `precision` (2 for bf16 and fp16)."""

@@ -23,33 +23,25 @@ def _spec(args: Any, device: Any) -> Spec:
 
     if args.optimizer not in SLOTS:
         raise GradmeshError(f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(SLOTS)})")
-    if min(args.sequence_length, args.vocab) < 1:
+    if min(args.data.sequence_length, args.vocab) < 1:
         raise GradmeshError("--sequence-length and --vocab must be >= 1")
     model_args = parse_kwargs(args.data.model_args, "--model-args")
     return Spec(
         args.data.model,
         model_args,
-        args.sequence_length,
+        args.data.sequence_length,
         args.vocab,
         device.precision,
         args.optimizer,
     )
 
 
-def _device(args: Any) -> Any:
-    from gradmesh.simulate.command import _device as device_of
-    from gradmesh.simulate.profile import CPU
-
-    if args.device == CPU:
-        raise GradmeshError(
-            "--device cpu measures an image model on this machine; name a GPU for a token model "
-            "(p100, v100, a100, h100)"
-        )
-    device = device_of(args, None)
-    if not args.precision:  # mixed precision, as large transformers train
-        half = "bf16" if "bf16" in device.peak_tflops else "fp16"
-        device = device.at(half)
-    return device
+def _mixed(args: Any, device: Any) -> Any:
+    """`device` in the job's precision: mixed (bf16 where the device has it, else fp16), as large
+    transformers train, unless `--dtype` names one."""
+    if args.dtype:
+        return device
+    return device.at("bf16" if "bf16" in device.peak_tflops else "fp16")
 
 
 def _fixed(args: Any, n: int) -> Layout:
@@ -101,9 +93,12 @@ def _line(r: dict[str, Any], memory_gib: float) -> str:
     )
 
 
-def run_mesh(args: Any, gpus: list[int], strategies: list[str]) -> int:
+def run_mesh(
+    args: Any, gpus: list[int], strategies: list[str], device: Any, intra: Any, inter: Any
+) -> int:
+    """Price `args`' token model on `device` (`--device`'s, `--dtype` applied) over links
+    `intra` and `inter` (`link_terms`)."""
     from gradmesh.launch.jobs import write_json
-    from gradmesh.simulate.command import link_terms
 
     if strategies != ["allreduce"]:
         raise GradmeshError(
@@ -115,41 +110,14 @@ def run_mesh(args: Any, gpus: list[int], strategies: list[str]) -> int:
     if args.global_batch < 0 or args.top < 1:
         raise GradmeshError("--global-batch must be >= 0 and --top >= 1")
     started = time.perf_counter()
-    device = _device(args)
+    device = _mixed(args, device)
     spec = _spec(args, device)
-    intra, inter = link_terms(args)
-    per_node = args.gpus_per_node
     fixed = {n: _fixed(args, n) for n in gpus} if not args.search else {}
     tps = sorted({lay.tp for lay in fixed.values()}) or [
-        t for t in divisors(per_node) if all(n % t == 0 for n in gpus)
+        t for t in divisors(args.gpus_per_node) if all(n % t == 0 for n in gpus)
     ]
-    batch = args.global_batch or args.batch_per_gpu
-    meta = meta_profile(spec, max(gpus), batch, tps, device)
-    rows: list[dict[str, Any]] = []
-    for n in gpus:
-        if args.search:
-            found = search_layouts(
-                _at(meta, n, args.global_batch),
-                intra,
-                inter,
-                per_node,
-                spec.sequence,
-                args.allreduce.algorithm,
-            )
-            rows += [_row(p, n) for p in found[: args.top]]
-        else:
-            lay = fixed[n]
-            b = args.global_batch or args.batch_per_gpu * lay.dp
-            p = price(
-                _at(meta, n, b),
-                lay,
-                intra,
-                inter,
-                per_node,
-                spec.sequence,
-                args.allreduce.algorithm,
-            )
-            rows.append(_row(p, n))
+    meta = meta_profile(spec, max(gpus), args.global_batch or args.batch_per_gpu, tps, device)
+    rows = _rows(args, meta, fixed, gpus, intra, inter)
     payload = {
         "model": spec.model,
         "model_args": spec.args,
@@ -157,7 +125,7 @@ def run_mesh(args: Any, gpus: list[int], strategies: list[str]) -> int:
         "flops_per_sample": meta.flops_per_sample,
         "sequence_length": spec.sequence,
         "device": {"name": args.device, **dataclasses.asdict(device)},
-        "gpus_per_node": per_node,
+        "gpus_per_node": args.gpus_per_node,
         "links": {"intra": dataclasses.asdict(intra), "inter": dataclasses.asdict(inter)},
         "usable_memory_fraction": USABLE,
         "rows": rows,
@@ -175,6 +143,29 @@ def run_mesh(args: Any, gpus: list[int], strategies: list[str]) -> int:
     for r in rows:
         print(_line(r, device.memory_gib))
     return 0
+
+
+def _rows(
+    args: Any,
+    meta: MetaProfile,
+    fixed: dict[int, Layout],
+    gpus: list[int],
+    intra: Any,
+    inter: Any,
+) -> list[dict[str, Any]]:
+    """Each GPU count's layout priced (`fixed`), or its `--top` fastest that fit (`--search`)."""
+    rows: list[dict[str, Any]] = []
+    per_node, sequence, algorithm = args.gpus_per_node, meta.spec.sequence, args.allreduce.algorithm
+    for n in gpus:
+        if args.search:
+            at = _at(meta, n, args.global_batch)
+            found = search_layouts(at, intra, inter, per_node, sequence, algorithm)
+            rows += [_row(p, n) for p in found[: args.top]]
+        else:
+            lay = fixed[n]
+            at = _at(meta, n, args.global_batch or args.batch_per_gpu * lay.dp)
+            rows.append(_row(price(at, lay, intra, inter, per_node, sequence, algorithm), n))
+    return rows
 
 
 def _at(meta: MetaProfile, gpus: int, batch: int) -> MetaProfile:

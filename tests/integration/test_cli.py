@@ -93,7 +93,7 @@ def test_default_train_reaches_accuracy_and_is_reproducible(
         (
             ["train", "--model", "vgg"],
             "unknown model 'vgg' (valid: alexnet, alexnet-imagenet, bag, cnn, gpt, inception3, "
-            "linear, mlp, residual, resnet50, vgg16)",
+            "linear, mlp, residual, resnet101, resnet50, vgg16)",
         ),
         (
             ["train", "--dataset", "mnist"],

@@ -35,7 +35,7 @@ def test_registry_lists_valid_names_on_unknown() -> None:
         (
             {"model": "resnet"},
             "unknown model 'resnet' (valid: alexnet, alexnet-imagenet, bag, cnn, gpt, inception3, "
-            "linear, mlp, residual, resnet50, vgg16)",
+            "linear, mlp, residual, resnet101, resnet50, vgg16)",
         ),
         (
             {"dataset": "imagenet"},

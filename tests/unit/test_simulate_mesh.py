@@ -1,0 +1,149 @@
+"""The simulator on transformers: the mesh planner's formulas on a profile counted on the meta
+device, memory a GPU against the device, and the layout search."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import gradmesh.simulate.mesh as mesh
+from gradmesh.layout.planner.mesh import Layout
+from gradmesh.simulate.devices import DEVICES
+from gradmesh.simulate.fabrics import FABRICS, fabric_terms
+from gradmesh.simulate.mesh import Spec, meta_profile, price
+from tests.harness import CLI
+
+A100 = DEVICES.get("a100").at("bf16")
+INTRA = fabric_terms(FABRICS.get("nvswitch-a100"))
+INTER = fabric_terms(FABRICS.get("infiniband-hdr"), 8)
+SMALL = Spec("gpt", {"dim": 128, "depth": 6, "heads": 4}, 256, 1000, "bf16")
+
+
+def test_a_deep_model_counted_from_two_depths_is_the_whole_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Six alike blocks extrapolated from two and three: every count the planner reads (the
+    kernels by kind, the tp exchanges, what each block saves and receives, the parameters,
+    the blocks' FLOPs and outputs) equals the count of the whole model."""
+    extrapolated = meta_profile(SMALL, 8, 16, [1, 2], A100)
+    monkeypatch.setattr(mesh, "_deep", lambda _spec: 0)
+    whole = meta_profile(SMALL, 8, 16, [1, 2], A100)
+    for tp in (1, 2):
+        a, b = extrapolated.counted[tp], whole.counted[tp]
+        totals: dict[str, list[float]] = {}
+        for kind, f, n in b.kernels:
+            t = totals.setdefault(kind, [0.0, 0.0])
+            t[0], t[1] = t[0] + f, t[1] + n
+        assert {k: pytest.approx(v) for k, v in totals.items()} == {
+            k: [f, n] for k, f, n in a.kernels
+        }
+        assert sorted(a.exchanges) == sorted(b.exchanges)
+        assert (a.saved, a.block_param_bytes, a.rest_param_bytes) == (
+            b.saved,
+            b.block_param_bytes,
+            b.rest_param_bytes,
+        )
+        assert (a.parameters, a.flops) == pytest.approx((b.parameters, b.flops))
+    assert extrapolated.profile.blocks == pytest.approx(whole.profile.blocks)
+    assert extrapolated.profile.boundary_bytes == whole.profile.boundary_bytes
+
+
+def test_tensor_parallel_exchanges_are_counted_on_the_meta_device() -> None:
+    """Each block's attention and MLP sum their row-parallel outputs in forward and their
+    column-parallel inputs' gradients in backward: 4 allreduces of a block's activations (one
+    sample: 256 tokens x 128 features in bf16), plus the embedding's and the head's."""
+    meta = meta_profile(SMALL, 8, 16, [2], A100)
+    made = meta.counted[2].exchanges
+    activation = 256 * 128 * 2
+    assert sum(1 for n, kind in made if n == activation and kind == "allreduce") >= 4 * 6
+    assert meta.profile.slices[2].exchanges[3] == [(3 * n, k) for n, k in made]
+
+
+def test_mixed_precision_state_is_16_bytes_a_parameter() -> None:
+    """bf16 parameters and gradients, AdamW's fp32 copy and two moments: 2 + 2 + 12 bytes a
+    parameter on one GPU, the ZeRO-3 shard of it on 8; checkpointing keeps far less."""
+    meta = meta_profile(SMALL, 8, 16, [1], A100)
+    one = price(meta, Layout(1, 1, 1, 16), INTRA, INTER, 8, 256).prediction.memory
+    assert one is not None
+    params = meta.parameters
+    assert one.param_bytes + one.grad_bytes + one.optimizer_bytes == pytest.approx(16 * params)
+    sharded = price(meta, Layout(8, 1, 1, 2, None, 1, 3), INTRA, INTER, 8, 256).prediction.memory
+    assert sharded is not None and sharded.state_bytes == pytest.approx(2 * params)
+    kept = price(meta, Layout(8, 1, 1, 2, None, 1, 0, True), INTRA, INTER, 8, 256)
+    full = price(meta, Layout(8, 1, 1, 2), INTRA, INTER, 8, 256)
+    assert kept.prediction.memory.activation_bytes < full.prediction.memory.activation_bytes / 2  # type: ignore[union-attr]
+
+
+def test_search_lays_out_gpt3_on_1024_a100s_within_their_memory(tmp_path: Path, cli: CLI) -> None:
+    """A 175-billion-parameter GPT on 1,024 A100 80 GB GPUs, 8 a node on NVSwitch, 8 HDR
+    InfiniBand ports a node: the fastest layout fits 90% of 80 GiB, keeps tensor parallelism
+    within a node and uses every GPU; the alternatives follow slowest last."""
+    out = tmp_path / "search.json"
+    args = ["simulate", "--model", "gpt", "--model-args", "dim=12288,depth=96,heads=96"]
+    args += ["--gpus", "1024", "--sequence-length", "2048", "--device", "a100"]
+    args += ["--intra-fabric", "nvswitch-a100"]
+    args += ["--inter-fabric", "infiniband-hdr", "--nics-per-node", "8", "--search"]
+    args += ["--optimizer", "adamw"]
+    args += ["--global-batch", "1536", "--json", str(out)]
+    assert cli(args) == 0
+    payload = json.loads(out.read_text())
+    assert payload["parameters"] == pytest.approx(175e9, rel=0.01)
+    rows = payload["rows"]
+    best = rows[0]
+    assert best["fits"] and best["memory"]["total_bytes"] <= 0.9 * 80 * 2**30
+    assert best["tp"] <= 8 and best["dp"] * best["tp"] * best["pp"] == 1024
+    assert 0.2 < best["mfu"] < 0.8
+    steps = [r["step_s"] for r in rows]
+    assert steps == sorted(steps) and len(rows) == 5
+
+
+def test_a_layout_that_does_not_fit_is_marked_not_priced(
+    tmp_path: Path, cli: CLI, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "fixed.json"
+    args = ["simulate", "--model", "gpt", "--model-args", "dim=12288,depth=96,heads=96"]
+    args += ["--gpus", "8,1024", "--sequence-length", "2048", "--device", "a100"]
+    args += ["--tensor-parallel", "8"]
+    args += ["--zero-stage", "3", "--microbatches", "8", "--global-batch", "1024"]
+    args += ["--activation-checkpointing", "blocks", "--json", str(out)]
+    assert cli(args) == 0
+    small, large = json.loads(out.read_text())["rows"]
+    assert not small["fits"] and small["step_s"] is None  # one replica: nothing to shard over
+    assert small["memory"]["param_bytes"] > 40 * 2**30  # 349 GB of bf16 weights over 8 GPUs
+    assert large["fits"] and large["step_s"] > 0
+    assert "does not fit" in capsys.readouterr().out
+
+
+GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "--gpus", "16"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--inter-fabric", "token-ring"], "unknown fabric 'token-ring' (valid: "),
+        (["--tensor-parallel", "3"], "16 GPUs do not divide into --tensor-parallel 3"),
+        (["--search"], "--search needs --global-batch (samples a step)"),
+        (["--device", "cpu"], "--device cpu measures an image model on this machine"),
+        (["--strategy", "ps"], "a token model is priced on the mesh"),
+        (
+            ["--pipeline-parallel", "2", "--zero-stage", "3"],
+            "--zero-stage does not run with --pipeline-parallel in gradmesh",
+        ),
+        (["--dtype", "fp8"], "unknown precision 'fp8' for this device (valid: fp32, fp16)"),
+    ],
+)
+def test_bad_transformer_input_is_one_line(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    assert message in cli_line([*GPT, "--device", "v100", *flags])
+
+
+def test_a_model_no_layout_fits_says_the_smallest_need(cli_line: Callable[..., str]) -> None:
+    args = ["simulate", "--model", "gpt", "--model-args", "dim=25600,depth=128,heads=160"]
+    args += ["--sequence-length", "2048", "--device", "a100", "--search", "--global-batch", "8"]
+    line = cli_line([*args, "--gpus", "8"])
+    assert "no layout of 8 GPUs fits 90% of the device's 80 GiB: the smallest, " in line
+    assert "GiB a GPU, most of it" in line
