@@ -163,7 +163,13 @@ def _rows(
             rows += [_row(p, n) for p in found[: args.top]]
         else:
             lay = fixed[n]
-            at = _at(meta, n, args.global_batch or args.batch_per_gpu * lay.dp)
+            batch = args.global_batch or args.batch_per_gpu * lay.dp
+            if batch % (lay.dp * lay.microbatches):
+                raise GradmeshError(
+                    f"a batch of {batch} samples does not divide into dp {lay.dp} x "
+                    f"--microbatches {lay.microbatches} at {n} GPUs"
+                )
+            at = _at(meta, n, batch)
             rows.append(_row(price(at, lay, intra, inter, per_node, sequence, algorithm), n))
     return rows
 

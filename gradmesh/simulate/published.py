@@ -270,8 +270,10 @@ def markdown(results: list[dict[str, Any]], table: Table) -> str:
             if r["metric"] == "efficiency"
             else (f"{r['published']:g}", f"{r['predicted']:.1f}", f"{r['error']:+.1%}")
         )
-        what = {"images_per_s": "images/s", "tflops_per_gpu": "TFLOP/s a GPU"}.get(r["metric"], "")
-        setup = f"{r['model']} {r['model_args']} on {r['gpus']} {r['device']} {what}".replace(
+        what = {"images_per_s": "images/s", "tflops_per_gpu": "TFLOP/s a GPU"}.get(
+            r["metric"], f"efficiency against {r['baseline_gpus']}"
+        )
+        setup = f"{r['model']} {r['model_args']} on {r['gpus']} {r['device']}, {what}".replace(
             "  ", " "
         )
         mark = "fitted" if r["role"] == "calibration" else ("yes" if r["within"] else "**no**")

@@ -132,6 +132,10 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
             ["--pipeline-parallel", "2", "--zero-stage", "3"],
             "--zero-stage does not run with --pipeline-parallel in gradmesh",
         ),
+        (
+            ["--global-batch", "12", "--microbatches", "2"],
+            "a batch of 12 samples does not divide into dp 16 x --microbatches 2 at 16 GPUs",
+        ),
         (["--dtype", "fp8"], "unknown precision 'fp8' for this device (valid: fp32, fp16)"),
     ],
 )
