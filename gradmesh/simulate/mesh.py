@@ -256,7 +256,21 @@ def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Devi
     (those the model's plan admits; one line when it admits none of them). A model of more
     than 3 blocks with a `depth` argument is counted at 2 and 3 blocks and extrapolated
     (`_repeated`: its blocks are taken to be alike, as a `depth` says; a test checks the
-    extrapolation against a count of the whole)."""
+    extrapolation against a count of the whole). A model whose forward reads a tensor's values
+    (Hugging Face's mask preparation does) cannot run on the meta device: one line says so."""
+    try:
+        return _meta_profile(spec, gpus, batch, tps, device)
+    except (RuntimeError, NotImplementedError) as e:
+        if "meta" not in str(e):
+            raise
+        raise GradmeshError(
+            f"model {spec.model} reads tensor values in its forward, which the meta device has "
+            f"none of ({str(e).splitlines()[0]}); the simulator prices models that do not "
+            "(gpt, a factory of your own)"
+        ) from None
+
+
+def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
     from gradmesh.layout.blocks import block_list
     from gradmesh.layout.engine import tp_plan
     from gradmesh.layout.graph_pipeline import block_flops

@@ -145,6 +145,15 @@ def test_bad_transformer_input_is_one_line(
     assert message in cli_line([*GPT, "--device", "v100", *flags])
 
 
+def test_a_model_that_reads_values_on_the_meta_device_is_one_line(
+    cli_line: Callable[..., str],
+) -> None:
+    pytest.importorskip("transformers")
+    args = ["simulate", "--model", "hf:llama", "--gpus", "8", "--device", "a100", "--model-args"]
+    line = cli_line([*args, "hidden_size=64,num_hidden_layers=2,num_attention_heads=4"])
+    assert "model hf:llama reads tensor values in its forward" in line
+
+
 def test_a_model_no_layout_fits_says_the_smallest_need(cli_line: Callable[..., str]) -> None:
     args = ["simulate", "--model", "gpt", "--model-args", "dim=25600,depth=128,heads=160"]
     args += ["--sequence-length", "2048", "--device", "a100", "--search", "--global-batch", "8"]
