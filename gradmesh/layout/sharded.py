@@ -69,6 +69,36 @@ def shard_optimizer(optimizer: Optimizer, stage: int, rt: Runtime) -> Optimizer:
     )
 
 
+def optimizer_sharded(optimizer: Any) -> bool:
+    """Whether each rank holds only its part of `optimizer`'s state (stage 1)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
+    """What a rank's checkpoint keeps of `optimizer`: its state dict; at stage 1 this rank's
+    part of it, in the whole optimizer's form (entries by the index of the parameter among
+    all the optimizer's, every parameter group), which `ZeroRedundancyOptimizer.load_state_dict`
+    takes back at the same layout and the replicas' files together make whole
+    (`gradmesh.train.checkpoint.whole_state`). Torch's own way, `consolidate_state_dict`,
+    would send every rank's state to one rank pickled, which gradmesh does not take from the
+    network."""
+    if not optimizer_sharded(optimizer):
+        return dict(optimizer.state_dict())
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    state = {index[id(p)]: dict(entry) for p, entry in optimizer.optim.state.items()}
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [index[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
+
+
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes (shards counted as held)."""
 

@@ -98,12 +98,6 @@ def _check_layout(config: TrainConfig) -> None:
     check_stage(stage, shape.pp, strategy, config.sync.compression.method)
     if stage and layout.plan:
         raise GradmeshError(f"--zero-stage {stage} with --plan is not supported yet")
-    if stage == 1 and config.checkpoint.dir:
-        raise GradmeshError(
-            "--zero-stage 1 with --checkpoint-dir is not supported yet (torch's "
-            "ZeroRedundancyOptimizer gathers its state on one rank to save it; stages 2 and 3 "
-            "write each rank's shard)"
-        )
     if config.checkpoint.reshard:
         _check_reshard(config, shape.pp)
     if stage >= 2 and config.output.tensorboard:

@@ -228,6 +228,12 @@ class TrainConfig:
                 "an elastic job (--nnodes MIN:MAX) changes data-parallel replicas only: "
                 "tensor and pipeline parallelism are not supported in it"
             )
+        if self.sync.allreduce.zero_stage:
+            raise GradmeshError(
+                f"an elastic job (--nnodes MIN:MAX) resumes any rank from any replica's part: "
+                f"--zero-stage {self.sync.allreduce.zero_stage} gives each replica a part of "
+                "its own"
+            )
         if not self.checkpoint.dir or self.checkpoint.max_restarts < 1:
             raise GradmeshError(
                 "an elastic job (--nnodes MIN:MAX) resumes from its checkpoints after a host "

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from gradmesh.collectives import allreduce
+from gradmesh.layout.sharded import optimizer_state_dict
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 from gradmesh.runtime.world import Runtime
@@ -99,7 +100,7 @@ def _checkpoint(
     epoch, offset = divmod(step, job.sharder.steps_per_epoch())
     state = {
         "model": job.split.module.state_dict(),
-        "optimizer": job.optimizer.state_dict(),
+        "optimizer": optimizer_state_dict(job.optimizer),
         "strategy": job.strategy.state_dict(),
         "rng": checkpoint.rng_state(),
         "layout": checkpoint.layout_record(job.split.module, job.optimizer),

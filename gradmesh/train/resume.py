@@ -39,7 +39,7 @@ def check_resume(config: TrainConfig) -> None:
 
     def usable(meta: checkpoint.Meta) -> None:
         moved = _resharding(config, meta)
-        if moved or config.sync.allreduce.zero_stage >= 2:  # shards: check them put together
+        if moved or config.sync.allreduce.zero_stage:  # shards: check them put together
             weights, saved = checkpoint.whole_state(meta)  # fits the whole model, before launch
             problem = checkpoint.model_problem(weights, model)
             if problem is not None:

@@ -155,3 +155,14 @@ def test_an_engine_whose_extra_is_missing_names_the_install(
     with pytest.raises(GradmeshError, match=r"pip install 'gradmesh\[spark\]'"):
         check_engine("spark")
     check_engine("local")
+
+
+def test_an_elastic_job_refuses_what_makes_replicas_differ() -> None:
+    """Any rank of an elastic job may resume from any replica's part: ZeRO gives each replica a
+    part of its own (a checkpoint of it would resume ranks with another rank's optimizer
+    state), so it is refused, as tensor parallelism is."""
+    config = TrainConfig.of(checkpoint_dir="ckpt", max_restarts=1)
+    config.check_elastic()  # plain data parallelism: each replica holds the same state
+    for stage in (1, 2, 3):
+        with pytest.raises(GradmeshError, match=f"--zero-stage {stage} gives each replica"):
+            TrainConfig.of(checkpoint_dir="ckpt", max_restarts=1, zero_stage=stage).check_elastic()

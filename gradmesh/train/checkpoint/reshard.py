@@ -74,9 +74,16 @@ def layout_record(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """What a rank file records of its layout: each split parameter's cut, by every name it
     has in the state dict, the parameters sharded over the replicas, and the optimizer's
     parameters by name."""
+    from gradmesh.layout.sharded import optimizer_sharded
+
     specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
     names = optimizer_names(module, optimizer)
-    return {"specs": specs, "names": names, "dp_shards": dp_shards(module)}
+    return {
+        "specs": specs,
+        "names": names,
+        "dp_shards": dp_shards(module),
+        "optimizer_shards": optimizer_sharded(optimizer),
+    }
 
 
 def saved_layout(meta: Meta) -> tuple[int, int, int, int]:
@@ -116,7 +123,8 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         )
     specs, names = record["specs"], record["names"]
     sharded = record.get("dp_shards", {})
-    replicas = workers // tp if sharded else 1  # files read: every replica's, or the first's
+    parted = bool(record.get("optimizer_shards"))  # stage 1: each replica's part of the state
+    replicas = workers // tp if sharded or parted else 1  # files read: every replica's, or one
     files = [first] + [read_rank(meta.checkpoint, r) for r in range(1, replicas * tp)]
 
     def join(name: str, pieces: list[Any]) -> Any:
@@ -134,10 +142,11 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         model = {k: join(k, [f["model"][k] for f in files]) for k in first["model"]}
         saved = first["optimizer"]
         state: dict[str, dict[str, Any]] = {}
-        for index, entry in saved["state"].items():
+        for index, holders in _holders(files, tp, parted).items():
             name = names[int(index)]
+            entry = holders[0]["optimizer"]["state"][index]
             state[name] = {
-                key: join(name, [f["optimizer"]["state"][index][key] for f in files])
+                key: join(name, [f["optimizer"]["state"][index][key] for f in holders])
                 if local_like(name, value)
                 else value
                 for key, value in entry.items()
@@ -151,6 +160,18 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
             f"checkpoint {meta.checkpoint} cannot be put back together: {first_line(exc)}"
         ) from None
     return model, {"state": state, "param_groups": groups}
+
+
+def _holders(files: list[Any], tp: int, parted: bool) -> dict[Any, list[Any]]:
+    """The files that hold each optimizer entry (by its index), in tp order: every file, or at
+    stage 1 the tp slices of the replica whose part of the state it is."""
+    if not parted:
+        return {index: files for index in files[0]["optimizer"]["state"]}
+    found: dict[Any, list[Any]] = {}
+    for r in range(len(files) // tp):
+        for index in files[r * tp]["optimizer"]["state"]:
+            found.setdefault(index, files[r * tp : (r + 1) * tp])
+    return found
 
 
 def part_for(
