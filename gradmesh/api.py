@@ -9,6 +9,7 @@ from gradmesh.horovod.gathers import allgather, broadcast
 from gradmesh.horovod.reductions import allreduce, allreduce_async
 from gradmesh.layout.graph_pipeline import pipeline_stage
 from gradmesh.layout.hybrid import parallelize
+from gradmesh.layout.sharded import shard
 from gradmesh.layout.vocab_parallel import vocab_parallel_cross_entropy
 from gradmesh.observe.timeline import start_timeline, stop_timeline
 from gradmesh.runtime.world import (

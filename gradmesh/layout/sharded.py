@@ -2,8 +2,9 @@
 keeps 1/dp of what plain data parallelism keeps whole.
 
 - **Stage 1** (optimizer state): torch's `ZeroRedundancyOptimizer` over the dp group around the
-  job's optimizer. Gradients are averaged as in plain data parallelism; each rank then steps
-  only its part of the parameters (holding only that part's optimizer state) and broadcasts it.
+  job's optimizer (`gradmesh.sync.data_parallel.zero`, the optimizer's side). Gradients are
+  averaged as in plain data parallelism; each rank then steps only its part of the parameters
+  (holding only that part's optimizer state) and broadcasts it.
 - **Stage 2** (plus gradients) and **stage 3** (plus parameters): torch's FSDP2
   (`fully_shard`) on the dp axis. Each block of the model's block list (`block_list`) is one
   unit, the root holds the rest (embeddings, head): a unit's parameters are all-gathered just
@@ -25,14 +26,31 @@ distributed checkpoint reads.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import nn
-from torch.optim import Optimizer
 
 from gradmesh.layout.blocks import block_list
 from gradmesh.runtime.world import Runtime
+
+
+def shard(model: nn.Module, stage: int = 3) -> nn.Module:
+    """`gradmesh.shard`: `model` sharded over the initialised runtime's data-parallel axis at
+    ZeRO `stage` 2 or 3 (FSDP2, `shard_model`), in place; returns it. Make every rank's whole
+    model the same first (`gradmesh.broadcast_parameters`, or one seed), then split it where
+    it is split too (`gradmesh.parallelize`), then shard it; build the optimizer over the
+    returned module's parameters, and step it as it is: FSDP2 averages the gradients over the
+    replicas itself. Stage 1 shards the optimizer's state only:
+    `gradmesh.DistributedOptimizer(..., zero_stage=1)`."""
+    from gradmesh.errors import GradmeshError
+    from gradmesh.runtime.world import get_runtime
+
+    if stage not in (2, 3):
+        raise GradmeshError(
+            f"gradmesh.shard: stage {stage}: it shards the model at stage 2 or 3; stage 1 "
+            "shards the optimizer's state (gradmesh.DistributedOptimizer(..., zero_stage=1))"
+        )
+    return shard_model(model, stage, get_runtime())
 
 
 def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
@@ -49,54 +67,6 @@ def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
         fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     return model
-
-
-def shard_optimizer(optimizer: Optimizer, stage: int, rt: Runtime) -> Optimizer:
-    """Stage 1: `optimizer` (already built over the model's parameters) remade as a
-    `ZeroRedundancyOptimizer` of the same class and settings over the dp group."""
-    if stage != 1:
-        return optimizer
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    takes = inspect.signature(type(optimizer).__init__).parameters  # defaults hold more
-    settings = {k: v for k, v in optimizer.defaults.items() if k in takes}
-    return ZeroRedundancyOptimizer(
-        params,
-        optimizer_class=type(optimizer),
-        process_group=rt.mesh["dp"].group,
-        **settings,
-    )
-
-
-def optimizer_sharded(optimizer: Any) -> bool:
-    """Whether each rank holds only its part of `optimizer`'s state (stage 1)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
-    """What a rank's checkpoint keeps of `optimizer`: its state dict; at stage 1 this rank's
-    part of it, in the whole optimizer's form (entries by the index of the parameter among
-    all the optimizer's, every parameter group), which `ZeroRedundancyOptimizer.load_state_dict`
-    takes back at the same layout and the replicas' files together make whole
-    (`gradmesh.train.checkpoint.whole_state`). Torch's own way, `consolidate_state_dict`,
-    would send every rank's state to one rank pickled, which gradmesh does not take from the
-    network."""
-    if not optimizer_sharded(optimizer):
-        return dict(optimizer.state_dict())
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    index = {id(p): i for i, p in enumerate(params)}
-    state = {index[id(p)]: dict(entry) for p, entry in optimizer.optim.state.items()}
-    groups = [
-        {
-            **{k: v for k, v in group.items() if k != "params"},
-            "params": [index[id(p)] for p in group["params"]],
-        }
-        for group in optimizer.param_groups
-    ]
-    return {"state": state, "param_groups": groups}
 
 
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:

@@ -25,7 +25,7 @@ from gradmesh.layout.engine import split_model
 from gradmesh.layout.hybrid import load_plan
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
-from gradmesh.layout.sharded import shard_model, shard_optimizer
+from gradmesh.layout.sharded import shard_model
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
@@ -34,6 +34,7 @@ from gradmesh.options import with_value
 from gradmesh.registry import import_path, parse_kwargs
 from gradmesh.runtime.process import MAX_WORLD_ENV, restarts
 from gradmesh.runtime.world import Runtime
+from gradmesh.sync.data_parallel.zero import shard_optimizer
 from gradmesh.sync.strategies import STRATEGIES, Strategy
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import gradmesh
-from gradmesh.layout.sharded import shard_model, shard_optimizer, state_bytes
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.sharded import state_bytes
 from gradmesh.models.gpt import GPT, GPTConfig
 from tests.harness import run_ranks
 
@@ -21,18 +22,28 @@ MHA = {"vocab": 64, "seq": 16, "dim": 32, "depth": 2, "heads": 4}
 
 
 def train(stage: int, tp: int) -> Any:
-    """20 AdamW steps at `stage` (0: plain data parallelism); returns (tp index, dp index,
-    whole parameters of this tp rank's slice, None, held bytes)."""
+    """20 AdamW steps at `stage` (0: plain data parallelism), through the script API; returns
+    (tp index, dp index, whole parameters of this tp rank's slice, what DistributedOptimizer
+    said of a sharded model's parameters, held bytes)."""
     rt = gradmesh.get_runtime()
     coords = rt.mesh.shape.coords(rt.rank)
     torch.manual_seed(0)
     model = GPT(GPTConfig(**MHA)).double()
     if tp > 1:
         model = gradmesh.parallelize(model, model.tp_plan)
-    model = shard_model(model, stage, rt)
-    opt = shard_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), stage, rt)
-    if stage < 2:  # stages 2 and 3 reduce-scatter their gradients themselves
-        opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    if stage >= 2:  # the script API: stages 2 and 3 shard the model, which then reduce-
+        model = gradmesh.shard(model, stage)  # scatters its gradients itself
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    refused = ""
+    if stage < 2:
+        opt = gradmesh.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), zero_stage=stage
+        )
+    else:
+        try:
+            gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+        except GradmeshError as e:
+            refused = str(e)
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, MHA["vocab"], (STEPS, BATCH, MHA["seq"] + 1), generator=g)
     dp = rt.mesh["dp"].size
@@ -48,7 +59,7 @@ def train(stage: int, tp: int) -> Any:
         k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
         for k, v in model.named_parameters()
     }
-    return coords["tp"], coords["dp"], params, None, held
+    return coords["tp"], coords["dp"], params, refused, held
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +74,8 @@ def test_each_stage_takes_plain_data_parallel_steps(
     results = run_ranks(train, 4, stage, tp, init={"tensor_parallel": tp})
     for got, want in zip(results, plain[tp], strict=True):
         assert got[:2] == want[:2]
+        if stage >= 2:  # wrapping FSDP2's parameters again would average them twice
+            assert got[3].startswith("DistributedOptimizer: the parameters are sharded by")
         assert sorted(got[2]) == sorted(want[2])  # names kept, the tied weight one parameter
         for name, whole in want[2].items():
             error = float((got[2][name] - whole).abs().max() / whole.abs().max())

@@ -91,7 +91,10 @@ def test_validation_rows_are_not_calibration_rows() -> None:
 
 
 def test_the_devices_fractions_are_the_fit_on_the_calibration_rows() -> None:
-    assert fit_devices(load()) == ACHIEVED
+    fitted = fit_devices(load())
+    assert fitted.keys() == ACHIEVED.keys()
+    for device, fractions in ACHIEVED.items():  # stored to 3 decimals
+        assert fitted[device] == pytest.approx(fractions, abs=2e-3), device
 
 
 def test_the_validation_rows_are_within_tolerance() -> None:

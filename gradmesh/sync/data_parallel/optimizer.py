@@ -139,6 +139,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     gradient_predivide_factor: float = 1.0,
     group: dist.ProcessGroup | None = None,
     sparse_as_dense: bool = True,
+    zero_stage: int = 0,
 ) -> Optimizer:
     """Wrap `optimizer` so gradients are averaged over all ranks, overlapped with backward.
 
@@ -151,10 +152,18 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     set's, used by this optimizer alone) instead of the data-parallel axis. `sparse_as_dense`
     False: sparse gradients (an `nn.Embedding(sparse=True)`'s) stay sparse, each rank sending
     only its rows (`sparse.py`), for optimizers such as SparseAdam; True: densified into the
-    fusion buckets.
+    fusion buckets. `zero_stage` 1: each data-parallel replica keeps the optimizer's state of
+    its part of the parameters only (ZeRO stage 1, `zero.shard_optimizer`), steps that part and
+    sends it to the others; stages 2 and 3 shard the model (`gradmesh.shard`) and need no
+    wrapping.
     """
     _check_options(allreduce, op, backward_passes_per_step, on_nonfinite, gradient_predivide_factor)
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    _check_unsharded(params, zero_stage, group)
+    if zero_stage == 1:
+        from gradmesh.sync.data_parallel.zero import shard_optimizer
+
+        optimizer = shard_optimizer(optimizer, 1, get_runtime())
     named = (
         [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]  # Horovod's names
         if named_parameters is None
@@ -187,6 +196,24 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     wrapped._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]  # Horovod's
     reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins
     return wrapped
+
+
+def _check_unsharded(
+    params: list[torch.nn.Parameter], stage: int, group: dist.ProcessGroup | None
+) -> None:
+    """One line for parameters this wrapper must not average, or a stage it does not take."""
+    if any(hasattr(p, "device_mesh") for p in params):
+        raise GradmeshError(
+            "DistributedOptimizer: the parameters are sharded by gradmesh.shard (FSDP2), which "
+            "averages their gradients itself: step the optimizer as it is"
+        )
+    if stage not in (0, 1):
+        raise GradmeshError(
+            f"DistributedOptimizer: zero_stage {stage}: stages 2 and 3 shard the model, with "
+            "gradmesh.shard(model, stage) before the optimizer is built (valid here: 0, 1)"
+        )
+    if stage and group is not None:
+        raise GradmeshError("DistributedOptimizer: zero_stage 1 shards over the mesh's dp axis")
 
 
 def _check_options(

@@ -74,7 +74,7 @@ def layout_record(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """What a rank file records of its layout: each split parameter's cut, by every name it
     has in the state dict, the parameters sharded over the replicas, and the optimizer's
     parameters by name."""
-    from gradmesh.layout.sharded import optimizer_sharded
+    from gradmesh.sync.data_parallel.zero import optimizer_sharded
 
     specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
     names = optimizer_names(module, optimizer)

@@ -1,0 +1,61 @@
+"""ZeRO stage 1 on the optimizer's side: torch's `ZeroRedundancyOptimizer` over the
+data-parallel group (`shard_optimizer`), and what a checkpoint keeps of it
+(`optimizer_state_dict`). The model's side (stages 2 and 3, FSDP2) is
+`gradmesh.layout.sharded`."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from torch.optim import Optimizer
+
+from gradmesh.runtime.world import Runtime
+
+
+def shard_optimizer(optimizer: Optimizer, stage: int, rt: Runtime) -> Optimizer:
+    """Stage 1: `optimizer` (already built over the model's parameters) remade as a
+    `ZeroRedundancyOptimizer` of the same class and settings over the dp group."""
+    if stage != 1:
+        return optimizer
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    takes = inspect.signature(type(optimizer).__init__).parameters  # defaults hold more
+    settings = {k: v for k, v in optimizer.defaults.items() if k in takes}
+    return ZeroRedundancyOptimizer(
+        params,
+        optimizer_class=type(optimizer),
+        process_group=rt.mesh["dp"].group,
+        **settings,
+    )
+
+
+def optimizer_sharded(optimizer: Any) -> bool:
+    """Whether each rank holds only its part of `optimizer`'s state (stage 1)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
+    """What a rank's checkpoint keeps of `optimizer`: its state dict; at stage 1 this rank's
+    part of it, in the whole optimizer's form (entries by the index of the parameter among
+    all the optimizer's, every parameter group), which `ZeroRedundancyOptimizer.load_state_dict`
+    takes back at the same layout and the replicas' files together make whole
+    (`gradmesh.train.checkpoint.whole_state`). Torch's own way, `consolidate_state_dict`,
+    would send every rank's state to one rank pickled, which gradmesh does not take from the
+    network."""
+    if not optimizer_sharded(optimizer):
+        return dict(optimizer.state_dict())
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    state = {index[id(p)]: dict(entry) for p, entry in optimizer.optim.state.items()}
+    groups = [
+        {
+            **{k: v for k, v in group.items() if k != "params"},
+            "params": [index[id(p)] for p in group["params"]],
+        }
+        for group in optimizer.param_groups
+    ]
+    return {"state": state, "param_groups": groups}
