@@ -40,6 +40,7 @@ from gradmesh.layout.planner.mesh import Layout, MeshProfile, Slice, block_outpu
 from gradmesh.layout.planner.mesh_cost import MeshPrediction, predict_mesh, variants
 from gradmesh.runtime.mesh import divisors
 from gradmesh.simulate.devices import Device
+from gradmesh.simulate.meta_count import Counted, Spec, count, deep, grown, renamed, repeated
 
 USABLE = 0.9
 """Of a device's memory, what a layout may fill: the rest is the CUDA context, the
@@ -63,86 +64,6 @@ class PerSample(dict[int, Any]):
         if isinstance(self.one, list):
             return [(n * samples, kind) for n, kind in self.one]
         return self.one * samples
-
-
-@dataclass(frozen=True)
-class Spec:
-    """A model to build on the meta device, and what it trains with."""
-
-    model: str
-    args: dict[str, Any]
-    sequence: int
-    vocab: int
-    precision: str
-    optimizer: str = "adamw"
-
-    @property
-    def mixed(self) -> bool:
-        return self.precision in ("bf16", "fp16")
-
-    def build(self) -> tuple[Any, Any]:
-        """(the model on the meta device in the job's precision, one sample's token ids)."""
-        import torch
-
-        from gradmesh.models.registry import MODELS
-
-        with torch.device("meta"):
-            if ":" in self.model and self.model.partition(":")[0] not in MODELS.schemes:
-                net = MODELS.get(self.model)(**self.args)
-            else:
-                net = MODELS.get(self.model)((self.sequence,), self.vocab, **self.args)
-            if self.mixed:
-                net = net.to(torch.bfloat16)
-            ids = torch.zeros(1, self.sequence, dtype=torch.long)
-        return net, ids
-
-
-@dataclass(frozen=True)
-class Counted:
-    """Rank 0's slice at one tp, counted on the meta device at one sample."""
-
-    kernels: list[tuple[str, float, float]]
-    exchanges: list[tuple[int, str]]
-    saved: Any
-    block_param_bytes: dict[str, int]
-    rest_param_bytes: int
-    parameters: float
-    flops: float
-    """Forward and backward FLOPs of the slice."""
-
-
-def _count(spec: Spec, tp: int) -> Counted:
-    """The module docstring's counts of rank 0's slice at tp."""
-    from gradmesh.layout.blocks import block_list
-    from gradmesh.layout.engine import tp_plan
-    from gradmesh.layout.memory import saved_activations
-    from gradmesh.layout.tensor_parallel import dry_exchanges
-    from gradmesh.layout.tp_plan import apply_tp_plan
-    from gradmesh.models.flops import KernelCounter
-
-    net, ids = spec.build()
-    if tp > 1:
-        apply_tp_plan(net, tp_plan(spec.model, net), tp, 0, spec.model)
-    counter = KernelCounter()
-    with dry_exchanges(tp) as dry:
-        with counter:
-            net(ids).float().sum().backward()
-        made = [(n, kind) for _, n, kind in dry.made]
-    with dry_exchanges(tp):
-        saved = saved_activations(net, lambda: net(ids).float().sum(), ids, peak=False)
-    kernels = [(k, f, b) for costs in counter.costs.values() for k, (f, b) in costs.items()]
-    names = block_list(net)
-    per_block = dict.fromkeys(names, 0)
-    rest = 0
-    for name, p in net.named_parameters():
-        owner = next((b for b in names if name.startswith(b + ".")), None)
-        if owner is None:
-            rest += p.numel() * p.element_size()
-        else:
-            per_block[owner] += p.numel() * p.element_size()
-    params = sum(p.numel() for p in net.parameters())
-    flops = sum(f for _, f, _ in kernels)
-    return Counted(kernels, made, saved, per_block, rest, params, flops)
 
 
 def _slice(spec: Spec, counted: Counted, device: Device) -> Slice:
@@ -190,72 +111,11 @@ class MetaProfile:
         return MetaProfile(self.spec, prof, self.counted, device)
 
 
-def _deep(spec: Spec) -> int:
-    """The depth `spec` is extrapolated to from depths 2 and 3 (`_repeated`), or 0 to count it
-    whole: a model with a `depth` argument of more than 3 blocks."""
-    depth = spec.args.get("depth")
-    return depth if isinstance(depth, int) and depth > 3 else 0
-
-
-def _renamed(names: list[str], depth: int) -> list[str] | None:
-    """The block names of `depth` blocks, from those of 3 named `prefix.0` .. `prefix.2`."""
-    prefix = names[0].rpartition(".")[0]
-    if names != [f"{prefix}.{i}" for i in range(len(names))]:
-        return None
-    return [f"{prefix}.{i}" for i in range(depth)]
-
-
-def _grown(table: dict[str, Any], names: list[str]) -> dict[str, Any]:
-    """A per-block table of 3 blocks for all of `names`: the first and last blocks' own
-    values (they carry what comes before and after the blocks), the middle one's between."""
-    first, middle, last = table.values()
-    return {
-        n: first if i == 0 else last if i == len(names) - 1 else middle for i, n in enumerate(names)
-    }
-
-
-def _repeated(two: Counted, three: Counted, depth: int, names: list[str]) -> Counted:
-    """A model of `depth` identical blocks counted from the same model at 2 and 3 blocks:
-    every total grows by the third block's share once per block more."""
-    from collections import Counter
-
-    more = depth - 2
-
-    def grow(a: float, b: float) -> float:
-        return a + more * (b - a)
-
-    kinds: dict[str, list[float]] = {}
-    for sign, counted in ((-1, two), (1, three)):
-        for kind, f, b in counted.kernels:
-            k = kinds.setdefault(kind, [0.0, 0.0, 0.0, 0.0])
-            k[0 if sign < 0 else 2] += f
-            k[1 if sign < 0 else 3] += b
-    kernels = [(k, grow(v[0], v[2]), grow(v[1], v[3])) for k, v in kinds.items()]
-    extra = Counter(three.exchanges) - Counter(two.exchanges)
-    exchanges = list(
-        (Counter(two.exchanges) + Counter({e: more * n for e, n in extra.items()})).elements()
-    )
-    saved = dataclasses.replace(
-        three.saved,
-        blocks=_grown(three.saved.blocks, names),
-        inputs=_grown(three.saved.inputs, names),
-    )
-    return Counted(
-        kernels,
-        exchanges,
-        saved,
-        _grown(three.block_param_bytes, names),
-        three.rest_param_bytes,
-        grow(two.parameters, three.parameters),
-        grow(two.flops, three.flops),
-    )
-
-
 def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
     """The mesh planner's profile of `spec` at global `batch` samples, at each tp of `tps`
     (those the model's plan admits; one line when it admits none of them). A model of more
     than 3 blocks with a `depth` argument is counted at 2 and 3 blocks and extrapolated
-    (`_repeated`: its blocks are taken to be alike, as a `depth` says; a test checks the
+    (`repeated`: its blocks are taken to be alike, as a `depth` says; a test checks the
     extrapolation against a count of the whole). A model whose forward reads a tensor's values
     (Hugging Face's mask preparation does) cannot run on the meta device: one line says so."""
     try:
@@ -276,11 +136,11 @@ def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Dev
     from gradmesh.layout.graph_pipeline import block_flops
     from gradmesh.layout.tp_plan import check_plan
 
-    depth = _deep(spec)
+    depth = deep(spec)
     small = dataclasses.replace(spec, args={**spec.args, "depth": 3}) if depth else spec
     net, ids = small.build()
     names = block_list(net)
-    full = _renamed(names, depth) if depth else names
+    full = renamed(names, depth) if depth else names
     if full is None:  # blocks not named as a list: count the whole model
         small, depth = spec, 0
         net, ids = spec.build()
@@ -294,15 +154,15 @@ def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Dev
                 continue
         if depth:
             two = dataclasses.replace(spec, args={**spec.args, "depth": 2})
-            counted[tp] = _repeated(_count(two, tp), _count(small, tp), depth, full)
+            counted[tp] = repeated(count(two, tp), count(small, tp), depth, full)
         else:
-            counted[tp] = _count(spec, tp)
+            counted[tp] = count(spec, tp)
     if not counted:
         raise GradmeshError(f"model {spec.model} admits none of the tensor-parallel degrees {tps}")
     blocks = block_flops(net, ids, 1, spec.model)
     outputs = block_outputs(net, ids)
     if depth:
-        blocks, outputs = _grown(blocks, full), _grown({n: outputs[n] for n in names}, full)
+        blocks, outputs = grown(blocks, full), grown({n: outputs[n] for n in names}, full)
     prof = MeshProfile(spec.model, gpus, batch, 0, 1, blocks, {}, {})
     prof.boundary_bytes = {k: v for k, v in outputs.items() if k in blocks}
     return MetaProfile(spec, prof, counted, device).on(device)

@@ -12,8 +12,9 @@ from typing import Any
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner.mesh import Layout
 from gradmesh.runtime.mesh import divisors
-from gradmesh.simulate.mesh import SLOTS, USABLE, MetaProfile, Priced, Spec, meta_profile, price
+from gradmesh.simulate.mesh import SLOTS, USABLE, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
+from gradmesh.simulate.meta_count import Spec
 
 GIB = 2**30
 

@@ -144,7 +144,8 @@ def model_args(text: str) -> dict[str, Any]:
 @functools.lru_cache(maxsize=64)
 def _meta(row: Row) -> Any:
     from gradmesh.simulate.devices import DEVICES
-    from gradmesh.simulate.mesh import Spec, meta_profile
+    from gradmesh.simulate.mesh import meta_profile
+    from gradmesh.simulate.meta_count import Spec
 
     spec = Spec(row.model, model_args(row.model_args), row.sequence, row.vocab, _precision(row))
     device = DEVICES.get(row.device).at(spec.precision)

@@ -13,7 +13,8 @@ import gradmesh.simulate.mesh as mesh
 from gradmesh.layout.planner.mesh import Layout
 from gradmesh.simulate.devices import DEVICES
 from gradmesh.simulate.fabrics import FABRICS, fabric_terms
-from gradmesh.simulate.mesh import Spec, meta_profile, price
+from gradmesh.simulate.mesh import meta_profile, price
+from gradmesh.simulate.meta_count import Spec
 from tests.harness import CLI
 
 A100 = DEVICES.get("a100").at("bf16")
@@ -29,7 +30,7 @@ def test_a_deep_model_counted_from_two_depths_is_the_whole_count(
     kernels by kind, the tp exchanges, what each block saves and receives, the parameters,
     the blocks' FLOPs and outputs) equals the count of the whole model."""
     extrapolated = meta_profile(SMALL, 8, 16, [1, 2], A100)
-    monkeypatch.setattr(mesh, "_deep", lambda _spec: 0)
+    monkeypatch.setattr(mesh, "deep", lambda _spec: 0)
     whole = meta_profile(SMALL, 8, 16, [1, 2], A100)
     for tp in (1, 2):
         a, b = extrapolated.counted[tp], whole.counted[tp]

@@ -152,23 +152,13 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     set's, used by this optimizer alone) instead of the data-parallel axis. `sparse_as_dense`
     False: sparse gradients (an `nn.Embedding(sparse=True)`'s) stay sparse, each rank sending
     only its rows (`sparse.py`), for optimizers such as SparseAdam; True: densified into the
-    fusion buckets. `zero_stage` 1: each data-parallel replica keeps the optimizer's state of
-    its part of the parameters only (ZeRO stage 1, `zero.shard_optimizer`), steps that part and
-    sends it to the others; stages 2 and 3 shard the model (`gradmesh.shard`) and need no
-    wrapping.
+    fusion buckets. `zero_stage` 1: each replica keeps its part's optimizer state only (ZeRO
+    stage 1, `_sharded`); stages 2 and 3 shard the model instead (`gradmesh.shard`).
     """
     _check_options(allreduce, op, backward_passes_per_step, on_nonfinite, gradient_predivide_factor)
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    _check_unsharded(params, zero_stage, group)
-    if zero_stage == 1:
-        from gradmesh.sync.data_parallel.zero import shard_optimizer
-
-        optimizer = shard_optimizer(optimizer, 1, get_runtime())
-    named = (
-        [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]  # Horovod's names
-        if named_parameters is None
-        else _check_named(list(named_parameters), params)
-    )
+    optimizer = _sharded(optimizer, params, zero_stage, group)
+    named = _check_named(named_parameters, params)
     trainable = [
         (n, p) for n, p in named if p.requires_grad and not getattr(p, LAYOUT_SYNCED, False)
     ]
@@ -198,10 +188,16 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     return wrapped
 
 
-def _check_unsharded(
-    params: list[torch.nn.Parameter], stage: int, group: dist.ProcessGroup | None
-) -> None:
-    """One line for parameters this wrapper must not average, or a stage it does not take."""
+def _sharded(
+    optimizer: Optimizer,
+    params: list[torch.nn.Parameter],
+    stage: int,
+    group: dist.ProcessGroup | None,
+) -> Optimizer:
+    """`optimizer`, or at ZeRO stage 1 a `ZeroRedundancyOptimizer` of it over the dp axis
+    (`zero.shard_optimizer`: each replica steps its part of the parameters and sends it to the
+    others); one line for parameters this wrapper must not average, or a stage it does not
+    take."""
     if any(hasattr(p, "device_mesh") for p in params):
         raise GradmeshError(
             "DistributedOptimizer: the parameters are sharded by gradmesh.shard (FSDP2), which "
@@ -214,6 +210,11 @@ def _check_unsharded(
         )
     if stage and group is not None:
         raise GradmeshError("DistributedOptimizer: zero_stage 1 shards over the mesh's dp axis")
+    if not stage:
+        return optimizer
+    from gradmesh.sync.data_parallel.zero import shard_optimizer
+
+    return shard_optimizer(optimizer, 1, get_runtime())
 
 
 def _check_options(
@@ -236,16 +237,20 @@ def _check_options(
 
 
 def _check_named(
-    named: list[tuple[str, torch.nn.Parameter]], params: list[torch.nn.Parameter]
+    given: Iterable[tuple[str, torch.nn.Parameter]] | None, params: list[torch.nn.Parameter]
 ) -> list[tuple[str, torch.nn.Parameter]]:
-    """The named parameters the optimizer updates, or one line: a repeated name, or an
-    optimizer parameter it does not name (its gradient would never be averaged)."""
+    """The named parameters the optimizer updates (Horovod's generated names where none are
+    given), or one line: a repeated name, or an optimizer parameter it does not name (its
+    gradient would never be averaged)."""
+    if given is None:
+        return [(f"allreduce.noname.{i}", p) for i, p in enumerate(params)]
+    named = list(given)
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         again = sorted({n for n in names if names.count(n) > 1})
         raise GradmeshValueError(f"named_parameters repeats the name(s) {', '.join(again)}")
-    given = {id(p) for _, p in named}
-    missing = sum(1 for p in params if id(p) not in given)
+    ids = {id(p) for _, p in named}
+    missing = sum(1 for p in params if id(p) not in ids)
     if missing:
         raise GradmeshValueError(
             f"named_parameters does not name {missing} of the optimizer's {len(params)} "
