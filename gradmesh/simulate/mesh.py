@@ -3,8 +3,9 @@ for the step, `predict_memory` for the bytes a GPU holds) on a profile made on t
 instead of measured (`meta_profile`), so a 175-billion-parameter GPT is priced in seconds and
 with the same formulas `gradmesh plan --memory-limit` obeys.
 
-**The profile.** For each tensor-parallel degree T the model's plan admits, rank 0's slice (the
-plan applied as on a mesh, its exchanges recorded by `dry_exchanges`) runs one sample forward,
+**The profile** (counted by `gradmesh.simulate.meta_count`). For each tensor-parallel degree T
+the model's plan admits, rank 0's slice (the plan applied as on a mesh, its exchanges recorded
+by `dry_exchanges`) runs one sample forward,
 through a summed loss and backward on the meta device, in the job's precision, under
 `KernelCounter`: its seconds are the device's roofline of the kernels counted
 (`Device.seconds`), times the samples of a micro-batch; its exchanges are the recorded ones,
