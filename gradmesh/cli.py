@@ -270,23 +270,33 @@ def _load(spec: Any) -> Any:
     return getattr(import_module(module), name)
 
 
-def _add_command(sub: Any, name: str, command: Command, table: str) -> None:
+def _add_command(sub: Any, name: str, command: Command, table: str, flags: bool = True) -> None:
     parser = sub.add_parser(name, help=command.help)
     parser.add_argument("--config", metavar="TOML", help=f"read options from [{table}] first")
-    add_flags(parser, _load(command.config))
+    if flags:
+        add_flags(parser, _load(command.config))
     parser.set_defaults(command_spec=command, table=table)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The command line's parser. Given the arguments, only the command they name gets its
+    options (the others are listed by name and help): building every command's options imports
+    every command's module, and with them torch and the benchmarks, which cost a `gradmesh
+    train` launcher a second before it starts a worker."""
+    words = [a for a in (argv or []) if not a.startswith("-")]
+    wanted = (
+        words[:2] if argv is not None and words[:1] and words[0] in {*COMMANDS, "bench"} else []
+    )
     parser = _Parser(prog="gradmesh", description="Distributed deep-learning training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, command in COMMANDS.items():
-        _add_command(sub, name, command, name)
+        _add_command(sub, name, command, name, not wanted or wanted[0] == name)
     bench = sub.add_parser("bench", help="measure: gradmesh bench NAME --help")
     benches = bench.add_subparsers(dest="bench", required=True, parser_class=_Parser)
     for name, (summary, module) in BENCHES.items():
         spec = Command(summary, f"{module}:Config", f"{module}:run", interruptible=True)
-        _add_command(benches, name, spec, f"bench.{name}")
+        full = not wanted or wanted == ["bench", name]
+        _add_command(benches, name, spec, f"bench.{name}", full)
     return parser
 
 
@@ -306,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1 :]
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     spec: Command = args.command_spec
     if command and not spec.takes_command:
         print(f"gradmesh {args.command}: error: unexpected arguments after --", file=sys.stderr)

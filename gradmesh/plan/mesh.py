@@ -6,9 +6,10 @@ trainer's own model, data, loss and optimizer."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from gradmesh.data.batch import Batch
+if TYPE_CHECKING:  # not imported at run time: it imports torch, which `gradmesh --help` and
+    from gradmesh.data.batch import Batch  # a launcher that only starts workers do without
 
 
 @dataclass

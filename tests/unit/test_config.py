@@ -166,3 +166,24 @@ def test_an_elastic_job_refuses_what_makes_replicas_differ() -> None:
     for stage in (1, 2, 3):
         with pytest.raises(GradmeshError, match=f"--zero-stage {stage} gives each replica"):
             TrainConfig.of(checkpoint_dir="ckpt", max_restarts=1, zero_stage=stage).check_elastic()
+
+
+def test_a_command_line_builds_only_its_own_command_s_options() -> None:
+    """`gradmesh train ...` does not import the benchmarks', the planner's or the simulator's
+    modules to build options it will not parse (a second of every launcher's start), while
+    `gradmesh --help` still lists every command."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gradmesh.cli import build_parser; "
+        "build_parser(['train', '--epochs', '1']).parse_args(['train', '--epochs', '1']); "
+        "print(sorted(m for m in sys.modules if m.startswith(('gradmesh.bench', "
+        "'gradmesh.plan', 'gradmesh.simulate'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    from gradmesh.cli import build_parser
+
+    listed = build_parser(["train"]).format_help()
+    assert "{run,train,emulate,plan,simulate,report,bench}" in listed
