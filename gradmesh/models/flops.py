@@ -152,7 +152,8 @@ def _counted_layers(
     params = dict(owners)
     costs = kernels.costs if kernels is not None else {}
     first = costs.setdefault(order[0], {}) if order else {}
-    for kind, (f, b) in costs.pop("", {}).items():  # before the first weighted module: its
+    for kind, (f, b) in costs.pop("", {}).items():  # what ran before the first weighted
+        # module (an embedding's lookup, a cast) counts as that module's
         had = first.get(kind, (0.0, 0.0))
         first[kind] = (had[0] + f, had[1] + b)
     layers = [

@@ -24,10 +24,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gradmesh.errors import GradmeshError
+from gradmesh.models.flops import KINDS
 from gradmesh.registry import Registry
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
-COMPUTE_KINDS = ("conv", "conv3x3", "matmul", "attention")
+COMPUTE_KINDS = tuple(k for k in KINDS if k != "memory")
+"""The kinds of kernel priced on the device's peak (the rest on its bandwidth)."""
 
 
 @dataclass(frozen=True)

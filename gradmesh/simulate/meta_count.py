@@ -93,7 +93,7 @@ def count(spec: Spec, tp: int) -> Counted:
 
 
 def deep(spec: Spec) -> int:
-    """The depth `spec` is extrapolated to from depths 2 and 3 (`_repeated`), or 0 to count it
+    """The depth `spec` is extrapolated to from depths 2 and 3 (`repeated`), or 0 to count it
     whole: a model with a `depth` argument of more than 3 blocks."""
     depth = spec.args.get("depth")
     return depth if isinstance(depth, int) and depth > 3 else 0
