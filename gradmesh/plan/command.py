@@ -23,6 +23,7 @@ from gradmesh.plan.mesh import TrainWorkload, describe_mesh, flags, workload
 from gradmesh.plan.probe import ProbeRequest, mesh_probe, probe_emulated
 from gradmesh.plan.setting import Setting
 from gradmesh.sync.config import AllreduceConfig
+from gradmesh.train.optimizers import STATE_TENSORS
 
 
 @dataclass
@@ -57,11 +58,6 @@ class PlanConfig:
     top: int = option(12, "a mesh plan (any other model): the fastest layouts to print")
     allreduce: AllreduceConfig = component(AllreduceConfig, only=("algorithm", "fusion_mb"))
     json: str | None = option(None, "write the plan file here (gradmesh train --plan FILE)")
-
-
-SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}
-"""State tensors per parameter of each optimizer `gradmesh train` builds (SGD with momentum:
-one), for a sequence of layers' per-layer plan; a mesh plan measures them."""
 
 
 def links_for(args: PlanConfig, workers: int) -> tuple[Any, int]:
@@ -199,9 +195,9 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
 
     if args.workers < 1:
         raise GradmeshError(f"--workers must be >= 1, got {args.workers}")
-    if args.optimizer not in SLOTS:
+    if args.optimizer not in STATE_TENSORS:
         raise GradmeshError(
-            f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(sorted(SLOTS))})"
+            f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(sorted(STATE_TENSORS))})"
         )
     args.allreduce.check()
     if (
@@ -241,7 +237,7 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
         limit,
         args.allreduce.algorithm,
         args.allreduce.fusion_mb,
-        SLOTS[args.optimizer],
+        STATE_TENSORS[args.optimizer],
     )
     print(describe(best, refs, prof))
     if args.json:

@@ -57,7 +57,7 @@ class Device:
             {"fp32": tflops},
             0.0,
             0.0,
-            dict.fromkeys((*COMPUTE_KINDS, "memory"), 1.0),
+            dict.fromkeys(KINDS, 1.0),
             "fp32",
             source,
         )

@@ -42,13 +42,12 @@ from gradmesh.layout.planner.mesh_cost import MeshPrediction, predict_mesh, vari
 from gradmesh.runtime.mesh import divisors
 from gradmesh.simulate.devices import Device
 from gradmesh.simulate.meta_count import Counted, Spec, count, deep, grown, renamed, repeated
+from gradmesh.train.optimizers import STATE_TENSORS
 
 USABLE = 0.9
 """Of a device's memory, what a layout may fill: the rest is the CUDA context, the
 communication library's buffers and the allocator's fragmentation (assumed)."""
 
-SLOTS = {"sgd": 4, "adam": 8, "adamw": 8}
-"""The optimizer's state, bytes a parameter, in fp32 (momentum; two moments)."""
 MASTER = 4
 """Mixed precision's fp32 copy of each parameter, bytes."""
 
@@ -70,7 +69,7 @@ class PerSample(dict[int, Any]):
 def _slice(spec: Spec, counted: Counted, device: Device) -> Slice:
     """The planner's `Slice` of a counted slice on `device`."""
     whole = sum(counted.block_param_bytes.values()) + counted.rest_param_bytes
-    state = counted.parameters * (SLOTS[spec.optimizer] + MASTER * spec.mixed)
+    state = counted.parameters * (4 * STATE_TENSORS[spec.optimizer] + MASTER * spec.mixed)  # fp32
     memory_speed = device.bandwidth_gbs * 1e9 * device.achieved["memory"]
     return Slice(
         seconds=PerSample(device.seconds(counted.kernels)),

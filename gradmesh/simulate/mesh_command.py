@@ -12,9 +12,10 @@ from typing import Any
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner.mesh import Layout
 from gradmesh.runtime.mesh import divisors
-from gradmesh.simulate.mesh import SLOTS, USABLE, MetaProfile, Priced, meta_profile, price
+from gradmesh.simulate.mesh import USABLE, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
 from gradmesh.simulate.meta_count import Spec
+from gradmesh.train.optimizers import STATE_TENSORS
 
 GIB = 2**30
 
@@ -22,8 +23,10 @@ GIB = 2**30
 def _spec(args: Any, device: Any) -> Spec:
     from gradmesh.registry import parse_kwargs
 
-    if args.optimizer not in SLOTS:
-        raise GradmeshError(f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(SLOTS)})")
+    if args.optimizer not in STATE_TENSORS:
+        raise GradmeshError(
+            f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(STATE_TENSORS)})"
+        )
     if min(args.data.sequence_length, args.vocab) < 1:
         raise GradmeshError("--sequence-length and --vocab must be >= 1")
     model_args = parse_kwargs(args.data.model_args, "--model-args")

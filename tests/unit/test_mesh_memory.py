@@ -170,3 +170,19 @@ def test_a_memory_limit_keeps_what_fits_and_names_the_smallest_need() -> None:
     message = str(refused.value)
     assert f"needs {least / 2**20:.1f} MiB, most of it activations" in message
     assert "\n" not in message
+
+
+def test_the_state_table_counts_what_each_optimizer_holds() -> None:
+    """`STATE_TENSORS`, which the planner and the simulator price, against the state each
+    registered optimizer keeps after a step (tensors of the parameter's size)."""
+    from gradmesh.train.config import OptimizerConfig
+    from gradmesh.train.optimizers import OPTIMIZERS, STATE_TENSORS, build_optimizer
+
+    assert sorted(STATE_TENSORS) == sorted(OPTIMIZERS.names())
+    for name in OPTIMIZERS.names():
+        p = torch.nn.Parameter(torch.ones(5, 3))
+        opt = build_optimizer(OptimizerConfig(name=name), [p], 0.1)
+        p.grad = torch.ones_like(p)
+        opt.step()
+        held = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape]
+        assert len(held) == STATE_TENSORS[name], name
