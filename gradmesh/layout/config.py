@@ -119,8 +119,12 @@ def check_stage(stage: int, pp: int, strategy: str, compression: str) -> None:
             f"--zero-stage {stage} shards the state of synchronous data parallelism; strategy "
             f"{strategy} keeps its own copies (use --strategy allreduce)"
         )
-    if pp > 1:
-        raise GradmeshError(f"--zero-stage {stage} with --pipeline-parallel is not supported yet")
+    if pp > 1 and stage > 1:
+        raise GradmeshError(
+            f"--zero-stage {stage} with --pipeline-parallel is not supported: FSDP2 gathers a "
+            "module's parameters around its own forward, which a pipeline stage traced on the "
+            "model's graph never calls (--zero-stage 1 shards the optimizer's state in a pipeline)"
+        )
     if compression != "none":
         raise GradmeshError(
             f"--zero-stage {stage} reduces gradients with torch's own collectives; "

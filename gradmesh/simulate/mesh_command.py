@@ -56,8 +56,11 @@ def _fixed(args: Any, n: int) -> Layout:
         raise GradmeshError(
             f"{n} GPUs do not divide into --tensor-parallel {tp} x --pipeline-parallel {pp}"
         )
-    if args.zero_stage and pp > 1:
-        raise GradmeshError("--zero-stage does not run with --pipeline-parallel in gradmesh")
+    if args.zero_stage > 1 and pp > 1:
+        raise GradmeshError(
+            f"--zero-stage {args.zero_stage} does not run with --pipeline-parallel in gradmesh "
+            "(stage 1 does)"
+        )
     if args.zero_stage not in (0, 1, 2, 3):
         raise GradmeshError(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
     if lay.activation_checkpointing not in ("", "blocks"):

@@ -39,7 +39,8 @@ def check_resume(config: TrainConfig) -> None:
 
     def usable(meta: checkpoint.Meta) -> None:
         moved = _resharding(config, meta)
-        if moved or config.sync.allreduce.zero_stage:  # shards: check them put together
+        parted = config.sync.allreduce.zero_stage and config.layout.pipeline_parallel == 1
+        if moved or parted:  # shards: check them put together (a pipeline's stages: per rank)
             weights, saved = checkpoint.whole_state(meta)  # fits the whole model, before launch
             problem = checkpoint.model_problem(weights, model)
             if problem is not None:

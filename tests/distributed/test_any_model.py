@@ -21,6 +21,7 @@ import gradmesh
 from gradmesh.layout.graph_pipeline import graph_pipeline
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline import sum_cross_entropy
+from gradmesh.layout.sharded import state_bytes
 from gradmesh.layout.tensor_parallel import unshard
 from gradmesh.layout.tp_plan import shard_specs
 from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
@@ -127,11 +128,17 @@ def loss_of(kind: str) -> Any:
 
 
 def train_pipeline(
-    kind: str, args: dict[str, int], schedule: str, points: list[str], recompute: str = ""
+    kind: str,
+    args: dict[str, int],
+    schedule: str,
+    points: list[str],
+    recompute: str = "",
+    zero: int = 0,
 ) -> Any:
     """20 AdamW steps in float64 with 4 micro-batches on this rank's stage (one process: the
-    whole model; with a tp axis, the model split by its plan first); returns (pp index, dp
-    index, tp index, parameters by every name, aliases included, and how each is split)."""
+    whole model; with a tp axis, the model split by its plan first; `zero` 1: the optimizer's
+    state sharded over the replicas); returns (pp index, dp index, tp index, parameters by every
+    name, aliases included, how each is split, the bytes this rank holds)."""
     rt = gradmesh.get_runtime()
     coords = rt.mesh.shape.coords(rt.rank)
     model = _model(kind, args).double()
@@ -158,7 +165,10 @@ def train_pipeline(
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     if dp > 1:  # each micro-batch's backward accumulates into the step's gradient
         opt = gradmesh.DistributedOptimizer(
-            opt, named_parameters=module.named_parameters(), backward_passes_per_step=passes
+            opt,
+            named_parameters=module.named_parameters(),
+            backward_passes_per_step=passes,
+            zero_stage=zero,
         )
     for i in range(STEPS):
         x, y = xs[i].chunk(dp)[coords["dp"]], ys[i].chunk(dp)[coords["dp"]]
@@ -170,7 +180,8 @@ def train_pipeline(
         opt.step()
     params = module.named_parameters(remove_duplicate=False)
     state = {k: v.detach().clone() for k, v in params}
-    return coords["pp"], coords["dp"], coords["tp"], state, specs
+    held = state_bytes(module, opt)
+    return coords["pp"], coords["dp"], coords["tp"], state, specs, held
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +250,23 @@ def test_activation_checkpointing_changes_no_step(
     plan or cut on the graph (the export traces through the recomputing blocks)."""
     results = run_ranks(train_pipeline, 2, "gpt", DEEP, "1f1b", points, recompute, init=init)
     assert_equal_to(results, references64["gpt"], "tensor_parallel" in init)
+
+
+def test_stage_1_shards_each_pipeline_stage_s_optimizer_state(
+    references64: dict[str, dict[str, torch.Tensor]],
+) -> None:
+    """ZeRO stage 1 in a dp 2 x pp 2 pipeline (`DistributedOptimizer(..., zero_stage=1)` over a
+    stage's parameters, the tied embedding and head on both ends): the same steps as one
+    process, while the two replicas of a stage each hold a part of its AdamW state, the parts
+    adding up to the whole (two moments of every parameter the stage holds)."""
+    init = {"pipeline_parallel": 2}
+    results = run_ranks(train_pipeline, 4, "gpt", DEEP, "1f1b", ["blocks.1"], "", 1, init=init)
+    assert_equal_to(results, references64["gpt"], False)
+    for stage in (0, 1):
+        held = [r[5] for r in results if r[0] == stage]
+        whole = 2 * held[0]["param_bytes"]
+        assert sum(h["optimizer_bytes"] for h in held) == whole, held
+        assert max(h["optimizer_bytes"] for h in held) <= 0.7 * whole, held
 
 
 def assert_equal_to(results: list[Any], want: dict[str, torch.Tensor], split: bool) -> None:

@@ -49,8 +49,17 @@ def final_state(folder: Path) -> list[dict[str, torch.Tensor]]:
         ["--workers", "4", "--tensor-parallel", "2", "--pipeline-parallel", "2", "--model", "mlp"]
         + ["--microbatches", "2"],
         ["--strategy", "ps", "--mode", "sync"],
+        # each replica of a stage writes its part of the stage's AdamW state, and loads it back
+        ["--workers", "4", "--pipeline-parallel", "2", "--microbatches", "2", "--model", "mlp"]
+        + ["--zero-stage", "1", "--optimizer", "adamw", "--lr", "0.001"],
     ],
-    ids=["allreduce-int8-async", "local-sgd-topk", "tensor-and-pipeline-parallel", "ps-sync"],
+    ids=[
+        "allreduce-int8-async",
+        "local-sgd-topk",
+        "tensor-and-pipeline-parallel",
+        "ps-sync",
+        "zero-1-pipeline",
+    ],
 )
 def test_a_worker_killed_at_a_random_step_recovers_bit_identically(
     case: list[str], tmp_path: Path

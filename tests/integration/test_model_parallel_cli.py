@@ -175,7 +175,7 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
                 "--pipeline-parallel",
                 "2",
             ],
-            "--zero-stage 3 with --pipeline-parallel is not supported yet",
+            "--zero-stage 3 with --pipeline-parallel is not supported: FSDP2 gathers",
         ),
         (["--zero-stage", "2", "--strategy", "local-sgd"], "strategy local-sgd keeps its own"),
         (["--zero-stage", "2", "--tensorboard", "tb-never-made"], "with --tensorboard is not"),

@@ -131,7 +131,7 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
         (["--strategy", "ps"], "a token model is priced on the mesh"),
         (
             ["--pipeline-parallel", "2", "--zero-stage", "3"],
-            "--zero-stage does not run with --pipeline-parallel in gradmesh",
+            "--zero-stage 3 does not run with --pipeline-parallel in gradmesh (stage 1 does)",
         ),
         (
             ["--global-batch", "12", "--microbatches", "2"],

@@ -173,11 +173,11 @@ def fitting(preds: Sequence[MeshPrediction], limit: float, workers: int) -> list
 
 def variants(found: Sequence[Layout], blocks: int) -> list[Layout]:
     """`found` and each with what saves memory at some time: ZeRO stages 1-3 where there are
-    replicas and no pipeline (`--zero-stage` refuses pipelines), and activation checkpointing
-    of every block where the model has blocks."""
+    replicas (stage 1 only in a pipeline: `--zero-stage` 2 and 3 refuse pipelines), and
+    activation checkpointing of every block where the model has blocks."""
     out = []
     for lay in found:
-        stages = (0, 1, 2, 3) if lay.dp > 1 and lay.pp == 1 else (0,)
+        stages = ((0, 1) if lay.pp > 1 else (0, 1, 2, 3)) if lay.dp > 1 else (0,)
         for z in stages:
             for ac in (False, True) if blocks else (False,):
                 out.append(dataclasses.replace(lay, zero_stage=z, checkpointing=ac))
