@@ -27,11 +27,15 @@ distributed checkpoint reads.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradmesh.layout.blocks import block_list
+from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
 
 
@@ -64,10 +68,53 @@ def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
 
     mesh = rt.mesh.device_mesh(rt.device.type)["dp"]
     reshard = stage == 3
-    for name in block_list(model):
-        fully_shard(model.get_submodule(name), mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    units = [model.get_submodule(name) for name in block_list(model)] + [model]
+    gather, scatter = Counted(rt, gather=True), Counted(rt, gather=False)
+    for unit in units:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
+        unit.set_custom_all_gather(gather)  # type: ignore[operator]
+        unit.set_custom_reduce_scatter(scatter)  # type: ignore[operator]
     return model
+
+
+class Counted:
+    """FSDP2's all-gather (`gather`) or reduce-scatter, made as torch's default makes it, with
+    what this rank sends counted as the step's data-parallel traffic (`rt.comm`, "sync") and
+    drawn on the timeline: (n - 1) shards either way, a ring's figure (however gloo routes
+    them, the n ranks send at least that together), and the seconds spent in the call, which
+    are the whole collective where FSDP2 waits for it there and its launch where it runs
+    asynchronously. Without it a report would say a sharded step sends nothing."""
+
+    def __init__(self, rt: Runtime, gather: bool) -> None:
+        self.rt, self.gather = rt, gather
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: Any = None,
+        async_op: bool = False,
+    ) -> Any:
+        n = dist.get_world_size(group)
+        shard = input_tensor if self.gather else output_tensor
+        name = "fsdp all-gather" if self.gather else "fsdp reduce-scatter"
+        started = time.perf_counter()
+        with span(name, "communication", bytes=shard.numel() * shard.element_size()):
+            if self.gather:
+                work = dist.all_gather_single(
+                    output_tensor, input_tensor, group=group, async_op=async_op
+                )
+            else:
+                work = dist.reduce_scatter_single(
+                    output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+                )
+        sent = (n - 1) * shard.numel() * shard.element_size()
+        self.rt.comm.add(sent, time.perf_counter() - started)
+        return work
 
 
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:

@@ -147,10 +147,10 @@ def predict_mesh(
 def preference(pred: MeshPrediction) -> tuple[int, bool, float]:
     """The planner's order: the lowest ZeRO stage, then no checkpointing, then the fastest
     predicted step. The formulas leave out FSDP2's and ZeroRedundancyOptimizer's work per unit
-    and per parameter, which `gradmesh bench memory --world 4` measured at 1.23-1.34x (stage 1)
-    and 1.85-2.10x (stage 3) plain data parallelism's step on this CPU, against 1.19x for
-    recomputing every block (docs/memory.md): so what saves memory is used only as far as the
-    limit needs."""
+    and per parameter, which `gradmesh bench memory --world 4` measured at 0.91-1.05x (stage 1)
+    and 1.84-2.11x (stage 3) plain data parallelism's step on this CPU (four runs), against
+    1.19x for recomputing every block (docs/memory.md): so what saves memory is used only as far
+    as the limit needs."""
     lay = pred.layout
     return lay.zero_stage, lay.checkpointing, pred.step_s
 
