@@ -13,7 +13,8 @@ the instance would keep calling the original object from a copy.
 
 What a step holds is measured here too, for the benchmarks and the mesh planner's memory model
 (`gradmesh.layout.planner.mesh_memory`): `peak_bytes`, the most live tensor bytes a step adds
-(torch's profiler with `profile_memory=True`: every allocation and free, in time order), and
+(torch's profiler with `profile_memory=True`: every allocation and free the CPU allocator
+reports, summed in time order), and
 `saved_activations`, what each block saves for its backward (autograd's saved-tensor hooks,
 each storage counted once, the parameters and buffers not at all) and what enters it.
 """
@@ -90,7 +91,14 @@ def _native_stderr_muted() -> Iterator[None]:
 
 
 def peak_bytes(step: Any) -> int:
-    """The most tensor bytes `step()` holds at once beyond what was live before it."""
+    """The most tensor bytes `step()` holds at once beyond what was live before it: the
+    allocator's own events, in time order. Not the ops' attributed memory (what torch's
+    profiler tables show), which misses every free made outside an op: the buffers FSDP2 drops
+    in Python, the tensors a recomputing block lets go, so that summing it overstated a sharded
+    step's peak by up to a copy of the parameters. A block allocated before `step()` and freed
+    inside it is not seen to go (the allocator does not know its size), which can only
+    overstate. The events are read from the profiler's kineto results, an attribute of the
+    torch this project pins."""
     from torch.profiler import ProfilerActivity, profile
 
     prof: Any = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
@@ -102,8 +110,9 @@ def peak_bytes(step: Any) -> int:
         with _native_stderr_muted():
             prof.stop()
     live = top = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        live += event.self_cpu_memory_usage
+    memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    for event in sorted(memory, key=lambda e: e.start_ns()):
+        live += event.nbytes()
         top = max(top, live)
     return top
 

@@ -366,19 +366,19 @@ def test_plan_chooses_data_tensor_and_pipeline_degrees_for_a_gpt(tmp_path: Path)
     assert row["dp1xtp2"]["tensor_parallel_s"] > 0 and row["dp2"]["tensor_parallel_s"] == 0
     assert row["dp1xtp2"]["param_bytes_per_rank"] < 0.75 * row["dp2"]["param_bytes_per_rank"]
     assert row["dp1xpp2xm2"]["bubble"] == pytest.approx(1 / 3)
-    # within a memory limit (the predictions: dp2 0.82 MB, every block recomputed 0.57 MB, pp2
-    # with 4 micro-batches 0.50 MB): only what fits, ZeRO and recomputation searched too, the
-    # plain layouts preferred
+    # within a memory limit (the predictions, bytes: dp2 867 KiB, every block recomputed 672
+    # KiB, pp2 with 4 micro-batches 525 KiB): only what fits, ZeRO and recomputation searched
+    # too, the plain layouts preferred
     limited = gradmesh(
         *("plan", "--model", "gpt", "--model-args", "dim=32,depth=2", "--workers", "2"),
         *("--batch", "8", "--sequence-length", "16", "--json", str(path)),
-        *("--memory-limit", "600KB"),
+        *("--memory-limit", "700KB"),
         timeout=300,
     )
     assert limited.returncode == 0, limited.stderr
     plan = json.loads(path.read_text())
     fits = {r["name"]: r for r in plan["layouts"]}
-    assert all(r["memory"]["total_bytes"] <= 600 * 1024 for r in fits.values())
+    assert all(r["memory"]["total_bytes"] <= 700 * 1024 for r in fits.values())
     assert "dp2" not in fits and {"dp2xac", "dp2xz1xac", "dp1xpp2xm4"} <= set(fits)
     assert (plan["choice"]["zero_stage"], plan["choice"]["checkpointing"]) == (0, False)
     assert row["dp2"]["memory"]["total_bytes"] > fits["dp2xac"]["memory"]["total_bytes"]

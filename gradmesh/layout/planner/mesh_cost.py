@@ -149,7 +149,7 @@ def preference(pred: MeshPrediction) -> tuple[int, bool, float]:
     predicted step. The formulas leave out FSDP2's and ZeroRedundancyOptimizer's work per unit
     and per parameter, which `gradmesh bench memory --world 4` measured at 0.91-1.05x (stage 1)
     and 1.84-2.11x (stage 3) plain data parallelism's step on this CPU (four runs), against
-    1.19x for recomputing every block (docs/memory.md): so what saves memory is used only as far
+    1.21x for recomputing every block (docs/memory.md): so what saves memory is used only as far
     as the limit needs."""
     lay = pred.layout
     return lay.zero_stage, lay.checkpointing, pred.step_s

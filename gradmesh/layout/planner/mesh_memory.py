@@ -16,8 +16,9 @@ counted is the pipeline rank that holds the most.
   held at once); one without a pipeline. On top, once, the step's transient: the measured peak
   of one forward and backward beyond what it saved (the loss's buffers, the first gradients of
   backward), times b / S. With checkpointing a block keeps only what entered it; on top of
-  those, the larger of the rest's saved bytes with the transient (the peak as backward starts)
-  and the largest block rebuilt in backward (the peak inside it).
+  those, the transient and the larger of the rest's saved bytes (the peak as backward starts)
+  and the largest block rebuilt in backward (the peak inside it, where the gradients flowing
+  back are as large as at the start).
 - **Gathered parameters** (FSDP2, stages 2 and 3; no pipeline): the root's parameters (embeddings,
   head) stay gathered through the step; stage 3 holds two units gathered at once (one running,
   the next prefetched) and stage 2 every unit from forward to backward; and one unit's
@@ -48,7 +49,7 @@ RECOMPUTE = 1 / 3
 """The extra compute of checkpointing every block, as a fraction of a step's forward and
 backward: one more forward of each block, whose backward costs about twice its forward. An
 upper bound, since the embeddings, the head and the loss are not recomputed (measured on the GPT:
-1.19x the step, docs/memory.md)."""
+1.21x the step, docs/memory.md)."""
 
 
 @dataclass
@@ -142,8 +143,8 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
         ends = 0 in mine or len(names) - 1 in mine or not names
         held = [b * sum(_saved(sl, names[i], lay) for i in chunk) for chunk in chunks]
         rest = saved.rest / sl.saved_samples if ends else 0.0
-        if lay.checkpointing:  # the rest and the transient, or one block rebuilt: the larger
-            acts = in_flight(lay, rank, held) + b * max(rest + transient, biggest)
+        if lay.checkpointing:  # the transient, with the rest or one block rebuilt: the larger
+            acts = in_flight(lay, rank, held) + b * (transient + max(rest, biggest))
         else:  # the embeddings' on the first stage, the head's and the loss's on the last
             acts = in_flight(lay, rank, [h + b * rest for h in held]) + b * transient
         dp = lay.dp
