@@ -125,10 +125,10 @@ def check_stage(stage: int, pp: int, strategy: str, compression: str) -> None:
             "module's parameters around its own forward, which a pipeline stage traced on the "
             "model's graph never calls (--zero-stage 1 shards the optimizer's state in a pipeline)"
         )
-    if compression != "none":
+    if compression != "none" and stage > 1:  # stage 1 averages with gradmesh's own reducer
         raise GradmeshError(
-            f"--zero-stage {stage} reduces gradients with torch's own collectives; "
-            "--compression does not apply to them"
+            f"--zero-stage {stage} reduce-scatters gradients with FSDP2's own collectives; "
+            "--compression applies to gradmesh's allreduce (--zero-stage 0 or 1)"
         )
 
 

@@ -18,8 +18,9 @@ keeps 1/dp of what plain data parallelism keeps whole.
 What is ours: the units (the same blocks the pipeline cuts and activation checkpointing
 recomputes), the dp axis (so that a tensor-parallel model is sharded over its replicas, each
 tp rank's slices among the ranks holding the same slices: 2-D, dp x tp), and the refusals
-(stages 2 and 3 in a pipeline, parameter servers, Hogwild!, compression: one line each, before
-any rank starts; stage 1 runs in a pipeline, each stage's state sharded over its replicas).
+(parameter servers, Hogwild!, and stages 2 and 3 in a pipeline or with compression: one line
+each, before any rank starts; stage 1 runs in a pipeline, each stage's state sharded over its
+replicas, and with compression, its gradients averaged by gradmesh's reducer).
 torch's FSDP2 does the rest because it is the maintained implementation of exactly this, works
 on Gloo and CPU (checked here on torch 2.13), and keeps parameters as DTensor shards that torch's
 distributed checkpoint reads.

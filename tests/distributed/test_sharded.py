@@ -22,7 +22,7 @@ STEPS, BATCH = 20, 8
 MHA = {"vocab": 64, "seq": 16, "dim": 32, "depth": 2, "heads": 4}
 
 
-def train(stage: int, tp: int) -> Any:
+def train(stage: int, tp: int, compression: str = "none") -> Any:
     """20 AdamW steps at `stage` (0: plain data parallelism), through the script API; returns
     (tp index, dp index, whole parameters of this tp rank's slice, what DistributedOptimizer
     said of a sharded model's parameters, held bytes)."""
@@ -38,7 +38,10 @@ def train(stage: int, tp: int) -> Any:
     refused = ""
     if stage < 2:
         opt = gradmesh.DistributedOptimizer(
-            opt, named_parameters=model.named_parameters(), zero_stage=stage
+            opt,
+            named_parameters=model.named_parameters(),
+            zero_stage=stage,
+            compression=compression,
         )
     else:
         try:
@@ -98,3 +101,20 @@ def test_each_stage_takes_plain_data_parallel_steps(
     # no machine in it (measured within 0.01% of each: a few bytes of checks and rounding)
     sent = sum(r[5] for r in results) / sum(r[5] for r in plain[tp])
     assert sent == pytest.approx(1.0 if stage == 2 else 1.5, rel=0.01), sent
+
+
+def test_stage_1_averages_through_gradmesh_s_compressors() -> None:
+    """Stage 1 averages the gradients with gradmesh's own reducer, so its compressors apply:
+    with int8 (error feedback) it takes plain data parallelism's int8 steps exactly, the
+    optimizer's state sharded; the steps differ from uncompressed ones, so the compression
+    ran. (Stages 2 and 3 reduce-scatter with FSDP2's collectives: one line each.)"""
+    plain = run_ranks(train, 4, 0, 1, "int8")
+    sharded = run_ranks(train, 4, 1, 1, "int8")
+    exact = run_ranks(train, 4, 1, 1)
+    moved = 0.0
+    for got, want, full in zip(sharded, plain, exact, strict=True):
+        for name, whole in want[2].items():
+            torch.testing.assert_close(got[2][name], whole, rtol=0, atol=1e-12)
+            moved = max(moved, float((got[2][name] - full[2][name]).abs().max()))
+    assert moved > 1e-6
+    assert sharded[0][4]["optimizer_bytes"] < 0.3 * plain[0][4]["optimizer_bytes"]

@@ -178,6 +178,7 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
             "--zero-stage 3 with --pipeline-parallel is not supported: FSDP2 gathers",
         ),
         (["--zero-stage", "2", "--strategy", "local-sgd"], "strategy local-sgd keeps its own"),
+        (["--zero-stage", "3", "--compression", "int8"], "with FSDP2's own collectives; --comp"),
         (["--zero-stage", "2", "--tensorboard", "tb-never-made"], "with --tensorboard is not"),
         (["--reshard"], "--reshard: it needs --checkpoint-dir"),
         (["--precision", "fp16"], "--precision fp16 "),  # needs a GPU (or: not built yet)
