@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -271,14 +272,17 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
 ) -> None:
     """Through the library on one local Ray instance (`gradmesh train --engine ray` calls the
     same `train(config)`, starting its own instance): start-up is most of the cost."""
-    ray = pytest.importorskip("ray")
-    pytest.importorskip("ray.train.torch")
-    from gradmesh.launch.engines import ray as engine
-
     before = _ray_or_spark_processes()
     config = TrainConfig.of(engine="ray", epochs=int(EPOCHS), json=str(tmp_path / "ray.json"))
-    with kept_environment():  # Ray's driver sets variables of this process
-        ray.init(num_cpus=2, include_dashboard=False)
+    with kept_environment():  # importing Ray, and its driver, set variables of this process
+        ray = pytest.importorskip("ray")
+        pytest.importorskip("ray.train.torch")
+        from gradmesh.launch.engines import ray as engine
+
+        # Ray's session files in a folder of the test's own (short: Ray puts unix sockets in
+        # it), not in /tmp/ray, where every run left them
+        own = tempfile.mkdtemp(prefix="gmray-")
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=own)
         try:
             assert engine.train(config) == 0
             same_model(tmp_path / "ray.json", local_run)
@@ -287,4 +291,5 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
                 engine.train(TrainConfig.of(engine="ray", epochs=1))
         finally:
             ray.shutdown()
+            shutil.rmtree(own, ignore_errors=True)
     assert not _left_behind(before)
