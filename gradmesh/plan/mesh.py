@@ -108,11 +108,14 @@ def describe_mesh(plan: Any, tokens_per_sample: int | None, top: int) -> str:
             f"{p.memory.total_bytes / 2**20 if p.memory else 0:8.1f}MiB"
         )
     if cal.fitted_on:
+        fsdp = f", each FSDP2 exchange {cal.unit_exchange_s * 1e3:.2f} ms" * any(
+            "z" in name for name in cal.fitted_on
+        )
         lines.append(
             f"calibrated on {', '.join(f'{n} {s * 1e3:.1f} ms' for n, s in cal.fitted_on.items())}"
             f": a step's own work {cal.step_overhead_s * 1e3:.2f} ms, each tp exchange "
             f"{cal.exchange_s * 1e3:.2f} ms, each stage's micro-batch "
-            f"{cal.microbatch_s * 1e3:.2f} ms"
+            f"{cal.microbatch_s * 1e3:.2f} ms{fsdp}"
         )
     lines.append(f"plan: {preds[0].layout.name}: gradmesh train {flags(preds[0].row())}")
     return "\n".join(lines)

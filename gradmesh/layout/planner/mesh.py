@@ -23,8 +23,10 @@ lives on both):
   bytes;
 - the pipeline: m u / (1 - bubble), bubble = (p - 1) / (v m + p - 1) (`bubble_formula`);
 - after it, the gradient sync of g bytes over the dp group (not overlapped: a pipeline syncs
-  after its flush, and so the comparison stays even), the optimizer step on g bytes, and the
-  step's own work e_s.
+  after its flush, and so the comparison stays even; ZeRO-1 adds the gather of the updated
+  parts; ZeRO-2 and 3 exchange a unit at a time instead, each unit's all-gathers and
+  reduce-scatter priced as collectives of their own plus e_x each), the optimizer step on g
+  bytes (g / dp with ZeRO), and the step's own work e_s.
 The three e terms are the `Calibration`, fitted on real steps of pure data parallelism, tp 2
 and pp 2 (`fit_calibration`; zero when the links are not probed): what the formulas leave out
 (the trainer's loop and the loss, a tp group's ranks reaching an exchange at different moments,

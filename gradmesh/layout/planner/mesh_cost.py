@@ -68,6 +68,31 @@ def _exchange_s(links: Links, ranks: list[int], exchanges: list[tuple[int, str]]
     return total
 
 
+def _unit_exchanges_s(
+    prof: MeshProfile, lay: Layout, links: Links, dp_ranks: list[int], cal: Calibration
+) -> float:
+    """ZeRO stages 2 and 3 (FSDP2, no pipeline): each unit (a block; the root's embeddings and
+    head) all-gathered before its forward (stage 3: again before its backward) and its
+    gradient reduce-scattered after it, each a collective of its own over the replicas: priced
+    on the links (a ring moves the same bytes in both) plus the calibrated excess of one
+    (`unit_exchange_s`), which, unit by unit, is most of what sharding costs where ranks share
+    cores."""
+    if lay.dp <= 1:
+        return 0.0
+    sl = prof.slices[lay.tp]
+    total = 0.0
+    for unit in [*sl.block_param_bytes.values(), sl.rest_param_bytes]:
+        link = links.over(dp_ranks, unit)
+        total += allgather_cost(lay.dp, unit, link) + cal.unit_exchange_s
+    return total * _unit_calls(lay)
+
+
+def _unit_calls(lay: Layout) -> int:
+    """FSDP2's collectives per unit and step: all-gathers (two at stage 3) and a
+    reduce-scatter."""
+    return 3 if lay.zero_stage == 3 else 2
+
+
 def _pipeline_rank(prof: MeshProfile, lay: Layout) -> tuple[float, int, int]:
     """(the largest FLOPs share a pipeline rank holds, that rank's parameter bytes, the
     largest boundary's bytes per sample) under `lay`'s balanced cut."""
@@ -95,11 +120,15 @@ class Calibration:
     exchange's cost beyond its price on the links (`exchange_s`: the ranks of a tp group do not
     reach an exchange at the same moment, and the slower one is waited for), and each stage's
     work per micro-batch beyond its compute (`microbatch_s`: the engine, its sends and receives,
-    waking a stage that waits). Zero where not fitted."""
+    waking a stage that waits), and each of FSDP2's exchanges beyond its price on the links
+    (`unit_exchange_s`, fitted on ZeRO-3 where a memory limit puts it among the layouts: the
+    copies in and out of its buffers, its hooks, and the replicas' skew, every exchange
+    blocking). Zero where not fitted."""
 
     step_overhead_s: float = 0.0
     exchange_s: float = 0.0
     microbatch_s: float = 0.0
+    unit_exchange_s: float = 0.0
     fitted_on: dict[str, float] = field(default_factory=dict)
     """Each calibration layout's name and measured step seconds."""
 
@@ -129,8 +158,11 @@ def predict_mesh(
     bubble = bubble_formula(lay.pp, m, lay.chunks) if lay.pp > 1 else 0.0
     stretch = m / (1 - bubble)
     dp_ranks = [i * lay.tp * lay.pp for i in range(lay.dp)]
-    sync = links.allreduce_s(algorithm, dp_ranks, params)
-    if lay.zero_stage in (1, 3) and lay.dp > 1:  # the updated shards' (or the units') gather
+    if lay.zero_stage >= 2:  # FSDP2: a unit at a time
+        sync = _unit_exchanges_s(prof, lay, links, dp_ranks, cal)
+    else:
+        sync = links.allreduce_s(algorithm, dp_ranks, params)
+    if lay.zero_stage == 1 and lay.dp > 1:  # each replica's updated part, to the others
         sync += allgather_cost(lay.dp, params, links.over(dp_ranks, params))
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
     mine = params / (lay.dp if lay.zero_stage else 1)
@@ -146,11 +178,10 @@ def predict_mesh(
 
 def preference(pred: MeshPrediction) -> tuple[int, bool, float]:
     """The planner's order: the lowest ZeRO stage, then no checkpointing, then the fastest
-    predicted step. The formulas leave out FSDP2's and ZeroRedundancyOptimizer's work per unit
-    and per parameter, which `gradmesh bench memory --world 4` measured at 0.91-1.05x (stage 1)
-    and 1.84-2.11x (stage 3) plain data parallelism's step on this CPU (four runs), against
-    1.21x for recomputing every block (docs/memory.md): so what saves memory is used only as far
-    as the limit needs."""
+    predicted step: what saves memory is used only as far as the limit needs, since FSDP2's
+    per-unit work is priced only where a ZeRO-3 step was measured (`unit_exchange_s`; 1.84-2.21x
+    plain data parallelism's step on this CPU, `gradmesh bench memory --world 4`, docs/
+    memory.md)."""
     lay = pred.layout
     return lay.zero_stage, lay.checkpointing, pred.step_s
 
@@ -186,10 +217,12 @@ def variants(found: Sequence[Layout], blocks: int) -> list[Layout]:
 
 def calibration_layouts(found: Sequence[Layout], workers: int) -> list[Layout]:
     """The layouts `fit_calibration` needs measured, among `found`: pure data parallelism,
-    then tp 2 and pp 2 (with 2 p micro-batches, 1F1B) on the rest of the ranks, where found."""
+    then tp 2 and pp 2 (with 2 p micro-batches, 1F1B) on the rest of the ranks, then ZeRO-3
+    on all of them, where found (ZeRO is searched under a memory limit)."""
     wanted = [Layout(workers, 1, 1)]
     if workers % 2 == 0:
         wanted += [Layout(workers // 2, 2, 1), Layout(workers // 2, 1, 2, 4, "1f1b")]
+    wanted.append(Layout(workers, 1, 1, zero_stage=3))
     return [lay for lay in wanted if lay in found]
 
 
@@ -198,11 +231,15 @@ def fit_calibration(
 ) -> Calibration:
     """`Calibration` from `calibration_layouts`' measured step seconds, one term per layout in
     turn, each given the ones before (none negative): the step's own work from pure data
-    parallelism, the exchanges' excess from tp 2, the micro-batches' from pp 2."""
+    parallelism, the exchanges' excess from tp 2, the micro-batches' from pp 2, FSDP2's
+    exchanges' from ZeRO-3."""
     cal = Calibration(fitted_on={lay.name: s for lay, s in measured.items()})
     for lay, seconds in measured.items():
         excess = seconds - predict_mesh(prof, lay, links, algorithm, cal).step_s
-        if lay.tp == 1 and lay.pp == 1:
+        if lay.zero_stage >= 2:
+            units = len(prof.slices[lay.tp].block_param_bytes) + 1
+            cal.unit_exchange_s = max(0.0, excess / (units * _unit_calls(lay)))
+        elif lay.tp == 1 and lay.pp == 1:
             cal.step_overhead_s = max(0.0, excess)
         elif lay.pp == 1:
             cal.exchange_s = max(0.0, excess / max(1, len(_exchanges(prof, lay))))
