@@ -139,25 +139,25 @@ def test_memory_follows_the_stage_checkpointing_and_the_schedule() -> None:
 
 def test_checkpointing_and_sharding_are_priced_where_they_cost_time() -> None:
     prof = _profile()
-    whole = 4 * 40_000 + 20_000
     plain = predict_mesh(prof, Layout(4, 1, 1), LINKS)
     ac = predict_mesh(prof, Layout(4, 1, 1, checkpointing=True), LINKS)
     assert ac.compute_s == pytest.approx(plain.compute_s * 4 / 3)
     z3 = predict_mesh(prof, Layout(4, 1, 1, zero_stage=3), LINKS)
     z2 = predict_mesh(prof, Layout(4, 1, 1, zero_stage=2), LINKS)
     # FSDP2 exchanges a unit at a time (4 blocks and the root): a collective's latency each,
-    # an all-gather and a reduce-scatter per unit at stage 2, and again an all-gather at 3
+    # an all-gather and a reduce-scatter per unit at stage 2, and at 3 again an all-gather of
+    # each block (the root stays gathered from forward to backward)
     assert z3.sync_s > z2.sync_s > plain.sync_s
     link = LINKS.over([0, 1, 2, 3])
-    latency = 5 * (4 - 1) * link.alpha
-    assert z3.sync_s - z2.sync_s == pytest.approx(latency + 3 / 4 * whole * link.beta)
-    # each of those 15 collectives pays FSDP2's excess, fitted on a measured ZeRO-3 step
+    again = 4 * ((4 - 1) * link.alpha + 3 / 4 * 40_000 * link.beta)
+    assert z3.sync_s - z2.sync_s == pytest.approx(again)
+    # each of those 14 collectives pays FSDP2's excess, fitted on a measured ZeRO-3 step
     lay = Layout(4, 1, 1, zero_stage=3)
     assert lay in calibration_layouts(variants([Layout(4, 1, 1)], blocks=4), 4)
-    cal = fit_calibration(prof, LINKS, {lay: z3.step_s + 15 * 0.002})
+    cal = fit_calibration(prof, LINKS, {lay: z3.step_s + 14 * 0.002})
     assert cal.unit_exchange_s == pytest.approx(0.002)
     slow = predict_mesh(prof, lay, LINKS, calibration=cal)
-    assert slow.sync_s - z3.sync_s == pytest.approx(15 * 0.002)
+    assert slow.sync_s - z3.sync_s == pytest.approx(14 * 0.002)
     assert z2.update_s == pytest.approx(plain.update_s / 4)  # each rank steps its shard
     found = variants([Layout(4, 1, 1), Layout(2, 1, 2, 4, "1f1b")], blocks=4)
     names = {lay.name for lay in found}

@@ -25,12 +25,13 @@ lives on both):
 - after it, the gradient sync of g bytes over the dp group (not overlapped: a pipeline syncs
   after its flush, and so the comparison stays even; ZeRO-1 adds the gather of the updated
   parts; ZeRO-2 and 3 exchange a unit at a time instead, each unit's all-gathers and
-  reduce-scatter priced as collectives of their own plus e_x each), the optimizer step on g
+  reduce-scatter priced as collectives of their own plus e_u each), the optimizer step on g
   bytes (g / dp with ZeRO), and the step's own work e_s.
-The three e terms are the `Calibration`, fitted on real steps of pure data parallelism, tp 2
-and pp 2 (`fit_calibration`; zero when the links are not probed): what the formulas leave out
-(the trainer's loop and the loss, a tp group's ranks reaching an exchange at different moments,
-a pipeline engine's work per micro-batch). Routes that carry a model input or a residual past
+The e terms are the `Calibration`, fitted on real steps of pure data parallelism, tp 2, pp 2
+and, where a memory limit searches it, ZeRO-3 (`fit_calibration`; zero when the links are not
+probed): what the formulas leave out (the trainer's loop and the loss, a tp group's ranks
+reaching an exchange at different moments, a pipeline engine's work per micro-batch, FSDP2's
+work per exchange). Routes that carry a model input or a residual past
 a stage are priced as the block outputs only. `gradmesh bench layout` prints each prediction
 beside its measurement, the calibration layouts marked.
 """

@@ -79,18 +79,20 @@ def _unit_exchanges_s(
     cores."""
     if lay.dp <= 1:
         return 0.0
-    sl = prof.slices[lay.tp]
     total = 0.0
-    for unit in [*sl.block_param_bytes.values(), sl.rest_param_bytes]:
+    for unit, calls in _unit_collectives(prof, lay):
         link = links.over(dp_ranks, unit)
-        total += allgather_cost(lay.dp, unit, link) + cal.unit_exchange_s
-    return total * _unit_calls(lay)
+        total += calls * (allgather_cost(lay.dp, unit, link) + cal.unit_exchange_s)
+    return total
 
 
-def _unit_calls(lay: Layout) -> int:
-    """FSDP2's collectives per unit and step: all-gathers (two at stage 3) and a
-    reduce-scatter."""
-    return 3 if lay.zero_stage == 3 else 2
+def _unit_collectives(prof: MeshProfile, lay: Layout) -> list[tuple[int, int]]:
+    """FSDP2's units (bytes) and the collectives each makes a step: an all-gather and a
+    reduce-scatter, and at stage 3 a second all-gather for backward, but for the root, which
+    FSDP2 keeps gathered from forward to backward."""
+    sl = prof.slices[lay.tp]
+    calls = 3 if lay.zero_stage == 3 else 2
+    return [(b, calls) for b in sl.block_param_bytes.values()] + [(sl.rest_param_bytes, 2)]
 
 
 def _pipeline_rank(prof: MeshProfile, lay: Layout) -> tuple[float, int, int]:
@@ -237,8 +239,8 @@ def fit_calibration(
     for lay, seconds in measured.items():
         excess = seconds - predict_mesh(prof, lay, links, algorithm, cal).step_s
         if lay.zero_stage >= 2:
-            units = len(prof.slices[lay.tp].block_param_bytes) + 1
-            cal.unit_exchange_s = max(0.0, excess / (units * _unit_calls(lay)))
+            calls = sum(n for _, n in _unit_collectives(prof, lay))
+            cal.unit_exchange_s = max(0.0, excess / calls)
         elif lay.tp == 1 and lay.pp == 1:
             cal.step_overhead_s = max(0.0, excess)
         elif lay.pp == 1:
