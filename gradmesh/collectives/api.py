@@ -3,13 +3,15 @@
 `allreduce` works on a flat contiguous view of the caller's tensor (a non-contiguous tensor is
 reduced through a copy), checks on every call that every rank brings the same call (sequence
 number, operation, shape, dtype: `agreement`), runs the named algorithm on a `Channel`, and
-counts the bytes it sent and the time it took in the runtime's `CommStats`.
+counts the bytes it sent and the time it took in the runtime's `CommStats`. `exchanged` counts
+the same for a collective another library makes (FSDP2's, `ZeroRedundancyOptimizer`'s).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Literal
 
 import torch
@@ -19,6 +21,7 @@ from gradmesh.collectives.agreement import Check, PendingCheck
 from gradmesh.collectives.channel import Channel, resolve_group
 from gradmesh.collectives.cost import COSTS, CostFn
 from gradmesh.errors import GradmeshError
+from gradmesh.observe.timeline import span
 from gradmesh.registry import Registry
 from gradmesh.runtime.world import get_runtime
 
@@ -102,3 +105,15 @@ def allreduce(
         else:
             tensor.floor_divide_(p)
     return tensor
+
+
+@contextmanager
+def exchanged(name: str, sent: int, kind: str = "sync") -> Iterator[None]:
+    """Count the collective made in the block by another library: `sent` bytes from this rank
+    under `kind` and the seconds the block took, in the runtime's `CommStats`, and the block on
+    the timeline."""
+    rt = get_runtime()
+    started = time.perf_counter()
+    with span(name, "communication", bytes=sent):
+        yield
+    rt.comm.add(sent, time.perf_counter() - started, kind)

@@ -28,15 +28,14 @@ distributed checkpoint reads.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradmesh.collectives.api import exchanged
 from gradmesh.layout.blocks import block_list
-from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
 
 
@@ -70,7 +69,7 @@ def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
     mesh = rt.mesh.device_mesh(rt.device.type)["dp"]
     reshard = stage == 3
     units = [model.get_submodule(name) for name in block_list(model)] + [model]
-    gather, scatter = Counted(rt, gather=True), Counted(rt, gather=False)
+    gather, scatter = Counted(gather=True), Counted(gather=False)
     for unit in units:
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard)
         unit.set_custom_all_gather(gather)  # type: ignore[operator]
@@ -86,8 +85,8 @@ class Counted:
     are the whole collective where FSDP2 waits for it there and its launch where it runs
     asynchronously. Without it a report would say a sharded step sends nothing."""
 
-    def __init__(self, rt: Runtime, gather: bool) -> None:
-        self.rt, self.gather = rt, gather
+    def __init__(self, gather: bool) -> None:
+        self.gather = gather
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -103,8 +102,7 @@ class Counted:
         n = dist.get_world_size(group)
         shard = input_tensor if self.gather else output_tensor
         name = "fsdp all-gather" if self.gather else "fsdp reduce-scatter"
-        started = time.perf_counter()
-        with span(name, "communication", bytes=shard.numel() * shard.element_size()):
+        with exchanged(name, (n - 1) * shard.numel() * shard.element_size()):
             if self.gather:
                 work = dist.all_gather_single(
                     output_tensor, input_tensor, group=group, async_op=async_op
@@ -113,8 +111,6 @@ class Counted:
                 work = dist.reduce_scatter_single(
                     output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
                 )
-        sent = (n - 1) * shard.numel() * shard.element_size()
-        self.rt.comm.add(sent, time.perf_counter() - started)
         return work
 
 

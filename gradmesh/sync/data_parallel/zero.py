@@ -8,12 +8,11 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import time
 from typing import Any
 
 from torch.optim import Optimizer
 
-from gradmesh.observe.timeline import span
+from gradmesh.collectives.api import exchanged
 from gradmesh.runtime.world import Runtime
 
 
@@ -49,17 +48,12 @@ def _counted_class() -> Any:
     torch's module takes 0.7 s, which ranks without ZeRO do not pay."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    from gradmesh.runtime.world import get_runtime
-
     class CountedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
         def _sync_params(self) -> None:
             mine = [p for group in self.optim.param_groups for p in group["params"]]
             part = sum(p.numel() * p.element_size() for p in mine)
-            started = time.perf_counter()
-            with span("zero-1 broadcast", "communication", bytes=part):
+            with exchanged("zero-1 broadcast", (self.world_size - 1) * part):
                 super()._sync_params()  # type: ignore[misc]
-            sent = (self.world_size - 1) * part
-            get_runtime().comm.add(sent, time.perf_counter() - started)
 
     return CountedZeroRedundancyOptimizer
 
