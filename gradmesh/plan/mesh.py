@@ -108,9 +108,9 @@ def describe_mesh(plan: Any, tokens_per_sample: int | None, top: int) -> str:
             f"{p.memory.total_bytes / 2**20 if p.memory else 0:8.1f}MiB"
         )
     if cal.fitted_on:
-        fsdp = f", each FSDP2 exchange {cal.unit_exchange_s * 1e3:.2f} ms" * any(
-            "z" in name for name in cal.fitted_on
-        )
+        fsdp = ""
+        if any("xz" in name for name in cal.fitted_on):  # a ZeRO layout was measured
+            fsdp = f", each FSDP2 exchange {cal.unit_exchange_s * 1e3:.2f} ms"
         lines.append(
             f"calibrated on {', '.join(f'{n} {s * 1e3:.1f} ms' for n, s in cal.fitted_on.items())}"
             f": a step's own work {cal.step_overhead_s * 1e3:.2f} ms, each tp exchange "

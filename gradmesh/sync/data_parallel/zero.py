@@ -43,7 +43,7 @@ def _counted_class() -> Any:
     traffic (`rt.comm`, "sync") and drawn on the timeline: after each replica steps its part,
     it broadcasts that part to the n - 1 others (counted on its owner, which together is what
     the n ranks receive), and the seconds until every part has arrived. Torch's class does the
-    work; its `_sync_params` (one broadcast per parameter, waited for) is overridden to be
+    work; its `_sync_params` (one broadcast per replica's part, waited for) is overridden to be
     timed, a private method of the torch this project pins. Made on first use: importing
     torch's module takes 0.7 s, which ranks without ZeRO do not pay."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
