@@ -9,9 +9,12 @@ every aten operation of a forward and backward, by kind of kernel (`KINDS`: conv
 stride-1 convolutions apart since cuDNN runs them with Winograd's fewer multiplications, matrix
 products, attention, and everything else as memory-bound element-wise and normalisation work),
 with its FLOPs (torch's own FLOP formulas, `flop_registry`) and the bytes it reads and writes
-(its tensor arguments and results; views move nothing and are skipped). Forward operations
-belong to the weighted module that last started its forward (a ReLU to the convolution before
-it); backward operations are totalled by kind for the whole model.
+(its tensor arguments and results; views move nothing and are skipped). The FLOPs a GPU issues
+for a matrix product or a convolution are counted, not the useful ones: such kernels compute
+tiles of `TILE` columns (output channels, or the input's for a convolution's input gradient), so
+a side that is not a multiple of it is padded (`issued`: 48 output channels cost 64's work).
+Forward operations belong to the weighted module that last started its forward (a ReLU to the
+convolution before it); backward operations are totalled by kind for the whole model.
 
 Why a measured peak: a CPU's nominal peak depends on its vector units, its clock under load and
 the cores a worker shares, none of which torch reports. A worker's peak here is the best rate
@@ -59,6 +62,37 @@ _KIND = {
 _VIEWS = {_aten._unsafe_view, _aten._reshape_alias}
 """Views whose schemas do not say so."""
 
+TILE = 64
+"""The width a GPU's matrix-product and implicit-GEMM convolution kernels compute an output
+tile's columns in: cuDNN's and cuBLAS's kernels are named by their tiles (128x64, 128x128,
+256x128); 64 is the narrow side of the ones convnets on Pascal and Volta run. Assumed, not
+fitted: no calibration row has a side that is not a multiple of it (docs/simulator.md gives
+Inception V3's figure at 32 and at 128 as well)."""
+
+
+def _padded(width: int) -> float:
+    """The fraction of a tile-padded `width` that is useful work."""
+    return width / (TILE * -(-width // TILE)) if width else 1.0
+
+
+def issued(packet: Any, args: Any, out: Any) -> float:
+    """The fraction of its issued FLOPs that are useful for a matrix product or convolution
+    (1 for anything else; module docstring): a product's output sides padded to `TILE`; a
+    convolution's output channels forward, and backward its input gradient's input channels and
+    its weight gradient's output channels, in the harmonic mean of the parts it computes (each
+    as much work). A grouped convolution (depthwise) is not one product over its channels and
+    is counted as it is."""
+    if packet in (_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm):
+        rows, cols = out.shape[-2:]
+        return _padded(rows) * _padded(cols)
+    if packet is _aten.convolution and args[8] == 1:
+        return _padded(args[1].shape[0])
+    if packet is _aten.convolution_backward and args[9] == 1:
+        cout, cin = args[2].shape[:2]
+        parts = [_padded(c) for c, wanted in zip((cin, cout), args[-1], strict=False) if wanted]
+        return len(parts) / sum(1 / p for p in parts) if parts else 1.0
+    return 1.0
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -79,6 +113,9 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.current = ""
         self.forward = True
         self.costs: dict[str | None, Kernels] = {}
+        """FLOPs issued (`issued`) by owner and kind."""
+        self.useful = 0.0
+        """The FLOPs of every operation counted, without tile padding."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -93,11 +130,13 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             weight, stride = (args[1], args[3]) if packet is _aten.convolution else args[2:5:2]
             if tuple(weight.shape[-2:]) == (3, 3) and tuple(stride) == (1, 1):
                 kind = "conv3x3"
-        flops = (
+        useful = (
             float(flop_registry[packet](*args, **kwargs, out_val=out))
             if (packet in flop_registry)
             else 0.0
         )
+        self.useful += useful
+        flops = useful / issued(packet, args, out)
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         moved = float(sum(t.numel() * t.element_size() for t in tensors))
         owner = self.costs.setdefault(self.current if self.forward else None, {})

@@ -88,8 +88,7 @@ def count(spec: Spec, tp: int) -> Counted:
         else:
             per_block[owner] += p.numel() * p.element_size()
     params = sum(p.numel() for p in net.parameters())
-    flops = sum(f for _, f, _ in kernels)
-    return Counted(kernels, made, saved, per_block, rest, params, flops)
+    return Counted(kernels, made, saved, per_block, rest, params, counter.useful)
 
 
 def deep(spec: Spec) -> int:
