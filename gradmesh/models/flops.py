@@ -211,7 +211,7 @@ def _counted_layers(
 def flops_per_sample(build: Callable[[], nn.Module], sample: Batch) -> float:
     """Forward and backward FLOPs of one sample through the model `build` makes, counted on
     the meta device (no weights are made), or, for a model whose forward reads values back
-    (a Hugging Face Llama calls `.item()`), on a real copy made for the count."""
+    (calls `.item()`), on a real copy made for the count."""
     try:
         with torch.device("meta"):
             return _counted(build(), batch.to(sample, "meta"))

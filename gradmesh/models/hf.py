@@ -2,8 +2,9 @@
 (no download): `--model hf:llama --model-args hidden_size=64,num_hidden_layers=2,...`.
 
 The model is wrapped so that its forward returns logits (what gradmesh's engines and losses
-take) and its declared tensor-parallel plan (`_tp_plan`, Hugging Face's style names, which
-`gradmesh.layout.tp_plan` reads as aliases of its own) is the wrapper's `tp_plan`. Needs the
+take), on the meta device too (`causal_mask`), and its declared tensor-parallel plan
+(`_tp_plan`, Hugging Face's style names, which `gradmesh.layout.tp_plan` reads as aliases of its
+own) is the wrapper's `tp_plan`. Needs the
 optional `transformers` extra (`pip install gradmesh[hf]`); `make test` installs it.
 """
 
@@ -35,8 +36,19 @@ class CausalLM(nn.Module):
         return {f"net.{k}": v for k, v in declared.items()}
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.net(input_ids=ids, use_cache=False).logits
+        mask = causal_mask(ids) if ids.is_meta else None
+        logits: torch.Tensor = self.net(input_ids=ids, attention_mask=mask, use_cache=False).logits
         return logits
+
+
+def causal_mask(ids: torch.Tensor) -> torch.Tensor:
+    """The causal mask of `ids` as the 4-D boolean tensor Hugging Face takes as given: what a
+    forward on the meta device (the simulator's count) passes, since building the mask itself
+    reads the position ids' values (a check for packed sequences), which meta tensors have
+    none of. The same attention either way; the count sees the mask's bytes read as well."""
+    batch, length = ids.shape
+    rows = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+    return rows[None, None].expand(batch, 1, length, length)
 
 
 def build(kind: str) -> Any:

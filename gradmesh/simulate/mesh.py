@@ -41,7 +41,16 @@ from gradmesh.layout.planner.mesh import Layout, MeshProfile, Slice, block_outpu
 from gradmesh.layout.planner.mesh_cost import MeshPrediction, predict_mesh, variants
 from gradmesh.runtime.mesh import divisors
 from gradmesh.simulate.devices import Device
-from gradmesh.simulate.meta_count import Counted, Spec, count, deep, grown, renamed, repeated
+from gradmesh.simulate.meta_count import (
+    Counted,
+    Spec,
+    at_depth,
+    count,
+    deep,
+    grown,
+    renamed,
+    repeated,
+)
 from gradmesh.train.optimizers import STATE_TENSORS
 
 USABLE = 0.9
@@ -114,10 +123,11 @@ class MetaProfile:
 def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
     """The mesh planner's profile of `spec` at global `batch` samples, at each tp of `tps`
     (those the model's plan admits; one line when it admits none of them). A model of more
-    than 3 blocks with a `depth` argument is counted at 2 and 3 blocks and extrapolated
-    (`repeated`: its blocks are taken to be alike, as a `depth` says; a test checks the
-    extrapolation against a count of the whole). A model whose forward reads a tensor's values
-    (Hugging Face's mask preparation does) cannot run on the meta device: one line says so."""
+    than 3 blocks by a depth argument (`DEPTH_ARGS`: `depth`, Hugging Face's
+    `num_hidden_layers`) is counted at 2 and 3 blocks and extrapolated (`repeated`: its blocks
+    are taken to be alike, as a depth says; a test checks the extrapolation against a count of
+    the whole). A model whose forward reads a tensor's values cannot run on the meta device:
+    one line says so (Hugging Face's causal LMs are given their mask, `models.hf.causal_mask`)."""
     try:
         return _meta_profile(spec, gpus, batch, tps, device)
     except (RuntimeError, NotImplementedError) as e:
@@ -126,7 +136,7 @@ def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Devi
         raise GradmeshError(
             f"model {spec.model} reads tensor values in its forward, which the meta device has "
             f"none of ({str(e).splitlines()[0]}); the simulator prices models that do not "
-            "(gpt, a factory of your own)"
+            "(gpt, hf:..., a factory of your own)"
         ) from None
 
 
@@ -137,7 +147,7 @@ def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Dev
     from gradmesh.layout.tp_plan import check_plan
 
     depth = deep(spec)
-    small = dataclasses.replace(spec, args={**spec.args, "depth": 3}) if depth else spec
+    small = at_depth(spec, 3) if depth else spec
     net, ids = small.build()
     names = block_list(net)
     full = renamed(names, depth) if depth else names
@@ -153,8 +163,7 @@ def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Dev
             except GradmeshError:
                 continue
         if depth:
-            two = dataclasses.replace(spec, args={**spec.args, "depth": 2})
-            counted[tp] = repeated(count(two, tp), count(small, tp), depth, full)
+            counted[tp] = repeated(count(at_depth(spec, 2), tp), count(small, tp), depth, full)
         else:
             counted[tp] = count(spec, tp)
     if not counted:

@@ -91,11 +91,22 @@ def count(spec: Spec, tp: int) -> Counted:
     return Counted(kernels, made, saved, per_block, rest, params, counter.useful)
 
 
+DEPTH_ARGS = ("depth", "num_hidden_layers", "n_layer")
+"""The arguments that give a model's number of alike blocks: gradmesh's `gpt` and a factory's
+(`depth`), Hugging Face's (most models; GPT-2's)."""
+
+
 def deep(spec: Spec) -> int:
     """The depth `spec` is extrapolated to from depths 2 and 3 (`repeated`), or 0 to count it
-    whole: a model with a `depth` argument of more than 3 blocks."""
-    depth = spec.args.get("depth")
+    whole: a model given more than 3 blocks by one of `DEPTH_ARGS`."""
+    depth = next((spec.args[k] for k in DEPTH_ARGS if k in spec.args), None)
     return depth if isinstance(depth, int) and depth > 3 else 0
+
+
+def at_depth(spec: Spec, depth: int) -> Spec:
+    """`spec` with `depth` blocks (the `DEPTH_ARGS` argument it is given)."""
+    key = next(k for k in DEPTH_ARGS if k in spec.args)
+    return dataclasses.replace(spec, args={**spec.args, key: depth})
 
 
 def renamed(names: list[str], depth: int) -> list[str] | None:

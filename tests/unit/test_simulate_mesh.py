@@ -23,15 +23,23 @@ INTER = fabric_terms(FABRICS.get("infiniband-hdr"), 8)
 SMALL = Spec("gpt", {"dim": 128, "depth": 6, "heads": 4}, 256, 1000, "bf16")
 
 
+LLAMA = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2}
+HF = Spec("hf:llama", {**LLAMA, "intermediate_size": 128, "num_hidden_layers": 5}, 64, 500, "bf16")
+
+
+@pytest.mark.parametrize("spec", [SMALL, HF], ids=["gpt", "hf-llama"])
 def test_a_deep_model_counted_from_two_depths_is_the_whole_count(
-    monkeypatch: pytest.MonkeyPatch,
+    spec: Spec, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Six alike blocks extrapolated from two and three: every count the planner reads (the
-    kernels by kind, the tp exchanges, what each block saves and receives, the parameters,
-    the blocks' FLOPs and outputs) equals the count of the whole model."""
-    extrapolated = meta_profile(SMALL, 8, 16, [1, 2], A100)
+    """Alike blocks extrapolated from two and three (gradmesh's GPT, and a Hugging Face Llama,
+    which runs on the meta device given its mask): every count the planner reads (the kernels
+    by kind, the tp exchanges, what each block saves and receives, the parameters, the blocks'
+    FLOPs and outputs) equals the count of the whole model."""
+    if spec is HF:
+        pytest.importorskip("transformers")
+    extrapolated = meta_profile(spec, 8, 16, [1, 2], A100)
     monkeypatch.setattr(mesh, "deep", lambda _spec: 0)
-    whole = meta_profile(SMALL, 8, 16, [1, 2], A100)
+    whole = meta_profile(spec, 8, 16, [1, 2], A100)
     for tp in (1, 2):
         a, b = extrapolated.counted[tp], whole.counted[tp]
         totals: dict[str, list[float]] = {}
@@ -149,10 +157,34 @@ def test_bad_transformer_input_is_one_line(
 def test_a_model_that_reads_values_on_the_meta_device_is_one_line(
     cli_line: Callable[..., str],
 ) -> None:
-    pytest.importorskip("transformers")
-    args = ["simulate", "--model", "hf:llama", "--gpus", "8", "--device", "a100", "--model-args"]
-    line = cli_line([*args, "hidden_size=64,num_hidden_layers=2,num_attention_heads=4"])
-    assert "model hf:llama reads tensor values in its forward" in line
+    model = "tests.integration.scripts.user_code:value_reader"
+    line = cli_line(["simulate", "--model", model, "--gpus", "8", "--device", "a100"])
+    assert f"model {model} reads tensor values in its forward" in line
+
+
+def test_a_hugging_face_model_is_priced_with_its_own_parameter_count(
+    cli: CLI, tmp_path: Path
+) -> None:
+    """`hf:llama` on the meta device (once refused: its mask code reads values): the simulator
+    prices it at tp 1 and 2 and counts the parameters the real model has."""
+    transformers = pytest.importorskip("transformers")
+    args = {**LLAMA, "intermediate_size": 128, "num_hidden_layers": 4}
+    config = transformers.AutoConfig.for_model(
+        "llama", vocab_size=500, max_position_embeddings=64, **args
+    )
+    real = transformers.AutoModelForCausalLM.from_config(config)
+    flags = ",".join(f"{k}={v}" for k, v in args.items())
+    reports = []
+    for tp in (1, 2):
+        out = tmp_path / f"tp{tp}.json"
+        assert cli(["simulate", "--model", "hf:llama", "--model-args", flags, "--vocab", "500",
+                    "--sequence-length", "64", "--gpus", "8", "--device", "a100",
+                    "--tensor-parallel", str(tp), "--json", str(out)]) == 0  # fmt: skip
+        reports.append(json.loads(out.read_text()))
+    assert reports[0]["parameters"] == sum(p.numel() for p in real.parameters())
+    (row,) = reports[1]["rows"]
+    assert row["tp"] == 2 and row["fits"]
+    assert row["tensor_parallel_s"] > 0 and row["step_s"] > row["compute_s"] > 0
 
 
 def test_a_model_no_layout_fits_says_the_smallest_need(cli_line: Callable[..., str]) -> None:

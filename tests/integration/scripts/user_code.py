@@ -71,3 +71,22 @@ def weighted_data() -> tuple[dict, dict, dict, dict]:
 def weighted_loss(out: torch.Tensor, y: dict) -> torch.Tensor:
     per_sample = F.cross_entropy(out, y["label"], reduction="none")
     return (per_sample * y["weight"]).mean()
+
+
+class ValueReader(nn.Module):
+    """A token model whose forward reads its input's values (a range check), which a forward on
+    the meta device cannot."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(100, 16)
+        self.out = nn.Linear(16, 100)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if int(ids.max()) >= 100:
+            raise ValueError("a token id past the vocabulary")
+        return self.out(self.embed(ids))
+
+
+def value_reader() -> nn.Module:
+    return ValueReader()
