@@ -83,6 +83,7 @@ def _steps(args: Config) -> dict[str, Any]:
 
     from gradmesh.layout.engine import PlainEngine
     from gradmesh.layout.memory import checkpoint_blocks
+    from gradmesh.layout.stage_engine import HALF
     from gradmesh.models.registry import is_token_model
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.setup import load_data, loss_of, model_of
@@ -107,7 +108,7 @@ def _steps(args: Config) -> dict[str, Any]:
                 checkpoint_blocks(model, mode, args.model)
             for p in model.parameters():  # allocated now, accumulated into: not the step's bytes
                 p.grad = torch.zeros_like(p)
-            engine = PlainEngine(model, 1, loss_fn, bf16=precision == "bf16")
+            engine = PlainEngine(model, 1, loss_fn, HALF.get(precision))
             key = mode if precision == "fp32" else f"{mode}+{precision}"
             steps[key] = lambda engine=engine: engine.step(x, y, 1.0)
     return steps

@@ -148,10 +148,8 @@ def check_precision(precision: str, pp: int) -> None:
     if precision == "fp16":
         import torch
 
-        raise GradmeshError(
-            "--precision fp16 needs a GPU: its dynamic loss scaling is for CUDA's fp16 kernels; "
-            "on CPU use --precision bf16"
-            if not torch.cuda.is_available()
-            else "--precision fp16 is not built yet (no GPU was lent to build and test it on); "
-            "use --precision bf16"
-        )
+        if not torch.cuda.is_available():
+            raise GradmeshError(
+                "--precision fp16 needs a GPU: its dynamic loss scaling is for CUDA's fp16 "
+                "kernels; on CPU use --precision bf16"
+            )

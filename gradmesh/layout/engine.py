@@ -31,7 +31,7 @@ from gradmesh.layout.pipeline import (
     stage_module,
     sum_cross_entropy,
 )
-from gradmesh.layout.stage_engine import PipelineEngine, forward_precision, single_input
+from gradmesh.layout.stage_engine import HALF, PipelineEngine, forward_precision, single_input
 from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
 from gradmesh.models.registry import TP_PLANS
 from gradmesh.observe.timeline import span
@@ -59,26 +59,26 @@ class Engine(Protocol):
 
 class PlainEngine:
     """The whole replica on this rank (or its tensor-parallel slice): one forward, one backward
-    per micro-batch (more than one: an elastic job's gradient accumulation). With `bf16`, each
-    forward and its loss run under bf16 autocast (matmuls and convolutions in bf16); weights,
-    gradients, the optimizer's state and every reduction stay fp32, and backward runs outside
-    autocast, as torch advises."""
+    per micro-batch (more than one: an elastic job's gradient accumulation). With `half` (bf16
+    or fp16), each forward and its loss run under autocast (matmuls and convolutions in it);
+    weights, gradients, the optimizer's state and every reduction stay fp32, and backward runs
+    outside autocast, as torch advises."""
 
     def __init__(
         self,
         module: nn.Module,
         microbatches: int = 1,
         loss_fn: LossFn = sum_cross_entropy,
-        bf16: bool = False,
+        half: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.microbatches = microbatches
         self.loss_fn = loss_fn
-        self.bf16 = bf16
+        self.half = half
         self.device_type = next((p.device.type for p in module.parameters()), "cpu")
 
     def _forward(self) -> Any:
-        return forward_precision(self.bf16, self.device_type)
+        return forward_precision(self.half, self.device_type)
 
     @property
     def backward_passes(self) -> int:
@@ -194,11 +194,11 @@ def split_model(
     info |= {"microbatches": microbatches if piped else 1, "schedule": schedule if piped else None}
     info |= {"chunks": chunks if piped else 1, "precision": precision}
     info["sequence_parallel"] = sequence_parallel
-    bf16 = precision == "bf16"
+    half = HALF.get(precision)
     if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
         info["plan"] = dict(plan.layers)
         module = apply_plan(model, plan, rt)
-        return Split(module, PlainEngine(module, 1, loss_fn, bf16), info, tp.index == 0)
+        return Split(module, PlainEngine(module, 1, loss_fn, half), info, tp.index == 0)
     if pp.size > 1 and not isinstance(model, nn.Sequential):  # split, then cut on the graph
         if tp.size > 1:
             model = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
@@ -207,7 +207,7 @@ def split_model(
             model, rt, sample, points, microbatches, schedule, loss_fn, model_name, chunks
         )
         info["stage_points"] = graph.graph.points
-        graph.bf16 = bf16
+        graph.half = half
         owns = tp.index == 0 and pp.index == pp.size - 1
         return Split(graph.stage_module, graph, info, owns)
     depth = pp.size * chunks
@@ -220,13 +220,13 @@ def split_model(
     if starts is None:
         if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
             info["accumulation"] = microbatches
-        return Split(module, PlainEngine(module, microbatches, loss_fn, bf16), info, owns)
+        return Split(module, PlainEngine(module, microbatches, loss_fn, half), info, owns)
     ends = [*starts[1:], len(list(module.children()))]
     info["stage_layers"] = [[s, e] for s, e in zip(starts, ends, strict=True)]
     split = _layer_pipeline(
         module, model_name, rt, starts, sample[:1], (microbatches, schedule, loss_fn), info
     )
-    cast(PipelineEngine, split.engine).bf16 = bf16
+    cast(PipelineEngine, split.engine).half = half
     return split
 
 

@@ -99,16 +99,16 @@ class PipelineEngine:
         self.m, self.schedule = microbatches, schedule
         self.clock = BubbleClock()
         self.steps = 0
-        self.bf16 = False
-        """Stages run under bf16 autocast; what crosses a stage boundary keeps the dtype the
+        self.half: torch.dtype | None = None
+        """Stages run under this autocast; what crosses a stage boundary keeps the dtype the
         next stage expects (the weights', fp32), so gradients come back in it too."""
 
     def _autocast(self) -> Any:
-        return forward_precision(self.bf16, self.rt.device.type)
+        return forward_precision(self.half, self.rt.device.type)
 
     def _boundary(self, g: int, n: int, outs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Stage `g`'s outputs in the dtypes stage g + 1 receives (a differentiable cast)."""
-        if not self.bf16 or g == self.depth - 1:
+        if self.half is None or g == self.depth - 1:
             return outs
         wanted = self.inputs_of(g + 1, n)
         return [v.to(dtype) for v, (_, dtype, _) in zip(outs, wanted, strict=True)]
@@ -262,11 +262,15 @@ class PipelineEngine:
         return out
 
 
-def forward_precision(bf16: bool, device_type: str) -> Any:
-    """The context a forward runs in: bf16 autocast, or nothing."""
-    if not bf16:
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+"""The autocast dtype of each `--precision` that has one."""
+
+
+def forward_precision(half: torch.dtype | None, device_type: str) -> Any:
+    """The context a forward runs in: autocast to `half`, or nothing."""
+    if half is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
+    return torch.autocast(device_type, dtype=half)
 
 
 def _run_stage(module: Callable[..., Any], g: int, ins: list[torch.Tensor], part: Batch) -> Any:

@@ -92,6 +92,11 @@ def _check_layout(config: TrainConfig) -> None:
         )
     if layout.activation_checkpointing:
         every_of(layout.activation_checkpointing)
+    if layout.precision == "fp16" and strategy != "allreduce":
+        raise GradmeshError(
+            f"--precision fp16 with --strategy {strategy}: its loss scale skips a step only "
+            "when every rank agrees, which needs ranks that step together (--strategy allreduce)"
+        )
     check_precision(layout.precision, shape.pp)
     check_sequence_parallel(layout.sequence_parallel, shape.tp, shape.pp)
     stage = config.sync.allreduce.zero_stage

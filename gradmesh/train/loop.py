@@ -14,12 +14,12 @@ from gradmesh.collectives import allreduce
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 from gradmesh.runtime.world import Runtime
-from gradmesh.sync.data_parallel.optimizer import is_distributed
 from gradmesh.sync.data_parallel.zero import optimizer_state_dict
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.evaluation import Evaluator, evaluate
 from gradmesh.train.faults import Fault, injected_fault
+from gradmesh.train.loss_scale import update
 from gradmesh.train.report import KINDS
 from gradmesh.train.setup import Job, model_of
 
@@ -104,6 +104,7 @@ def _checkpoint(
         "strategy": job.strategy.state_dict(),
         "rng": checkpoint.rng_state(),
         "layout": checkpoint.layout_record(job.split.module, job.optimizer),
+        **({"loss_scale": job.loss_scale.state_dict()} if job.loss_scale else {}),
         "progress": {
             "loss_sum": loss_sum.clone(),
             "losses": torch.tensor(clock.losses, dtype=torch.float64),
@@ -155,14 +156,11 @@ class _Run:
         part = job.data.train.rows(indices).to(rt.device)
         x, y = part.x, part.y
         job.optimizer.zero_grad(set_to_none=False)
-        loss = job.split.engine.step(x, y, job.replicas / global_count)
+        scaled = job.loss_scale.scale if job.loss_scale else 1.0
+        loss = job.split.engine.step(x, y, job.replicas / global_count * scaled)
         if self.fault is not None and self.fault.kind == "slow":
             self.fault.check(job.place[0], self.step)
-        if is_distributed(job.optimizer):  # it spans its update itself, not its wait
-            job.optimizer.step()
-        else:
-            with span("step"):
-                job.optimizer.step()
+        update(job.optimizer, job.loss_scale)
         if job.warmup is not None:
             job.warmup.step()
         wall, comm = time.perf_counter() - step_started, rt.comm.comm_s - comm_before
@@ -200,6 +198,9 @@ class _Run:
 
     def close(self) -> tuple[Clock, int, float]:
         job = self.job
+        if job.loss_scale is not None:
+            scale = job.loss_scale
+            job.split.info["loss_scale"] = {"scale": scale.scale, "skipped_steps": scale.skipped}
         _reduce_losses(self.pending, self.clock)
         if job.checkpointer is not None:
             job.checkpointer.close()  # the last write, if it was asynchronous

@@ -315,9 +315,16 @@ class RunReport:
             if lay.get("recomputed_blocks")
             else []
         )
-        if lay.get("precision") == "bf16":
+        if lay.get("precision") in ("bf16", "fp16"):
             recomputed.append(
-                "  precision bf16: forwards under autocast; weights, gradients and reductions fp32"
+                f"  precision {lay['precision']}: forwards under autocast; weights, gradients "
+                "and reductions fp32"
+            )
+        if "loss_scale" in lay:
+            scale = lay["loss_scale"]
+            recomputed.append(
+                f"  loss scale {scale['scale']:g} at the end; {scale['skipped_steps']} steps "
+                "skipped for overflowing gradients"
             )
         if not lay or lay.get("tp", 1) * lay.get("pp", 1) == 1:
             return recomputed

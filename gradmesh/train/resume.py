@@ -3,6 +3,9 @@ state, RNG, position), and the check before launch that it belongs to this run."
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import torch
 from torch.optim import Optimizer
 
@@ -109,17 +112,26 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     _load_optimizer(
         job.optimizer, checkpoint.optimizer_state(job.optimizer, state["optimizer"]), path
     )
+    _load_steps_state(job, state, path)
+    history = meta.losses if losses is None else losses.tolist()
+    return loss_sum.to(torch.float64), history
+
+
+def _load_steps_state(job: Job, state: dict[str, Any], path: Path) -> None:
+    """The strategy's state, the random generators and fp16's loss scale, from `state`."""
     try:
         job.strategy.load_state_dict(state["strategy"])
         checkpoint.restore_rng(state["rng"])
+        if job.loss_scale is not None:
+            if "loss_scale" not in state:
+                raise GradmeshError("no loss scale (not written by a --precision fp16 run)")
+            job.loss_scale.load_state_dict(state["loss_scale"])
     except GradmeshError as exc:
         raise GradmeshError(f"checkpoint {path} does not fit this run: {exc}") from None
     except (KeyError, TypeError, ValueError, RuntimeError, IndexError, AttributeError) as exc:
         raise GradmeshError(
             f"checkpoint {path} does not fit this run: strategy state: {first_line(exc)}"
         ) from None
-    history = meta.losses if losses is None else losses.tolist()
-    return loss_sum.to(torch.float64), history
 
 
 def _resharding(config: TrainConfig, meta: checkpoint.Meta) -> bool:

@@ -40,6 +40,7 @@ from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.emulated import emulate_compute
 from gradmesh.train.evaluation import Evaluator, has_classes
+from gradmesh.train.loss_scale import DynamicLossScale
 from gradmesh.train.optimizers import build_optimizer
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
 from gradmesh.units import parse_shape
@@ -200,6 +201,8 @@ class Job:
     """With --tensorboard, on the process that writes per-step scalars (rank 0; a ps job's
     worker 0)."""
     evaluator: Evaluator | None = None
+    loss_scale: DynamicLossScale | None = None
+    """fp16's dynamic loss scale (`--precision fp16`)."""
     model_flops: tuple[float, float] = (0.0, 0.0)
     """A language model's forward + backward FLOPs per sample (torch's FLOP counter) and this
     worker's measured peak FLOP/s (`gradmesh.models.flops`): what its MFU is made of."""
@@ -255,6 +258,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.sync, split.engine.backward_passes, config.job.timeout_s
     )
     job = Job(config, rt, data, split, optimizer, strategy, lr)
+    if config.layout.precision == "fp16":
+        job.loss_scale = DynamicLossScale()
     if config.data.dataset in TOKEN_DATASETS:  # every worker measures its peak at once
         flops = flops_per_sample(lambda: model_of(config, data), first_input(data))
         job.model_flops = (flops, measured_peak_flops())

@@ -181,7 +181,7 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
         (["--zero-stage", "3", "--compression", "int8"], "with FSDP2's own collectives; --comp"),
         (["--zero-stage", "2", "--tensorboard", "tb-never-made"], "with --tensorboard is not"),
         (["--reshard"], "--reshard: it needs --checkpoint-dir"),
-        (["--precision", "fp16"], "--precision fp16 "),  # needs a GPU (or: not built yet)
+        (["--precision", "fp16", "--strategy", "hogwild"], "--precision fp16 with --strategy hog"),
         (
             ["--reshard", "--checkpoint-dir", "ckpt-never-made", "--compression", "int8"],
             "--reshard: compression keeps state per fusion bucket",

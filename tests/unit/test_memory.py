@@ -83,7 +83,7 @@ def test_bf16_runs_the_forward_in_bf16_and_keeps_weights_and_gradients_fp32() ->
     seen: list[torch.dtype] = []
     model.blocks[0].mlp.fc1.register_forward_hook(lambda _m, _a, out: seen.append(out.dtype))
     x = torch.randint(0, 64, (8, 33), generator=torch.Generator().manual_seed(1))
-    engine = PlainEngine(model, 1, lm_loss, bf16=True)
+    engine = PlainEngine(model, 1, lm_loss, half=torch.bfloat16)
     loss = engine.step(x[:, :-1], x[:, 1:], 1.0 / 8)
     assert seen == [torch.bfloat16]
     assert all(

@@ -1,0 +1,104 @@
+"""fp16's dynamic loss scaling (`--precision fp16`): the loss is multiplied by a scale before
+backward, so that small gradients of fp16 activations do not flush to zero; after the gradients
+are reduced they are divided by it again, and a step whose gradients overflowed (Inf or NaN) is
+skipped and the scale halved; after `growth_interval` finite steps in a row it doubles.
+
+Why not torch's `GradScaler`: its skip is decided by each process on its own gradients, which
+is right where data parallelism has made them equal, and wrong where ranks hold different ones
+(tensor-parallel slices, pipeline stages, ZeRO's shards): one rank would skip while the others
+step. Here every rank's overflow is summed over the world (one collective of one number) before
+any rank decides, and the decision is the loop's, after the gradient sync and before the
+update, which `GradScaler.step` would take from gradmesh's optimizer wrapper. The unscale and
+the check are torch's own fused kernel (`_amp_foreach_non_finite_check_and_unscale_`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from gradmesh.observe.timeline import span
+from gradmesh.sync.data_parallel.optimizer import is_distributed
+
+
+class DynamicLossScale:
+    """The scale, and the count of finite steps since it last changed."""
+
+    def __init__(
+        self, scale: float = 2.0**16, growth_interval: int = 2000, group: Any = None
+    ) -> None:
+        self.scale = scale
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+        self.skipped = 0
+        """Steps skipped for overflow in this run."""
+        self.group = group
+        """The ranks that agree (None: the default group, when one is initialised)."""
+
+    def unscale(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Divide every gradient by the scale; whether every rank's are finite. When they are
+        not, this rank's gradients are dropped (set to None, so the optimizer updates nothing
+        and keeps its state), the scale halves; every `growth_interval` finite steps it
+        doubles."""
+        held = [(p, p.grad) for p in params if p.grad is not None]
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for _, g in held:
+            grad = local(g)
+            by_kind.setdefault((grad.device, grad.dtype), []).append(grad)
+        # on the gradients' device: what the world's backend (NCCL on GPUs) reduces
+        found = torch.zeros(1, device=next(iter(by_kind))[0] if by_kind else "cpu")
+        for (device, _), grads in by_kind.items():
+            flag = torch.zeros(1, device=device)
+            inverse = torch.full((1,), 1.0 / self.scale, device=device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
+            found += flag.to(found.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        finite = not bool(found.item())
+        if finite:
+            self.good_steps += 1
+            if self.good_steps == self.growth_interval:
+                self.scale, self.good_steps = self.scale * 2.0, 0
+        else:
+            for p, _ in held:
+                p.grad = None
+            self.scale, self.good_steps = self.scale / 2.0, 0
+            self.skipped += 1
+        return finite
+
+    def state_dict(self) -> dict[str, float]:
+        return {"scale": self.scale, "good_steps": float(self.good_steps)}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.scale = float(saved["scale"])
+        self.good_steps = int(saved["good_steps"])
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's and tensor parallelism's gradients), else `t`."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def update(optimizer: Optimizer, scale: DynamicLossScale | None) -> None:
+    """The loop's optimizer step. With a loss scale: the gradients are reduced first (a
+    `DistributedOptimizer`'s `synchronize`; FSDP2 reduced them in backward), then unscaled and
+    checked (`DynamicLossScale.unscale`), then the step, which updates nothing after an
+    overflow (the gradients are gone) and still ends the step for the optimizer wrapper."""
+    distributed = is_distributed(optimizer)
+    if scale is not None:
+        if distributed:
+            cast(Any, optimizer).synchronize()
+        scale.unscale(p for group in optimizer.param_groups for p in group["params"])
+    if not distributed:
+        with span("step"):
+            optimizer.step()
+    elif scale is not None:
+        with cast(Any, optimizer).skip_synchronize():
+            optimizer.step()  # it spans its update itself
+    else:
+        optimizer.step()

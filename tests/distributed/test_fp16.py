@@ -1,0 +1,95 @@
+"""fp16 with dynamic loss scaling on real gloo ranks: the skip decision is the world's, and a GPT
+trains under fp16 autocast through the loop's own update (`gradmesh.train.loss_scale.update`)
+with gradmesh's `DistributedOptimizer`. On CPU: torch runs fp16 autocast here, while `gradmesh
+train --precision fp16` asks for a GPU (no GPU was lent to run it there)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import gradmesh
+from gradmesh.layout.engine import PlainEngine
+from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
+from gradmesh.train.loss_scale import DynamicLossScale, update
+from tests.distributed.test_any_model import MatmulDtypes
+from tests.harness import run_ranks
+
+
+def overflow_on_rank_1() -> list[Any]:
+    """Four steps of one parameter whose gradient is 8 x the scale: at the second, rank 1's is
+    Inf. Per step: (finite, gradient after, scale after)."""
+    rank = gradmesh.rank()
+    p = torch.nn.Parameter(torch.zeros(3))
+    scale = DynamicLossScale(scale=1024.0, growth_interval=2)
+    seen = []
+    for step in range(4):
+        p.grad = torch.full((3,), 8.0 * scale.scale)
+        if step == 1 and rank == 1:
+            p.grad[0] = float("inf")
+        finite = scale.unscale([p])
+        seen.append((finite, None if p.grad is None else p.grad.tolist(), scale.scale))
+    restored = DynamicLossScale()
+    restored.load_state_dict(scale.state_dict())
+    return [seen, (restored.scale, restored.good_steps), scale.skipped]
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
+    """Rank 1 alone overflows: both ranks drop their gradients and halve the scale; finite steps
+    are unscaled exactly, and two in a row double it; the state survives a checkpoint."""
+    for seen, restored, skipped in run_ranks(overflow_on_rank_1, 2):
+        assert seen == [
+            (True, [8.0] * 3, 1024.0),
+            (False, None, 512.0),
+            (True, [8.0] * 3, 512.0),
+            (True, [8.0] * 3, 1024.0),
+        ]
+        assert restored == (1024.0, 0) and skipped == 1
+
+
+CONFIG = {"vocab": 64, "seq": 16, "dim": 32, "depth": 2, "heads": 4}
+
+
+def fp16_steps(half: bool, steps: int) -> tuple[list[float], int, float, list[str], bool]:
+    """`steps` AdamW steps of a GPT at dp 2 (half: fp16 autocast, a loss scale starting at 2^24,
+    past what fp16's gradients hold), through `update`. Returns the losses, the steps skipped,
+    the final scale, the matrix products' dtypes, and whether the skipped steps left every
+    weight as it was."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG))
+    engine = PlainEngine(model, 1, lm_loss, torch.float16 if half else None)
+    opt = gradmesh.DistributedOptimizer(
+        torch.optim.AdamW(model.parameters(), lr=3e-3), named_parameters=model.named_parameters()
+    )
+    scale = DynamicLossScale(scale=2.0**24) if half else None
+    g = torch.Generator().manual_seed(1 + gradmesh.rank())
+    data = torch.randint(0, CONFIG["vocab"], (8, CONFIG["seq"] + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    losses, products, kept = [], MatmulDtypes(), True
+    for _ in range(steps):
+        before = [p.detach().clone() for p in model.parameters()]
+        skipped = scale.skipped if scale else 0
+        opt.zero_grad(set_to_none=False)
+        with products:
+            factor = scale.scale if scale else 1.0
+            losses.append(float(engine.step(x, y, factor / y.numel())) / y.numel())
+        update(opt, scale)
+        if scale and scale.skipped > skipped:
+            kept &= all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    seen = sorted(str(d) for d in products.seen)
+    return losses, scale.skipped if scale else 0, scale.scale if scale else 0.0, seen, kept
+
+
+def test_fp16_with_a_loss_scale_trains_a_gpt_as_fp32_does() -> None:
+    """A scale that overflows at first is halved, skipping those steps without touching a
+    weight, until fp16 holds the gradients; from there the losses follow an fp32 run's."""
+    steps = 40
+    fp32 = run_ranks(fp16_steps, 2, False, steps)[0][0]
+    losses, skipped, scale, seen, kept = run_ranks(fp16_steps, 2, True, steps)[0]
+    assert seen == ["torch.float16"] and kept
+    assert 1 <= skipped <= 20 and scale < 2.0**24
+    assert losses[-1] < 0.9 * losses[0]  # it learned
+    # fp16 steps start late by the skipped ones; after them it tracks fp32's descent
+    assert losses[-1] == pytest.approx(fp32[steps - 1 - skipped], rel=0.05)
