@@ -3,12 +3,12 @@
 `gradmesh.bench.memory_ranks`).
 
 One process takes training steps (forward, backward) of the model on a fixed batch under each
-of `--modes` (`none`: every activation kept; `every:K`; `blocks`: `--activation-checkpointing`'s
-values) and each of `--precisions` (`bf16`: the forward under bf16 autocast, as `--precision
-bf16` runs it), interleaved over `--rounds`: the median step time, and the step's peak of
-live tensor bytes on the CPU. The peak is read off torch's profiler (`profile_memory=True`
-records every allocation and free, each attributed to the op that made it; summed in time
-order, a transient inside one op counting at its net): what the step adds on top of the weights
+of `--modes` (`none`: every activation kept; `every:K`, `blocks`, `attention`:
+`--activation-checkpointing`'s values) and each of `--precisions` (`bf16`: the forward under
+bf16 autocast, as `--precision bf16` runs it), interleaved over `--rounds`: the median step
+time, and the step's peak of live tensor bytes on the CPU. The peak is read off torch's profiler
+(`profile_memory=True`: the allocator's every allocation and free, summed in time order,
+`gradmesh.layout.memory.peak_bytes`): what the step adds on top of the weights
 and their gradients, which are allocated before it. It is the same every round (deterministic);
 the time is a median. One thread, as a worker of the suite's; layouts divide the figure further
 (tensor parallelism: the activations of split layers; a pipeline: the micro-batches in flight).
@@ -34,7 +34,9 @@ class Config:
     model_args: str = option("dim=128,depth=8,heads=4", "the model builder's keyword arguments")
     batch: int = option(16, "samples per step")
     sequence_length: int = option(128, "token models: tokens per sample")
-    modes: str = option("none,every:2,blocks", "none, blocks or every:K, comma-separated")
+    modes: str = option(
+        "none,every:2,blocks", "none, blocks, every:K or attention, comma-separated"
+    )
     precisions: str = option(
         "fp32", "fp32 and/or bf16 (forward under bf16 autocast), comma-separated"
     )
@@ -153,7 +155,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         "modes": results,
     }
     lines = [
-        f"{mode:8} step {r['step_s'] * 1e3:7.1f} ms  peak {r['peak_bytes'] / 1e6:7.1f} MB"
+        f"{mode:9} step {r['step_s'] * 1e3:7.1f} ms  peak {r['peak_bytes'] / 1e6:7.1f} MB"
         + (
             f"  ({r['memory_vs_none']:.2f}x the memory, {r['time_vs_none']:.2f}x the time)"
             if "memory_vs_none" in r

@@ -47,7 +47,8 @@ class LayoutConfig:
     activation_checkpointing: str = option(
         "",
         "recompute activations in backward instead of keeping them: blocks (every block of the "
-        "model's block list) or every:K (every K-th block)",
+        "model's block list), every:K (every K-th block) or attention (each block's attention "
+        "module only: Megatron's selective recomputation)",
     )
     plan: str = option(
         "",
@@ -91,15 +92,16 @@ def bubble_formula(pp: int, m: int, virtual: int = 1) -> float:
 
 
 def every_of(spec: str) -> int:
-    """'blocks' -> 1, 'every:k' -> k; one line for anything else."""
-    if spec == "blocks":
+    """'blocks' and 'attention' -> 1 (every block, or its attention), 'every:k' -> k; one line
+    for anything else."""
+    if spec in ("blocks", "attention"):
         return 1
     head, _, k = spec.partition(":")
     if head == "every" and k.isdigit() and int(k) >= 1:
         return int(k)
     raise GradmeshError(
-        f"--activation-checkpointing {spec!r}: expected blocks (every block) or every:K "
-        "(every K-th block)"
+        f"--activation-checkpointing {spec!r}: expected blocks (every block), every:K (every "
+        "K-th block) or attention (every block's attention)"
     )
 
 

@@ -1,10 +1,12 @@
 """Activation checkpointing: a block keeps, from its forward to its backward, only its inputs,
 and its backward runs its forward again to rebuild the rest (`torch.utils.checkpoint`,
 non-reentrant, so it composes with autograd hooks, tensor-parallel operators and gradient
-accumulation). The blocks are the model's (`gradmesh.layout.blocks`): every one (`blocks`), or
-every k-th (`every:k`, Megatron's selective recomputation by block). The memory it saves is
-the activations inside a block, for one more forward of it in backward (about a third more
-arithmetic for a block whose backward costs twice its forward).
+accumulation). The blocks are the model's (`gradmesh.layout.blocks`): every one (`blocks`), every
+k-th (`every:k`), or only each block's attention module (`attention`: Megatron's selective
+recomputation, which keeps the projections' and the MLP's activations and rebuilds what
+attention saves, its queries, keys, values and scores, cheap to recompute for their size). The
+memory it saves is the activations inside what is recomputed, for one more forward of it in
+backward (about a third more arithmetic for a block whose backward costs twice its forward).
 
 A block's class is swapped for a subclass whose forward checkpoints the original's: parameter
 names, tensor-parallel plans, checkpoints and deep copies (the graph pipeline traces a copy) see
@@ -56,8 +58,9 @@ def _recomputed(cls: type[nn.Module]) -> type[nn.Module]:
 
 
 def checkpoint_blocks(model: nn.Module, spec: str, model_name: str) -> list[str]:
-    """Make every `every_of(spec)`-th block of `model` recompute its activations in backward,
-    in place; returns their names (one line when the model has no blocks)."""
+    """Make every `every_of(spec)`-th block of `model` (with `attention`, each block's attention
+    module) recompute its activations in backward, in place; returns their names (one line
+    when the model has no blocks, or a block no attention)."""
     every = every_of(spec)
     names = block_list(model)
     if not names:
@@ -66,11 +69,31 @@ def checkpoint_blocks(model: nn.Module, spec: str, model_name: str) -> list[str]
             "(a ModuleList or Sequential of repeated modules)"
         )
     chosen = names[::every]
+    if spec == "attention":
+        chosen = [attention_of(model, name, model_name) for name in chosen]
     for name in chosen:
         block = model.get_submodule(name)
         if not getattr(block, "recomputed", False):
             block.__class__ = _recomputed(type(block))
     return chosen
+
+
+ATTENTION_NAMES = ("attn", "attention", "self_attn")
+
+
+def attention_of(model: nn.Module, block: str, model_name: str) -> str:
+    """The name of `block`'s attention module: its first descendant named as one usually is
+    (`ATTENTION_NAMES`: gradmesh's GPT, Hugging Face's Llama, GPT-2 and BERT-like models) or
+    whose class name ends in Attention; one line when it has none."""
+    for name, module in model.get_submodule(block).named_modules():
+        last = name.rpartition(".")[2]
+        if name and (last in ATTENTION_NAMES or type(module).__name__.endswith("Attention")):
+            return f"{block}.{name}"
+    raise GradmeshError(
+        f"--activation-checkpointing attention: block {block} of model {model_name} has no "
+        f"attention module (a submodule named {', '.join(ATTENTION_NAMES)} or a class ending in "
+        "Attention); use blocks or every:K"
+    )
 
 
 @contextlib.contextmanager

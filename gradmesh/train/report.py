@@ -311,7 +311,10 @@ class RunReport:
     def _layout_lines(self) -> list[str]:
         lay = self.layout
         recomputed = (
-            [f"  activation checkpointing: {lay['recomputed_blocks']} blocks recompute in backward"]
+            [
+                f"  activation checkpointing: {lay['recomputed_blocks']} "
+                f"{lay.get('recomputed', 'blocks')} recompute in backward"
+            ]
             if lay.get("recomputed_blocks")
             else []
         )

@@ -250,6 +250,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     )
     if recomputed:
         split.info["recomputed_blocks"] = len(recomputed)
+        attention = config.layout.activation_checkpointing == "attention"
+        split.info["recomputed"] = "attention modules" if attention else "blocks"
     stage = config.sync.allreduce.zero_stage  # shards over the replicas: before the optimizer
     shard_model(split.module, stage, rt)
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)

@@ -71,7 +71,7 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             {"precision": "fp16", "strategy": "ps"},
             "--precision fp16 with --strategy ps: its loss scale skips a step only when every",
         ),
-        ({"activation_checkpointing": "every:x"}, "expected blocks (every block) or every:K"),
+        ({"activation_checkpointing": "every:x"}, "expected blocks (every block), every:K"),
     ],
 )
 def test_validate_rejects(change: dict[str, object], message: str) -> None:
