@@ -6,10 +6,11 @@ skipped and the scale halved; after `growth_interval` finite steps in a row it d
 Why not torch's `GradScaler`: its skip is decided by each process on its own gradients, which
 is right where data parallelism has made them equal, and wrong where ranks hold different ones
 (tensor-parallel slices, pipeline stages, ZeRO's shards): one rank would skip while the others
-step. Here every rank's overflow is summed over the world (one collective of one number) before
-any rank decides, and the decision is the loop's, after the gradient sync and before the
-update, which `GradScaler.step` would take from gradmesh's optimizer wrapper. The unscale and
-the check are torch's own fused kernel (`_amp_foreach_non_finite_check_and_unscale_`)."""
+step. Here every rank's overflow is combined over the world (one collective of one number, a
+max) before any rank decides; and the decision is made between the gradient sync and the
+update (`update`), where `GradScaler.step` would call gradmesh's optimizer wrapper's `step`,
+sync and update together. The unscale and the check are torch's own fused kernel
+(`_amp_foreach_non_finite_check_and_unscale_`)."""
 
 from __future__ import annotations
 
