@@ -114,12 +114,19 @@ class Counted:
         return work
 
 
+def local(t: Any) -> Any:
+    """What this rank holds of `t`: a DTensor's local shard (FSDP2's and tensor parallelism's
+    parameters, gradients and optimizer state; a view, so writing it writes the DTensor), else
+    `t` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes (shards counted as held)."""
 
     def held(t: Any) -> int:
-        local = t.to_local() if hasattr(t, "to_local") else t
-        return int(local.numel() * local.element_size())
+        part = local(t)
+        return int(part.numel() * part.element_size())
 
     params = list(model.parameters())
     inner = getattr(optimizer, "optim", optimizer)  # a ZeroRedundancyOptimizer's own part

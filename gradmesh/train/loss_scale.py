@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from gradmesh.layout.sharded import local
 from gradmesh.observe.timeline import span
 from gradmesh.sync.data_parallel.optimizer import is_distributed
 
@@ -76,13 +77,6 @@ class DynamicLossScale:
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         self.scale = float(saved["scale"])
         self.good_steps = int(saved["good_steps"])
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2's and tensor parallelism's gradients), else `t`."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def update(optimizer: Optimizer, scale: DynamicLossScale | None) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.layout.sharded import local
 
 if TYPE_CHECKING:
     pass
@@ -221,9 +222,8 @@ def refuse_old_format(directory: str | Path) -> None:
 
 def model_problem(saved: dict[str, Any], model: nn.Module) -> str | None:
     """The first way `saved` is not a state dict of `model`, or None."""
-    expected = {  # a shard's shape where the model holds shards (DTensors)
-        k: v.to_local() if hasattr(v, "to_local") else v for k, v in model.state_dict().items()
-    }
+    # a shard's shape where the model holds shards (DTensors)
+    expected = {k: local(v) for k, v in model.state_dict().items()}
     for name in sorted(set(expected) ^ set(saved)):
         side = "the model has no" if name in saved else "missing model entry"
         return f"{side} {name!r}"
@@ -280,8 +280,7 @@ def _copy(value: Any, copy: bool = True) -> Any:
     """A snapshot of nested state: tensors copied to the CPU (with `copy` False, only where they
     are not there), containers rebuilt; a DTensor (sharded data parallelism) as this rank's
     shard, the part the rank writes."""
-    if hasattr(value, "to_local"):
-        value = value.to_local()
+    value = local(value)
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=copy)
     if isinstance(value, dict):

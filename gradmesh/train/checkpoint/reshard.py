@@ -34,6 +34,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.layout.sharded import local
 from gradmesh.layout.tensor_parallel import shard, unshard
 from gradmesh.layout.tp_plan import shard_specs
 from gradmesh.train.checkpoint.files import Meta, complete, rank_file, read_meta, read_rank
@@ -226,8 +227,7 @@ def load_model(module: nn.Module, saved: dict[str, torch.Tensor]) -> None:
         raise GradmeshError(f"the state does not name the model's entries: {missing[0]!r}")
     with torch.no_grad():
         for name, target in held.items():
-            local = target.to_local() if hasattr(target, "to_local") else target
-            local.copy_(saved[name])
+            local(target).copy_(saved[name])
 
 
 def optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, Any]:
@@ -241,7 +241,7 @@ def optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, An
     state = {}
     for index, entry in saved["state"].items():
         p = params[int(index)]
-        local = p.to_local() if hasattr(p, "to_local") else None
+        held = p.to_local() if hasattr(p, "to_local") else None
         state[index] = {
             key: DTensor.from_local(  # the parameter's global shape: shards may be uneven
                 value,
@@ -251,9 +251,9 @@ def optimizer_state(optimizer: Optimizer, saved: dict[str, Any]) -> dict[str, An
                 shape=p.shape,
                 stride=p.stride(),
             )
-            if local is not None
+            if held is not None
             and isinstance(value, torch.Tensor)
-            and value.shape == local.shape
+            and value.shape == held.shape
             and value.dim() > 0
             else value
             for key, value in entry.items()
