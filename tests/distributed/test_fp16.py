@@ -1,7 +1,8 @@
 """fp16 with dynamic loss scaling on real gloo ranks: the skip decision is the world's, and a GPT
 trains under fp16 autocast through the loop's own update (`gradmesh.train.loss_scale.update`)
-with gradmesh's `DistributedOptimizer`. On CPU: torch runs fp16 autocast here, while `gradmesh
-train --precision fp16` asks for a GPU (no GPU was lent to run it there)."""
+with gradmesh's `DistributedOptimizer`, and cut into pipeline stages. On CPU: torch runs fp16
+autocast here, while `gradmesh train --precision fp16` asks for a GPU (no GPU was lent to run
+it there)."""
 
 from __future__ import annotations
 
@@ -92,4 +93,43 @@ def test_fp16_with_a_loss_scale_trains_a_gpt_as_fp32_does() -> None:
     assert 1 <= skipped <= 20 and scale < 2.0**24
     assert losses[-1] < 0.9 * losses[0]  # it learned
     # fp16 steps start late by the skipped ones; after them it tracks fp32's descent
+    assert losses[-1] == pytest.approx(fp32[steps - 1 - skipped], rel=0.05)
+
+
+def pipeline_steps(precision: str, steps: int) -> tuple[list[float], tuple[int, float] | None]:
+    """`steps` AdamW steps of a 4-block GPT cut into 2 pipeline stages (4 micro-batches) under
+    `precision`, a loss scale from 2^24 with fp16. Returns the losses (the last stage's) and
+    (steps skipped, final scale)."""
+    from gradmesh.layout.engine import split_model
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**CONFIG, "depth": 4}))
+    g = torch.Generator().manual_seed(1)
+    data = torch.randint(0, CONFIG["vocab"], (8, CONFIG["seq"] + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    rt = gradmesh.get_runtime()
+    points = "blocks.2"
+    split = split_model(model, "gpt", rt, 4, "1f1b", points, x, None, lm_loss, precision=precision)
+    opt = torch.optim.AdamW(split.module.parameters(), lr=3e-3)
+    scale = DynamicLossScale(scale=2.0**24) if precision == "fp16" else None
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=False)
+        factor = scale.scale if scale else 1.0
+        losses.append(float(split.engine.step(x, y, factor / y.numel())) / y.numel())
+        update(opt, scale)
+    return losses, (scale.skipped, scale.scale) if scale else None
+
+
+def test_pipeline_stages_skip_the_same_steps_under_fp16() -> None:
+    """The two stages of a pipeline hold different gradients and overflow apart, yet skip the
+    same steps and keep the same scale; past the skipped steps the losses follow fp32's."""
+    steps, init = 20, {"pipeline_parallel": 2}
+    fp32 = run_ranks(pipeline_steps, 2, "fp32", steps, init=init)[1][0]
+    first, last = run_ranks(pipeline_steps, 2, "fp16", steps, init=init)
+    assert first[1] == last[1]
+    skipped, scale = last[1]
+    assert 1 <= skipped <= 10 and scale == 2.0**24 / 2**skipped
+    losses = last[0]
+    assert losses[-1] < 0.9 * losses[0]
     assert losses[-1] == pytest.approx(fp32[steps - 1 - skipped], rel=0.05)
