@@ -144,9 +144,9 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int, pp: int) -> None:
         )
 
 
-def check_precision(precision: str, pp: int) -> None:
-    """One line unless `precision` can run here (`pp`: the pipeline's ranks, which every
-    precision built runs on)."""
+def check_precision(precision: str) -> None:
+    """One line unless `gradmesh train` can run `precision` here: fp16 asks for a GPU (every
+    precision runs on every layout)."""
     if precision == "fp16":
         import torch
 

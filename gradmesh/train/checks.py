@@ -97,7 +97,7 @@ def _check_layout(config: TrainConfig) -> None:
             f"--precision fp16 with --strategy {strategy}: its loss scale skips a step only "
             "when every rank agrees, which needs ranks that step together (--strategy allreduce)"
         )
-    check_precision(layout.precision, shape.pp)
+    check_precision(layout.precision)
     check_sequence_parallel(layout.sequence_parallel, shape.tp, shape.pp)
     stage = config.sync.allreduce.zero_stage
     check_stage(stage, shape.pp, strategy, config.sync.compression.method)
