@@ -14,6 +14,7 @@ sync and update together. The unscale and the check are torch's own fused kernel
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 from typing import Any, cast
 
@@ -29,16 +30,12 @@ from gradmesh.sync.data_parallel.optimizer import is_distributed
 class DynamicLossScale:
     """The scale, and the count of finite steps since it last changed."""
 
-    def __init__(
-        self, scale: float = 2.0**16, growth_interval: int = 2000, group: Any = None
-    ) -> None:
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000) -> None:
         self.scale = scale
         self.growth_interval = growth_interval
         self.good_steps = 0
         self.skipped = 0
         """Steps skipped for overflow in this run."""
-        self.group = group
-        """The ranks that agree (None: the default group, when one is initialised)."""
 
     def unscale(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Divide every gradient by the scale; whether every rank's are finite. When they are
@@ -57,8 +54,8 @@ class DynamicLossScale:
             inverse = torch.full((1,), 1.0 / self.scale, device=device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, inverse)
             found += flag.to(found.device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(found, op=dist.ReduceOp.MAX, group=self.group)
+        if dist.is_available() and dist.is_initialized():  # the world agrees
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
         finite = not bool(found.item())
         if finite:
             self.good_steps += 1
@@ -92,8 +89,7 @@ def update(optimizer: Optimizer, scale: DynamicLossScale | None) -> None:
     if not distributed:
         with span("step"):
             optimizer.step()
-    elif scale is not None:
-        with cast(Any, optimizer).skip_synchronize():
-            optimizer.step()  # it spans its update itself
-    else:
+        return
+    synced = cast(Any, optimizer).skip_synchronize() if scale else contextlib.nullcontext()
+    with synced:  # the wrapper spans its update itself
         optimizer.step()

@@ -53,6 +53,16 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
 CONFIG = {"vocab": 64, "seq": 16, "dim": 32, "depth": 2, "heads": 4}
 
 
+def one_step(engine: Any, opt: Any, scale: DynamicLossScale | None, x: Any, y: Any) -> float:
+    """One step as the loop takes it: the loss scaled into backward, then `update`; the loss a
+    token."""
+    opt.zero_grad(set_to_none=False)
+    factor = scale.scale if scale else 1.0
+    loss = float(engine.step(x, y, factor / y.numel())) / y.numel()
+    update(opt, scale)
+    return loss
+
+
 def fp16_steps(half: bool, steps: int) -> tuple[list[float], int, float, list[str], bool]:
     """`steps` AdamW steps of a GPT at dp 2 (half: fp16 autocast, a loss scale starting at 2^24,
     past what fp16's gradients hold), through `update`. Returns the losses, the steps skipped,
@@ -72,11 +82,8 @@ def fp16_steps(half: bool, steps: int) -> tuple[list[float], int, float, list[st
     for _ in range(steps):
         before = [p.detach().clone() for p in model.parameters()]
         skipped = scale.skipped if scale else 0
-        opt.zero_grad(set_to_none=False)
         with products:
-            factor = scale.scale if scale else 1.0
-            losses.append(float(engine.step(x, y, factor / y.numel())) / y.numel())
-        update(opt, scale)
+            losses.append(one_step(engine, opt, scale, x, y))
         if scale and scale.skipped > skipped:
             kept &= all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     seen = sorted(str(d) for d in products.seen)
@@ -112,12 +119,7 @@ def pipeline_steps(precision: str, steps: int) -> tuple[list[float], tuple[int, 
     split = split_model(model, "gpt", rt, 4, "1f1b", points, x, None, lm_loss, precision=precision)
     opt = torch.optim.AdamW(split.module.parameters(), lr=3e-3)
     scale = DynamicLossScale(scale=2.0**24) if precision == "fp16" else None
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad(set_to_none=False)
-        factor = scale.scale if scale else 1.0
-        losses.append(float(split.engine.step(x, y, factor / y.numel())) / y.numel())
-        update(opt, scale)
+    losses = [one_step(split.engine, opt, scale, x, y) for _ in range(steps)]
     return losses, (scale.skipped, scale.scale) if scale else None
 
 
