@@ -366,7 +366,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         wait_for_master(host, port, spec.timeout_s, spec.node_rank)
     os.environ.update(_worker_env(spec, host))
     _quiet_agent()
-    log_dir = tempfile.mkdtemp(prefix="gradmesh-run-")
+    log_dir = tempfile.mkdtemp(prefix=f"gradmesh-run-{os.getpid()}x-")  # owner: leak checks
     config = _launch_config(spec, host, port, log_dir)
     try:
         elastic_launch(config, command[0])(*command[1:])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from gradmesh import units
@@ -20,13 +22,29 @@ def test_rates_and_latencies() -> None:
             units.parse_rate(bad) if bad != "10" else units.parse_latency(bad)
 
 
-def test_missing_root_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_root_is_one_clear_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Which line comes depends on what PATH holds and who runs it, set here: not on whether
+    this machine has iproute2 or runs as root."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    monkeypatch.setenv("PATH", str(tools))
+    assert namespaces.missing_capability() == (
+        "the emulated cluster needs `ip` (Debian package iproute2)"
+    )
+    for tool in ("ip", "tc"):
+        (tools / tool).write_text("#!/bin/sh\n")
+        (tools / tool).chmod(0o755)
+    (tools / "tc").chmod(0o644)  # not executable: not found
+    assert namespaces.missing_capability() == (
+        "the emulated cluster needs `tc` (Debian package iproute2)"
+    )
+    (tools / "tc").chmod(0o755)
     monkeypatch.setattr(emulate.os, "geteuid", lambda: 1000)
     assert namespaces.missing_capability() == (
         "the emulated cluster needs root (or CAP_NET_ADMIN) to create network namespaces"
     )
-    monkeypatch.setattr(namespaces.shutil, "which", lambda tool: None)
-    assert "needs `ip` (Debian package iproute2)" in (namespaces.missing_capability() or "")
+    monkeypatch.setattr(emulate.os, "geteuid", lambda: 0)
+    assert namespaces.missing_capability() is None
 
 
 def test_cluster_checks_its_size() -> None:
