@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -22,10 +23,16 @@ from pathlib import Path
 # share the machine's cores, and torch's own threads only add contention there (the whole suite
 # took 905 s with torch's default threads and 798 s with one, on 2 cores). Ranks pin it too.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every rank and job the tests start, and this process, refuse a tensor that gradmesh makes
+# without naming its device (gradmesh/runtime/device_guard.py): what a GPU would catch.
+os.environ.setdefault("GRADMESH_DEVICE_GUARD", "1")
 
 import pytest  # noqa: E402
 
+from gradmesh.runtime import device_guard  # noqa: E402
 from tests.harness import CLI, kept_environment
+
+device_guard.install()
 
 TAG = "GRADMESH_TEST_TAG"
 
@@ -90,12 +97,12 @@ def rank_forkserver() -> None:
     start_forkserver()
 
 
-def our_temp_dirs() -> set[str]:
-    """Launcher log folders and emulated-host temp folders in the temp directory."""
+def our_temp_dirs(root: str | None = None) -> set[str]:
+    """Launcher log folders and emulated-host temp folders in the temp directory (or `root`)."""
     import glob
     import tempfile
 
-    root = tempfile.gettempdir()
+    root = root or tempfile.gettempdir()
     return {*glob.glob(f"{root}/gradmesh-run-*"), *glob.glob(f"{root}/gmesh-*")}
 
 
@@ -105,14 +112,17 @@ def emulated_namespaces() -> set[str]:
     return set(namespaces.our_namespaces()) if namespaces.missing_capability() is None else set()
 
 
-def foreign_namespace(name: str, ours: list[int]) -> bool:
-    """Whether namespace `name` belongs to a live process outside this test (another test
-    session on the machine): its owner's pid is in its name, and is neither this process nor
-    one of the test's own. Such a namespace is not this test's leak, and deleting it would
-    break the other session's cluster."""
-    import re
+OWNER = re.compile(r"(?:gmesh|gradmesh-run)-(\d+)x")
+"""The owner's pid in a namespace's or temporary folder's name: `gmesh-<pid>x...` (an emulated
+cluster's namespaces and folders), `gradmesh-run-<pid>x...` (the launcher's log folder)."""
 
-    match = re.match(r"gmesh-(\d+)x", name)
+
+def foreign(name: str, ours: list[int]) -> bool:
+    """Whether namespace or folder `name` belongs to a live process outside this test (another
+    test session or gradmesh job on the machine): its owner's pid is in its name, and is neither
+    this process nor one of the test's own. Such a thing is not this test's leak, and deleting it
+    would break the other job. A name without an owner, or whose owner is gone, is the test's."""
+    match = OWNER.match(os.path.basename(name))
     if match is None:
         return False
     pid = int(match.group(1))
@@ -122,6 +132,8 @@ def foreign_namespace(name: str, ours: list[int]) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # alive, another user's
+        return True
     return True
 
 
@@ -178,7 +190,8 @@ def no_leaked_threads_or_environment() -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def no_leaked_processes() -> Iterator[str]:
     """Tag every process a test starts; fail (and kill them) if any is alive afterwards, and
-    fail if the test left an emulated host's namespace behind."""
+    fail if the test left an emulated host's namespace or a launcher's temporary folder behind
+    (not one of another job's, which `foreign` tells by the owner's pid in its name)."""
     tag = uuid.uuid4().hex
     namespaces_before = emulated_namespaces()
     temp_before = our_temp_dirs()
@@ -195,7 +208,7 @@ def no_leaked_processes() -> Iterator[str]:
     while (leaked := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
     new_namespaces = emulated_namespaces() - namespaces_before
-    left_namespaces = {n for n in new_namespaces if not foreign_namespace(n, leaked)}
+    left_namespaces = {n for n in new_namespaces if not foreign(n, leaked)}
     children = [p for p in multiprocessing.active_children() if p.is_alive()]
     for pid in leaked:
         with contextlib.suppress(ProcessLookupError):
@@ -204,7 +217,7 @@ def no_leaked_processes() -> Iterator[str]:
         child.kill()
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
-    left_temp = our_temp_dirs() - temp_before
+    left_temp = {d for d in our_temp_dirs() - temp_before if not foreign(d, leaked)}
     assert not leaked, f"processes left behind by the test: {leaked}"
     assert not left_temp, f"temporary folders left behind: {sorted(left_temp)}"
     assert not left_namespaces, f"network namespaces left behind: {sorted(left_namespaces)}"

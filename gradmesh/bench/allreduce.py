@@ -94,8 +94,8 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     rt = init()
     p = rt.size
     params = probe() if p > 1 else None
-    buffers = {n: torch.ones(n // 4, dtype=torch.float32) for n in config["sizes"]}
-    slowest = torch.zeros(1, dtype=torch.float64)
+    buffers = {n: torch.ones(n // 4, dtype=torch.float32, device="cpu") for n in config["sizes"]}
+    slowest = torch.zeros(1, dtype=torch.float64, device="cpu")
     samples: dict[tuple[str, int], list[float]] = {}
     for round_ in range(config["warmup"] + config["reps"]):
         for n in config["sizes"]:

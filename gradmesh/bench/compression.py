@@ -216,7 +216,9 @@ class _Workload:
         import torch
 
         epoch, k = divmod(step, self.per_epoch)
-        order = torch.randperm(len(self.spec.train), generator=torch.Generator().manual_seed(epoch))
+        order = torch.randperm(
+            len(self.spec.train), generator=torch.Generator().manual_seed(epoch), device="cpu"
+        )
         first = k * self.batch + self.rank * self.per_rank
         rows = order[first : first + self.per_rank]
         return self.spec.train.x[rows], self.spec.train.y[rows]
@@ -302,7 +304,9 @@ def _turn(e: Engine, work: _Workload, rt: Any, timed: bool) -> None:
     turn = timed_turn(steps)
     e.steps += chunk
     e.model.eval()
-    best = torch.tensor([work.accuracy(e.model) if rt.rank == 0 else 0.0], dtype=torch.float64)
+    best = torch.tensor(
+        [work.accuracy(e.model) if rt.rank == 0 else 0.0], dtype=torch.float64, device=rt.device
+    )
     e.model.train()
     dist.all_reduce(best, op=dist.ReduceOp.MAX)
     e.train_s += turn.seconds
@@ -324,7 +328,9 @@ def _result(runs: list[Engine], work: _Workload, rt: Any) -> dict[str, Any]:
 
     if any(not e.turns for e in runs):
         raise GradmeshError("an engine had no timed turn: raise --max-epochs or lower --chunk")
-    wires = torch.tensor([median(e.wire) if e.wire else -1.0 for e in runs], dtype=torch.float64)
+    wires = torch.tensor(
+        [median(e.wire) if e.wire else -1.0 for e in runs], dtype=torch.float64, device=rt.device
+    )
     dist.all_reduce(wires)  # the mean over workers
     result: dict[str, Any] = {
         "world": rt.size,

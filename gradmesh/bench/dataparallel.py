@@ -126,8 +126,8 @@ def _measure(config: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     spec = DATASETS.get(config["dataset"])(DataOptions(shape=shape, samples=64))
     per_rank = config["batch_size"] // rt.size
     g = torch.Generator().manual_seed(rt.rank)
-    x = torch.randn((per_rank, *spec.input_shape), generator=g)
-    y = torch.randint(0, spec.num_classes, (per_rank,), generator=g)
+    x = torch.randn((per_rank, *spec.input_shape), generator=g, device="cpu")
+    y = torch.randint(0, spec.num_classes, (per_rank,), generator=g, device="cpu")
 
     def build() -> Any:
         torch.manual_seed(0)

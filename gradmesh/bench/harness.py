@@ -97,7 +97,7 @@ def timed_turn(work: Callable[[], Any]) -> Turn:
     cpu = cpu_jiffies()
     started = time.perf_counter()
     work()
-    slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64)
+    slowest = torch.tensor([time.perf_counter() - started], dtype=torch.float64, device="cpu")
     idle, total = (a - b for a, b in zip(cpu_jiffies(), cpu, strict=True))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return Turn(float(slowest[0]), idle, total)

@@ -81,7 +81,7 @@ def _measure(numel: int, args: MicroOptions) -> dict[str, Any]:
         if not endpoint.startswith("tcp://"):
             raise GradmeshError(f"bench ps --micro: the server did not start ({endpoint!r})")
         client = Client([endpoint], bytes.fromhex(token_hex), 0, numel, 60.0)
-        flat, grad = torch.zeros(numel), torch.full((numel,), 1e-3)
+        flat, grad = torch.zeros(numel, device="cpu"), torch.full((numel,), 1e-3, device="cpu")
         client.init(flat)
         for _ in range(WARMUP):
             client.pull(flat, push=grad)

@@ -68,7 +68,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
         parallelize_module(model, rt.mesh.device_mesh()["tp"], styles)  # type: ignore[arg-type]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
-    data = torch.randint(0, 256, (config["batch"], config["seq"] + 1), generator=g)
+    data = torch.randint(0, 256, (config["batch"], config["seq"] + 1), generator=g, device="cpu")
 
     def one_step() -> None:
         out = model(data[:, :-1])

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.errors import PeerFailure, first_line
+from gradmesh.runtime.compat import all_gather_single
 from gradmesh.runtime.world import Runtime
 
 MAX_DIMS = 5
@@ -127,7 +128,7 @@ class PendingCheck:
         rows = torch.empty(p * WIDTH, dtype=torch.int64, device=rt.device)
         own = torch.tensor(mine, dtype=torch.int64, device=rt.device)
         try:
-            work = dist.all_gather_single(rows, own, group=group, async_op=True)
+            work = all_gather_single(rows, own, group=group, async_op=True)
         except RuntimeError as exc:
             raise PeerFailure(f"rank {rt.rank}: {label}: {first_line(exc)}") from None
         return cls(rt, group, label, mine, rows, work)

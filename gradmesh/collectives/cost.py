@@ -81,12 +81,12 @@ def probe(
     if group is None and rt.cross_size > 1:  # torchrun numbers ranks host by host
         pair = [0, rt.local_size]
     me = rt.rank
-    result = torch.zeros(3, dtype=torch.float64)
+    result = torch.zeros(3, dtype=torch.float64, device=rt.device)
     if me in pair:
         peer = pair[1] if me == pair[0] else pair[0]
         one_way = []
         for n in sizes:
-            buf = torch.zeros(max(1, n // 4), dtype=torch.float32)
+            buf = torch.zeros(max(1, n // 4), dtype=torch.float32, device=rt.device)
             times = []
             for _ in range(repeats + 1):
                 started = time.perf_counter()
@@ -99,11 +99,11 @@ def probe(
                 times.append((time.perf_counter() - started) / 2)
             one_way.append(statistics.median(times[1:]))
         alpha, beta = fit_alpha_beta([max(4, n) for n in sizes], one_way)
-        a, b = torch.zeros(1 << 21), torch.ones(1 << 21)
+        a, b = torch.zeros(1 << 21, device=rt.device), torch.ones(1 << 21, device=rt.device)
         started = time.perf_counter()
         for _ in range(5):
             a.add_(b)
         gamma = (time.perf_counter() - started) / (5 * a.numel() * 4)
-        result = torch.tensor([alpha, beta, gamma], dtype=torch.float64)
+        result = torch.tensor([alpha, beta, gamma], dtype=torch.float64, device=rt.device)
     dist.broadcast(result, src=pair[0], group=group)
     return CostParams(*(float(v) for v in result))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from gradmesh.collectives.ring import allgather
 from gradmesh.collectives.tree import broadcast
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime.world import get_runtime
+from gradmesh.runtime.world import collective_device, get_runtime
 
 _TUPLE, _SET, _FROZENSET = 1, 2, 3
 _CONTAINERS: dict[int, type] = {_TUPLE: tuple, _SET: set, _FROZENSET: frozenset}
@@ -79,9 +79,9 @@ def decode(data: bytes, what: str) -> Any:
 
 def _as_tensor(data: bytes) -> torch.Tensor:
     return (
-        torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        torch.frombuffer(bytearray(data), dtype=torch.uint8).to(collective_device())
         if data
-        else torch.zeros(0, dtype=torch.uint8)
+        else torch.zeros(0, dtype=torch.uint8, device=collective_device())
     )
 
 
@@ -100,7 +100,8 @@ def _gathered(rows: torch.Tensor, sizes: list[int], what: str) -> list[Any]:
     """Every rank's object from the padded rows, or the first refusal raised on every rank."""
     for row, n in zip(rows, sizes, strict=True):
         if n < 0:
-            raise GradmeshError(row[: -1 - n].numpy().tobytes().decode())
+            raise GradmeshError(row[: -1 - n].cpu().numpy().tobytes().decode())
+    rows = rows.cpu()
     return [decode(row[:n].numpy().tobytes(), what) for row, n in zip(rows, sizes, strict=True)]
 
 
@@ -117,11 +118,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, group: dist.ProcessGroup | No
         encode(obj, "broadcast_object")  # the same refusal as in a larger world
         return obj
     data, length = _payload(obj, "broadcast_object") if rt.rank == root_rank else (b"", 0)
-    size = torch.tensor([length], dtype=torch.int64)
+    size = torch.tensor([length], dtype=torch.int64, device=collective_device())
     broadcast(size, root=root_rank, group=group)
     n = int(size)
     buf = (
-        _as_tensor(data) if rt.rank == root_rank else torch.zeros(max(n, -1 - n), dtype=torch.uint8)
+        _as_tensor(data)
+        if rt.rank == root_rank
+        else torch.zeros(max(n, -1 - n), dtype=torch.uint8, device=collective_device())
     )
     broadcast(buf, root=root_rank, group=group)
     return _gathered(buf.unsqueeze(0), [n], "broadcast_object")[0]
@@ -134,9 +137,13 @@ def allgather_object(obj: Any, group: dist.ProcessGroup | None = None) -> list[A
         encode(obj, "allgather_object")
         return [obj]
     data, length = _payload(obj, "allgather_object")
-    lengths = allgather(torch.tensor([length], dtype=torch.int64), group)
+    lengths = allgather(
+        torch.tensor([length], dtype=torch.int64, device=collective_device()), group
+    )
     sizes = [int(n) for n in lengths.reshape(-1)]
-    padded = torch.zeros(max(max(max(n, -1 - n) for n in sizes), 1), dtype=torch.uint8)
+    padded = torch.zeros(
+        max(max(max(n, -1 - n) for n in sizes), 1), dtype=torch.uint8, device=collective_device()
+    )
     padded[: len(data)] = _as_tensor(data)
     return _gathered(allgather(padded, group), sizes, "allgather_object")
 
@@ -147,7 +154,9 @@ def differing(value: Any, group: dist.ProcessGroup | None = None) -> list[Any] |
     one check that ranks agree on a model's parameters, a process set's members, and the like."""
     if _size(group) == 1:
         return None
-    digest = torch.tensor([zlib.crc32(encode(value, "differing"))], dtype=torch.int64)
+    digest = torch.tensor(
+        [zlib.crc32(encode(value, "differing"))], dtype=torch.int64, device=collective_device()
+    )
     rows = allgather(digest, group).reshape(-1)
     if bool((rows == rows[0]).all()):
         return None

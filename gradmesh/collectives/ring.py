@@ -21,6 +21,7 @@ from gradmesh.collectives.agreement import Check
 from gradmesh.collectives.api import algorithm, run_collective
 from gradmesh.collectives.channel import Channel, resolve_group
 from gradmesh.collectives.cost import CostParams
+from gradmesh.runtime.compat import all_gather_single
 
 PIECE_BYTES = 2 << 20
 """Pipelining granularity. On loopback with 2 cores fewer, larger messages win (CPU-bound); on a
@@ -157,9 +158,7 @@ def allgather(
 
     def native(view: torch.Tensor, ch: Channel) -> None:
         own = tensor.detach().reshape(-1).contiguous()  # not a view of the output
-        ch.backend_collective(
-            lambda: dist.all_gather_single(view, own, group=ch.group, async_op=True)
-        )
+        ch.backend_collective(lambda: all_gather_single(view, own, group=ch.group, async_op=True))
         ch.sent += (p - 1) * own.numel() * own.element_size()  # modelled: a ring's bytes
 
     operation = "native allgather" if backend else "ring allgather"

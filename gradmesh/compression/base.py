@@ -54,13 +54,13 @@ def as_bytes(*parts: torch.Tensor) -> torch.Tensor:
 def split_bytes(payload: torch.Tensor, *specs: tuple[torch.dtype, int]) -> list[torch.Tensor]:
     """Cut `payload` into typed parts of the given element counts; ValueError unless they fill
     it exactly."""
-    sizes = [torch.empty((), dtype=d).element_size() * n for d, n in specs]
+    sizes = [d.itemsize * n for d, n in specs]
     if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != sum(sizes):
         raise ValueError(f"payload of {payload.numel()} bytes, expected {sum(sizes)}")
     parts, at = [], 0
     for (dtype, _), size in zip(specs, sizes, strict=True):
         chunk = payload[at : at + size]
-        if chunk.data_ptr() % torch.empty((), dtype=dtype).element_size():
+        if chunk.data_ptr() % dtype.itemsize:
             chunk = chunk.clone()  # a view must be aligned to its element size
         parts.append(chunk.view(dtype))
         at += size
@@ -153,11 +153,16 @@ class State:
                 raise GradmeshError(f"compressor state {key!r} has the wrong shape")
             self.tensors[key] = value.clone()
 
-    def buffer(self, key: str, numel: int | None = None) -> torch.Tensor:
-        """A float32 tensor kept in this state (zeros when first asked for)."""
-        if key not in self.tensors:
-            self.tensors[key] = torch.zeros(self.numel if numel is None else numel)
-        return self.tensors[key]
+    def buffer(self, key: str, like: torch.Tensor, numel: int | None = None) -> torch.Tensor:
+        """A float32 tensor kept in this state on `like`'s device (zeros when first asked for;
+        moved there once when it was made or loaded elsewhere)."""
+        held = self.tensors.get(key)
+        if held is None:
+            n = self.numel if numel is None else numel
+            held = self.tensors[key] = torch.zeros(n, device=like.device)
+        elif held.device != like.device:
+            held = self.tensors[key] = held.to(like.device)
+        return held
 
 
 def save_states(states: dict[str, State]) -> dict[str, Any]:
@@ -247,13 +252,13 @@ class ErrorFeedback(Compressor):
 
     def new_state(self, numel: int, shapes: list[Shape] | None = None) -> State:
         state = self.inner.new_state(numel, shapes)
-        state.buffer("residual")
+        state.tensors["residual"] = torch.zeros(numel, device="cpu")  # moves to the data's device
         return state
 
     def reduce(
         self, x: torch.Tensor, state: State, link: Link, keep: torch.Tensor | None = None
     ) -> None:
-        residual = state.buffer("residual").add_(x)  # the corrected tensor
+        residual = state.buffer("residual", x).add_(x)  # the corrected tensor
         corrected = residual.clone() if keep is not None else None
         x.copy_(residual)
         self.inner.reduce(x, state, link, residual)  # leaves what was not sent
@@ -261,7 +266,7 @@ class ErrorFeedback(Compressor):
             keep.sub_(corrected.sub_(residual))
 
     def encode(self, x: torch.Tensor, state: State) -> Encoded:
-        residual = state.buffer("residual").add_(x)
+        residual = state.buffer("residual", x).add_(x)
         message = self.inner.encode(residual, state)
         self.inner.decode(message.payload, message.ctx, residual, alpha=-1)
         return message

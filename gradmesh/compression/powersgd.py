@@ -86,12 +86,13 @@ class PowerSGD(Compressor):
             at += size
         return state
 
-    def _start_q(self, state: PowerState) -> list[torch.Tensor]:
+    def _start_q(self, state: PowerState, device: torch.device) -> list[torch.Tensor]:
         """Each matrix's Q (cols x r), warm: the previous call's summed Q."""
         total = sum(m.cols for m in state.matrices) * self.rank
         if "q" not in state.tensors:
             generator = torch.Generator().manual_seed(SEED)
-            state.tensors["q"] = torch.randn(total, generator=generator)
+            q = torch.randn(total, generator=generator, device="cpu")  # the same on every device
+            state.tensors["q"] = q.to(device)
         return _views(state.tensors["q"], [(m.cols, self.rank) for m in state.matrices])
 
     def _views_of(self, x: torch.Tensor, state: PowerState) -> list[torch.Tensor]:
@@ -99,7 +100,7 @@ class PowerSGD(Compressor):
         for m in state.matrices:
             part = x.view(-1)[m.start : m.start + m.numel]
             if m.numel < m.rows * m.cols:
-                padded = torch.zeros(m.rows * m.cols)
+                padded = torch.zeros(m.rows * m.cols, dtype=part.dtype, device=part.device)
                 padded[: m.numel] = part
                 part = padded
             out.append(part.view(m.rows, m.cols))
@@ -126,10 +127,10 @@ class PowerSGD(Compressor):
     ) -> None:
         assert isinstance(state, PowerState)
         flat = x.view(-1)
-        mats, qs = self._views_of(x, state), self._start_q(state)
+        mats, qs = self._views_of(x, state), self._start_q(state, x.device)
         p_numel = sum(m.rows for m in state.matrices) * self.rank
         exact = sum(b - a for a, b in state.exact)
-        message = torch.empty(p_numel + exact)
+        message = torch.empty(p_numel + exact, device=x.device)
         at = p_numel
         for a, b in state.exact:  # exact tensors ride in P's message
             message[at : at + b - a] = flat[a:b]
@@ -158,8 +159,10 @@ class PowerSGD(Compressor):
         if len(state.matrices) != 1 or state.exact:
             raise GradmeshError("powersgd encodes a tensor of unknown structure only")
         (m,) = state.matrices
-        mats, qs = self._views_of(x, state), self._start_q(state)
-        (p,) = self._power_step(mats, qs, torch.empty(m.rows * self.rank), Link(local=True))
+        mats, qs = self._views_of(x, state), self._start_q(state, x.device)
+        (p,) = self._power_step(
+            mats, qs, torch.empty(m.rows * self.rank, device=x.device), Link(local=True)
+        )
         state.steps += 1
         return Encoded(as_bytes(p, qs[0]), (m.rows, m.cols, self.rank))
 

@@ -72,7 +72,7 @@ def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
     rows = -(-x.numel() // chunk)
     if rows * chunk == x.numel():
         return x.reshape(rows, chunk)
-    padded = torch.zeros(rows * chunk, dtype=x.dtype)
+    padded = torch.zeros(rows * chunk, dtype=x.dtype, device=x.device)
     padded[: x.numel()] = x.reshape(-1)
     return padded.view(rows, chunk)
 
@@ -130,7 +130,12 @@ class Int8(Compressor):
         state.steps += 1
 
 
-BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+BIT_WEIGHTS = (1, 2, 4, 8, 16, 32, 64, 128)
+"""Each bit's weight in a byte, first element lowest."""
+
+
+def _weights(x: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(BIT_WEIGHTS, dtype=torch.uint8, device=x.device)
 
 
 class Sign(Compressor):
@@ -140,10 +145,10 @@ class Sign(Compressor):
 
     def encode(self, x: torch.Tensor, state: State) -> Encoded:
         rows = _chunked(x, SIGN_CHUNK)
-        counts = torch.full((rows.shape[0],), float(SIGN_CHUNK))
+        counts = torch.full((rows.shape[0],), float(SIGN_CHUNK), device=x.device)
         counts[-1] = x.numel() - (rows.shape[0] - 1) * SIGN_CHUNK  # the padded chunk's length
         scale = rows.abs().sum(1) / counts
-        bits = (rows >= 0).view(-1, 8).to(torch.uint8).mul_(BIT_WEIGHTS).sum(1, dtype=torch.uint8)
+        bits = (rows >= 0).view(-1, 8).to(torch.uint8).mul_(_weights(x)).sum(1, dtype=torch.uint8)
         return Encoded(as_bytes(scale, bits), (x.numel(), SIGN_CHUNK, 0))
 
     def decode(
@@ -153,6 +158,6 @@ class Sign(Compressor):
         _expect(ctx[1] % 8 == 0, "chunk")
         scale, bits = split_bytes(payload, (torch.float32, rows), (torch.uint8, rows * ctx[1] // 8))
         _expect(bool(torch.isfinite(scale).all()), "scale")
-        signs = bits.unsqueeze(1).bitwise_and(BIT_WEIGHTS).ne(0).view(rows, ctx[1]).float()
+        signs = bits.unsqueeze(1).bitwise_and(_weights(bits)).ne(0).view(rows, ctx[1]).float()
         values = signs.mul_(2).sub_(1).mul_(scale.unsqueeze(1))
         out.add_(values.view(-1)[: out.numel()], alpha=alpha)

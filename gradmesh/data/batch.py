@@ -46,6 +46,11 @@ def size(batch: Batch) -> int:
     return len(leaves(batch)[0])
 
 
+def device(batch: Batch) -> torch.device:
+    """Where the batch's (first) tensor is."""
+    return leaves(batch)[0].device
+
+
 def split(batch: Batch, parts: int) -> list[Batch]:
     """The batch in `parts` micro-batches along the samples (as `tensor_split`: some may be
     empty when there are fewer samples than parts)."""
@@ -60,8 +65,16 @@ def rows(batch: Batch, index: Any) -> Batch:
 
 
 def to(batch: Batch, device: Any) -> Batch:
-    """Every tensor of the batch on `device`."""
-    return tree_map(lambda t: t.to(device), batch)
+    """Every tensor of the batch on `device`; to a GPU from page-locked memory without
+    waiting (the step's kernels queue behind the copy on the same stream)."""
+    target = torch.device(device)
+    if target.type != "cuda":
+        return tree_map(lambda t: t.to(target), batch)
+    return tree_map(lambda t: _pinned(t).to(target, non_blocking=True), batch)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 
 
 def arguments(batch: Batch) -> tuple[tuple[Any, ...], dict[str, Any]]:

@@ -25,7 +25,7 @@ TEST_FRACTION = 0.2
 
 def split_indices(n: int, test_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A seeded permutation cut into (train, test) index tensors."""
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed), device="cpu")
     n_test = round(n * test_fraction)
     return order[n_test:], order[:n_test]
 
@@ -44,7 +44,7 @@ def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
 @DATASETS.register("digits")
 def load_digits(options: DataOptions) -> DataSpec:
     images, labels = digits_arrays()
-    x = torch.tensor(images, dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
-    y = torch.tensor(labels, dtype=torch.int64)
+    x = torch.tensor(images, dtype=torch.float32, device="cpu").reshape(-1, 1, 8, 8) / 16.0
+    y = torch.tensor(labels, dtype=torch.int64, device="cpu")
     train, test = split_indices(len(y), TEST_FRACTION, SPLIT_SEED)
     return DataSpec(Split(x[train], y[train]), Split(x[test], y[test]), (1, 8, 8), 10)

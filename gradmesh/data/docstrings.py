@@ -126,10 +126,10 @@ def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
         for doc in _documents(root / name):
             rows.append(features(doc))
             labels.append(label)
-    x = torch.zeros((len(rows), FEATURES), dtype=torch.int64)
+    x = torch.zeros((len(rows), FEATURES), dtype=torch.int64, device="cpu")
     for i, ids in enumerate(rows):
-        x[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
-    return x, torch.tensor(labels, dtype=torch.int64)
+        x[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64, device="cpu")
+    return x, torch.tensor(labels, dtype=torch.int64, device="cpu")
 
 
 FEATURE_ID_DATASETS.add("docstrings")

@@ -38,7 +38,7 @@ class GlobalBatchSharder:
 
     def order(self, epoch: int) -> torch.Tensor:
         g = torch.Generator().manual_seed(self.seed * 100_003 + epoch)
-        return torch.randperm(self.num_samples, generator=g)
+        return torch.randperm(self.num_samples, generator=g, device="cpu")
 
     def batches(self, epoch: int) -> Iterator[tuple[torch.Tensor, int]]:
         """Yield (this rank's indices, size of the whole global batch) for each step of `epoch`."""

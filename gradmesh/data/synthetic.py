@@ -17,9 +17,11 @@ NOISE = 1.5
 @DATASETS.register("synthetic")
 def make_synthetic(options: DataOptions) -> DataSpec:
     g = torch.Generator().manual_seed(DATA_SEED)
-    prototypes = torch.randn((options.classes, *options.shape), generator=g)
-    y = torch.randint(0, options.classes, (options.samples,), generator=g)
-    x = prototypes[y] + NOISE * torch.randn((options.samples, *options.shape), generator=g)
+    prototypes = torch.randn((options.classes, *options.shape), generator=g, device="cpu")
+    y = torch.randint(0, options.classes, (options.samples,), generator=g, device="cpu")
+    x = prototypes[y] + NOISE * torch.randn(
+        (options.samples, *options.shape), generator=g, device="cpu"
+    )
     train, test = split_indices(options.samples, 0.2, DATA_SEED)
     return DataSpec(
         Split(x[train], y[train]), Split(x[test], y[test]), options.shape, options.classes

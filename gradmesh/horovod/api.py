@@ -35,6 +35,7 @@ from gradmesh.horovod.process_sets import (
 )
 from gradmesh.runtime.world import barrier as _barrier
 from gradmesh.runtime.world import (
+    collective_device,
     cross_rank,
     cross_size,
     get_runtime,
@@ -187,7 +188,7 @@ def join(device: int = -1) -> int:
     group = gm.group
     if group is None:
         return rank()
-    table = gather_equal(torch.tensor([entered, rank()]), group)
+    table = gather_equal(torch.tensor([entered, rank()], device=collective_device()), group)
     return int(max(table.tolist())[1])  # the latest to join; of those, the highest rank
 
 

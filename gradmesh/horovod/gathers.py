@@ -135,7 +135,9 @@ class _Allgather(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         averaged = allreduce(grad, op=Average, process_set=ctx.process_set)
-        rows = allgather(torch.tensor([ctx.rows]), process_set=ctx.process_set).tolist()
+        rows = allgather(
+            torch.tensor([ctx.rows], device=grad.device), process_set=ctx.process_set
+        ).tolist()
         mine = ctx.process_set.rank() if ctx.process_set is not global_process_set else rank()
         start = sum(rows[:mine])
         return averaged[start : start + ctx.rows], None, None

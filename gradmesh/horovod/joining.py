@@ -22,10 +22,10 @@ from concurrent.futures import Future
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from gradmesh.collectives import allreduce, broadcast
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
+from gradmesh.runtime.compat import all_gather_single
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import MAX_DIMS, Before
@@ -71,14 +71,14 @@ class _Join:
 
 
 def _header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> torch.Tensor:
-    row = torch.full((WIDTH,), -1, dtype=torch.int64)
+    row = torch.full((WIDTH,), -1, dtype=torch.int64, device=get_runtime().device)
     row[KIND], row[EXTRA] = kind, extra
     if tensor is not None and kind != OTHER:  # (whose ranks may send different shapes)
         known = tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
         row[DTYPE] = DTYPES.index(tensor.dtype) if known else len(DTYPES)  # not to mirror
         dims = tensor.shape[:MAX_DIMS]
         row[NDIM] = len(dims)
-        row[SHAPE : SHAPE + len(dims)] = torch.tensor(dims, dtype=torch.int64)
+        row[SHAPE : SHAPE + len(dims)] = torch.tensor(dims, dtype=torch.int64, device="cpu")
         if kind == ALLGATHER and tensor.dim():
             row[SHAPE] = -1  # first dimensions may differ between ranks
     return row
@@ -89,11 +89,9 @@ def _exchange(row: torch.Tensor, what: str) -> torch.Tensor:
     called another operation on another group, or none) is an error naming the operation."""
     _Join.rounds += 1
     rt = get_runtime()
-    table = torch.empty(rt.size * WIDTH, dtype=torch.int64)
+    table = torch.empty(rt.size * WIDTH, dtype=torch.int64, device=rt.device)
     try:  # the backend's own all-gather: the header is the check, no signature exchange first
-        dist.all_gather_into_tensor(table, row, group=rt.async_group, async_op=True).wait(
-            rt.timeout
-        )
+        all_gather_single(table, row, rt.async_group, async_op=True).wait(rt.timeout)
         return table.view(rt.size, WIDTH)
     except RuntimeError as exc:
         others = ", ".join(str(r) for r in range(rt.size) if r != rt.rank)
@@ -208,12 +206,16 @@ def _take_part(row: torch.Tensor) -> None:
     shape = [int(n) for n in row[SHAPE : SHAPE + int(row[NDIM])]]
     dtype = DTYPES[int(row[DTYPE])]
     if kind == ALLREDUCE:
-        allreduce(torch.zeros(shape, dtype=dtype), "sum", "native", group)
+        allreduce(
+            torch.zeros(shape, dtype=dtype, device=get_runtime().device), "sum", "native", group
+        )
     elif kind == ALLGATHER:
-        rows = torch.zeros((0, *shape[1:]), dtype=dtype)
+        rows = torch.zeros((0, *shape[1:]), dtype=dtype, device=get_runtime().device)
         _api.allgather_tensor(rows, group)
     elif kind == BROADCAST:
-        broadcast(torch.zeros(shape, dtype=dtype), int(row[EXTRA]), group)
+        broadcast(
+            torch.zeros(shape, dtype=dtype, device=get_runtime().device), int(row[EXTRA]), group
+        )
 
 
 def join() -> int:

@@ -74,7 +74,8 @@ class PlainEngine:
         self.microbatches = microbatches
         self.loss_fn = loss_fn
         self.half = half
-        self.device_type = next((p.device.type for p in module.parameters()), "cpu")
+        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
+        self.device_type = self.device.type
 
     def _forward(self) -> Any:
         return forward_precision(self.half, self.device_type)
@@ -84,7 +85,7 @@ class PlainEngine:
         return self.microbatches
 
     def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         m = self.microbatches
         for xs, ys in zip(batch.split(x, m), batch.split(y, m), strict=True):
             with span("forward"), self._forward():

@@ -191,7 +191,7 @@ def check(plan: Plan, model: nn.Module, workers: int) -> None:
 
 
 def _sizes(n: int, parts: int) -> list[int]:
-    return [len(c) for c in torch.arange(n).tensor_split(parts)]
+    return [len(c) for c in torch.arange(n, device="cpu").tensor_split(parts)]
 
 
 def _gather(x: torch.Tensor, n: int) -> torch.Tensor:

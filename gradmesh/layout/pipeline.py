@@ -165,7 +165,7 @@ def cut_stages(
     given = parse_stages(stages, layers, pp)
     if given is not None:
         return given
-    times = torch.tensor(layer_times(layers, sample), dtype=torch.float64)
+    times = torch.tensor(layer_times(layers, sample), dtype=torch.float64, device=sample.device)
     if rt is not None and rt.size > 1:
         allreduce(times, op="average", kind="metrics")
     starts = units(layers)

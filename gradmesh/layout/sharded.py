@@ -36,6 +36,7 @@ from torch import nn
 
 from gradmesh.collectives.api import exchanged
 from gradmesh.layout.blocks import block_list
+from gradmesh.runtime.compat import all_gather_single, reduce_scatter_single
 from gradmesh.runtime.world import Runtime
 
 
@@ -104,13 +105,9 @@ class Counted:
         name = "fsdp all-gather" if self.gather else "fsdp reduce-scatter"
         with exchanged(name, (n - 1) * shard.numel() * shard.element_size()):
             if self.gather:
-                work = dist.all_gather_single(
-                    output_tensor, input_tensor, group=group, async_op=async_op
-                )
+                work = all_gather_single(output_tensor, input_tensor, group, async_op)
             else:
-                work = dist.reduce_scatter_single(
-                    output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
-                )
+                work = reduce_scatter_single(output_tensor, input_tensor, op, group, async_op)
         return work
 
 

@@ -63,13 +63,14 @@ class _Step:
     ys: list[Batch]
     scale: float
     ch: Channel
+    losses: torch.Tensor
+    """The micro-batches' loss sum (float64, on the stage's device)."""
     inputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     posted: dict[tuple[str, int, int], list[tuple[torch.Tensor, dist.Work]]] = field(
         default_factory=dict
     )
     sends: list[tuple[dist.Work, int]] = field(default_factory=list)
-    losses: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     busy: float = 0.0
 
 
@@ -155,7 +156,8 @@ class PipelineEngine:
         scaling) on the last stage, zero elsewhere."""
         self.steps += 1
         xs, ys = batch.split(x, self.m), batch.split(y, self.m)
-        st = _Step(xs, ys, scale, self._channel("forward/backward"))
+        total = torch.zeros((), dtype=torch.float64, device=self.rt.device)
+        st = _Step(xs, ys, scale, self._channel("forward/backward"), total)
         sizes = [batch.size(part) for part in st.ys]
         plan = schedule_actions(self.schedule, self.stage, self.stages, self.m, len(self.modules))
         actions = [(a, c, i) for a, c, i in plan if sizes[i]]
@@ -262,8 +264,9 @@ class PipelineEngine:
         return out
 
 
-HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
-"""The autocast dtype of each `--precision` that has one."""
+HALF = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""The autocast dtype of each `--precision` that has one (fp8's products are its converted
+linear layers' own, `gradmesh.layout.fp8`; the rest of its forward runs as bf16's)."""
 
 
 def forward_precision(half: torch.dtype | None, device_type: str) -> Any:

@@ -230,7 +230,7 @@ def _counted(net: nn.Module, sample: Batch) -> float:
 def measured_peak_flops(seconds: float = 0.25, n: int = 512) -> float:
     """FLOP/s of this process on a float32 `n` x `n` matrix multiply: the best of runs of 4
     over `seconds` (see the module docstring)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n, device="cpu"), torch.randn(n, n, device="cpu")
     a @ b  # warm-up
     best, deadline = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < deadline:

@@ -101,7 +101,7 @@ class BagOfFeatures(nn.Module):
         super().__init__()
         self.weight = nn.EmbeddingBag(vocab, num_classes, mode="sum", sparse=True, padding_idx=0)
         nn.init.zeros_(self.weight.weight)
-        self.bias = nn.Parameter(torch.zeros(num_classes))
+        self.bias = nn.Parameter(torch.zeros(num_classes, device=self.weight.weight.device))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         logits: torch.Tensor = self.weight(ids) + self.bias

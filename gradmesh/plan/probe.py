@@ -117,10 +117,10 @@ def loaded_fit(
     import torch
     import torch.distributed as dist
 
-    one = torch.zeros(1)
+    one = torch.zeros(1, device="cpu")
     spent = []
     for nbytes in sizes:
-        msg = torch.zeros(max(1, nbytes // 4))
+        msg = torch.zeros(max(1, nbytes // 4), device="cpu")
         spent.append(
             loaded_seconds(
                 lambda m=msg: dist.all_reduce(m, group=group),
@@ -152,10 +152,10 @@ def loaded_pingpong(sizes: list[int], rounds: int = 3) -> list[float]:
             dist.recv(buf, 1)
             dist.send(buf, 1)
 
-    one = torch.zeros(1)
+    one = torch.zeros(1, device="cpu")
     one_way = []
     for nbytes in sizes:
-        msg = torch.zeros(max(1, nbytes // 4))
+        msg = torch.zeros(max(1, nbytes // 4), device="cpu")
         one_way.append(loaded_seconds(lambda m=msg: round_trip(m), lambda: round_trip(one)) / 2)
     alpha, beta = fit_alpha_beta([max(4, n) for n in sizes], one_way)
     return [alpha, beta]
@@ -172,7 +172,7 @@ def loaded_seconds(exchange: Any, settle: Any, rounds: int = 3) -> float:
     import torch
     import torch.distributed as dist
 
-    a = torch.randn(96, 96)
+    a = torch.randn(96, 96, device="cpu")
 
     def loop(each: Any) -> float:
         dist.barrier()
@@ -191,7 +191,7 @@ def loaded_seconds(exchange: Any, settle: Any, rounds: int = 3) -> float:
         synced.append(loop(exchange))
         free.append(loop(None))
     figures = torch.tensor(
-        [statistics.median(free), statistics.median(synced)], dtype=torch.float64
+        [statistics.median(free), statistics.median(synced)], dtype=torch.float64, device="cpu"
     )
     dist.all_reduce(figures, op=dist.ReduceOp.MAX)
     compute, total = figures.tolist()

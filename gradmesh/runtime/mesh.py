@@ -78,7 +78,7 @@ class MeshShape:
 
     def grid(self) -> torch.Tensor:
         """The ranks as a dp x pp x tp array."""
-        return torch.arange(self.world).reshape(self.dp, self.pp, self.tp)
+        return torch.arange(self.world, device="cpu").reshape(self.dp, self.pp, self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index on each axis."""

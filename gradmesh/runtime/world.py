@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
+from gradmesh.runtime import device_guard
 from gradmesh.runtime.connect import connect, host_groups, pick_backend
 from gradmesh.runtime.mesh import Axis, Mesh, MeshShape, build_mesh, group_of_lines
 from gradmesh.runtime.process import _env_int, bind_to_launcher
@@ -136,6 +137,12 @@ class Runtime:
             name = "ranks " + ",".join(str(r) for r in dist.get_process_group_ranks(group))
         return name
 
+    def synchronize(self) -> None:
+        """Wait for this rank's GPU to finish what it was given (nothing off CUDA): only where a
+        time is read, never inside a step."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def comm_executor(self) -> ThreadPoolExecutor:
         """The one communication thread: asynchronous collectives run here, in submission order,
         so every rank issues them in the same order."""
@@ -170,6 +177,7 @@ def init(
                 f"pipeline_parallel={asked[1]})"
             )
         return _runtime
+    device_guard.install()
     rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if size < 1 or not 0 <= rank < size:
         raise GradmeshError(f"bad process world: RANK={rank} WORLD_SIZE={size}")
@@ -272,6 +280,12 @@ def get_runtime() -> Runtime:
     if _runtime is None:
         raise GradmeshError("gradmesh is not initialised: call gradmesh.init() first")
     return _runtime
+
+
+def collective_device() -> torch.device:
+    """Where this process's collectives run (its GPU under NCCL; the CPU under Gloo, or before
+    `init`): small tensors made for a collective are made here."""
+    return torch.device("cpu") if _runtime is None else _runtime.device
 
 
 def mesh() -> Mesh:

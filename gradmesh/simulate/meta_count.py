@@ -40,7 +40,7 @@ class Spec:
                 net = MODELS.get(self.model)((self.sequence,), self.vocab, **self.args)
             if self.mixed:
                 net = net.to(torch.bfloat16)
-            ids = torch.zeros(1, self.sequence, dtype=torch.long)
+            ids = torch.zeros(1, self.sequence, dtype=torch.long, device="meta")
         return net, ids
 
 

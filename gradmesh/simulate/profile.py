@@ -57,7 +57,7 @@ def model_layers(
     dtype = torch.bfloat16 if half else torch.float32
     with torch.device("meta"):
         net = builder(shape, classes).to(dtype)
-        x = torch.randn(batch, *shape, dtype=dtype)
+        x = torch.randn(batch, *shape, dtype=dtype, device="meta")
     layers, backward = layer_kernels(net, x)
     return Costs(layers, backward)
 
@@ -71,7 +71,7 @@ def measured_cpu(model: str, batch: int, shape: tuple[int, ...] | None = None) -
 
     shape, classes = _input(model, shape)
     net = MODELS.get(model)(shape, classes)
-    x = torch.randn(batch, *shape)
+    x = torch.randn(batch, *shape, device="cpu")
     times = []
     for _ in range(4):
         started = time.perf_counter()
@@ -152,7 +152,7 @@ def layout_profile(
     shape, classes = _input(model, shape)
     with torch.device("meta"):
         net = MODELS.get(model)(shape, classes)
-        x = torch.randn(batch, *shape)
+        x = torch.randn(batch, *shape, device="meta")
     costs = model_layers(model, batch, shape)
     seconds = dict(zip((la.name for la in costs.layers), layer_seconds(costs, device), strict=True))
     layers = layers_of(net, model)

@@ -23,7 +23,7 @@ from gradmesh.compression.config import CompressionConfig
 from gradmesh.compression.registry import make
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
-from gradmesh.runtime.world import Runtime
+from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.config import SyncConfig
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 from gradmesh.sync.hogwild import HogwildOptimizer, SharedModel, share_model
@@ -220,7 +220,9 @@ class HogwildStrategy(_Defaults):
     def report(self) -> dict[str, Any]:
         """Collective: the updates every worker applied, summed."""
         assert self.shared is not None
-        updates = torch.tensor([float(self.shared.updates)], dtype=torch.float64)
+        updates = torch.tensor(
+            [float(self.shared.updates)], dtype=torch.float64, device=collective_device()
+        )
         allreduce(updates, op="sum")
         return {
             "lock": self.config.hogwild.lock,

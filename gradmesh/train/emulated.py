@@ -26,7 +26,7 @@ def emulate_compute(model: nn.Module, sample: torch.Tensor, ms: float) -> list[A
         raise GradmeshError("--emulate-compute-ms takes a model of one input tensor")
     with torch.device("meta"):
         shadow = _meta_copy(model)
-        x = torch.empty(sample.shape, dtype=sample.dtype)
+        x = torch.empty(sample.shape, dtype=sample.dtype, device="meta")
     layers = layer_flops(shadow, x)
     total = sum(la.fwd_flops + la.bwd_flops for la in layers)
     modules = dict(model.named_modules())

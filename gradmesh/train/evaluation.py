@@ -28,15 +28,17 @@ def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float | None:
     class ids (a tuple or dict of targets, real values): accuracy does not apply."""
     if not has_classes(data):
         return None
-    mine = torch.tensor_split(torch.arange(len(data)), rt.dp.size)[rt.dp.index]
+    mine = torch.tensor_split(torch.arange(len(data), device="cpu"), rt.dp.size)[rt.dp.index]
     part = data.rows(mine)
     split.module.eval()
     logits = split.engine.predict(batch.to(part.x, rt.device))
     split.module.train()
-    counts = torch.zeros(2, dtype=torch.float64)
+    counts = torch.zeros(2, dtype=torch.float64, device=rt.device)
     if split.owns_output and logits is not None:
         correct = (logits.argmax(dim=-1).cpu() == part.y).sum()  # every position
-        counts += torch.tensor([float(correct), float(part.y.numel())], dtype=torch.float64)
+        counts += torch.tensor(
+            [float(correct), float(part.y.numel())], dtype=torch.float64, device=rt.device
+        )
     allreduce(counts, kind="metrics")
     return float(counts[0] / counts[1])
 

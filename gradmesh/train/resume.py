@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.runtime.world import collective_device
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.optimizers import build_optimizer
@@ -99,7 +100,7 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     loss_sum = state["progress"].get("loss_sum")
     if meta.world != world:
         total = _epoch_loss(meta) if rank == 0 else [0.0, 0.0]
-        loss_sum = None if total is None else torch.tensor(total, dtype=torch.float64)
+        loss_sum = None if total is None else torch.tensor(total, dtype=torch.float64, device="cpu")
     if not isinstance(loss_sum, torch.Tensor) or loss_sum.shape != (2,):
         raise GradmeshError(f"checkpoint {path} does not fit this run: no epoch loss sum")
     losses = state["progress"].get("losses")  # this rank's history: a ps worker's is its own
@@ -158,7 +159,7 @@ def _epoch_loss(meta: checkpoint.Meta) -> list[float] | None:
 
 def _agree(ok: bool) -> bool:
     """Whether every rank's `ok` is True (a collective)."""
-    failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64)
+    failed = torch.tensor([0.0 if ok else 1.0], dtype=torch.float64, device=collective_device())
     allreduce(failed, op="sum", kind="metrics")
     return bool(failed[0] == 0)
 

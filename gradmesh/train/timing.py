@@ -27,7 +27,9 @@ def replica_step(job: Any, batch: int) -> Callable[[], None]:
     import torch
 
     rt, engine = job.rt, job.split.engine
-    part = job.data.train.rows(torch.arange(batch).tensor_split(rt.dp.size)[rt.dp.index])
+    part = job.data.train.rows(
+        torch.arange(batch, device="cpu").tensor_split(rt.dp.size)[rt.dp.index]
+    )
 
     def step() -> None:
         job.optimizer.zero_grad(set_to_none=False)  # as the trainer's loop: gradients stay
@@ -65,7 +67,7 @@ def timed_steps(job: Any, batch: int, warmup: int, steps: int) -> Timed:
     # 4 emulated hosts: tensor parallelism read 203 ms that way, 150 ms this way, in two runs).
     # The time outside communication is the slowest rank's, step by step, since that rank's
     # compute is what a synchronous step waits for.
-    slowest = torch.tensor(outside[warmup:], dtype=torch.float64)
+    slowest = torch.tensor(outside[warmup:], dtype=torch.float64, device=rt.device)
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(slowest, op=torch.distributed.ReduceOp.MAX)
     return Timed(

@@ -128,17 +128,17 @@ def test_error_feedback_keeps_exactly_what_was_not_sent(name: str) -> None:
     )
     for step in range(6):
         g = tensor(n, step, spread=1.0)
-        old = state.buffer("residual").clone()
+        old = state.buffer("residual", g).clone()
         out = g.clone()
         reduce(out, compressor, state, Link())  # a group of one: the sum is what this rank sent
-        new = state.buffer("residual")
+        new = state.buffer("residual", g)
         if name in ("topk", "none"):
             assert torch.equal(out + new, g + old)
         else:
             torch.testing.assert_close(out + new, g + old, rtol=1e-6, atol=1e-6)
         given_total += g.double()
         sent_total += out.double()
-    total = sent_total + state.buffer("residual").double()
+    total = sent_total + state.buffer("residual", g).double()
     torch.testing.assert_close(total, given_total, rtol=1e-5, atol=1e-5)  # float32 roundings
 
 

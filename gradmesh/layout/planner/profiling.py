@@ -157,7 +157,7 @@ def _time_unit(
     layers: list[nn.Module], shape: torch.Size, batch: int, grad_in: bool, rounds: int
 ) -> tuple[float, float]:
     unit = nn.Sequential(*layers)
-    x = torch.randn(batch, *shape, requires_grad=grad_in)
+    x = torch.randn(batch, *shape, requires_grad=grad_in, device="cpu")
 
     def forward() -> torch.Tensor:
         return unit(x)  # type: ignore[no-any-return]
@@ -215,9 +215,9 @@ def _update_per_byte(threads: int, rounds: int) -> float:
     """Seconds per parameter byte of what a step does besides forward and backward: zero the
     gradient, pack it into a bucket and unpack it averaged, an SGD step with momentum."""
     n = 1 << 20
-    param = nn.Parameter(torch.zeros(n))
-    param.grad = torch.ones(n)
-    bucket = torch.empty(n)
+    param = nn.Parameter(torch.zeros(n, device="cpu"))
+    param.grad = torch.ones(n, device="cpu")
+    bucket = torch.empty(n, device="cpu")
     opt = torch.optim.SGD([param], lr=0.01, momentum=0.9)
 
     def step() -> None:

@@ -21,7 +21,7 @@ from gradmesh.collectives.flat import flat_buffers, views
 from gradmesh.compression.base import Compressor, Link, NoCompression
 from gradmesh.compression.registry import reduce, resolve
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime.world import get_runtime
+from gradmesh.runtime.world import collective_device, get_runtime
 
 Handle = Future[torch.Tensor]
 Before = Callable[[torch.Tensor], int] | None
@@ -220,7 +220,11 @@ def _alltoall(
     row = [0 if problem else 1, 0 if problem else tensor.dim(), *dims]
     row += [-1] * (MAX_DIMS - len(dims)) + ([0] * world if problem else sends)
     # every rank sees every rank's row
-    table = gather_equal(torch.tensor(row), group) if world > 1 else torch.tensor([row])
+    table = (
+        gather_equal(torch.tensor(row, device=collective_device()), group)
+        if world > 1
+        else torch.tensor([row], device="cpu")
+    )
     bad = [r for r in range(world) if int(table[r, 0]) == 0]
     if bad:
         mine = f": {problem}" if problem else ""
@@ -247,7 +251,7 @@ def _alltoall(
         )
     else:
         out.copy_(tensor.detach())
-    return out.to(tensor.dtype), torch.tensor(received, dtype=torch.int32)
+    return out.to(tensor.dtype), torch.tensor(received, dtype=torch.int32, device="cpu")
 
 
 CARRIERS = {
@@ -267,7 +271,11 @@ def alltoall_async(
     splits, equal parts) and receive theirs, concatenated in rank order; `synchronize` returns
     (rows received, how many came from each rank). Every rank's splits are checked first, so
     bad ones are one error on every rank, not a hang."""
-    wanted = None if splits is None else [int(s) for s in torch.as_tensor(splits).reshape(-1)]
+    wanted = (
+        None
+        if splits is None
+        else [int(s) for s in torch.as_tensor(splits, device="cpu").reshape(-1)]
+    )
     return submit(_after(before, _alltoall), tensor, wanted, group)
 
 
@@ -286,7 +294,9 @@ def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     """Concatenate every rank's tensor along dimension 0; first dimensions may differ."""
     if members(group)[2] == 1:
         return tensor.detach().clone()
-    rows = gather_equal(torch.tensor([tensor.shape[0] if tensor.dim() else 1]), group)
+    rows = gather_equal(
+        torch.tensor([tensor.shape[0] if tensor.dim() else 1], device=collective_device()), group
+    )
     lengths = [int(n) for n in rows.reshape(-1)]
     longest = max(lengths)
     item = tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.reshape(1)
@@ -370,7 +380,7 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:
             dtype = getattr(torch, spec["dtype"])
             tensor = mine.get(key)
             if not isinstance(tensor, torch.Tensor) or list(tensor.shape) != spec["shape"]:
-                tensor = torch.zeros(spec["shape"], dtype=dtype)
+                tensor = torch.zeros(spec["shape"], dtype=dtype, device=collective_device())
             tensor = tensor.to(dtype).contiguous()
             broadcast(tensor, root=root_rank)
             rebuilt[key] = tensor

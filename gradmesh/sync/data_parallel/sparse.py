@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradmesh.collectives import allreduce
+from gradmesh.runtime.world import collective_device
 from gradmesh.sync.data_parallel.api import allgather_tensor, members
 from gradmesh.sync.data_parallel.buckets import Bucket
 
@@ -33,7 +34,7 @@ def row_sparse(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     """`grad` as a sparse tensor over the first dimension (an embedding's layout); no gradient
     is an empty one."""
     if grad is None:
-        empty = torch.empty((1, 0), dtype=torch.int64)
+        empty = torch.empty((1, 0), dtype=torch.int64, device=like.device)
         values = like.detach().new_empty((0, *like.shape[1:]))
         return torch.sparse_coo_tensor(empty, values, like.shape, check_invariants=True)
     if grad.is_sparse and grad.sparse_dim() == 1:
@@ -63,7 +64,8 @@ class SparseGradients:
         if self.sparse is not None:
             return False
         flags = torch.tensor(
-            [float(mine and p.grad is not None and p.grad.is_sparse) for _, p in self.params]
+            [float(mine and p.grad is not None and p.grad.is_sparse) for _, p in self.params],
+            device=collective_device(),
         )
         if group is not None and flags.numel():
             allreduce(flags, "max", "native", group)

@@ -193,6 +193,6 @@ def decode(frames: Sequence[bytes | memoryview], token: bytes, max_payload: int)
         raise WireError("a compressed payload is 1-d uint8")
     fields = (kind, worker, clock, seen, stale, offset)
     if nbytes == 0:
-        return Message(*fields, torch.empty(dims, dtype=dtype), None, codec, ctx)
+        return Message(*fields, torch.empty(dims, dtype=dtype, device="cpu"), None, codec, ctx)
     tensor = torch.frombuffer(body, dtype=dtype).view(dims)
     return Message(*fields, tensor, None, codec, ctx)

@@ -81,7 +81,7 @@ class Server:
         self.checkpoints = checkpoints
         self.on_update = on_update
         self.token = token
-        self.values = nn.Parameter(torch.zeros(config.numel), requires_grad=True)
+        self.values = nn.Parameter(torch.zeros(config.numel, device="cpu"), requires_grad=True)
         self.optimizer = make_optimizer(
             config.ps.server_optimizer, self.values, config.lr, config.momentum, config.weight_decay
         )
@@ -105,7 +105,11 @@ class Server:
         """sync: the gradients of the step under way, by worker (in `held`)."""
         self.held: dict[int, torch.Tensor] = {}
         """sync: a buffer per worker its gradient is copied into (the connection's is reused)."""
-        self.total = torch.empty(config.numel) if config.ps.mode == "sync" else torch.empty(0)
+        self.total = (
+            torch.empty(config.numel, device="cpu")
+            if config.ps.mode == "sync"
+            else torch.empty(0, device="cpu")
+        )
         """sync: the step's sum, reused."""
         self.done_at: float | None = None
         self.closed = False
@@ -273,7 +277,7 @@ class Server:
                 if w in self.round:
                     self.round[w] += grad
                 else:
-                    held = self.held.setdefault(w, torch.empty(self.cfg.numel))
+                    held = self.held.setdefault(w, torch.empty(self.cfg.numel, device="cpu"))
                     self.round[w] = held.copy_(grad)
             self._close_round()
             return

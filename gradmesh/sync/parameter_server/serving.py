@@ -147,7 +147,7 @@ def decompress(msg: Message, numel: int) -> torch.Tensor:
     decoder = DECODERS.get(msg.codec)
     if decoder is None or msg.payload is None:
         raise WireError(f"unknown codec {msg.codec}")
-    dense = torch.zeros(numel)
+    dense = torch.zeros(numel, device="cpu")
     try:
         decoder.decode(msg.payload, msg.ctx, dense)
     except (ValueError, RuntimeError) as exc:
