@@ -50,7 +50,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     from gradmesh.plan.setting import Setting, placement_config
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.finish import layout_figures
-    from gradmesh.train.report import gather_rank_stats, summarize_layout
+    from gradmesh.train.rank_stats import gather_rank_stats, summarize_layout
     from gradmesh.train.setup import attach, setup
 
     setting = Setting(**config["setting"])

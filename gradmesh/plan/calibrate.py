@@ -45,7 +45,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.finish import layout_figures
-    from gradmesh.train.report import gather_rank_stats, summarize_layout
+    from gradmesh.train.rank_stats import gather_rank_stats, summarize_layout
     from gradmesh.train.setup import attach, setup
     from gradmesh.train.timing import timed_steps
 

@@ -6,7 +6,8 @@ A kernel of kind k with F FLOPs that reads and writes B bytes takes
 
 seconds (`Device.seconds`; the kinds are `gradmesh.models.flops.KINDS`, counted per operation on
 the meta device by `layer_kernels`). The peaks, bandwidths and memory sizes are the vendors'
-data-sheet figures (SXM parts). The achieved fractions are fitted on the calibration rows of
+data-sheet figures (SXM parts), read from the one device table the train report's MFU also
+uses (`gradmesh.models.devices`). The achieved fractions are fitted on the calibration rows of
 `published.toml` (`gradmesh.simulate.published.fit_devices`; a test checks that the numbers
 below are that fit's), except where `ASSUMED` says otherwise: the memory-bound fraction, and the
 kinds no calibration row of a device exercises, which it takes from the device `LIKE` names.
@@ -24,6 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gradmesh.errors import GradmeshError
+from gradmesh.models.devices import SHEETS
 from gradmesh.models.flops import KINDS
 from gradmesh.registry import Registry
 
@@ -93,13 +95,22 @@ class Device:
 
 GIB = 2**30
 
-# data-sheet figures: peak dense TFLOP/s by precision (fp16/bf16 on tensor cores), GB/s, GiB
-SPECS: dict[str, tuple[dict[str, float], float, float, str]] = {
-    "p100": ({"fp32": 10.6, "fp16": 21.2}, 732.0, 16.0, "fp32"),
-    "v100": ({"fp32": 15.7, "fp16": 125.0}, 900.0, 32.0, "fp32"),
-    "a100": ({"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, 80.0, "tf32"),
-    "h100": ({"fp32": 67.0, "tf32": 495.0, "bf16": 989.0, "fp16": 989.0}, 3350.0, 80.0, "tf32"),
-}
+DEFAULT_PRECISION = {"p100": "fp32", "v100": "fp32", "a100": "tf32", "h100": "tf32"}
+"""The devices the simulator prices (those with fitted fractions) and the precision each runs a
+convnet in unless told."""
+
+
+def _spec(name: str) -> tuple[dict[str, float], float, float, str]:
+    """`name`'s data sheet (`gradmesh.models.devices.SHEETS`, shared with the train report's
+    MFU): peaks in the precisions the roofline prices (fp8 needs its own activation bytes and a
+    calibration row, so it is left out), GB/s, GiB, and its default precision."""
+    sheet = SHEETS[name]
+    peaks = {p: t for p, t in sheet.peak_tflops.items() if p in PRECISIONS}
+    return peaks, sheet.bandwidth_gbs, sheet.memory_gib, DEFAULT_PRECISION[name]
+
+
+SPECS = {name: _spec(name) for name in DEFAULT_PRECISION}
+"""Data-sheet figures: peak dense TFLOP/s by precision, GB/s, GiB, default precision."""
 
 MEMORY_FRACTION = 0.8
 """The fraction of its data-sheet bandwidth a memory-bound kernel reaches: assumed (streaming

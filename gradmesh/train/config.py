@@ -133,6 +133,11 @@ class OutputConfig:
     timeline_steps: int = option(1000, "with --timeline: keep each rank's last N steps (0: all)")
     tensorboard: str | None = option(None, "write TensorBoard scalars to this folder")
     json: str | None = option(None, "write the run report as JSON to this path")
+    peak_tflops: float = option(
+        0.0,
+        "the report's MFU against this peak TFLOP/s per device (default: a GPU's from the "
+        "device table by its name and --precision, a CPU's measured)",
+    )
 
 
 @dataclass

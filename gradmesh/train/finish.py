@@ -9,7 +9,8 @@ from gradmesh.observe.metrics import Metrics
 from gradmesh.runtime.process import restarts
 from gradmesh.train.evaluation import evaluate
 from gradmesh.train.loop import Clock
-from gradmesh.train.report import KINDS, RunReport, gather_rank_stats
+from gradmesh.train.rank_stats import KINDS, gather_rank_stats
+from gradmesh.train.report import RunReport
 from gradmesh.train.setup import Job
 
 
@@ -59,7 +60,14 @@ def layout_figures(job: Job, steps: int) -> dict[str, float]:
         "stage_busy_s": engine_clock.busy_s / steps if engine_clock is not None else 0.0,
         "stage_idle": engine_clock.idle() if engine_clock is not None else 0.0,
         "peak_flops": job.model_flops[1],
+        "gpu_peak_memory_bytes": gpu_peak_memory(rt.device),
     }
+
+
+def gpu_peak_memory(device: torch.device) -> float:
+    """The most bytes of tensors this process held on its GPU in the run
+    (`torch.cuda.max_memory_allocated`); 0 off CUDA, where nothing CUDA is called."""
+    return float(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else 0.0
 
 
 def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunReport, bool]:
@@ -82,6 +90,8 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
         clock.steps,
         clock.cpu_idle,
         job.model_flops[0],
+        job.peak_source,
+        clock.steady_samples / clock.steady_s if clock.steady_s > 0 else 0.0,
     )
     if job.evaluator is not None:
         job.evaluator.close()

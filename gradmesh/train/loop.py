@@ -20,7 +20,7 @@ from gradmesh.train.config import TrainConfig
 from gradmesh.train.evaluation import Evaluator, evaluate
 from gradmesh.train.faults import Fault, injected_fault
 from gradmesh.train.loss_scale import update
-from gradmesh.train.report import KINDS
+from gradmesh.train.rank_stats import KINDS
 from gradmesh.train.setup import Job, model_of
 
 
@@ -36,6 +36,15 @@ class Clock:
     """Steps this rank took in this run."""
     cpu_idle: float = 0.0
     """The machine's idle CPU share over this rank's training loop."""
+    steady_s: float = 0.0
+    """Seconds from the end of the first `WARMUP_STEPS` steps to the end of the loop (0 for a
+    run that short): the rate without start-up (allocator, autotuning, compilation)."""
+    steady_samples: int = 0
+    """Samples every replica together trained on in those seconds."""
+
+
+WARMUP_STEPS = 5
+"""Steps a run takes before its steady rate is timed (`Clock.steady_s`)."""
 
 
 def _progress(config: TrainConfig, steps: int, rt: Runtime) -> tqdm | None:
@@ -106,8 +115,8 @@ def _checkpoint(
         "layout": checkpoint.layout_record(job.split.module, job.optimizer),
         **({"loss_scale": job.loss_scale.state_dict()} if job.loss_scale else {}),
         "progress": {
-            "loss_sum": loss_sum.clone(),
-            "losses": torch.tensor(clock.losses, dtype=torch.float64),
+            "loss_sum": loss_sum.cpu(),
+            "losses": torch.tensor(clock.losses, dtype=torch.float64, device="cpu"),
         },
     }
     extra = None
@@ -144,10 +153,13 @@ class _Run:
     """Per-epoch (loss sum, count) not yet summed over the ranks."""
     started: float = field(default_factory=time.perf_counter)
     cpu_before: tuple[int, int] = field(default_factory=cpu_jiffies)
+    steady_from: tuple[float, int] | None = None
+    """When the steady rate's clock started, and the samples trained by then."""
 
-    def one_step(self, indices: torch.Tensor, global_count: int) -> torch.Tensor:
-        """Forward, backward and the update of one global batch's slice; this replica's
-        (loss sum, count), zeros on ranks that do not hold the replica's loss."""
+    def one_step(self, indices: torch.Tensor, global_count: int, sums: torch.Tensor) -> None:
+        """Forward, backward and the update of one global batch's slice; adds this replica's
+        (loss sum, count) to `sums` (zeros on ranks that do not hold the replica's loss), on
+        the device: nothing in the step waits for the GPU."""
         job, rt, clock = self.job, self.job.rt, self.clock
         if rt.timeline is not None:
             rt.timeline.new_step()
@@ -168,8 +180,9 @@ class _Run:
         clock.steps += 1
         self.step += 1
         self.after_step(wall, comm, kinds_before, loss, len(indices))
-        own = float(loss) if job.split.owns_output else 0.0
-        return torch.tensor([own, float(len(indices)) * job.split.owns_output], dtype=torch.float64)
+        if job.split.owns_output:
+            sums[0] += loss
+            sums[1] += len(indices)
 
     def after_step(
         self, wall: float, comm: float, kinds: dict[str, int], loss: torch.Tensor, count: int
@@ -180,6 +193,9 @@ class _Run:
         if self.clock.steps == 1:
             job.first_step_at = time.time()
         self.samples += count
+        if self.clock.steps == WARMUP_STEPS:
+            job.rt.synchronize()  # once: the clock starts when the GPU has done the warm-up
+            self.steady_from = (time.perf_counter(), self.samples)
         if self.bar is not None:
             self.bar.update(1)
         if job.progress is not None:
@@ -201,6 +217,10 @@ class _Run:
         if job.loss_scale is not None:
             scale = job.loss_scale
             job.split.info["loss_scale"] = {"scale": scale.scale, "skipped_steps": scale.skipped}
+        if self.steady_from is not None:
+            job.rt.synchronize()
+            self.clock.steady_s = time.perf_counter() - self.steady_from[0]
+            self.clock.steady_samples = (self.samples - self.steady_from[1]) * job.replicas
         _reduce_losses(self.pending, self.clock)
         if job.checkpointer is not None:
             job.checkpointer.close()  # the last write, if it was asynchronous
@@ -229,17 +249,18 @@ def loop(job: Job) -> tuple[Clock, int, float]:
     if run.bar is not None:
         run.bar.update(min(job.start_step, last))
     first_epoch, skip = divmod(job.start_step, steps)
+    device = job.rt.device
     for epoch in range(first_epoch, config.job.epochs):
-        fresh = torch.zeros(2, dtype=torch.float64)
-        loss_sum = job.loss_sum if skip and job.loss_sum is not None else fresh
+        fresh = torch.zeros(2, dtype=torch.float64, device=device)
+        loss_sum = job.loss_sum.to(device) if skip and job.loss_sum is not None else fresh
         for k, (indices, global_count) in enumerate(sharder.batches(epoch)):
             if k < skip:  # done before the checkpoint this run resumed from
                 continue
-            loss_sum += run.one_step(indices, global_count)
+            run.one_step(indices, global_count, loss_sum)
             end_of_epoch = k == steps - 1
             if end_of_epoch:
                 run.end_epoch(epoch, loss_sum)
-                loss_sum = torch.zeros(2, dtype=torch.float64)
+                loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
             if _due(config, run.step, end_of_epoch, last):
                 with span("checkpoint", "io", step=run.step):
                     _checkpoint(job, run.clock, run.pending, run.step, loss_sum)

@@ -9,79 +9,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import bubble_formula
-from gradmesh.layout.pipeline import bubble
-from gradmesh.runtime.world import Runtime
+from gradmesh.models.devices import UNKNOWN
 from gradmesh.train.config import TrainConfig
-
-KINDS = ("sync", "tensor_parallel", "pipeline", "metrics")
-"""What bytes were sent for (`CommStats.by_kind`)."""
-
-
-@dataclass(frozen=True)
-class RankStats:
-    """Per-rank figures, gathered to every rank."""
-
-    comm_s: list[float]
-    compute_s: list[float]
-    bytes_sent: list[int]
-    layout: dict[str, list[float]] = field(default_factory=dict)
-    """Per-rank layout figures: parameter and optimizer bytes held, bytes sent per step by kind,
-    a pipeline stage's compute seconds per step and idle fraction."""
-
-
-def gather_rank_stats(
-    rt: Runtime, compute_s: float, layout: dict[str, float] | None = None
-) -> RankStats:
-    """All-gather (comm seconds, compute seconds, bytes sent, layout figures) from every rank."""
-    names = sorted(layout or {})
-    values = [rt.comm.comm_s, compute_s, float(rt.comm.bytes_sent)]
-    mine = torch.tensor(values + [float((layout or {})[n]) for n in names], dtype=torch.float64)
-    rows = [torch.empty_like(mine) for _ in range(rt.size)]
-    dist.all_gather(rows, mine.to(rt.device))
-    table = torch.stack([r.cpu() for r in rows])
-    return RankStats(
-        comm_s=table[:, 0].tolist(),
-        compute_s=table[:, 1].tolist(),
-        bytes_sent=[int(b) for b in table[:, 2].tolist()],
-        layout={n: table[:, 3 + i].tolist() for i, n in enumerate(names)},
-    )
-
-
-def _mean(values: list[float] | list[int]) -> float:
-    return sum(values) / len(values)
-
-
-def summarize_layout(per_rank: dict[str, list[float]]) -> dict[str, float]:
-    """Every rank's layout figures as one: per-rank means (`stage_idle`: the mean over stages,
-    imbalance included) and, for a pipeline, its `bubble` (`gradmesh.layout.pipeline.bubble`)."""
-    summary = {k: _mean(v) for k, v in per_rank.items()}
-    if any(per_rank.get("stage_busy_s", [])):
-        summary["bubble"] = bubble(per_rank["stage_busy_s"], per_rank["stage_idle"])
-    return summary
-
-
-def _slowest(compute_s: list[float], part_ranks: int) -> dict[str, Any]:
-    """The rank computing longest against the median of the ranks doing the same work (those
-    holding the same part of the model: ranks equal modulo tp x pp); empty without replicas."""
-    worst: dict[str, Any] = {}
-    for part in range(part_ranks):
-        ranks = list(range(part, len(compute_s), part_ranks))
-        if len(ranks) < 2:
-            continue
-        ordered = sorted(compute_s[r] for r in ranks)
-        median = ordered[len(ordered) // 2]
-        rank = max(ranks, key=lambda r: compute_s[r])
-        ratio = compute_s[rank] / median if median > 0 else 1.0
-        if not worst or ratio > worst["ratio_to_median"]:
-            worst = {"rank": rank, "compute_s": compute_s[rank], "ratio_to_median": ratio}
-    return worst
-
+from gradmesh.train.rank_stats import (
+    KINDS,
+    RankStats,
+    compression_figures,
+    mean,
+    slowest,
+    summarize_layout,
+)
 
 STRAGGLER = 1.5
 """A rank computing this many times the median rank's time is named in the summary."""
@@ -96,6 +36,7 @@ class RunReport:
     final_loss: float | None
     wall_s: float
     samples_per_s: float
+    """Samples over the loop's wall time, start-up included."""
     comm_s: float
     compute_s: float
     bytes_sent: float
@@ -135,10 +76,21 @@ class RunReport:
     flops_per_sample: float = 0.0
     """A language model's forward + backward FLOPs per sample (torch's FLOP counter)."""
     peak_flops: float = 0.0
-    """The workers' mean measured peak FLOP/s (`gradmesh.models.flops.measured_peak_flops`)."""
+    """The workers' mean peak FLOP/s (`gradmesh.models.devices.device_peak`): a GPU's from the
+    device table by its name and the run's precision, `--peak-tflops`, or a CPU's measured."""
+    peak_source: str = ""
+    """Where `peak_flops` came from (the reporting rank's): the table's entry and precision,
+    the flag, measured on this CPU, or why it is unknown."""
     mfu: float = 0.0
     """Model FLOPs utilisation: the model's FLOPs per second (samples/s x FLOPs per sample)
     over the workers' peak (workers x `peak_flops`); 0 where either is unknown."""
+    steady_samples_per_s: float = 0.0
+    """Samples per second after the first `WARMUP_STEPS` steps (allocator, autotuning and
+    compilation are over; the GPU waited for at both ends): what MFU is computed from, and what
+    a plain loop's rate compares with. 0 for a run that short."""
+    gpu_peak_memory_bytes: int | None = None
+    """The most tensor bytes a rank held on its GPU (`torch.cuda.max_memory_allocated`, the
+    largest rank's); None off CUDA."""
     emulated_compute_ms: float = 0.0
     """EMULATED compute (`--emulate-compute-ms`): the sleep each step's forward and backward
     took on top of the real arithmetic; 0 for a run that only computed."""
@@ -159,25 +111,23 @@ class RunReport:
         steps: int = 0,
         cpu_idle: float = 0.0,
         flops_per_sample: float = 0.0,
+        peak_source: str = "",
+        steady_rate: float = 0.0,
     ) -> RunReport:
         figures = summarize_layout(stats.layout)
         peak = figures.pop("peak_flops", 0.0)
+        figures.pop("gpu_peak_memory_bytes", None)  # the largest rank's, not the mean
+        gpu_memory = int(max(stats.layout.get("gpu_peak_memory_bytes", [0.0])))
         rate = samples / wall_s if wall_s > 0 else 0.0
-        given = figures.pop("compression_given_bytes_per_step", 0.0)
-        sent = figures.pop("compression_sent_bytes_per_step", 0.0)
-        compression = (
-            {"given_bytes_per_step": given, "sent_bytes_per_step": sent, "ratio": sent / given}
-            if given
-            else {}
-        )
+        compression = compression_figures(figures)
         return cls(
             test_accuracy=accuracy,
             final_loss=losses[-1] if losses else None,
             wall_s=wall_s,
             samples_per_s=rate,
-            comm_s=_mean(stats.comm_s),
-            compute_s=_mean(stats.compute_s),
-            bytes_sent=_mean(stats.bytes_sent),
+            comm_s=mean(stats.comm_s),
+            compute_s=mean(stats.compute_s),
+            bytes_sent=mean(stats.bytes_sent),
             workers=workers,
             strategy=config.sync.strategy,
             epochs=config.job.epochs,
@@ -190,7 +140,7 @@ class RunReport:
             strategy_info=strategy_info,
             compression=compression,
             layout={**(layout or {}), **figures},
-            slowest=_slowest(
+            slowest=slowest(
                 stats.compute_s, config.layout.tensor_parallel * config.layout.pipeline_parallel
             ),
             faults=faults or {},
@@ -202,7 +152,10 @@ class RunReport:
             ),
             flops_per_sample=flops_per_sample,
             peak_flops=peak,
-            mfu=rate * flops_per_sample / (workers * peak) if peak else 0.0,
+            peak_source=peak_source,
+            steady_samples_per_s=steady_rate,
+            mfu=(steady_rate or rate) * flops_per_sample / (workers * peak) if peak else 0.0,
+            gpu_peak_memory_bytes=gpu_memory or None,
         )
 
     @classmethod
@@ -240,6 +193,7 @@ class RunReport:
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
+                *self._gpu_memory_line(),
                 *self._language_line(),
                 *(
                     [f"  EMULATED compute: {self.emulated_compute_ms:g} ms of sleep per step"]
@@ -260,20 +214,38 @@ class RunReport:
     def _language_line(self) -> list[str]:
         if not self.tokens_per_sample or self.final_loss is None:
             return []
-        mfu = (
-            [
-                f"  MFU {self.mfu:.1%}: {self.flops_per_sample / 1e6:.1f} MFLOP a sample (forward "
-                f"+ backward, torch's FLOP counter) against {self.peak_flops / 1e9:.1f} GFLOP/s "
-                "per worker (a float32 matmul measured by each worker)"
-            ]
-            if self.mfu
-            else []
-        )
         return [
             f"  language model: training perplexity {math.exp(self.final_loss):.2f} (per "
-            f"token), {self.samples_per_s * self.tokens_per_sample:.0f} tokens/s; the test "
-            "accuracy counts every position's next token",
-            *mfu,
+            f"token), {self.samples_per_s * self.tokens_per_sample:.0f} tokens/s"
+            + (
+                f" ({self.steady_samples_per_s * self.tokens_per_sample:.0f} after the first steps)"
+                if self.steady_samples_per_s
+                else ""
+            )
+            + "; the test accuracy counts every position's next token",
+            *self._mfu_line(),
+        ]
+
+    def _mfu_line(self) -> list[str]:
+        """MFU and the peak it is against, with where that peak came from; or why none."""
+        if not self.mfu:
+            unknown = self.peak_source.startswith(UNKNOWN)
+            return [f"  MFU n/a: the peak FLOP/s is {self.peak_source}"] if unknown else []
+        peak = self.peak_flops
+        rate = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
+        return [
+            f"  MFU {self.mfu:.1%}: {self.flops_per_sample / 1e6:.1f} MFLOP a sample (forward "
+            f"+ backward, torch's FLOP counter) against {rate} per worker, peak "
+            f"{self.peak_source or 'measured by each worker'}"
+        ]
+
+    def _gpu_memory_line(self) -> list[str]:
+        if self.gpu_peak_memory_bytes is None:
+            return []
+        return [
+            f"  GPU peak memory {self.gpu_peak_memory_bytes / 2**30:.2f} GiB (the largest rank's "
+            "torch.cuda.max_memory_allocated; the trainer makes no memory prediction: gradmesh "
+            "simulate gives the memory model's GiB a GPU)"
         ]
 
     def _straggler_line(self) -> list[str]:

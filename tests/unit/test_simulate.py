@@ -14,6 +14,7 @@ import torch
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.layout.planner import Links
+from gradmesh.models.devices import SHEETS
 from gradmesh.simulate.devices import ACHIEVED, DEVICES
 from gradmesh.simulate.profile import device_profile, model_layers
 from gradmesh.simulate.published import PUBLISHED, fit_devices, load, validate
@@ -97,6 +98,18 @@ def test_the_devices_fractions_are_the_fit_on_the_calibration_rows() -> None:
     assert fitted.keys() == ACHIEVED.keys()
     for device, fractions in ACHIEVED.items():  # stored to 3 decimals
         assert fitted[device] == pytest.approx(fractions, abs=2e-3), device
+
+
+def test_the_simulators_peaks_are_the_shared_device_tables() -> None:
+    # one table serves the simulator and the train report's MFU (gradmesh.models.devices);
+    # the simulator prices fp32, tf32, bf16 and fp16, with the figures it was fitted on
+    for name in ACHIEVED:
+        sheet = SHEETS[name]
+        device = DEVICES.get(name)
+        assert device.peak_tflops == {p: t for p, t in sheet.peak_tflops.items() if p != "fp8"}
+        assert (device.bandwidth_gbs, device.memory_gib) == (sheet.bandwidth_gbs, sheet.memory_gib)
+    assert DEVICES.get("h100").peak_tflops == {"fp32": 67, "tf32": 495, "bf16": 989, "fp16": 989}
+    assert SHEETS["h100"].peak_tflops["fp8"] == 1979
 
 
 def test_kernels_are_priced_on_the_flops_their_tiles_issue() -> None:
