@@ -18,24 +18,38 @@ STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
 (SGD's momentum; Adam's two moments): what the planner and the simulator count."""
 
 
+def fused(params: list[torch.nn.Parameter]) -> bool | None:
+    """True (torch's `fused=True`) where every parameter is a plain CUDA tensor: one kernel for
+    the whole update instead of torch's default (foreach: a few kernels a group on CUDA). CPU
+    keeps torch's default, the same arithmetic as a script's optimizer; sharded (DTensor)
+    parameters too (None: torch's default)."""
+    from torch.distributed.tensor import DTensor
+
+    cuda = bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+    return True if cuda else None
+
+
 @OPTIMIZERS.register("sgd")
 def sgd(params: Iterable[torch.nn.Parameter], lr: float, config: OptimizerConfig) -> Optimizer:
     """SGD with momentum and L2 weight decay."""
+    own = list(params)
     return torch.optim.SGD(
-        params, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay
+        own, lr=lr, momentum=config.momentum, weight_decay=config.weight_decay, fused=fused(own)
     )
 
 
 @OPTIMIZERS.register("adam")
 def adam(params: Iterable[torch.nn.Parameter], lr: float, config: OptimizerConfig) -> Optimizer:
     """Adam with L2 weight decay added to the gradient."""
-    return torch.optim.Adam(params, lr=lr, weight_decay=config.weight_decay)
+    own = list(params)
+    return torch.optim.Adam(own, lr=lr, weight_decay=config.weight_decay, fused=fused(own))
 
 
 @OPTIMIZERS.register("adamw")
 def adamw(params: Iterable[torch.nn.Parameter], lr: float, config: OptimizerConfig) -> Optimizer:
     """Adam with decoupled weight decay."""
-    return torch.optim.AdamW(params, lr=lr, weight_decay=config.weight_decay)
+    own = list(params)
+    return torch.optim.AdamW(own, lr=lr, weight_decay=config.weight_decay, fused=fused(own))
 
 
 def build_optimizer(

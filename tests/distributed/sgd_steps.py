@@ -29,6 +29,7 @@ def run_steps(
     world: int,
     steps: int,
     passes: int = 1,
+    set_to_none: bool = True,
 ) -> list[torch.Tensor]:
     """`steps` optimizer steps on this rank's slices of each global batch, loss scaled as the
     trainer does; with `passes` > 1 each slice is split into micro-batches whose gradients
@@ -40,7 +41,7 @@ def run_steps(
         for idx, count in sharder.batches(epoch):
             if done == steps:
                 return [p.detach().clone() for p in model.parameters()]
-            opt.zero_grad()
+            opt.zero_grad(set_to_none=set_to_none)
             for part in torch.tensor_split(idx, passes):
                 loss = F.cross_entropy(model(x[part]), y[part], reduction="sum") * (world / count)
                 loss.backward()

@@ -77,3 +77,56 @@ def test_parameter_without_gradient_counts_as_zero() -> None:
     bias0 = float(torch.nn.Linear(3, 1).bias.detach())
     got = run_ranks(rank_with_unused_parameter, 2)
     assert got[0] == got[1] == [pytest.approx(bias0 - 0.5)]  # mean of grads 0 and 1, lr 1
+
+
+def rank_with_kept_gradients() -> dict[str, object]:
+    """Steps with gradients kept between steps (the trainer's zero_grad(set_to_none=False)):
+    from the first step on they are the buckets' own views; the steps equal those of gradients
+    dropped every step (copied into the buckets and back)."""
+    runs = {}
+    for keep in (False, True):
+        model, opt = _setup()
+        gradmesh.broadcast_parameters(model.state_dict())
+        opt = gradmesh.DistributedOptimizer(
+            opt, named_parameters=model.named_parameters(), fusion_mb=0.02
+        )
+        runs[keep] = run_steps(model, opt, 60, gradmesh.rank(), gradmesh.size(), 3, 1, not keep)
+        buckets = opt._gm.buckets  # type: ignore[attr-defined]
+    inside = [
+        any(p.grad.untyped_storage().data_ptr() == b.buffer.untyped_storage().data_ptr()
+            for b in buckets)
+        for p in model.parameters()
+    ]  # fmt: skip
+    same = all(torch.equal(a, b) for a, b in zip(runs[False], runs[True], strict=True))
+    return {"views": inside, "same": same, "buckets": len(buckets)}
+
+
+def test_kept_gradients_are_the_buckets_views() -> None:
+    for got in run_ranks(rank_with_kept_gradients, 2):
+        assert got["buckets"] > 1 and all(got["views"]) and got["same"]  # type: ignore[arg-type]
+
+
+def rank_with_a_nan(defer: bool) -> str:
+    """A NaN gradient at step 2 of 40, with the "error" check read every step (CPU) or every
+    NONFINITE_EVERY steps (CUDA, forced here): the error's line."""
+    model, opt = _setup()
+    opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    opt._gm.defer_nonfinite = defer  # type: ignore[attr-defined]
+    x = torch.randn(4, 1, 8, 8)
+    try:
+        for step in range(1, 41):
+            opt.zero_grad(set_to_none=False)
+            model(x * float("nan") if step == 2 else x).sum().backward()
+            opt.step()
+    except gradmesh.GradmeshError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("defer", [False, True])
+def test_a_nan_gradient_stops_the_job(defer: bool) -> None:
+    from gradmesh.sync.data_parallel.reducer import NONFINITE_EVERY
+
+    first = run_ranks(rank_with_a_nan, 2, defer)[0]
+    step = NONFINITE_EVERY if defer else 2
+    assert first.startswith(f"rank 0: step {step}: non-finite gradient in parameter"), first

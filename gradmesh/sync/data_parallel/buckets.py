@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
+from gradmesh.runtime.world import collective_device
 
 
 @dataclass
@@ -47,6 +48,13 @@ class Bucket:
             return None
         return grads  # type: ignore[return-value]
 
+    def _viewing(self, grads: list[torch.Tensor]) -> bool:
+        """Whether the gradients are the bucket's own views (as torch DDP's
+        `gradient_as_bucket_view`): backward then accumulated into the buffer itself, and the
+        reduced values are the gradients, with no copy either way. Set at the first unpack;
+        a `zero_grad(set_to_none=True)` drops them, and the next step copies once again."""
+        return all(g is v for g, v in zip(grads, self.views, strict=True))
+
     @property
     def grad_numel(self) -> int:
         return self.offsets[-1][1] if self.offsets else 0
@@ -61,7 +69,8 @@ class Bucket:
             self.buffer.zero_()
             return
         if (grads := self._dense_grads()) is not None:
-            torch._foreach_copy_(self.views, grads)  # one call instead of one per parameter
+            if not self._viewing(grads):  # one call instead of one per parameter
+                torch._foreach_copy_(self.views, grads)
             if self.has_flag:
                 self.buffer[-1] = 1.0
             return
@@ -80,7 +89,9 @@ class Bucket:
         if divisor != 1.0:
             grads.div_(divisor)
         if (dense := self._dense_grads()) is not None:
-            torch._foreach_copy_(dense, self.views)
+            if not self._viewing(dense):  # from now on backward accumulates into the bucket
+                for (_, p), view in zip(self.params, self.views, strict=True):
+                    p.grad = view
             return
         for j, ((_, p), (a, b)) in enumerate(zip(self.params, self.offsets, strict=True)):
             if j in self.skip:
@@ -112,7 +123,7 @@ def plan_buckets(params: list[tuple[str, nn.Parameter]], fusion_bytes: int) -> l
         groups[-1].append((name, p))
         size += nbytes
     if not groups:  # nothing to train: one flag-only bucket keeps join() working
-        return [Bucket(0, [], torch.zeros(1), [], has_flag=True)]
+        return [Bucket(0, [], torch.zeros(1, device=collective_device()), [], has_flag=True)]
     buckets = []
     for i, members in enumerate(groups):
         offsets, at = [], 0

@@ -67,7 +67,13 @@ class _DistributedMixin:
         """Run the wrapped optimizer on the reduced gradients, unless they are not finite."""
         gm = self._gm
         gm.steps += 1
-        if gm.on_nonfinite != "pass" and (name := gm.nonfinite_parameter()) is not None:
+        if gm.on_nonfinite == "error" and gm.defer_nonfinite:
+            name = gm.watch_nonfinite()  # no host read each step: the GPU keeps running
+        elif gm.on_nonfinite != "pass":
+            name = gm.nonfinite_parameter()
+        else:
+            name = None
+        if name is not None:
             if gm.on_nonfinite == "error":
                 raise GradmeshError(
                     f"rank {gm.rt.rank}: step {gm.steps}: non-finite gradient in parameter "

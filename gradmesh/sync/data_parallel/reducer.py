@@ -34,6 +34,9 @@ from gradmesh.runtime.world import Runtime, get_runtime
 from gradmesh.sync.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.sync.data_parallel.sparse import SparseGradients
 
+NONFINITE_EVERY = 32
+"""Steps between reads of the deferred non-finite flag on CUDA (`Reducer.watch_nonfinite`)."""
+
 Average: Op = "average"
 Sum: Op = "sum"
 Min: Op = "min"
@@ -146,6 +149,10 @@ class GradientReducer:
         self.checked = False
         self.steps = 0
         self.skipped_steps = 0
+        self.defer_nonfinite = self.rt.device.type == "cuda"
+        """The "error" check reads its flag every `NONFINITE_EVERY` steps, not every step."""
+        self.nonfinite_seen: torch.Tensor | None = None
+        """The deferred check's flag: whether a step since the last read was not finite."""
         self.skip_sync = False
         self.synced = False
         self.announce: Callable[[], Future[Any]] | None = None
@@ -286,6 +293,21 @@ class GradientReducer:
         self.unpack_all(self._wait_all() if self.replicas > 1 else 1.0)
         for other in self.also:
             other.synchronize()
+
+    def watch_nonfinite(self) -> str | None:
+        """The "error" check where reading a value stalls the device (CUDA): whether this
+        step's reduced gradients are finite is folded into a flag on the device, and the flag is
+        read every `NONFINITE_EVERY` steps; the parameter named is the first non-finite one at
+        that read. None until then (and while every gradient was finite)."""
+        sums = [b.buffer[: b.grad_numel].sum() for b in self.buckets if b.grad_numel]
+        if sums:
+            bad = torch.stack(sums).isfinite().all().logical_not()
+            self.nonfinite_seen = bad if self.nonfinite_seen is None else self.nonfinite_seen | bad
+        if self.steps % NONFINITE_EVERY or self.nonfinite_seen is None:
+            return None
+        if not bool(self.nonfinite_seen):
+            return None
+        return self.nonfinite_parameter() or "(finite again by this step)"
 
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""
