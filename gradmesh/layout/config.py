@@ -36,8 +36,14 @@ class LayoutConfig:
         "fp32",
         "bf16: forwards under bf16 autocast; weights, gradients, optimizer state and reductions "
         "stay fp32 (as do the values crossing pipeline stages); fp16 (dynamic loss scaling) "
-        "needs a GPU",
-        choices=("fp32", "bf16", "fp16"),
+        "needs a GPU; fp8: the blocks' linear layers in float8 through torchao, the rest as "
+        "bf16 (Hopper or Ada GPUs; docs/gpu.md)",
+        choices=("fp32", "bf16", "fp16", "fp8"),
+    )
+    compile: bool = option(
+        False,
+        "torch.compile each of the model's blocks (the whole model where it has none), after "
+        "the tensor split, before sharding; not with --pipeline-parallel or --plan",
     )
     sequence_parallel: bool = option(
         False,
@@ -145,8 +151,14 @@ def check_sequence_parallel(sequence_parallel: bool, tp: int, pp: int) -> None:
 
 
 def check_precision(precision: str) -> None:
-    """One line unless `gradmesh train` can run `precision` here: fp16 asks for a GPU (every
-    precision runs on every layout)."""
+    """One line unless `gradmesh train` can run `precision` here: fp16 asks for a GPU, fp8 for
+    one with fp8 tensor cores and torchao (`gradmesh.layout.fp8`, which says which layouts)."""
+    if precision == "fp8":
+        from gradmesh.layout.fp8 import fp8_problem
+
+        problem = fp8_problem()
+        if problem:
+            raise GradmeshError(problem)
     if precision == "fp16":
         import torch
 
@@ -155,3 +167,32 @@ def check_precision(precision: str) -> None:
                 "--precision fp16 needs a GPU: its dynamic loss scaling is for CUDA's fp16 "
                 "kernels; on CPU use --precision bf16"
             )
+
+
+def check_fp8(tp: int, pp: int, plan: str) -> None:
+    """One line for the layouts fp8 does not serve yet: its `Float8Linear` is not one of
+    gradmesh's split layers (tp, a hybrid plan), nor traced into a pipeline's stage graphs."""
+    if tp > 1 or plan:
+        raise GradmeshError(
+            "--precision fp8 with --tensor-parallel or --plan: gradmesh's split layers are "
+            "not fp8 layers yet; use data parallelism or --zero-stage"
+        )
+    if pp > 1:
+        raise GradmeshError(
+            "--precision fp8 with --pipeline-parallel: the stages' traced graphs do not take "
+            "fp8 layers yet; use data parallelism or --zero-stage"
+        )
+
+
+def check_compile(pp: int, plan: str) -> None:
+    """One line for the layouts `--compile` cannot serve (`gradmesh.layout.compile` says why)."""
+    if pp > 1:
+        raise GradmeshError(
+            "--compile with --pipeline-parallel: a pipeline's stages are graphs torch already "
+            "traced and cut; compile a data-, tensor-parallel or sharded layout"
+        )
+    if plan:
+        raise GradmeshError(
+            "--compile with --plan: a hybrid plan swaps layers per rank; compile a data-, "
+            "tensor-parallel or sharded layout"
+        )

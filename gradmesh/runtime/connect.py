@@ -14,12 +14,22 @@ from torch.distributed.distributed_c10d import PrefixStore
 from torch.distributed.rendezvous import rendezvous
 
 from gradmesh.errors import GradmeshError, first_line
-from gradmesh.runtime.process import BACKEND_ENV, ROUND_ENV, _env_int, restarts
+from gradmesh.runtime.process import (
+    BACKEND_ENV,
+    ROUND_ENV,
+    _env_int,
+    gpu_share_problem,
+    restarts,
+)
 
 
 def pick_backend(local_size: int, requested: str | None) -> tuple[str, torch.device]:
     backend = requested or os.environ.get(BACKEND_ENV) or ""
-    cuda_ok = torch.cuda.is_available() and torch.cuda.device_count() >= local_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    problem = gpu_share_problem(local_size, gpus, backend)
+    if problem:
+        raise GradmeshError(problem)
+    cuda_ok = gpus > 0 and local_size <= gpus
     if not backend:
         backend = "nccl" if cuda_ok else "gloo"
     if backend not in ("gloo", "nccl"):

@@ -52,6 +52,8 @@ class DeviceGuard(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # dynamo traces this mode too: the graph is torch's
+            return func(*args, **kwargs)
         if func in self.factories and kwargs.get("device") is None and not _from_tensor(args):
             caller = sys._getframe(1)
             where = caller.f_code.co_filename

@@ -33,6 +33,27 @@ MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
 _PR_SET_PDEATHSIG = 1
 
 
+def visible_gpus() -> int:
+    """CUDA devices this process can use; torch is imported only where an NVIDIA driver is
+    (so that a CPU machine's launcher stays without it)."""
+    if not os.path.exists("/dev/nvidiactl") or os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return 0
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_share_problem(ranks: int, gpus: int, backend: str) -> str | None:
+    """Why `ranks` processes on one host cannot each have a GPU of their own; None where they
+    can, where there is no GPU (the job trains on the CPU), or where Gloo was asked for."""
+    if gpus == 0 or ranks <= gpus or backend == "gloo":
+        return None
+    return (
+        f"{ranks} ranks on this host but {gpus} GPU{'s' if gpus > 1 else ''}: gradmesh runs one "
+        f"rank per GPU; use --workers {gpus} (or {BACKEND_ENV}=gloo to train on the CPU)"
+    )
+
+
 def cpu_jiffies() -> tuple[int, int]:
     """(idle, total) CPU time of the whole machine so far, in jiffies, from /proc/stat (network
     namespaces share it: on an emulated cluster it is every host's)."""

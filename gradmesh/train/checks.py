@@ -4,8 +4,12 @@ what spans components (a layout a strategy cannot carry) is checked here."""
 
 from __future__ import annotations
 
+import os
+
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import (
+    check_compile,
+    check_fp8,
     check_interleaved,
     check_precision,
     check_sequence_parallel,
@@ -13,6 +17,7 @@ from gradmesh.layout.config import (
     every_of,
 )
 from gradmesh.runtime.mesh import MeshShape
+from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
 from gradmesh.sync.config import SPLIT_LAYOUTS
 from gradmesh.train.config import TrainConfig
 from gradmesh.units import parse_shape
@@ -69,6 +74,11 @@ def _check_counts(config: TrainConfig) -> None:
         raise GradmeshError("--lr and --timeout-s must be > 0")
     if job.emulate_compute_ms < 0:
         raise GradmeshError(f"--emulate-compute-ms must be >= 0, got {job.emulate_compute_ms}")
+    if config.output.peak_tflops < 0:
+        raise GradmeshError(f"--peak-tflops must be >= 0, got {config.output.peak_tflops}")
+    problem = gpu_share_problem(job.workers, visible_gpus(), os.environ.get(BACKEND_ENV, ""))
+    if problem:
+        raise GradmeshError(problem)
     if data.batch_size < job.workers:
         raise GradmeshError(
             f"global batch {data.batch_size} is smaller than the number of workers {job.workers}"
@@ -97,7 +107,11 @@ def _check_layout(config: TrainConfig) -> None:
             f"--precision fp16 with --strategy {strategy}: its loss scale skips a step only "
             "when every rank agrees, which needs ranks that step together (--strategy allreduce)"
         )
+    if layout.precision == "fp8":  # the layout first: its line holds on any machine
+        check_fp8(shape.tp, shape.pp, layout.plan)
     check_precision(layout.precision)
+    if layout.compile:
+        check_compile(shape.pp, layout.plan)
     check_sequence_parallel(layout.sequence_parallel, shape.tp, shape.pp)
     stage = config.sync.allreduce.zero_stage
     check_stage(stage, shape.pp, strategy, config.sync.compression.method)

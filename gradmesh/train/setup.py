@@ -20,12 +20,15 @@ from gradmesh.data.batch import Batch
 from gradmesh.data.batch import size as batch_size
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.compile import compile_model
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
+from gradmesh.layout.fp8 import to_float8
 from gradmesh.layout.hybrid import load_plan
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
 from gradmesh.layout.sharded import shard_model
+from gradmesh.models.devices import device_peak
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
@@ -205,7 +208,10 @@ class Job:
     """fp16's dynamic loss scale (`--precision fp16`)."""
     model_flops: tuple[float, float] = (0.0, 0.0)
     """A language model's forward + backward FLOPs per sample (torch's FLOP counter) and this
-    worker's measured peak FLOP/s (`gradmesh.models.flops`): what its MFU is made of."""
+    worker's peak FLOP/s (`gradmesh.models.devices.device_peak`): what its MFU is made of."""
+    peak_source: str = ""
+    """Where that peak came from: the device table's entry, --peak-tflops, measured on this CPU,
+    or why it is unknown."""
 
 
 def setup(config: TrainConfig, rt: Runtime) -> Job:
@@ -222,6 +228,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
         emulate_compute(whole, first_input(data), config.job.emulate_compute_ms)
+    fp8 = to_float8(whole) if config.layout.precision == "fp8" else []
     recomputed = []
     if config.layout.activation_checkpointing:  # before the split: every layout recomputes
         recomputed = checkpoint_blocks(
@@ -252,6 +259,10 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         split.info["recomputed_blocks"] = len(recomputed)
         attention = config.layout.activation_checkpointing == "attention"
         split.info["recomputed"] = "attention modules" if attention else "blocks"
+    if fp8:
+        split.info["fp8_layers"] = len(fp8)
+    if config.layout.compile:  # after the tensor split, before sharding (torchtitan's order)
+        split.info["compiled"] = len(compile_model(split.module))
     stage = config.sync.allreduce.zero_stage  # shards over the replicas: before the optimizer
     shard_model(split.module, stage, rt)
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
@@ -262,10 +273,20 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     job = Job(config, rt, data, split, optimizer, strategy, lr)
     if config.layout.precision == "fp16":
         job.loss_scale = DynamicLossScale()
-    if config.data.dataset in TOKEN_DATASETS:  # every worker measures its peak at once
-        flops = flops_per_sample(lambda: model_of(config, data), first_input(data))
-        job.model_flops = (flops, measured_peak_flops())
+    if config.data.dataset in TOKEN_DATASETS:
+        _count_model_flops(job)
     return job
+
+
+def _count_model_flops(job: Job) -> None:
+    """What a language model's MFU is made of: its FLOPs per sample and this worker's peak
+    (a GPU's from the device table or --peak-tflops; on CPU every worker measures at once)."""
+    config = job.config
+    flops = flops_per_sample(lambda: model_of(config, job.data), first_input(job.data))
+    peak, job.peak_source = device_peak(
+        job.rt.device, config.layout.precision, config.output.peak_tflops, measured_peak_flops
+    )
+    job.model_flops = (flops, peak)
 
 
 def attach(job: Job) -> None:
