@@ -250,6 +250,10 @@ BENCHES = {  # each module has Config (its options) and run(config)
         "the default job's step time with and without --tensorboard and --timeline",
         "gradmesh.bench.observe",
     ),
+    "overhead": (
+        "the trainer's step against a plain PyTorch loop: same model, batch, precision, optimizer",
+        "gradmesh.bench.overhead",
+    ),
     "scaling": (
         "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's prediction",
         "gradmesh.bench.scaling",
