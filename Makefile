@@ -31,12 +31,12 @@ run: $(RUN_STAMP)
 	$(BIN)/gradmesh train
 
 test: $(TEST_STAMP)
-	$(BIN)/ruff check gradmesh tests examples
+	$(BIN)/ruff check gradmesh tests examples scripts
 	$(BIN)/mypy
 	$(BIN)/python -m pytest -q --durations=25
 
 lint: $(TEST_STAMP)
-	$(BIN)/ruff check gradmesh tests examples
+	$(BIN)/ruff check gradmesh tests examples scripts
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 

@@ -220,11 +220,8 @@ def _alltoall(
     row = [0 if problem else 1, 0 if problem else tensor.dim(), *dims]
     row += [-1] * (MAX_DIMS - len(dims)) + ([0] * world if problem else sends)
     # every rank sees every rank's row
-    table = (
-        gather_equal(torch.tensor(row, device=collective_device()), group)
-        if world > 1
-        else torch.tensor([row], device="cpu")
-    )
+    own = torch.tensor(row, device=collective_device())
+    table = gather_equal(own, group) if world > 1 else own.unsqueeze(0)
     bad = [r for r in range(world) if int(table[r, 0]) == 0]
     if bad:
         mine = f": {problem}" if problem else ""
@@ -271,11 +268,8 @@ def alltoall_async(
     splits, equal parts) and receive theirs, concatenated in rank order; `synchronize` returns
     (rows received, how many came from each rank). Every rank's splits are checked first, so
     bad ones are one error on every rank, not a hang."""
-    wanted = (
-        None
-        if splits is None
-        else [int(s) for s in torch.as_tensor(splits, device="cpu").reshape(-1)]
-    )
+    flat = None if splits is None else torch.as_tensor(splits, device="cpu").reshape(-1)
+    wanted = None if flat is None else [int(s) for s in flat.tolist()]
     return submit(_after(before, _alltoall), tensor, wanted, group)
 
 
@@ -294,9 +288,8 @@ def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     """Concatenate every rank's tensor along dimension 0; first dimensions may differ."""
     if members(group)[2] == 1:
         return tensor.detach().clone()
-    rows = gather_equal(
-        torch.tensor([tensor.shape[0] if tensor.dim() else 1], device=collective_device()), group
-    )
+    first = tensor.shape[0] if tensor.dim() else 1
+    rows = gather_equal(torch.tensor([first], device=collective_device()), group)
     lengths = [int(n) for n in rows.reshape(-1)]
     longest = max(lengths)
     item = tensor.reshape(-1, *tensor.shape[1:]) if tensor.dim() else tensor.reshape(1)

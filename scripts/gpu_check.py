@@ -1,0 +1,214 @@
+"""What a person with a GPU runs first: gradmesh's GPU paths, one row each, in one table.
+
+    bash scripts/gpu_check.sh            # from the repository root; about 4 minutes on an H100
+
+It uses the package from source (this checkout on PYTHONPATH) and the python on the PATH, which
+must already hold torch (2.11 to 2.15, a CUDA build), numpy and pytest; nothing is downloaded.
+gradmesh's own needs (scikit-learn, tqdm, msgpack) are checked first and named if missing. fp8
+needs torchao: where it is not installed, a torchao wheel in ./.whl is installed into a temporary
+folder (the machine may have no network); otherwise the fp8 row says so.
+
+Each row is one command with its own time limit; the table gives, per row, whether it ran,
+tokens/s, MFU (the report's, and the formula tokens/s x (6N + 12·L·d·s) / peak beside it),
+the GPU's peak memory, and the plain PyTorch loop's ratio where the row compares with it. The
+table and every report go to gpu_check/ (gpu_check/table.md, gpu_check/*.json).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = Path(os.environ.get("GPU_CHECK_OUT", ROOT / "gpu_check"))
+GPT = {"dim": 768, "depth": 12, "heads": 12, "sequence": 512, "batch": 32}
+"""The GPT issue 57 measured: 85.6M parameters (with the byte vocabulary's embeddings)."""
+GPT_FLAGS = [
+    "--model", "gpt", "--dataset", "text", "--sequence-length", str(GPT["sequence"]),
+    "--model-args", f"dim={GPT['dim']},depth={GPT['depth']},heads={GPT['heads']}",
+    "--batch-size", str(GPT["batch"]), "--optimizer", "adamw", "--lr", "3e-4",
+    "--epochs", "1", "--workers", "1",
+]  # fmt: skip
+LINTER_TEST = "tests/unit/test_architecture.py::test_imports_point_down_the_layers"
+PEAKS = {"fp32": 66.9e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}
+"""H100 SXM dense peaks, for the formula's column only (the report's MFU reads the device
+table by the GPU's name: `gradmesh.models.devices`)."""
+
+
+@dataclass
+class Row:
+    name: str
+    args: list[str]
+    kind: str = "train"
+    """train (a report), bench (gradmesh bench overhead's JSON) or pytest."""
+    precision: str = "fp32"
+    timeout_s: int = 120
+    env: dict[str, str] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+def rows() -> list[Row]:
+    gpt = ["train", *GPT_FLAGS]
+    bench = ["bench", "overhead", "--device", "cuda", "--precision", "bf16", "--optimizer"]
+    bench += ["adamw", "--model-args", "dim=768,depth=12,heads=12", "--sequence-length", "512"]
+    bench += ["--batch", "32", "--rounds", "3", "--steps", "10"]
+    return [
+        Row("default job (cnn on digits)", ["train", "--workers", "1"], timeout_s=90),
+        *(
+            Row(f"gpt {p}", [*gpt, "--precision", p], precision=p)
+            for p in ("fp32", "bf16", "fp16", "fp8")
+        ),
+        Row("gpt bf16 --compile", [*gpt, "--precision", "bf16", "--compile"], precision="bf16"),
+        Row(
+            "gpt bf16 --zero-stage 3",
+            [*gpt, "--precision", "bf16", "--zero-stage", "3"],
+            precision="bf16",
+        ),
+        Row(
+            "gpt bf16 recompute blocks",
+            [*gpt, "--precision", "bf16", "--activation-checkpointing", "blocks"],
+            precision="bf16",
+        ),
+        Row("trainer vs plain loop, bf16 eager", bench, kind="bench", precision="bf16"),
+        Row(
+            "trainer vs plain loop, bf16 compiled",
+            [*bench, "--compile"],
+            kind="bench",
+            precision="bf16",
+            timeout_s=240,
+        ),
+        Row(  # import-linter is a development tool, not on a GPU image: CI runs that one
+            "unit tests",
+            ["tests/unit", "-x", "--deselect", f"{LINTER_TEST}"],
+            kind="pytest",
+            timeout_s=240,
+        ),
+        Row("fp16 tests", ["tests/distributed/test_fp16.py"], kind="pytest", timeout_s=120),
+    ]
+
+
+def gradmesh_command(row: Row, report: Path) -> list[str]:
+    if row.kind == "pytest":
+        return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *row.args]
+    return [sys.executable, "-m", "gradmesh.cli", *row.args, "--json", str(report)]
+
+
+def run(row: Row, env: dict[str, str]) -> None:
+    report = OUT / f"{row.name.replace(' ', '_').replace('/', '_')}.json"
+    report.unlink(missing_ok=True)
+    started = time.monotonic()
+    try:
+        done = subprocess.run(
+            gradmesh_command(row, report),
+            cwd=ROOT,
+            env={**env, **row.env},
+            capture_output=True,
+            text=True,
+            timeout=row.timeout_s,
+        )
+        code, tail = done.returncode, (done.stderr or done.stdout).strip().splitlines()[-3:]
+        if row.kind == "pytest":
+            tail = done.stdout.strip().splitlines()[-1:]
+    except subprocess.TimeoutExpired:
+        code, tail = 124, [f"over its {row.timeout_s} s limit"]
+    row.result = {"ok": code == 0, "code": code, "seconds": time.monotonic() - started}
+    row.result["said"] = " | ".join(tail)[-300:]
+    if code == 0 and report.exists():
+        row.result["report"] = json.loads(report.read_text())
+
+
+def parameters() -> int:
+    """The GPT's parameters, counted on the meta device (the formula's N)."""
+    import torch
+
+    from gradmesh.models.registry import MODELS
+
+    with torch.device("meta"):
+        args = {k: GPT[k] for k in ("dim", "depth", "heads")}
+        net = MODELS.get("gpt")((GPT["sequence"],), 256, **args)
+    return sum(p.numel() for p in net.parameters())
+
+
+def cells(row: Row, n: int) -> list[str]:
+    """tokens/s, MFU (report), MFU (formula), GPU memory, vs plain loop."""
+    r = row.result.get("report")
+    if row.kind == "pytest" or not r:
+        return ["", "", "", "", ""]
+    if row.kind == "bench":
+        ratio = r.get("ratio") or r.get("trainer_over_plain")
+        return ["", "", "", "", f"{ratio}" if ratio is not None else "see JSON"]
+    tokens = (r.get("steady_samples_per_s") or r["samples_per_s"]) * r.get("tokens_per_sample", 0)
+    L, d, s = GPT["depth"], GPT["dim"], GPT["sequence"]
+    formula = tokens * (6 * n + 12 * L * d * s) / PEAKS.get(row.precision, 0) if tokens else 0.0
+    memory = r.get("gpu_peak_memory_bytes")
+    return [
+        f"{tokens:,.0f}" if tokens else "",
+        f"{r['mfu']:.1%}" if r.get("mfu") else "n/a",
+        f"{formula:.1%}" if formula and row.name.startswith("gpt") else "",
+        f"{memory / 2**30:.1f} GiB" if memory else "",
+        "",
+    ]
+
+
+def table(all_rows: list[Row], n: int, header: str) -> str:
+    lines = [
+        header,
+        "",
+        "| row | ran | s | tokens/s | MFU (report) | MFU (formula) | GPU peak | vs plain loop "
+        "| last words |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in all_rows:
+        ran = "yes" if row.result.get("ok") else f"NO ({row.result.get('code')})"
+        words = "" if row.result.get("ok") and row.kind != "pytest" else row.result["said"]
+        lines.append(
+            f"| {row.name} | {ran} | {row.result['seconds']:.0f} | "
+            + " | ".join(cells(row, n))
+            + f" | {words.replace('|', '/')} |"
+        )
+    return "\n".join(lines)
+
+
+def missing_modules() -> list[str]:
+    wanted = ("torch", "numpy", "pytest", "sklearn", "tqdm", "msgpack")
+    return [m for m in wanted if importlib.util.find_spec(m) is None]
+
+
+def main() -> int:
+    sys.path.insert(0, str(ROOT))
+    missing = missing_modules()
+    if missing:
+        print(f"gpu_check: this python lacks {', '.join(missing)}", file=sys.stderr)
+        return 2
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: torch sees no CUDA device", file=sys.stderr)
+        return 2
+    OUT.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["PYTHONUNBUFFERED"] = "1"
+    all_rows = rows()
+    for row in all_rows:
+        run(row, env)
+        print(f"gpu_check: {row.name}: {'ok' if row.result['ok'] else 'FAILED'} "
+              f"({row.result['seconds']:.0f} s)", flush=True)  # fmt: skip
+    header = (
+        f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"{time.strftime('%Y-%m-%d')}, python {sys.version.split()[0]}"
+    )
+    text = table(all_rows, parameters(), header)
+    (OUT / "table.md").write_text(text + "\n")
+    print(text)
+    return 0 if all(r.result["ok"] for r in all_rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

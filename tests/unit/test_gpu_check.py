@@ -1,0 +1,78 @@
+"""scripts/gpu_check.py, checked where no GPU is: its commands parse as gradmesh's, its table
+reads the reports as they are written, and without CUDA it says so in one line."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gradmesh.cli import build_parser
+
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def check() -> Iterator[ModuleType]:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules["gpu_check"]
+
+
+def test_every_row_is_a_command_gradmesh_parses(check: ModuleType) -> None:
+    rows = check.rows()
+    names = [r.name for r in rows]
+    for wanted in ("gpt fp8", "gpt bf16 --compile", "trainer vs plain loop, bf16 compiled"):
+        assert wanted in names
+    for row in rows:
+        if row.kind == "pytest":
+            paths = [a.split("::")[0] for a in row.args if "/" in a]
+            assert paths and all(Path(SCRIPT.parents[1], p).exists() for p in paths)
+            continue
+        argv = check.gradmesh_command(row, Path("r.json"))[3:]  # after python -m gradmesh.cli
+        build_parser(argv).parse_args(argv)  # an unknown flag exits here
+
+
+def test_the_gpt_is_the_issues(check: ModuleType) -> None:
+    assert round(check.parameters() / 1e6, 1) == 85.6
+
+
+def test_the_table_reads_the_reports(check: ModuleType) -> None:
+    train = check.Row("gpt bf16", [], precision="bf16")
+    train.result = {"ok": True, "code": 0, "seconds": 21.0, "said": ""}
+    train.result["report"] = {
+        "samples_per_s": 500.0,
+        "steady_samples_per_s": 1000.0,
+        "tokens_per_sample": 512,
+        "mfu": 0.35,
+        "gpu_peak_memory_bytes": 3 * 2**30,
+    }
+    bench = check.Row("trainer vs plain loop, bf16 eager", [], kind="bench")
+    bench.result = {"ok": True, "code": 0, "seconds": 30.0, "said": "", "report": {"ratio": 1.02}}
+    tests = check.Row("unit tests", [], kind="pytest")
+    tests.result = {"ok": False, "code": 1, "seconds": 50.0, "said": "1 failed, 9 passed"}
+    n = 85_600_000
+    text = check.table([train, bench, tests], n, "an H100")
+    formula = 512_000 * (6 * n + 12 * 12 * 768 * 512) / 989e12
+    assert f"| gpt bf16 | yes | 21 | 512,000 | 35.0% | {formula:.1%} | 3.0 GiB |  |" in text
+    assert "| trainer vs plain loop, bf16 eager | yes | 30 |  |  |  |  | 1.02 |" in text
+    assert "| unit tests | NO (1) | 50 |" in text and "1 failed, 9 passed" in text
+
+
+def test_without_cuda_it_is_one_line(check: ModuleType, capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the check would run")
+    assert check.main() == 2
+    assert capsys.readouterr().err.strip() == "gpu_check: torch sees no CUDA device"
