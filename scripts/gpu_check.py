@@ -16,7 +16,9 @@ table and every report go to gpu_check/ (gpu_check/table.md, gpu_check/*.json).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -30,9 +32,10 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = Path(os.environ.get("GPU_CHECK_OUT", ROOT / "gpu_check"))
 GPT = {"dim": 768, "depth": 12, "heads": 12, "sequence": 512, "batch": 32}
 """The GPT issue 57 measured: 85.6M parameters (with the byte vocabulary's embeddings)."""
+MODEL_ARGS = f"dim={GPT['dim']},depth={GPT['depth']},heads={GPT['heads']}"
 GPT_FLAGS = [
     "--model", "gpt", "--dataset", "text", "--sequence-length", str(GPT["sequence"]),
-    "--model-args", f"dim={GPT['dim']},depth={GPT['depth']},heads={GPT['heads']}",
+    "--model-args", MODEL_ARGS,
     "--batch-size", str(GPT["batch"]), "--optimizer", "adamw", "--lr", "3e-4",
     "--epochs", "1", "--workers", "1",
 ]  # fmt: skip
@@ -57,7 +60,7 @@ class Row:
 def rows() -> list[Row]:
     gpt = ["train", *GPT_FLAGS]
     bench = ["bench", "overhead", "--device", "cuda", "--precision", "bf16", "--optimizer"]
-    bench += ["adamw", "--model-args", "dim=768,depth=12,heads=12", "--sequence-length", "512"]
+    bench += ["adamw", "--model-args", MODEL_ARGS, "--sequence-length", str(GPT["sequence"])]
     bench += ["--batch", "32", "--rounds", "3", "--steps", "10"]
     return [
         Row("default job (cnn on digits)", ["train", "--workers", "1"], timeout_s=90),
@@ -136,6 +139,26 @@ def parameters() -> int:
     return sum(p.numel() for p in net.parameters())
 
 
+def predicted_gib(row: Row) -> float | None:
+    """The memory model's bytes a GPU for a GPT row (`gradmesh simulate` on the same model,
+    batch, precision, ZeRO stage and recomputation; fp8 priced as bf16), in GiB."""
+    from gradmesh.cli import main as gradmesh
+
+    flags = ["--model", "gpt", "--model-args", MODEL_ARGS]
+    flags += ["--sequence-length", str(GPT["sequence"]), "--vocab", "256", "--gpus", "1"]
+    flags += ["--device", "h100", "--batch-per-gpu", str(GPT["batch"]), "--optimizer", "adamw"]
+    flags += ["--dtype", "bf16" if row.precision == "fp8" else row.precision]
+    for flag in ("--zero-stage", "--activation-checkpointing"):
+        if flag in row.args:
+            flags += [flag, row.args[row.args.index(flag) + 1]]
+    out = OUT / f"{row.name.replace(' ', '_')}.simulated.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        if gradmesh(["simulate", *flags, "--json", str(out)]) != 0:
+            return None
+    memory = json.loads(out.read_text())["rows"][0]["memory"]["total_bytes"]
+    return float(memory) / 2**30
+
+
 def cells(row: Row, n: int) -> list[str]:
     """tokens/s, MFU (report), MFU (formula), GPU memory, vs plain loop."""
     r = row.result.get("report")
@@ -147,12 +170,13 @@ def cells(row: Row, n: int) -> list[str]:
     tokens = (r.get("steady_samples_per_s") or r["samples_per_s"]) * r.get("tokens_per_sample", 0)
     L, d, s = GPT["depth"], GPT["dim"], GPT["sequence"]
     formula = tokens * (6 * n + 12 * L * d * s) / PEAKS.get(row.precision, 0) if tokens else 0.0
-    memory = r.get("gpu_peak_memory_bytes")
+    memory, model = r.get("gpu_peak_memory_bytes"), row.result.get("predicted_gib")
     return [
         f"{tokens:,.0f}" if tokens else "",
         f"{r['mfu']:.1%}" if r.get("mfu") else "n/a",
         f"{formula:.1%}" if formula and row.name.startswith("gpt") else "",
-        f"{memory / 2**30:.1f} GiB" if memory else "",
+        (f"{memory / 2**30:.1f} GiB" if memory else "")
+        + (f" (model {model:.1f})" if model is not None else ""),
         "",
     ]
 
@@ -161,7 +185,8 @@ def table(all_rows: list[Row], n: int, header: str) -> str:
     lines = [
         header,
         "",
-        "| row | ran | s | tokens/s | MFU (report) | MFU (formula) | GPU peak | vs plain loop "
+        "| row | ran | s | tokens/s | MFU (report) | MFU (formula) | GPU peak (memory model) "
+        "| vs plain loop "
         "| last words |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
@@ -200,6 +225,9 @@ def main() -> int:
         run(row, env)
         print(f"gpu_check: {row.name}: {'ok' if row.result['ok'] else 'FAILED'} "
               f"({row.result['seconds']:.0f} s)", flush=True)  # fmt: skip
+    for row in all_rows:
+        if row.name.startswith("gpt") and row.result["ok"]:
+            row.result["predicted_gib"] = predicted_gib(row)
     header = (
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d')}, python {sys.version.split()[0]}"

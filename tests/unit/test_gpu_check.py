@@ -12,6 +12,7 @@ from types import ModuleType
 import pytest
 
 from gradmesh.cli import build_parser
+from tests.harness import kept_environment
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
 
@@ -47,9 +48,21 @@ def test_the_gpt_is_the_issues(check: ModuleType) -> None:
     assert round(check.parameters() / 1e6, 1) == 85.6
 
 
+def test_the_memory_model_prices_each_gpt_row(
+    check: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(check, "OUT", tmp_path)
+    rows = {r.name: r for r in check.rows()}
+    with kept_environment():  # the command line sets torch's log levels in its process
+        plain = check.predicted_gib(rows["gpt bf16"])
+        recomputed = check.predicted_gib(rows["gpt bf16 recompute blocks"])
+    assert plain is not None and recomputed is not None and 0 < recomputed < plain
+
+
 def test_the_table_reads_the_reports(check: ModuleType) -> None:
     train = check.Row("gpt bf16", [], precision="bf16")
     train.result = {"ok": True, "code": 0, "seconds": 21.0, "said": ""}
+    train.result["predicted_gib"] = 2.5
     train.result["report"] = {
         "samples_per_s": 500.0,
         "steady_samples_per_s": 1000.0,
@@ -64,7 +77,10 @@ def test_the_table_reads_the_reports(check: ModuleType) -> None:
     n = 85_600_000
     text = check.table([train, bench, tests], n, "an H100")
     formula = 512_000 * (6 * n + 12 * 12 * 768 * 512) / 989e12
-    assert f"| gpt bf16 | yes | 21 | 512,000 | 35.0% | {formula:.1%} | 3.0 GiB |  |" in text
+    assert (
+        f"| gpt bf16 | yes | 21 | 512,000 | 35.0% | {formula:.1%} | 3.0 GiB (model 2.5) |  |"
+        in text
+    )
     assert "| trainer vs plain loop, bf16 eager | yes | 30 |  |  |  |  | 1.02 |" in text
     assert "| unit tests | NO (1) | 50 |" in text and "1 failed, 9 passed" in text
 
