@@ -71,19 +71,6 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.insert(0, _MovedModules())
 
 
-def _check_torch() -> None:
-    """One line, at import, where this python's torch is older than gradmesh supports: the
-    command line exits with it (status 2), a script gets it as the ImportError's message."""
-    from gradmesh.errors import GradmeshError
-    from gradmesh.runtime.compat import check_torch
+from gradmesh.runtime.compat import check_at_import  # noqa: E402  (no torch: a version read)
 
-    try:
-        check_torch()
-    except GradmeshError as exc:
-        if sys.argv and sys.argv[0].rsplit("/", 1)[-1] in ("gradmesh", "cli.py"):
-            print(f"gradmesh: error: {exc}", file=sys.stderr)
-            raise SystemExit(2) from None
-        raise ImportError(str(exc)) from None
-
-
-_check_torch()
+check_at_import()

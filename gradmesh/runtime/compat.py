@@ -49,8 +49,19 @@ def check_torch(version: str | None = None) -> str | None:
     return None
 
 
-def warn_if_untested() -> None:
-    line = check_torch()
+def check_at_import() -> None:
+    """`import gradmesh`'s check: an older torch is one line, on which the command line exits
+    (status 2) and which a script gets as its ImportError's message; a newer one, one line on
+    stderr."""
+    from gradmesh.errors import GradmeshError
+
+    try:
+        line = check_torch()
+    except GradmeshError as exc:
+        if sys.argv and sys.argv[0].rsplit("/", 1)[-1] in ("gradmesh", "cli.py"):
+            print(f"gradmesh: error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        raise ImportError(str(exc)) from None
     if line:
         print(line, file=sys.stderr)
 

@@ -27,6 +27,14 @@ STRAGGLER = 1.5
 """A rank computing this many times the median rank's time is named in the summary."""
 
 
+def _device_figures(figures: dict[str, float], stats: RankStats) -> tuple[float, int]:
+    """The workers' mean peak FLOP/s and the largest rank's GPU memory, taken out of the
+    layout's `figures` (a mean of memory peaks would describe no rank)."""
+    figures.pop("gpu_peak_memory_bytes", None)
+    memory = int(max(stats.layout.get("gpu_peak_memory_bytes", [0.0])))
+    return figures.pop("peak_flops", 0.0), memory
+
+
 @dataclass(frozen=True)
 class RunReport:
     """The outcome of one training run; `comm_s`, `compute_s`, `bytes_sent` are per-worker means."""
@@ -115,9 +123,7 @@ class RunReport:
         steady_rate: float = 0.0,
     ) -> RunReport:
         figures = summarize_layout(stats.layout)
-        peak = figures.pop("peak_flops", 0.0)
-        figures.pop("gpu_peak_memory_bytes", None)  # the largest rank's, not the mean
-        gpu_memory = int(max(stats.layout.get("gpu_peak_memory_bytes", [0.0])))
+        peak, gpu_memory = _device_figures(figures, stats)
         rate = samples / wall_s if wall_s > 0 else 0.0
         compression = compression_figures(figures)
         return cls(

@@ -8,9 +8,10 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -214,6 +215,19 @@ class Job:
     or why it is unknown."""
 
 
+def _before_split(config: TrainConfig, whole: nn.Module) -> dict[str, Any]:
+    """What changes the whole model in place before the layout splits it (so every layout has
+    it): fp8's linear layers, then recomputation; the report's entries on them."""
+    info: dict[str, Any] = {}
+    if config.layout.precision == "fp8":
+        info["fp8_layers"] = len(to_float8(whole))
+    spec = config.layout.activation_checkpointing
+    if spec:
+        info["recomputed_blocks"] = len(checkpoint_blocks(whole, spec, config.data.model))
+        info["recomputed"] = "attention modules" if spec == "attention" else "blocks"
+    return info
+
+
 def setup(config: TrainConfig, rt: Runtime) -> Job:
     """Data, the model split by the layout (tensor, then pipeline), the optimizer over this
     rank's own parameters, the strategy's wrapping: in that order, on every rank."""
@@ -228,12 +242,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
         emulate_compute(whole, first_input(data), config.job.emulate_compute_ms)
-    fp8 = to_float8(whole) if config.layout.precision == "fp8" else []
-    recomputed = []
-    if config.layout.activation_checkpointing:  # before the split: every layout recomputes
-        recomputed = checkpoint_blocks(
-            whole, config.layout.activation_checkpointing, config.data.model
-        )
+    before = _before_split(config, whole)
     split = split_model(
         whole,
         config.data.model,
@@ -255,12 +264,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.data.batch_size,
         config.optimizer.reference_batch or None,
     )
-    if recomputed:
-        split.info["recomputed_blocks"] = len(recomputed)
-        attention = config.layout.activation_checkpointing == "attention"
-        split.info["recomputed"] = "attention modules" if attention else "blocks"
-    if fp8:
-        split.info["fp8_layers"] = len(fp8)
+    split.info |= before
     if config.layout.compile:  # after the tensor split, before sharding (torchtitan's order)
         split.info["compiled"] = len(compile_model(split.module))
     stage = config.sync.allreduce.zero_stage  # shards over the replicas: before the optimizer

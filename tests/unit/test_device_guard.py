@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -118,3 +119,23 @@ def test_torch_without_the_single_collectives_uses_the_older_names(
     compat.all_gather_single(out, mine, None, True)
     compat.reduce_scatter_single(mine, out, None, None, False)
     assert calls == ["gather", "scatter"]
+
+
+def test_an_old_torch_is_one_line_at_import(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command line exits 2 with the line; a script's `import gradmesh` raises it."""
+    monkeypatch.setattr(compat.metadata, "version", lambda name: "2.10.0")
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/gradmesh", "train"])
+    with pytest.raises(SystemExit) as exited:
+        compat.check_at_import()
+    assert exited.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "gradmesh: error: gradmesh needs torch 2.11 to 2.15; this python has torch " \
+        "2.10.0: install one in the range"  # fmt: skip
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(ImportError, match=r"needs torch 2\.11 to 2\.15"):
+        compat.check_at_import()
+    monkeypatch.setattr(compat.metadata, "version", lambda name: "2.16.0")
+    compat.check_at_import()
+    assert "newer than the tested range" in capsys.readouterr().err

@@ -162,8 +162,9 @@ class GradientReducer:
         self.also: list[GradientReducer] = []
         """Reducers of other parameters of the same optimizer (a hybrid plan's batch-sharded
         layers, over the batch group), synchronized and reset with this one."""
-        for _, p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
+        if self.replicas > 1:  # alone, nothing overlaps: the step packs every bucket at once
+            for _, p in params:
+                p.register_post_accumulate_grad_hook(self._on_grad)  # type: ignore[no-untyped-call]
 
     def _plan(self, params: list[tuple[str, nn.Parameter]]) -> None:
         """Buckets for `params` (the parameters whose gradients travel dense)."""
