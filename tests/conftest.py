@@ -98,12 +98,14 @@ def rank_forkserver() -> None:
 
 
 def our_temp_dirs(root: str | None = None) -> set[str]:
-    """Launcher log folders and emulated-host temp folders in the temp directory (or `root`)."""
+    """Launcher log folders and emulated-host temp folders in the temp directory (or `root`).
+    A launcher folder without its owner's pid (`gradmesh-run-abc123`) is an older gradmesh's,
+    run beside the suite (this code always names the owner): never a test's leak."""
     import glob
     import tempfile
 
     root = root or tempfile.gettempdir()
-    return {*glob.glob(f"{root}/gradmesh-run-*"), *glob.glob(f"{root}/gmesh-*")}
+    return {*glob.glob(f"{root}/gradmesh-run-[0-9]*x-*"), *glob.glob(f"{root}/gmesh-*")}
 
 
 def emulated_namespaces() -> set[str]:

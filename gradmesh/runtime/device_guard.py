@@ -52,9 +52,9 @@ class DeviceGuard(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # dynamo traces this mode too: the graph is torch's
+        if func not in self.factories or kwargs.get("device") is not None or _from_tensor(args):
             return func(*args, **kwargs)
-        if func in self.factories and kwargs.get("device") is None and not _from_tensor(args):
+        if not torch.compiler.is_compiling():  # dynamo traces this mode too: its graph is torch's
             caller = sys._getframe(1)
             where = caller.f_code.co_filename
             if where.startswith(PACKAGE):

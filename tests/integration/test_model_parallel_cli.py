@@ -413,7 +413,8 @@ def test_a_language_model_reports_perplexity_tokens_and_mfu(tmp_path: Path) -> N
     assert result["peak_flops"] > 0
     assert result["peak_source"].startswith("measured on this CPU")
     assert result["gpu_peak_memory_bytes"] is None  # a CPU run: no CUDA call, a null
-    rate = result["samples_per_s"] * result["flops_per_sample"]
+    assert result["steady_samples_per_s"] > 0  # the rate after the first steps: MFU's
+    rate = result["steady_samples_per_s"] * result["flops_per_sample"]
     assert result["mfu"] == pytest.approx(rate / (2 * result["peak_flops"]), rel=1e-6)
     assert 0 < result["mfu"] < 1
     assert "perplexity" in out.stdout and f"MFU {result['mfu']:.1%}" in out.stdout

@@ -31,10 +31,10 @@ def test_foreign_folders_are_ignored_and_ours_are_caught(tmp_path: Path) -> None
             tempfile.mkdtemp(prefix=f"gradmesh-run-{os.getpid()}x-", dir=tmp_path): False,
             tempfile.mkdtemp(prefix=f"gradmesh-run-{child.pid}x-", dir=tmp_path): False,
             tempfile.mkdtemp(prefix=f"gmesh-{dead}x1f2e-tmp-", dir=tmp_path): False,
-            tempfile.mkdtemp(prefix="gradmesh-run-", dir=tmp_path): False,  # no owner named
         }
+        older = tempfile.mkdtemp(prefix="gradmesh-run-", dir=tmp_path)  # no owner: older gradmesh
         new = our_temp_dirs(str(tmp_path)) - before
-        assert new == set(expected)
+        assert new == set(expected) and older not in new
         assert {d: foreign(d, [child.pid]) for d in new} == expected
     finally:
         child.kill()
