@@ -106,9 +106,9 @@ def test_kept_gradients_are_the_buckets_views() -> None:
         assert got["buckets"] > 1 and all(got["views"]) and got["same"]  # type: ignore[arg-type]
 
 
-def rank_with_a_nan(defer: bool) -> str:
+def rank_with_a_nan(defer: bool, checkpoint_at: int) -> str:
     """A NaN gradient at step 2 of 40, with the "error" check read every step (CPU) or every
-    NONFINITE_EVERY steps (CUDA, forced here): the error's line."""
+    NONFINITE_EVERY steps and before a checkpoint (CUDA, forced here): the error's line."""
     model, opt = _setup()
     opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     opt._gm.defer_nonfinite = defer  # type: ignore[attr-defined]
@@ -118,15 +118,18 @@ def rank_with_a_nan(defer: bool) -> str:
             opt.zero_grad(set_to_none=False)
             model(x * float("nan") if step == 2 else x).sum().backward()
             opt.step()
+            if step == checkpoint_at:
+                opt._gm.state_dict()  # type: ignore[attr-defined]
     except gradmesh.GradmeshError as exc:
         return str(exc)
     return "no error"
 
 
-@pytest.mark.parametrize("defer", [False, True])
-def test_a_nan_gradient_stops_the_job(defer: bool) -> None:
+@pytest.mark.parametrize(("defer", "checkpoint_at"), [(False, 0), (True, 0), (True, 5)])
+def test_a_nan_gradient_stops_the_job(defer: bool, checkpoint_at: int) -> None:
     from gradmesh.sync.data_parallel.reducer import NONFINITE_EVERY
 
-    first = run_ranks(rank_with_a_nan, 2, defer)[0]
-    step = NONFINITE_EVERY if defer else 2
+    first = run_ranks(rank_with_a_nan, 2, defer, checkpoint_at)[0]
+    step = checkpoint_at or NONFINITE_EVERY if defer else 2
     assert first.startswith(f"rank 0: step {step}: non-finite gradient in parameter"), first
+    assert ("before a checkpoint" in first) == bool(checkpoint_at)

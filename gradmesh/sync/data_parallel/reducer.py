@@ -178,7 +178,13 @@ class GradientReducer:
         self.futures: list[Future[None] | NativeWork | None] = [None] * len(self.buckets)
 
     def state_dict(self) -> dict[str, Any]:
-        """Step counters and each bucket's compressor state (residuals), for a checkpoint."""
+        """Step counters and each bucket's compressor state (residuals), for a checkpoint; never
+        of weights a deferred non-finite check has not cleared."""
+        if (name := self.seen_nonfinite()) is not None:
+            raise GradmeshError(
+                f"rank {self.rt.rank}: step {self.steps}: non-finite gradient in parameter "
+                f"{name!r}, found before a checkpoint (--on-nonfinite skip skips such steps)"
+            )
         return {
             "steps": self.steps,
             "skipped_steps": self.skipped_steps,
@@ -297,16 +303,20 @@ class GradientReducer:
 
     def watch_nonfinite(self) -> str | None:
         """The "error" check where reading a value stalls the device (CUDA): whether this
-        step's reduced gradients are finite is folded into a flag on the device, and the flag is
-        read every `NONFINITE_EVERY` steps; the parameter named is the first non-finite one at
-        that read. None until then (and while every gradient was finite)."""
+        step's reduced gradients are finite is folded into a flag on the device, read every
+        `NONFINITE_EVERY` steps and before a checkpoint (`state_dict`); the parameter named is
+        the first non-finite one at that read. None until then, and while all were finite."""
         sums = [b.buffer[: b.grad_numel].sum() for b in self.buckets if b.grad_numel]
         if sums:
             bad = torch.stack(sums).isfinite().all().logical_not()
             self.nonfinite_seen = bad if self.nonfinite_seen is None else self.nonfinite_seen | bad
-        if self.steps % NONFINITE_EVERY or self.nonfinite_seen is None:
-            return None
-        if not bool(self.nonfinite_seen):
+        return None if self.steps % NONFINITE_EVERY else self.seen_nonfinite()
+
+    def seen_nonfinite(self) -> str | None:
+        """Read (and clear) the deferred flag: the parameter to name when a step since the last
+        read had a non-finite gradient, else None."""
+        seen, self.nonfinite_seen = self.nonfinite_seen, None
+        if seen is None or not bool(seen):
             return None
         return self.nonfinite_parameter() or "(finite again by this step)"
 
