@@ -41,8 +41,8 @@ GPT_FLAGS = [
 ]  # fmt: skip
 LINTER_TEST = "tests/unit/test_architecture.py::test_imports_point_down_the_layers"
 PEAKS = {"fp32": 66.9e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}
-"""H100 SXM dense peaks, for the formula's column only (the report's MFU reads the device
-table by the GPU's name: `gradmesh.models.devices`)."""
+"""H100 SXM dense peaks: the formula's column where a report names no peak (the report's MFU
+reads the device table by the GPU's name, `gradmesh.models.devices`)."""
 
 
 @dataclass
@@ -166,10 +166,11 @@ def cells(row: Row, n: int) -> list[str]:
         return ["", "", "", "", ""]
     if row.kind == "bench":
         ratio = r.get("ratio") or r.get("trainer_over_plain")
-        return ["", "", "", "", f"{ratio}" if ratio is not None else "see JSON"]
+        return ["", "", "", "", f"{ratio:.3f}" if ratio is not None else "see JSON"]
     tokens = (r.get("steady_samples_per_s") or r["samples_per_s"]) * r.get("tokens_per_sample", 0)
     L, d, s = GPT["depth"], GPT["dim"], GPT["sequence"]
-    formula = tokens * (6 * n + 12 * L * d * s) / PEAKS.get(row.precision, 0) if tokens else 0.0
+    peak = r.get("peak_flops") or PEAKS.get(row.precision, 0.0)  # the report's, as its MFU's
+    formula = tokens * (6 * n + 12 * L * d * s) / peak if tokens and peak else 0.0
     memory, model = r.get("gpu_peak_memory_bytes"), row.result.get("predicted_gib")
     return [
         f"{tokens:,.0f}" if tokens else "",

@@ -81,7 +81,7 @@ def test_the_table_reads_the_reports(check: ModuleType) -> None:
         f"| gpt bf16 | yes | 21 | 512,000 | 35.0% | {formula:.1%} | 3.0 GiB (model 2.5) |  |"
         in text
     )
-    assert "| trainer vs plain loop, bf16 eager | yes | 30 |  |  |  |  | 1.02 |" in text
+    assert "| trainer vs plain loop, bf16 eager | yes | 30 |  |  |  |  | 1.020 |" in text
     assert "| unit tests | NO (1) | 50 |" in text and "1 failed, 9 passed" in text
 
 
