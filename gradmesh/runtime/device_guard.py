@@ -52,9 +52,12 @@ class DeviceGuard(TorchFunctionMode):
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
-        if func not in self.factories or kwargs.get("device") is not None or _from_tensor(args):
+        # Dynamo traces this mode too; asked first, so that it folds the rest away (asked after
+        # the factory test, dynamo 2.13 fails inside recomputed blocks: NameError
+        # ___get_torch_function_mode_stack_at). A compiled graph is torch's, not gradmesh's.
+        if torch.compiler.is_compiling():
             return func(*args, **kwargs)
-        if not torch.compiler.is_compiling():  # dynamo traces this mode too: its graph is torch's
+        if func in self.factories and kwargs.get("device") is None and not _from_tensor(args):
             caller = sys._getframe(1)
             where = caller.f_code.co_filename
             if where.startswith(PACKAGE):
