@@ -46,11 +46,6 @@ def size(batch: Batch) -> int:
     return len(leaves(batch)[0])
 
 
-def device(batch: Batch) -> torch.device:
-    """Where the batch's (first) tensor is."""
-    return leaves(batch)[0].device
-
-
 def split(batch: Batch, parts: int) -> list[Batch]:
     """The batch in `parts` micro-batches along the samples (as `tensor_split`: some may be
     empty when there are fewer samples than parts)."""
