@@ -81,9 +81,8 @@ PLAN = {
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over the sequences, each averaged over its positions."""
-    flat = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
-    return flat / targets.shape[1]
+    """Cross-entropy, the mean over every position of the batch (as torch's losses return)."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 parser = argparse.ArgumentParser()
@@ -122,7 +121,8 @@ for step in range(args.steps):
         loss = step_fn(x, y, 1.0 / len(y))
     else:
         loss = lm_loss(model(x), y)
-        (loss / len(y)).backward()
+        loss.backward()
+        loss = loss * len(y)  # summed over the samples, as the stage's step returns it
     optimizer.step()
     total = gradmesh.allreduce(loss.detach().double().reshape(1), op=gradmesh.Sum)
     if gradmesh.rank() == 0 and step % 10 == 9:

@@ -21,14 +21,13 @@ from gradmesh.layout.config import (
 )
 from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
 from gradmesh.layout.hybrid import Plan, apply_plan
+from gradmesh.layout.loss import LossFn, logits_of, summed
 from gradmesh.layout.pipeline import (
-    LossFn,
     cut_stages,
     layers_of,
     parse_stages,
     sample_shapes,
     stage_module,
-    sum_cross_entropy,
 )
 from gradmesh.layout.stage_engine import HALF, PipelineEngine, forward_precision, single_input
 from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
@@ -67,12 +66,12 @@ class PlainEngine:
         self,
         module: nn.Module,
         microbatches: int = 1,
-        loss_fn: LossFn = sum_cross_entropy,
+        loss_fn: LossFn | None = None,
         half: torch.dtype | None = None,
     ) -> None:
         self.module = module
         self.microbatches = microbatches
-        self.loss_fn = loss_fn
+        self.loss_fn = summed(loss_fn)
         self.half = half
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.device_type = self.device.type
@@ -98,8 +97,7 @@ class PlainEngine:
     @torch.no_grad()
     def predict(self, x: Batch) -> torch.Tensor | None:
         with self._forward():
-            out: torch.Tensor = batch.call(self.module, x)
-        return out.float()
+            return logits_of(batch.call(self.module, x)).float()
 
 
 def tp_plan(
@@ -177,7 +175,7 @@ def split_model(
     stages: str,
     sample: torch.Tensor,
     plan: Plan | None = None,
-    loss_fn: LossFn = sum_cross_entropy,
+    loss_fn: LossFn | None = None,
     chunks: int = 1,
     precision: str = "fp32",
     sequence_parallel: bool = False,
@@ -248,7 +246,7 @@ def _layer_pipeline(
     rt: Runtime,
     starts: list[int],
     sample: torch.Tensor,
-    run: tuple[int, str, LossFn],
+    run: tuple[int, str, LossFn | None],
     info: dict[str, Any],
 ) -> Split:
     """This rank's stages of a sequence of layers cut at `starts` (p x chunks stages; rank s

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 from torch.utils.flop_counter import FlopCounterMode
 
 import gradmesh.data.batch as batch
@@ -45,7 +45,8 @@ from gradmesh.errors import GradmeshError
 from gradmesh.layout.blocks import block_list
 from gradmesh.layout.config import SCHEDULES, check_interleaved
 from gradmesh.layout.graph_routes import Routes, routes_of
-from gradmesh.layout.pipeline import LossFn, balance, sum_cross_entropy
+from gradmesh.layout.loss import LossFn
+from gradmesh.layout.pipeline import balance
 from gradmesh.layout.stage_engine import Boundary, PipelineEngine, as_values
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
 from gradmesh.runtime.world import Runtime
@@ -134,6 +135,8 @@ class GraphStages:
         }
         self.traces: dict[tuple[tuple[int, ...], ...], list[nn.Module]] = {}
         self._holders: dict[str, set[int]] | None = None
+        self._out_spec: TreeSpec | None = None
+        self._out_leaves = 0
 
     def stages(
         self, sample: Batch, key: tuple[tuple[int, ...], ...] | None = None
@@ -146,17 +149,18 @@ class GraphStages:
 
             spec = {p: SplitPoint.BEGINNING for p in self.points}
             try:
-                # on a copy: the split wraps the forward of the modules it cuts at, so a model
-                # that was cut once cannot be traced again (the copy's weights are pointed back)
                 with warnings.catch_warnings():  # torch's own deprecations, not the user's
                     warnings.simplefilter("ignore", FutureWarning)
                     args, kwargs = batch.arguments(sample)
-                    pipe = pipeline(
-                        copy.deepcopy(self.model), mb_args=args, mb_kwargs=kwargs, split_spec=spec
-                    )
+                    pipe = pipeline(self._copy(), mb_args=args, mb_kwargs=kwargs, split_spec=spec)
             except Exception as exc:  # noqa: BLE001 - torch's reasons vary; one line for the user
                 cause = exc.__cause__ or exc
                 why = (str(cause).splitlines() or [type(cause).__name__])[0]
+                if "in output" in why:
+                    why += (
+                        ": a stage can pass on only tensors; make the forward return tensors (a "
+                        "tuple, a dict or a ModelOutput of them)"
+                    )
                 raise GradmeshError(
                     f"cannot cut model {self.model_name} at {','.join(self.points)}: {why}"
                 ) from None
@@ -172,6 +176,30 @@ class GraphStages:
             self.routes[key] = routes_of(pipe.split_gm, self.model_name)
             self.traces[key] = stages
         return self.traces[key]
+
+    def _copy(self) -> nn.Module:
+        """A copy of the model to trace (the split wraps the forward of the modules it cuts at,
+        so a model cut once cannot be traced again; the copy's weights are pointed back), with a
+        Hugging Face model's key/value cache off: a cache object cannot cross a stage, and
+        training has no use for it."""
+        model = copy.deepcopy(self.model)
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False  # type: ignore[union-attr]
+        return model
+
+    def output_of(self, values: list[torch.Tensor]) -> Any:
+        """The model's output, in the structure its forward returns (a tensor, a tuple, a
+        `ModelOutput`), from the last stage's values: what the loss is given, as it would be
+        given the whole model's output."""
+        if self._out_spec is None:
+            with torch.no_grad():
+                out = batch.call(self._copy(), self.sample(1))
+            leaves, self._out_spec = tree_flatten(out)
+            self._out_leaves = len(leaves)
+        if self._out_leaves != len(values):  # the stage returned other values: give them whole
+            return values[0] if len(values) == 1 else values
+        return tree_unflatten(values, self._out_spec)
 
     def sample(self, n: int) -> Batch:
         """A model input of `n` samples like the pipeline's (the example's first row)."""
@@ -284,7 +312,7 @@ class GraphPipelineEngine(PipelineEngine):
         example: Batch,
         microbatches: int,
         schedule: str,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None,
     ) -> None:
         axis = rt.mesh["pp"]
         part = first_part(example, microbatches)
@@ -299,6 +327,7 @@ class GraphPipelineEngine(PipelineEngine):
             loss_fn,
         )
         self.graph = stages
+        self.output_of = stages.output_of
         stages.tied()  # marked before the caller wraps its optimizer
         traced = stages.stages(part)
         self.stage_module = traced[mine[0]] if len(mine) == 1 else merged([traced[g] for g in mine])
@@ -342,7 +371,7 @@ def graph_pipeline(
     points: list[str] | None = None,
     microbatches: int = 1,
     schedule: str = "1f1b",
-    loss_fn: LossFn = sum_cross_entropy,
+    loss_fn: LossFn | None = None,
     model_name: str = "model",
     chunks: int = 1,
 ) -> GraphPipelineEngine:
@@ -374,7 +403,7 @@ def pipeline_stage(
     split: list[str] | None = None,
     microbatches: int = 1,
     schedule: str = "1f1b",
-    loss_fn: LossFn = sum_cross_entropy,
+    loss_fn: LossFn | None = None,
     virtual_stages: int = 2,
 ) -> GraphPipelineEngine:
     """`gradmesh.pipeline_stage`: this rank's stage of `model` on the initialised runtime's pp

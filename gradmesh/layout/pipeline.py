@@ -33,15 +33,11 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gradmesh.collectives import allreduce
@@ -246,18 +242,3 @@ def bubble(busy_s: list[float], idle: list[float]) -> float:
     equal stages; a faster stage also waits for the slower one (imbalance), which the mean idle
     of all stages includes."""
     return idle[max(range(len(busy_s)), key=busy_s.__getitem__)]
-
-
-LossFn = Callable[[Any, Any], torch.Tensor]
-"""loss_fn(outputs, targets) -> the loss summed over the micro-batch's samples; targets are
-what the step was given (a tensor, or a tuple or dict of tensors)."""
-
-
-def sum_cross_entropy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The engines' default loss: cross-entropy summed over the samples; for sequences (logits
-    (batch, time, classes), labels (batch, time)), each sample's mean over its positions."""
-    if y.dim() == 1:
-        return F.cross_entropy(out, y, reduction="sum")
-    per_sample = math.prod(y.shape[1:])  # (a rank's share of a last, short batch may be empty)
-    flat = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum")
-    return flat / per_sample

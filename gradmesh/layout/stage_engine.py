@@ -33,7 +33,8 @@ import gradmesh.data.batch as batch
 from gradmesh.collectives.channel import Channel
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.pipeline import BubbleClock, LossFn, schedule_actions, sum_cross_entropy
+from gradmesh.layout.loss import LossFn, logits_of, summed
+from gradmesh.layout.pipeline import BubbleClock, schedule_actions
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.world import Runtime
 
@@ -87,10 +88,12 @@ class PipelineEngine:
         inputs_of: Callable[[int, int], Boundary],
         microbatches: int,
         schedule: str,
-        loss_fn: LossFn = sum_cross_entropy,
+        loss_fn: LossFn | None = None,
     ) -> None:
         axis = rt.mesh["pp"]
-        self.rt, self.modules, self.loss_fn = rt, modules, loss_fn
+        self.rt, self.modules, self.loss_fn = rt, modules, summed(loss_fn)
+        self.output_of: Callable[[list[torch.Tensor]], Any] = lambda values: values[0]
+        """The model's output from the last stage's values (what the loss is given)."""
         self.inputs_of = inputs_of
         self.stage, self.stages = axis.index, axis.size
         self.depth = self.stages * len(modules)
@@ -199,7 +202,7 @@ class PipelineEngine:
             outs = as_values(_run_stage(self.modules[c], g, ins, st.xs[i]))
             outs = self._boundary(g, batch.size(st.ys[i]), outs)
             if g == self.depth - 1:
-                loss = self.loss_fn(outs[0], st.ys[i]).float()
+                loss = self.loss_fn(self.output_of(outs), st.ys[i]).float()
                 st.losses += loss.detach().double()
                 outs = [loss * st.scale]
         st.busy += time.perf_counter() - t0
@@ -253,7 +256,8 @@ class PipelineEngine:
                     result = as_values(_run_stage(module, g, ins, part))
                 result = self._boundary(g, batch.size(part), result)
                 if g == self.depth - 1:
-                    out = result[0] if out is None else torch.cat([out, result[0]])
+                    logits = logits_of(self.output_of(result))
+                    out = logits if out is None else torch.cat([out, logits])
                 else:
                     for j, v in enumerate(result):
                         tag = self._tag(i, False, g + 1, j)

@@ -264,7 +264,7 @@ class ParallelLayer(nn.Module):
         slicer: Slicer | None = None,
         reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not the layer class's: it would make whole weights
         self.style, self.chunks, self.gather = style, chunks, gather
         self.reduce = reduce or reduce_from_tp
         self.conv: tuple[Any, ...] | None = (
@@ -284,6 +284,23 @@ class ParallelLayer(nn.Module):
             self.bias = slicer(bias, 0, chunks)
         else:  # added once, after the partial sums are reduced: replicated on every tp rank
             self.bias = nn.Parameter(bias.detach().clone())
+        self._keep_attributes(layer, parts if gather else 1)
+
+    def _keep_attributes(self, layer: nn.Linear | nn.Conv2d, gathered: int) -> None:
+        """The replaced layer's attributes, its widths the ones this rank's forward takes and
+        gives (a model reading `self.qkv.out_features` gets this rank's heads' width)."""
+        out_width, in_width = self.weight.shape[0], self.weight.shape[1]
+        if self.style == "colwise":
+            widths = (layer.weight.shape[1], out_width * gathered)
+        else:
+            widths = (in_width, layer.weight.shape[0])
+        if isinstance(layer, nn.Linear):
+            self.in_features, self.out_features = widths
+            return
+        self.in_channels, self.out_channels = widths
+        for name in ("kernel_size", "stride", "padding", "dilation", "groups", "padding_mode"):
+            setattr(self, name, getattr(layer, name))
+        self.transposed, self.output_padding = layer.transposed, layer.output_padding
 
     def _apply_weight(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.conv is None:
@@ -312,3 +329,20 @@ class ParallelLayer(nn.Module):
             else ""
         )
         return f"{self.style}, weight slice {tuple(self.weight.shape)}{extra}"
+
+
+class ParallelLinear(ParallelLayer, nn.Linear):  # type: ignore[misc]
+    """A split `nn.Linear`: still an `nn.Linear` to the model (`isinstance`, `in_features`,
+    `out_features`, `weight`, `bias`), each size this rank's."""
+
+
+class ParallelConv2d(ParallelLayer, nn.Conv2d):  # type: ignore[misc]
+    """A split `nn.Conv2d`: still an `nn.Conv2d` to the model, its channels this rank's."""
+
+
+def parallel_layer(
+    layer: nn.Linear | nn.Conv2d, style: str, parts: int, index: int, **how: Any
+) -> ParallelLayer:
+    """This rank's slice of `layer` as a module of the same kind (`ParallelLayer`'s arguments)."""
+    kind = ParallelLinear if isinstance(layer, nn.Linear) else ParallelConv2d
+    return kind(layer, style, parts, index, **how)

@@ -41,7 +41,7 @@ from gradmesh.layout.sequence_parallel import (
     reduce_scatter_sequence,
     sum_gradient_over_tp,
 )
-from gradmesh.layout.tensor_parallel import ParallelLayer, chunk_sizes, shard
+from gradmesh.layout.tensor_parallel import ParallelLayer, chunk_sizes, parallel_layer, shard
 from gradmesh.layout.vocab_parallel import VocabParallelEmbedding
 
 KINDS = ("colwise", "rowwise", "embedding", "heads", "sequence")
@@ -158,6 +158,8 @@ def _check_one(model: nn.Module, name: str, style: Style, tp: int, model_name: s
                 "nn.Embedding (no sparse gradients, no max_norm)"
             )
         size, what = module.num_embeddings, "vocabulary rows"
+    elif isinstance(module, ParallelLayer):
+        raise GradmeshError(f"{where} is split already (a plan applies once, to the whole model)")
     else:
         if not isinstance(module, nn.Linear | nn.Conv2d) or (
             isinstance(module, nn.Conv2d) and module.groups != 1
@@ -267,15 +269,15 @@ def apply_tp_plan(
             )
         else:
             assert isinstance(module, nn.Linear | nn.Conv2d)
-            new = ParallelLayer(
+            new = parallel_layer(
                 module,
                 style.kind,
                 parts,
                 index,
-                style.chunks,
-                style.gather,
-                slicer,
-                reduce_scatter_sequence if style.mode == "seq" else None,
+                chunks=style.chunks,
+                gather=style.gather,
+                slicer=slicer,
+                reduce=reduce_scatter_sequence if style.mode == "seq" else None,
             )
             if style.mode == "seq" and new.bias is not None:  # added to a part of the tokens
                 sum_gradient_over_tp(new.bias, summed)

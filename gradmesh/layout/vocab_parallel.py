@@ -39,6 +39,8 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = (
             weight if weight is not None else nn.Parameter(shard(layer.weight, 0, parts, index))
         )
+        self.num_embeddings, self.embedding_dim = layer.num_embeddings, layer.embedding_dim
+        """The replaced embedding's: forward takes any id of the whole vocabulary."""
         self.padding_idx: int | None = None
         if layer.padding_idx is not None and self.start <= layer.padding_idx < self.end:
             self.padding_idx = layer.padding_idx - self.start

@@ -150,10 +150,9 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """The language-model loss: cross-entropy of every position's next token, summed."""
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="sum"
-    )
+    """The language-model loss: cross-entropy of every position's next token, the mean over
+    the batch's positions (gradmesh's loss convention, `gradmesh.layout.loss`)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
 @MODELS.register("gpt")

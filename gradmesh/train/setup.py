@@ -18,7 +18,6 @@ from torch.optim.lr_scheduler import LRScheduler
 import gradmesh.data.batch as batch
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
 from gradmesh.data.batch import Batch
-from gradmesh.data.batch import size as batch_size
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.compile import compile_model
@@ -26,8 +25,8 @@ from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.fp8 import to_float8
 from gradmesh.layout.hybrid import load_plan
+from gradmesh.layout.loss import Summed, summed
 from gradmesh.layout.memory import checkpoint_blocks
-from gradmesh.layout.pipeline import LossFn, sum_cross_entropy
 from gradmesh.layout.sharded import shard_model
 from gradmesh.models.devices import device_peak
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
@@ -100,23 +99,12 @@ def model_of(config: TrainConfig, data: DataSpec) -> torch.nn.Module:
     )
 
 
-def loss_of(config: TrainConfig) -> LossFn:
-    """The engines' loss, summed over the samples of a micro-batch: the default cross-entropy,
-    or the user's `fn(outputs, targets)` (a mean over the batch) times the samples."""
+def loss_of(config: TrainConfig) -> Summed:
+    """The job's loss in the engines' form (`gradmesh.layout.loss`): the user's
+    `fn(outputs, targets)`, the batch's mean, or the default cross-entropy."""
     if not config.data.loss:
-        return sum_cross_entropy
-    fn = import_path(config.data.loss, "loss")
-
-    def summed(out: torch.Tensor, y: Batch) -> torch.Tensor:
-        value = fn(out, y)
-        if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise GradmeshError(
-                f"loss {config.data.loss} returned {shape}, not a scalar (the batch's mean)"
-            )
-        return value * batch_size(y)
-
-    return summed
+        return summed(None)
+    return summed(import_path(config.data.loss, "loss"), config.data.loss)
 
 
 def elastic_world() -> int | None:

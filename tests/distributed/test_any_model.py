@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradmesh
 from gradmesh.layout.graph_pipeline import graph_pipeline
+from gradmesh.layout.loss import cross_entropy
 from gradmesh.layout.memory import checkpoint_blocks
-from gradmesh.layout.pipeline import sum_cross_entropy
 from gradmesh.layout.sharded import state_bytes
 from gradmesh.layout.tensor_parallel import unshard
 from gradmesh.layout.tp_plan import shard_specs
@@ -123,8 +123,8 @@ def test_tensor_parallel_by_name_equals_one_process(
 
 
 def loss_of(kind: str) -> Any:
-    """The summed loss each pipeline's last stage computes (scaled to a mean by `step`)."""
-    return lm_loss if kind == "gpt" else sum_cross_entropy
+    """The batch's mean loss (the engines sum it over the samples; `step` scales to a mean)."""
+    return lm_loss if kind == "gpt" else cross_entropy
 
 
 def train_pipeline(
@@ -174,9 +174,9 @@ def train_pipeline(
         x, y = xs[i].chunk(dp)[coords["dp"]], ys[i].chunk(dp)[coords["dp"]]
         opt.zero_grad()
         if step is None:
-            (loss_of(kind)(module(x), y) / y.numel()).backward()
+            loss_of(kind)(module(x), y).backward()
         else:
-            step(x, y, 1.0 / y.numel())
+            step(x, y, 1.0 / len(y))
         opt.step()
     params = module.named_parameters(remove_duplicate=False)
     state = {k: v.detach().clone() for k, v in params}
@@ -316,10 +316,10 @@ class Tagger(torch.nn.Module):
 
 
 def tagger_loss(out: torch.Tensor, targets: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Each sequence's weighted mean over its positions, summed over the sequences."""
+    """Each sequence's weighted mean over its positions, averaged over the sequences."""
     per_token = F.cross_entropy(out.flatten(0, 1), targets["tags"].flatten(), reduction="none")
     weighted = per_token.view_as(targets["weight"]) * targets["weight"]
-    return weighted.sum() / targets["weight"].shape[1]
+    return weighted.mean()
 
 
 def train_tagger(kind: str, schedule: str) -> Any:
@@ -354,7 +354,7 @@ def train_tagger(kind: str, schedule: str) -> Any:
         if step is None:
             x = inputs(i)
             out = model(**x) if isinstance(x, dict) else model(*x)
-            (tagger_loss(out, targets) / 8).backward()
+            tagger_loss(out, targets).backward()
         else:
             step(inputs(i), targets, 1.0 / 8)
         opt.step()
@@ -474,7 +474,7 @@ def bf16_steps(pp: int, kind: str) -> tuple[list[float], list[torch.dtype], bool
     for i in range(3):
         opt.zero_grad()
         with products:
-            losses.append(float(split.engine.step(xs[i], ys[i], 1.0 / ys[i].numel())))
+            losses.append(float(split.engine.step(xs[i], ys[i], 1.0 / len(ys[i]))))
         opt.step()
     fp32 = all(
         p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)

@@ -58,7 +58,7 @@ def one_step(engine: Any, opt: Any, scale: DynamicLossScale | None, x: Any, y: A
     token."""
     opt.zero_grad(set_to_none=False)
     factor = scale.scale if scale else 1.0
-    loss = float(engine.step(x, y, factor / y.numel())) / y.numel()
+    loss = float(engine.step(x, y, factor / len(y))) / len(y)
     update(opt, scale)
     return loss
 
