@@ -9,7 +9,8 @@ Horovod-style use from a script::
 
 The names come from `gradmesh.api`, loaded on first use, so that `gradmesh --help` and the
 launcher start without importing torch (and the launcher can set torch's log level first).
-Module paths that moved in 0.2 still import, with a DeprecationWarning, until 0.3 (`MOVED`).
+Module paths that moved in 0.2 (and the layouts' modules, into a folder per parallelism) still
+import, with a DeprecationWarning, until 0.3 (`MOVED`).
 """
 
 import importlib
@@ -36,6 +37,14 @@ MOVED = {
     "gradmesh.integrations": "gradmesh.launch.engines.choice",
     "gradmesh.integrations.ray": "gradmesh.launch.engines.ray",
     "gradmesh.integrations.spark": "gradmesh.launch.engines.spark",
+    "gradmesh.layout.tensor_parallel": "gradmesh.layout.tensor.layers",
+    "gradmesh.layout.tp_plan": "gradmesh.layout.tensor.plan",
+    "gradmesh.layout.vocab_parallel": "gradmesh.layout.tensor.vocab",
+    "gradmesh.layout.sequence_parallel": "gradmesh.layout.tensor.sequence",
+    "gradmesh.layout.hybrid": "gradmesh.layout.tensor.hybrid",
+    "gradmesh.layout.stage_engine": "gradmesh.layout.pipeline.engine",
+    "gradmesh.layout.graph_routes": "gradmesh.layout.pipeline.routes",
+    "gradmesh.layout.graph_pipeline": "gradmesh.layout.pipeline.stages",
 }
 """Old module path -> new; a module under an old package path moved with it."""
 

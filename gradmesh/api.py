@@ -7,10 +7,10 @@ from gradmesh.errors import GradmeshError
 from gradmesh.horovod.api import join
 from gradmesh.horovod.gathers import allgather, broadcast
 from gradmesh.horovod.reductions import allreduce, allreduce_async
-from gradmesh.layout.graph_pipeline import pipeline_stage
-from gradmesh.layout.hybrid import parallelize
+from gradmesh.layout.pipeline.stages import pipeline_stage
 from gradmesh.layout.sharded import shard
-from gradmesh.layout.vocab_parallel import vocab_parallel_cross_entropy
+from gradmesh.layout.tensor.hybrid import parallelize
+from gradmesh.layout.tensor.vocab import vocab_parallel_cross_entropy
 from gradmesh.observe.timeline import start_timeline, stop_timeline
 from gradmesh.runtime.world import (
     barrier,

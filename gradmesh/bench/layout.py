@@ -6,9 +6,9 @@ machine hits every layout alike. Each job takes `--warmup` steps, then measures 
 median step time (rank 0; steps are synchronous), bytes sent per step per rank by kind (gradient
 sync, tensor-parallel activations, pipeline activations), parameter bytes per rank, and under
 pipelines the bubble (the idle part of the step of the stage that computes longest,
-`gradmesh.layout.pipeline.bubble`) next to the formula (p - 1) / (v m + p - 1) (v chunks per
-rank: 1 but for the interleaved layouts pp2i and pp4i), and every stage's idle part (bubble
-plus waiting for a slower stage). A layout's figure is the median over rounds.
+`gradmesh.layout.pipeline.schedules.bubble`) next to the formula (p - 1) / (v m + p - 1)
+(v chunks per rank: 1 but for the interleaved layouts pp2i and pp4i), and every stage's idle
+part (bubble plus waiting for a slower stage). A layout's figure is the median over rounds.
 
 The machine's idle CPU during the measured steps is recorded (from /proc/stat): when it is
 under 10 %, the layout is marked `"limit": "cpu"`: its time says more about the cores than

@@ -85,7 +85,7 @@ def _steps(args: Config) -> dict[str, Any]:
 
     from gradmesh.layout.engine import PlainEngine
     from gradmesh.layout.memory import checkpoint_blocks
-    from gradmesh.layout.stage_engine import HALF
+    from gradmesh.layout.pipeline.engine import HALF
     from gradmesh.models.registry import is_token_model
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.setup import load_data, loss_of, model_of

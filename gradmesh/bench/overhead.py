@@ -159,7 +159,7 @@ def plain_side(args: Config, job: Any, indices: Any) -> Side:
     import torch.nn.functional as F
 
     from gradmesh.layout.compile import BACKEND_ENV
-    from gradmesh.layout.stage_engine import HALF
+    from gradmesh.layout.pipeline.engine import HALF
     from gradmesh.train.optimizers import fused
     from gradmesh.train.setup import load_data, model_of
 

@@ -1,5 +1,5 @@
 """`gradmesh bench tp-styles`: gradmesh's tensor-parallel layers against torch's DTensor styles
-on the same model, the figure `gradmesh.layout.tensor_parallel`'s docstring gives for keeping
+on the same model, the figure `gradmesh.layout.tensor.layers`'s docstring gives for keeping
 its own operators.
 
 The built-in GPT's MLPs are split over `--world` tensor-parallel ranks both ways: by gradmesh's
@@ -44,7 +44,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     import torch.nn.functional as F
 
     from gradmesh.bench.harness import timed_turn
-    from gradmesh.layout.tp_plan import apply_tp_plan
+    from gradmesh.layout.tensor.plan import apply_tp_plan
     from gradmesh.models.gpt import GPT, GPTConfig
     from gradmesh.runtime.world import init, shutdown
 

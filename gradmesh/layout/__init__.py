@@ -5,7 +5,7 @@ first (each layer of the model's plan becomes this rank's slice), then pipeline 
 rank keeps its stage's layers). It returns this rank's part of the model and the step engine that
 runs it: `PlainEngine` (forward, backward) or `PipelineEngine` (a schedule over micro-batches).
 `check_layout` says, before any process starts, why a layout cannot split a model. A hybrid
-`Plan` (`gradmesh.layout.hybrid`) places each layer on its own instead of the model's uniform
+`Plan` (`gradmesh.layout.tensor.hybrid`) places each layer on its own instead of the model's uniform
 tensor-parallel plan; `gradmesh.parallelize` applies one from a script.
 """
 

@@ -7,9 +7,18 @@ from dataclasses import dataclass
 
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
+from gradmesh.runtime.axes import AXES, SPLITTING
+
+LAYOUT_KEYS = ("workers", *(a.flag for a in SPLITTING), "zero_stage")
+"""The settings of a layout, by option: the world, each splitting axis's size, the ZeRO stage.
+The one list the checkpoint's identity, `--reshard` and the resharder read."""
+RESHARDABLE = frozenset(
+    {"workers", "zero_stage", *(a.flag for a in AXES if a.flag and a.reshardable)}
+)
+"""The layout settings a resharded resume may change (not the pipeline's)."""
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-"""Pipeline schedules by name (`gradmesh.layout.pipeline` runs them)."""
+"""Pipeline schedules by name (`gradmesh.layout.pipeline.schedules` runs them)."""
 
 
 @dataclass
@@ -67,6 +76,10 @@ class LayoutConfig:
         """Chunks of the model each pipeline rank holds (more than one: interleaved)."""
         interleaved = self.schedule == "interleaved" and self.pipeline_parallel > 1
         return self.virtual_stages if interleaved else 1
+
+    def mesh_sizes(self) -> dict[str, int]:
+        """The splitting axes' sizes, axis name -> size (the data axis is the rest)."""
+        return {a.name: int(getattr(self, a.flag)) for a in SPLITTING}
 
     @property
     def split(self) -> bool:

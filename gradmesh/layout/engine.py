@@ -19,20 +19,22 @@ from gradmesh.layout.config import (
     check_interleaved,
     check_sequence_parallel,
 )
-from gradmesh.layout.graph_pipeline import candidates, check_points, graph_pipeline
-from gradmesh.layout.hybrid import Plan, apply_plan
 from gradmesh.layout.loss import LossFn, logits_of, summed
-from gradmesh.layout.pipeline import (
+from gradmesh.layout.pipeline.engine import HALF, PipelineEngine, forward_precision, single_input
+from gradmesh.layout.pipeline.graph import candidates, check_points
+from gradmesh.layout.pipeline.schedules import (
     cut_stages,
     layers_of,
     parse_stages,
     sample_shapes,
     stage_module,
 )
-from gradmesh.layout.stage_engine import HALF, PipelineEngine, forward_precision, single_input
-from gradmesh.layout.tp_plan import apply_tp_plan, check_plan
+from gradmesh.layout.pipeline.stages import graph_pipeline
+from gradmesh.layout.tensor.hybrid import Plan, apply_plan
+from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan
 from gradmesh.models.registry import TP_PLANS
 from gradmesh.observe.timeline import span
+from gradmesh.runtime.axes import PP, TP
 from gradmesh.runtime.world import Runtime
 
 
@@ -184,11 +186,11 @@ def split_model(
     (`chunks` stages per rank: more than one under the interleaved schedule), or a hybrid
     `plan`'s placement per layer. Collective over the world when stages are balanced (the layer
     times are averaged)."""
-    tp, pp = rt.mesh["tp"], rt.mesh["pp"]
+    tp, pp = rt.mesh[TP], rt.mesh[PP]
     _check_run(pp.size, microbatches, schedule, chunks, precision)
     check_sequence_parallel(sequence_parallel, tp.size, pp.size)
     piped = pp.size > 1
-    info: dict[str, Any] = {"dp": rt.mesh.shape.dp, "tp": tp.size, "pp": pp.size}
+    info: dict[str, Any] = rt.mesh.shape.as_dict()
     info |= {"microbatches": microbatches if piped else 1, "schedule": schedule if piped else None}
     info |= {"chunks": chunks if piped else 1, "precision": precision}
     info["sequence_parallel"] = sequence_parallel
@@ -252,7 +254,7 @@ def _layer_pipeline(
     """This rank's stages of a sequence of layers cut at `starts` (p x chunks stages; rank s
     holds s, s + p, ...) and the engine that runs them: `run` is (micro-batches, schedule,
     loss)."""
-    pp = rt.mesh["pp"]
+    pp = rt.mesh[PP]
     chunks = len(starts) // pp.size
     shapes = sample_shapes(layers_of(module, model_name), sample)
     mine = [stage_module(module, starts, c * pp.size + pp.index) for c in range(chunks)]
@@ -261,7 +263,7 @@ def _layer_pipeline(
     engine = PipelineEngine(rt, list(mine), single_input(entering, dtype), *run)
     # one module holding every chunk's layers under their own names: what the optimizer steps
     stage = mine[0] if chunks == 1 else nn.Sequential(OrderedDict(_layers(mine)))
-    owns = rt.mesh["tp"].index == 0 and pp.index == pp.size - 1
+    owns = rt.mesh[TP].index == 0 and pp.index == pp.size - 1
     return Split(stage, engine, info, owns)
 
 

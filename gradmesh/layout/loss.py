@@ -73,8 +73,10 @@ class Summed:
             return logits_of(out).sum() * 0.0
         value = self.fn(out, y)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else (
-                type(value).__name__
+            got = (
+                f"shape {tuple(value.shape)}"
+                if isinstance(value, torch.Tensor)
+                else (type(value).__name__)
             )
             raise GradmeshError(
                 f"loss {self.name} returned {got}, not a scalar: return the batch's mean "

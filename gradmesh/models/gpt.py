@@ -4,7 +4,7 @@ tied to the token embedding. The shape people train, small enough for a CPU at t
 (about 0.1M parameters) and as large as its arguments say (build it on the meta device to plan).
 
 The model declares its own tensor-parallel plan (`GPT.tp_plan`, module names with wildcards,
-see `gradmesh.layout.tp_plan`), as Hugging Face models declare theirs: the vocabulary-parallel
+see `gradmesh.layout.tensor.plan`), as Hugging Face models declare theirs: the vocabulary-parallel
 embedding and the head tied to it, q/k/v split per chunk so each rank holds whole heads, the
 attention's output and the MLP's second layer row-parallel.
 """
@@ -110,7 +110,7 @@ class GPT(nn.Module):
 
     @property
     def tp_plan(self) -> dict[str, str]:
-        """Module name -> tensor-parallel style (`gradmesh.layout.tp_plan`); the head gathers
+        """Module name -> tensor-parallel style (`gradmesh.layout.tensor.plan`); the head gathers
         the logits (use `head: colwise` with a vocabulary-parallel loss to keep them split)."""
         kv = self.config.kv_heads or self.config.heads
         return {
@@ -125,7 +125,7 @@ class GPT(nn.Module):
 
     @property
     def sp_plan(self) -> dict[str, str]:
-        """`tp_plan` with sequence parallelism (`gradmesh.layout.sequence_parallel`): the blocks
+        """`tp_plan` with sequence parallelism (`gradmesh.layout.tensor.sequence`): the blocks
         hold each tp rank's part of the sequence from the first block's input on; each norm
         runs on its part and all-gathers its output for the split layers after it, and the
         rowwise layers reduce-scatter their sums back to the parts."""

@@ -3,7 +3,7 @@
 
 The model is wrapped so that its forward returns logits (what gradmesh's engines and losses
 take), on the meta device too (`causal_mask`), and its declared tensor-parallel plan
-(`_tp_plan`, Hugging Face's style names, which `gradmesh.layout.tp_plan` reads as aliases of its
+(`_tp_plan`, Hugging Face's style names, which `gradmesh.layout.tensor.plan` reads as aliases of its
 own) is the wrapper's `tp_plan`. Needs the optional `transformers` extra (`pip install
 gradmesh[hf]`); `make test` installs it.
 """

@@ -310,7 +310,7 @@ def resolve(config: Any) -> Any:
     loopback) checked against the model and world and inlined, and tp set from it."""
     import json
 
-    from gradmesh.layout.hybrid import check, load_plan
+    from gradmesh.layout.tensor.hybrid import check, load_plan
     from gradmesh.train.setup import load_data, model_of
 
     if config.layout.plan == "auto":

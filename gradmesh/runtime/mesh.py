@@ -1,12 +1,8 @@
-"""The mesh: the world's ranks arranged on named axes `dp x pp x tp`, one process group per axis.
+"""The mesh: the world's ranks on the named axes of `gradmesh.runtime.axes` (dp x pp x tp
+today), one process group per axis.
 
-Tensor-parallel ranks are innermost (adjacent ranks, so a tp group stays on one host, where its
-per-layer exchanges are cheapest), then pipeline stages, then data-parallel replicas:
-
-    rank = (dp_index * pp + pp_index) * tp + tp_index
-
-Code that averages over replicas uses `mesh["dp"]`, code that splits a layer `mesh["tp"]`, code
-that streams between stages `mesh["pp"]`; nothing assumes the data axis is the whole world.
+Code that averages over replicas uses `mesh[DP]`, code that splits a layer `mesh[TP]`, code
+that streams between stages `mesh[PP]`; nothing assumes the data axis is the whole world.
 
 The groups are made here, with the job's timeout and labelled by axis in every message, and then
 handed to torch's `DeviceMesh.from_group` (`Mesh.device_mesh`), rather than made by
@@ -23,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.errors import GradmeshError
+from gradmesh.runtime.axes import NAMES, MeshShape
 
 BATCH_SHARDED = "gradmesh_batch_sharded"
 """Attribute set (True) on a parameter whose layer computes on this rank's slice of its
@@ -37,62 +34,10 @@ averaged over the replicas in one allreduce); data-parallel sync leaves it alone
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-AXES = ("dp", "pp", "tp")
-"""Outermost first."""
 
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-@dataclass(frozen=True)
-class MeshShape:
-    """How many ranks each axis has."""
-
-    dp: int
-    pp: int = 1
-    tp: int = 1
-
-    @classmethod
-    def for_world(cls, world: int, tp: int = 1, pp: int = 1) -> MeshShape:
-        """The shape that puts `tp` x `pp` ranks in each replica and the rest on `dp`; a
-        one-line error, saying what would fit, when `world` is not a multiple of tp x pp."""
-        if tp < 1 or pp < 1:
-            raise GradmeshError(
-                f"--tensor-parallel and --pipeline-parallel must be >= 1, got {tp}, {pp}"
-            )
-        if world % (tp * pp):
-            fits = ", ".join(str(d) for d in divisors(world))
-            raise GradmeshError(
-                f"{world} workers cannot hold replicas of tensor-parallel {tp} x pipeline-parallel "
-                f"{pp} = {tp * pp} ranks: tp x pp must divide the worker count ({fits})"
-            )
-        return cls(dp=world // (tp * pp), pp=pp, tp=tp)
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.pp * self.tp
-
-    def size(self, axis: str) -> int:
-        return int(getattr(self, axis))
-
-    def grid(self) -> torch.Tensor:
-        """The ranks as a dp x pp x tp array."""
-        return torch.arange(self.world, device="cpu").reshape(self.dp, self.pp, self.tp)
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index on each axis."""
-        dp, rest = divmod(rank, self.pp * self.tp)
-        pp, tp = divmod(rest, self.tp)
-        return {"dp": dp, "pp": pp, "tp": tp}
-
-    def lines(self, axis: str) -> list[list[int]]:
-        """Every group of ranks along `axis`: the ranks that differ only in that coordinate."""
-        moved = self.grid().movedim(AXES.index(axis), -1)
-        return [[int(r) for r in line] for line in moved.reshape(-1, self.size(axis))]
-
-    def describe(self) -> str:
-        return f"dp {self.dp} x pp {self.pp} x tp {self.tp}"
+def grid(shape: MeshShape) -> torch.Tensor:
+    """The ranks as an array with one dimension per axis (torch's `DeviceMesh` takes it)."""
+    return torch.arange(shape.world, device="cpu").reshape(shape.sizes)
 
 
 @dataclass
@@ -113,7 +58,7 @@ class Axis:
 
 
 class Mesh:
-    """The world as dp x pp x tp; `mesh["dp"]` is this rank's data-parallel axis."""
+    """The world on its axes; `mesh[DP]` is this rank's data-parallel axis."""
 
     def __init__(self, shape: MeshShape, axes: dict[str, Axis]) -> None:
         self.shape = shape
@@ -124,12 +69,12 @@ class Mesh:
         try:
             return self.axes[name]
         except KeyError:
-            raise GradmeshError(f"unknown mesh axis {name!r} (valid: {', '.join(AXES)})") from None
+            raise GradmeshError(f"unknown mesh axis {name!r} (valid: {', '.join(NAMES)})") from None
 
     @property
     def split(self) -> bool:
         """Whether a replica of the model spans more than one rank."""
-        return self.shape.tp * self.shape.pp > 1
+        return self.shape.split > 1
 
     def release(self) -> None:
         """Forget the groups (at shutdown, after they were destroyed)."""
@@ -142,10 +87,10 @@ class Mesh:
             from torch.distributed.device_mesh import DeviceMesh
 
             self._device_mesh = DeviceMesh.from_group(
-                [self.axes[a].group for a in AXES],
+                [self.axes[a].group for a in NAMES],
                 device_type,
-                mesh=self.shape.grid(),
-                mesh_dim_names=AXES,
+                mesh=grid(self.shape),
+                mesh_dim_names=NAMES,
             )
         return self._device_mesh
 
@@ -169,7 +114,7 @@ def build_mesh(
     appended to `groups`, whose owner frees them at shutdown."""
     axes = {}
     coords = shape.coords(rank)
-    for name in AXES:
+    for name in NAMES:
         lines = shape.lines(name)
         group = group_of_lines(lines, rank, timeout)
         groups.append(group)

@@ -15,7 +15,7 @@ import atexit
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
 from gradmesh.runtime import device_guard
+from gradmesh.runtime.axes import DP, PP, TP, MeshShape
 from gradmesh.runtime.connect import connect, host_groups, pick_backend
-from gradmesh.runtime.mesh import Axis, Mesh, MeshShape, build_mesh, group_of_lines
+from gradmesh.runtime.mesh import Axis, Mesh, build_mesh, group_of_lines
 from gradmesh.runtime.process import _env_int, bind_to_launcher
 from gradmesh.runtime.process import timeout_s as timeout_s_of
 from gradmesh.runtime.stats import CommStats
@@ -115,7 +116,7 @@ class Runtime:
     @property
     def dp(self) -> Axis:
         """This rank's data-parallel axis: the replicas that average with it."""
-        return self.mesh["dp"]
+        return self.mesh[DP]
 
     def release_groups(self) -> None:
         """Drop every reference the runtime holds to a process group, after
@@ -159,30 +160,32 @@ def init(
     backend: str | None = None,
     tensor_parallel: int = 1,
     pipeline_parallel: int = 1,
+    mesh: Mapping[str, int] | None = None,
 ) -> Runtime:
     """Join the job described by the torchrun environment (or a world of one) and return it.
 
     `timeout_s` bounds rendezvous and every collective (default 60 s, or GRADMESH_TIMEOUT_S).
-    `tensor_parallel` x `pipeline_parallel` adjacent ranks hold one replica of the model; the
-    mesh (`gradmesh.mesh()`) has one group per axis. Calling `init()` again in an initialised
-    process returns the existing runtime.
+    The mesh is `mesh`, axis name -> size (`{"tp": 2, "pp": 2}`; the data axis `dp` is the rest
+    of the world unless given), or the keywords `tensor_parallel` and `pipeline_parallel`:
+    those ranks, adjacent, hold one replica of the model; `gradmesh.mesh()` has one group per
+    axis. Calling `init()` again in an initialised process returns the existing runtime.
     """
     global _runtime
+    sizes = _mesh_sizes(mesh, tensor_parallel, pipeline_parallel)
+    rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if _runtime is not None:
-        asked = (tensor_parallel, pipeline_parallel)
-        if asked != (1, 1) and asked != (_runtime.mesh.shape.tp, _runtime.mesh.shape.pp):
+        if sizes and MeshShape.for_world(_runtime.size, **sizes) != _runtime.mesh.shape:
+            asked = MeshShape.for_world(_runtime.size, **sizes).describe()
             raise GradmeshError(
                 f"gradmesh is already initialised with {_runtime.mesh.shape.describe()}: "
-                f"call shutdown() before init(tensor_parallel={asked[0]}, "
-                f"pipeline_parallel={asked[1]})"
+                f"call shutdown() before init() with {asked}"
             )
         return _runtime
     device_guard.install()
-    rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if size < 1 or not 0 <= rank < size:
         raise GradmeshError(f"bad process world: RANK={rank} WORLD_SIZE={size}")
     timeout = timedelta(seconds=timeout_s_of(timeout_s))
-    shape = MeshShape.for_world(size, tp=tensor_parallel, pp=pipeline_parallel)
+    shape = MeshShape.for_world(size, **sizes)
     bind_to_launcher(rank)
     chosen, device = pick_backend(_env_int("LOCAL_WORLD_SIZE", size), backend)
     adopted = connect(chosen, rank, size, timeout)
@@ -192,6 +195,22 @@ def init(
     _runtime = _build(rank, size, chosen, device, timeout, shape)
     _runtime.adopted = adopted
     return _runtime
+
+
+def _mesh_sizes(
+    mesh: Mapping[str, int] | None, tensor_parallel: int, pipeline_parallel: int
+) -> dict[str, int]:
+    """The mesh `init` was asked for, axis -> size, from `mesh` or the keywords (not both)."""
+    keywords = {TP: tensor_parallel, PP: pipeline_parallel}
+    given = {k: v for k, v in keywords.items() if v != 1}
+    if mesh is None:
+        return given
+    if given:
+        raise GradmeshError(
+            "init: give the mesh as mesh={...} or as tensor_parallel= / pipeline_parallel=, "
+            "not both"
+        )
+    return dict(mesh)
 
 
 def _build(
@@ -289,7 +308,7 @@ def collective_device() -> torch.device:
 
 
 def mesh() -> Mesh:
-    """The world as dp x pp x tp: `gradmesh.mesh()["dp"].group`, `.size`, `.index`."""
+    """The world on the mesh's axes: `gradmesh.mesh()["dp"].group`, `.size`, `.index`."""
     return get_runtime().mesh
 
 

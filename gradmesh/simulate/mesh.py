@@ -39,7 +39,7 @@ from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner import Links
 from gradmesh.layout.planner.mesh import Layout, MeshProfile, Slice, block_outputs
 from gradmesh.layout.planner.mesh_cost import MeshPrediction, predict_mesh, variants
-from gradmesh.runtime.mesh import divisors
+from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.devices import Device
 from gradmesh.simulate.meta_count import (
     Counted,
@@ -143,8 +143,8 @@ def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Devi
 def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
     from gradmesh.layout.blocks import block_list
     from gradmesh.layout.engine import tp_plan
-    from gradmesh.layout.graph_pipeline import block_flops
-    from gradmesh.layout.tp_plan import check_plan
+    from gradmesh.layout.pipeline.graph import block_flops
+    from gradmesh.layout.tensor.plan import check_plan
 
     depth = deep(spec)
     small = at_depth(spec, 3) if depth else spec

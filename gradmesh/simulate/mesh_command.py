@@ -11,7 +11,7 @@ from typing import Any
 
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.planner.mesh import Layout
-from gradmesh.runtime.mesh import divisors
+from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.mesh import USABLE, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
 from gradmesh.simulate.meta_count import Spec

@@ -63,8 +63,8 @@ def count(spec: Spec, tp: int) -> Counted:
     from gradmesh.layout.blocks import block_list
     from gradmesh.layout.engine import tp_plan
     from gradmesh.layout.memory import saved_activations
-    from gradmesh.layout.tensor_parallel import dry_exchanges
-    from gradmesh.layout.tp_plan import apply_tp_plan
+    from gradmesh.layout.tensor.layers import dry_exchanges
+    from gradmesh.layout.tensor.plan import apply_tp_plan
     from gradmesh.models.flops import KernelCounter
 
     net, ids = spec.build()

@@ -145,7 +145,7 @@ def layout_profile(
     times the samples. Sizes and dims are the planner's own (`describe_units`)."""
     import torch
 
-    from gradmesh.layout.pipeline import layers_of, sample_shapes
+    from gradmesh.layout.pipeline.schedules import layers_of, sample_shapes
     from gradmesh.layout.planner import describe_units, placements
     from gradmesh.models.registry import MODELS, TP_PLANS
 

@@ -43,7 +43,8 @@ class Job:
     microbatches: int = 1
     """pipeline: micro-batches per replica's batch."""
     schedule: str = "1f1b"
-    """pipeline: gpipe, 1f1b or interleaved (`gradmesh.layout.pipeline.schedule_actions`)."""
+    """pipeline: gpipe, 1f1b or interleaved
+    (`gradmesh.layout.pipeline.schedules.schedule_actions`)."""
     virtual_stages: int = 2
     """pipeline, interleaved: chunks of the model each GPU holds."""
     servers_apart: bool = False
@@ -141,7 +142,7 @@ def _pipeline(job: Job) -> float:
     forward waits for the stage before it and its activation's transfer, a backward for the
     stage after it and its gradient's; then each GPU's parameters are averaged over the
     S-strided replicas, after its last backward."""
-    from gradmesh.layout.pipeline import balance
+    from gradmesh.layout.pipeline.schedules import balance
 
     split, _ = _split_of(job)
     n = job.gpus
@@ -194,7 +195,7 @@ def run_schedule(
     s, s + stages, ...): a forward waits for the stage before it and its activation's
     transfer, a backward for the stage after it and its gradient's. Returns the time each GPU
     is done."""
-    from gradmesh.layout.pipeline import schedule_actions
+    from gradmesh.layout.pipeline.schedules import schedule_actions
 
     depth = stages * virtual
     done: dict[tuple[str, int, int], float] = {}

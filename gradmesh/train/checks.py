@@ -16,7 +16,7 @@ from gradmesh.layout.config import (
     check_stage,
     every_of,
 )
-from gradmesh.runtime.mesh import MeshShape
+from gradmesh.runtime.axes import MeshShape
 from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
 from gradmesh.sync.config import SPLIT_LAYOUTS
 from gradmesh.train.config import TrainConfig
@@ -87,9 +87,7 @@ def _check_counts(config: TrainConfig) -> None:
 
 def _check_layout(config: TrainConfig) -> None:
     layout, strategy = config.layout, config.sync.strategy
-    shape = MeshShape.for_world(
-        config.job.workers, layout.tensor_parallel, layout.pipeline_parallel
-    )
+    shape = MeshShape.for_world(config.job.workers, **layout.mesh_sizes())
     if layout.split and strategy not in SPLIT_LAYOUTS:
         raise GradmeshError(
             f"strategy {strategy} needs the whole model on every worker; with "

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import LayoutConfig
+from gradmesh.layout.config import LAYOUT_KEYS, RESHARDABLE, LayoutConfig
 from gradmesh.options import (
     check_choices,
     component,
@@ -176,11 +176,8 @@ IDENTITY = (
     "strategy",
     "synthetic_shape",
     "optimizer",
-    "workers",
-    "tensor_parallel",
-    "pipeline_parallel",
     "compression",
-    "zero_stage",
+    *LAYOUT_KEYS,
 )
 """The options (by flag) a checkpoint must share with the run that resumes from it."""
 PS_IDENTITY = ("servers", "mode", "server_optimizer")
@@ -275,9 +272,7 @@ class TrainConfig:
     def resume_identity(self) -> dict[str, Any]:
         """The settings a checkpoint to resume from must share with this run: its identity,
         less the data x tensor-parallel layout with --reshard."""
-        from gradmesh.train.checkpoint.files import MOVABLE
-
-        moved = MOVABLE if self.checkpoint.reshard else set()
+        moved = RESHARDABLE if self.checkpoint.reshard else frozenset()
         return {k: v for k, v in self.identity().items() if k not in moved}
 
     def check_choices(self) -> None:

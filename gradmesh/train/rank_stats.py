@@ -9,7 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradmesh.layout.pipeline import bubble
+from gradmesh.layout.pipeline.schedules import bubble
 from gradmesh.runtime.world import Runtime
 
 KINDS = ("sync", "tensor_parallel", "pipeline", "metrics")
@@ -54,7 +54,8 @@ def mean(values: list[float] | list[int]) -> float:
 
 def summarize_layout(per_rank: dict[str, list[float]]) -> dict[str, float]:
     """Every rank's layout figures as one: per-rank means (`stage_idle`: the mean over stages,
-    imbalance included) and, for a pipeline, its `bubble` (`gradmesh.layout.pipeline.bubble`)."""
+    imbalance included) and, for a pipeline, its `bubble`
+    (`gradmesh.layout.pipeline.schedules.bubble`)."""
     summary = {k: mean(v) for k, v in per_rank.items()}
     if any(per_rank.get("stage_busy_s", [])):
         summary["bubble"] = bubble(per_rank["stage_busy_s"], per_rank["stage_idle"])

@@ -13,6 +13,7 @@ from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import bubble_formula
 from gradmesh.models.devices import UNKNOWN
+from gradmesh.runtime.axes import NAMES, PP, TP, MeshShape
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.rank_stats import (
     KINDS,
@@ -307,15 +308,15 @@ class RunReport:
                 f"  loss scale {scale['scale']:g} at the end; {scale['skipped_steps']} steps "
                 "skipped for overflowing gradients"
             )
-        if not lay or lay.get("tp", 1) * lay.get("pp", 1) == 1:
+        if not lay or lay.get(TP, 1) * lay.get(PP, 1) == 1:
             return recomputed
-        split = f"  layout dp {lay['dp']} x pp {lay['pp']} x tp {lay['tp']}"
+        split = f"  layout {MeshShape.of({a: lay[a] for a in NAMES}).describe()}"
         split += ", sequence parallel" if lay.get("sequence_parallel") else ""
-        if lay["pp"] > 1:
+        if lay[PP] > 1:
             chunks = lay.get("chunks", 1)
             split += f", {lay['microbatches']} micro-batches {lay['schedule']}"
             split += f" ({chunks} stages per rank)" if chunks > 1 else ""
-            formula = bubble_formula(lay["pp"], lay["microbatches"], chunks)
+            formula = bubble_formula(lay[PP], lay["microbatches"], chunks)
             split += (
                 f", bubble {lay.get('bubble', 0.0):.2f} (formula {formula:.2f}; "
                 f"stage idle {lay['stage_idle']:.2f})"

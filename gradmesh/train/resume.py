@@ -11,6 +11,7 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.runtime.axes import TP
 from gradmesh.runtime.world import collective_device
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
@@ -82,7 +83,7 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
     path = checkpoint.rank_file(meta.checkpoint, source)
     state = checkpoint.read_rank(meta.checkpoint, source, None if moved else job.split.module)
     if moved:  # --reshard: this rank's part of the whole state, cut for its layout
-        tp = job.rt.mesh["tp"]
+        tp = job.rt.mesh[TP]
         whole = checkpoint.whole_state(meta)
         model, optimizer = checkpoint.part_for(
             whole, job.split.module, job.optimizer, tp.size, tp.index

@@ -24,10 +24,10 @@ from gradmesh.layout.compile import compile_model
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.engine import split_model
 from gradmesh.layout.fp8 import to_float8
-from gradmesh.layout.hybrid import load_plan
 from gradmesh.layout.loss import Summed, summed
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.sharded import shard_model
+from gradmesh.layout.tensor.hybrid import load_plan
 from gradmesh.models.devices import device_peak
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model

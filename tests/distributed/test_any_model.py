@@ -18,12 +18,12 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradmesh
-from gradmesh.layout.graph_pipeline import graph_pipeline
 from gradmesh.layout.loss import cross_entropy
 from gradmesh.layout.memory import checkpoint_blocks
+from gradmesh.layout.pipeline.stages import graph_pipeline
 from gradmesh.layout.sharded import state_bytes
-from gradmesh.layout.tensor_parallel import unshard
-from gradmesh.layout.tp_plan import shard_specs
+from gradmesh.layout.tensor.layers import unshard
+from gradmesh.layout.tensor.plan import shard_specs
 from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
 from gradmesh.models.small import ResidualCNN
 from tests.harness import run_ranks
@@ -383,7 +383,7 @@ HYBRID_RESIDUAL = {"stem": "data", "blocks.*.conv*": "data", "fc1": "colwise", "
 def train_hybrid() -> Any:
     """20 steps of SGD with momentum in float64 of the residual CNN under the hybrid plan (one
     process: whole); returns (tp index, dp index, parameters)."""
-    from gradmesh.layout.hybrid import Plan
+    from gradmesh.layout.tensor.hybrid import Plan
 
     rt = gradmesh.get_runtime()
     coords = rt.mesh.shape.coords(rt.rank)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 import gradmesh
-from gradmesh.layout.tensor_parallel import ParallelLayer
+from gradmesh.layout.tensor.layers import ParallelLayer
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.loop import loop
 from gradmesh.train.resume import resume

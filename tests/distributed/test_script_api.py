@@ -21,8 +21,8 @@ from torch import nn
 
 import gradmesh
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.tensor_parallel import unshard
-from gradmesh.layout.tp_plan import shard_specs
+from gradmesh.layout.tensor.layers import unshard
+from gradmesh.layout.tensor.plan import shard_specs
 from tests.harness import run_ranks
 
 transformers = pytest.importorskip(
@@ -230,7 +230,7 @@ def test_a_users_model_and_mean_loss_equal_one_process_in_every_layout(job: str)
 
 
 def test_a_split_linear_is_still_a_linear_of_this_ranks_widths() -> None:
-    from gradmesh.layout.tp_plan import apply_tp_plan
+    from gradmesh.layout.tensor.plan import apply_tp_plan
 
     model = UserGPT()
     apply_tp_plan(model, UserGPT.tp_plan, 2, 1)

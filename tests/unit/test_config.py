@@ -10,7 +10,7 @@ import torch
 from gradmesh.errors import GradmeshError
 from gradmesh.models.registry import MODELS
 from gradmesh.registry import Registry
-from gradmesh.runtime.mesh import MeshShape
+from gradmesh.runtime.axes import MeshShape
 from gradmesh.train.checks import check_train
 from gradmesh.train.config import TrainConfig
 from gradmesh.units import parse_shape

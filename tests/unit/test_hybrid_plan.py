@@ -14,7 +14,6 @@ import pytest
 from gradmesh.collectives.cost import CostParams
 from gradmesh.collectives.ring import allgather_cost, ring_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.hybrid import conversions
 from gradmesh.layout.planner import (
     LARGEST_FIT,
     SMALLEST_FIT,
@@ -26,6 +25,7 @@ from gradmesh.layout.planner import (
     predict,
     search_tp,
 )
+from gradmesh.layout.tensor.hybrid import conversions
 from gradmesh.plan.command import make_plan, resolve
 from gradmesh.plan.setting import Setting
 from gradmesh.train.config import TrainConfig

@@ -21,8 +21,8 @@ from gradmesh.layout.planner import (
     predict_mesh,
 )
 from gradmesh.layout.planner.mesh import Slice
-from gradmesh.layout.tensor_parallel import dry_exchanges
-from gradmesh.layout.tp_plan import apply_tp_plan
+from gradmesh.layout.tensor.layers import dry_exchanges
+from gradmesh.layout.tensor.plan import apply_tp_plan
 from gradmesh.models.gpt import GPT, GPTConfig
 
 LINKS = Links(CostParams(1e-4, 1e-9, 1e-10), CostParams(1e-4, 1e-9, 1e-10), 4)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from gradmesh.layout.config import bubble_formula
-from gradmesh.layout.pipeline import balance, bubble, schedule_actions
+from gradmesh.layout.pipeline.schedules import balance, bubble, schedule_actions
 from gradmesh.simulate.strategies import run_schedule
 
 

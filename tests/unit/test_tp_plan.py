@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.tensor_parallel import shard, unshard
-from gradmesh.layout.tp_plan import check_plan, parse_style, resolve
+from gradmesh.layout.tensor.layers import shard, unshard
+from gradmesh.layout.tensor.plan import check_plan, parse_style, resolve
 from gradmesh.models.gpt import GPT, GPTConfig
 from gradmesh.models.small import ResidualCNN
 

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.collectives.ring import allgather_cost
-from gradmesh.layout.hybrid import conversions
 from gradmesh.layout.planner.profiling import Links, Profile, Unit
+from gradmesh.layout.tensor.hybrid import conversions
 
 __all__ = [
     "groups_of",

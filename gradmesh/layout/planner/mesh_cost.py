@@ -21,7 +21,7 @@ from gradmesh.layout.planner.mesh_memory import (
     predict_memory,
 )
 from gradmesh.layout.planner.profiling import Links
-from gradmesh.runtime.mesh import divisors
+from gradmesh.runtime.axes import divisors
 
 __all__ = [
     "Calibration",

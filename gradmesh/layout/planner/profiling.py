@@ -16,7 +16,7 @@ from torch import nn
 from gradmesh.collectives.cost import COSTS, CostParams
 from gradmesh.collectives.hierarchical import two_level_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.pipeline import layers_of, sample_shapes, units
+from gradmesh.layout.pipeline.schedules import layers_of, sample_shapes, units
 
 __all__ = [
     "Curve",

@@ -10,7 +10,6 @@ from torch import nn
 
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.hybrid import CHOICES, GIVES, NEEDS, Plan, check
 from gradmesh.layout.planner.cost import (
     Prediction,
     groups_of,
@@ -19,7 +18,8 @@ from gradmesh.layout.planner.cost import (
     predict,
 )
 from gradmesh.layout.planner.profiling import Links, Profile, Unit
-from gradmesh.runtime.mesh import divisors as mesh_divisors
+from gradmesh.layout.tensor.hybrid import CHOICES, GIVES, NEEDS, Plan, check
+from gradmesh.runtime.axes import divisors as mesh_divisors
 
 __all__ = [
     "Choice",

@@ -33,6 +33,7 @@ from gradmesh.compression.base import (
 from gradmesh.compression.registry import resolve
 from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.observe.timeline import span
+from gradmesh.runtime.axes import PP
 from gradmesh.runtime.mesh import BATCH_SHARDED, LAYOUT_SYNCED
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.data_parallel.reducer import (
@@ -184,7 +185,7 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         whole, compression=resolve(compression), group=group, keep_sparse=not sparse_as_dense
     )
     if batch:  # their layers saw 1/tp of the replica's batch: averaged over dp x tp ranks
-        if group is not None or reducer.rt.mesh["pp"].size > 1:
+        if group is not None or reducer.rt.mesh[PP].size > 1:
             raise GradmeshError("batch-sharded parameters need the mesh's dp group and pp 1")
         hybrid = reducer.rt.new_group("hybrid batch")
         reducer.also.append(reducer_of(batch, compression=NoCompression(), group=hybrid))

@@ -13,6 +13,7 @@ from typing import Any
 from torch.optim import Optimizer
 
 from gradmesh.collectives.api import exchanged
+from gradmesh.runtime.axes import DP
 from gradmesh.runtime.world import Runtime
 
 
@@ -30,7 +31,7 @@ def shard_optimizer(optimizer: Optimizer, stage: int, rt: Runtime) -> Optimizer:
     sharded: Optimizer = _counted_class()(
         params,
         optimizer_class=type(optimizer),
-        process_group=rt.mesh["dp"].group,
+        process_group=rt.mesh[DP].group,
         parameters_as_bucket_view=True,  # one message a part, not one a parameter
         **settings,
     )

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.layout.config import RESHARDABLE
 from gradmesh.layout.sharded import local
 
 if TYPE_CHECKING:
@@ -58,8 +59,6 @@ _OLD = re.compile(r"^epoch-\d+\.pt$")
 
 IDENTITY_DEFAULTS = {"zero_stage": 0}
 """What a checkpoint written before an identity setting existed had it at."""
-MOVABLE = {"workers", "tensor_parallel", "zero_stage"}
-"""The identity settings --reshard moves a checkpoint across."""
 
 
 RANK_KEYS: dict[str, type] = {
@@ -201,7 +200,7 @@ def check_identity(meta: Meta, identity: dict[str, Any]) -> None:
     differing = sorted(k for k in identity if saved.get(k) != identity[k])
     if differing:
         diffs = ", ".join(f"{k}={saved.get(k)!r} (now {identity[k]!r})" for k in differing)
-        hint = " (--reshard resumes it in this layout)" if set(differing) <= MOVABLE else ""
+        hint = " (--reshard resumes it in this layout)" if set(differing) <= RESHARDABLE else ""
         raise ForeignCheckpoint(
             f"checkpoint {meta.checkpoint} belongs to another run: {diffs}{hint}"
         )

@@ -34,9 +34,10 @@ from torch import nn
 from torch.optim import Optimizer
 
 from gradmesh.errors import GradmeshError, first_line
+from gradmesh.layout.config import LAYOUT_KEYS
 from gradmesh.layout.sharded import local
-from gradmesh.layout.tensor_parallel import shard, unshard
-from gradmesh.layout.tp_plan import shard_specs
+from gradmesh.layout.tensor.layers import shard, unshard
+from gradmesh.layout.tensor.plan import shard_specs
 from gradmesh.train.checkpoint.files import Meta, complete, rank_file, read_meta, read_rank
 
 __all__ = [
@@ -48,9 +49,6 @@ __all__ = [
     "saved_layout",
     "whole_state",
 ]
-
-LAYOUT_KEYS = ("workers", "tensor_parallel", "pipeline_parallel", "zero_stage")
-"""The settings of a layout; a resharded resume may change all but the pipeline's."""
 
 
 def optimizer_names(module: nn.Module, optimizer: Optimizer) -> list[str]:
@@ -89,8 +87,13 @@ def layout_record(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
 
 def saved_layout(meta: Meta) -> tuple[int, int, int, int]:
     """(workers, tp, pp, ZeRO stage) of the run that wrote `meta`."""
-    got = [meta.identity.get(k) for k in LAYOUT_KEYS]
-    return int(got[0] or 1), int(got[1] or 1), int(got[2] or 1), int(got[3] or 0)
+    got = {k: meta.identity.get(k) for k in LAYOUT_KEYS}
+    return (
+        int(got["workers"] or 1),
+        int(got["tensor_parallel"] or 1),
+        int(got["pipeline_parallel"] or 1),
+        int(got["zero_stage"] or 0),
+    )
 
 
 def rows(whole: torch.Tensor, parts: int, index: int) -> torch.Tensor:

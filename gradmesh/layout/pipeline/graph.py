@@ -7,9 +7,9 @@ there) or where its forward FLOPs balance. The cut is made by torch's
 computes between two cuts (the residual stream, position embeddings added to token
 embeddings, a final norm) lands in the right stage and only the values that cross a cut travel.
 The stages then run on gradmesh's own `PipelineEngine` (its schedules, timeouts naming the
-peer stage, byte counts), not torch's schedules (see `gradmesh.layout.pipeline` for why). A
-model split by its tensor-parallel plan first is cut the same way: its exchanges are torch
-custom operators, which the export keeps whole (`gradmesh.layout.tensor_parallel`), and its
+peer stage, byte counts), not torch's schedules (see `gradmesh.layout.pipeline.schedules`
+for why). A model split by its tensor-parallel plan first is cut the same way: its exchanges
+are torch custom operators, which the export keeps whole (`gradmesh.layout.tensor.layers`), and its
 head counts are already each rank's when the graph is captured.
 
 What is ours, and why:
@@ -43,11 +43,10 @@ from gradmesh.collectives import allreduce
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.blocks import block_list
-from gradmesh.layout.config import SCHEDULES, check_interleaved
-from gradmesh.layout.graph_routes import Routes, routes_of
-from gradmesh.layout.loss import LossFn
-from gradmesh.layout.pipeline import balance
-from gradmesh.layout.stage_engine import Boundary, PipelineEngine, as_values
+from gradmesh.layout.pipeline.engine import Boundary, as_values
+from gradmesh.layout.pipeline.routes import Routes, routes_of
+from gradmesh.layout.pipeline.schedules import balance
+from gradmesh.runtime.axes import DP, PP
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
 from gradmesh.runtime.world import Runtime
 
@@ -128,7 +127,7 @@ class GraphStages:
         """A model input like the ones this pipeline runs (each size's trace runs its rows)."""
         self._specs: dict[int, list[Boundary]] = {}
         self.routes: dict[tuple[tuple[int, ...], ...], Routes] = {}
-        """Each trace's routes (`gradmesh.layout.graph_routes`)."""
+        """Each trace's routes (`gradmesh.layout.pipeline.routes`)."""
         self.originals: dict[str, torch.Tensor] = {
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False)),
@@ -266,11 +265,11 @@ class GraphStages:
         flat = torch.cat(
             [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
         )
-        allreduce(flat, group=rt.mesh["pp"].group, kind="pipeline")  # over the stages
-        if rt.mesh["dp"].size > 1:  # and the replicas
-            allreduce(flat, op="average", group=rt.mesh["dp"].group, kind="pipeline")
+        allreduce(flat, group=rt.mesh[PP].group, kind="pipeline")  # over the stages
+        if rt.mesh[DP].size > 1:  # and the replicas
+            allreduce(flat, op="average", group=rt.mesh[DP].group, kind="pipeline")
         held = self.holders()
-        axis = rt.mesh["pp"]
+        axis = rt.mesh[PP]
         mine = set(range(axis.index, len(self.points) + 1, axis.size))  # this rank's stages
         sizes = [p.numel() for p in params]
         for name, p, piece in zip(shared, params, torch.split(flat, sizes), strict=True):
@@ -285,144 +284,3 @@ def first_part(example: Batch, microbatches: int) -> Batch:
 
 def _shapes(sample: Batch) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(t.shape) for t in batch.leaves(sample))
-
-
-class Dispatch(nn.Module):
-    """Runs stage `index` of `stages` on what its cut carried and on its micro-batch."""
-
-    takes_batch = True
-    """The engine hands it the micro-batch too (a later stage may read the model's inputs)."""
-
-    def __init__(self, stages: GraphStages, index: int) -> None:
-        super().__init__()
-        self._stages, self.index = stages, index
-
-    def forward(self, values: list[torch.Tensor], part: Batch) -> Any:
-        return self._stages.run(self.index, values, part)
-
-
-class GraphPipelineEngine(PipelineEngine):
-    """`PipelineEngine` on this rank's graph stages; after each step's backwards, the tied
-    parameters' gradients are summed over the stages that hold them."""
-
-    def __init__(
-        self,
-        rt: Runtime,
-        stages: GraphStages,
-        example: Batch,
-        microbatches: int,
-        schedule: str,
-        loss_fn: LossFn | None,
-    ) -> None:
-        axis = rt.mesh["pp"]
-        part = first_part(example, microbatches)
-        stages.specs(batch.size(part))  # traced now: a cut that cannot carry its values fails here
-        mine = list(range(axis.index, len(stages.points) + 1, axis.size))
-        super().__init__(
-            rt,
-            [Dispatch(stages, g) for g in mine],
-            lambda g, n: stages.specs(n)[g],
-            microbatches,
-            schedule,
-            loss_fn,
-        )
-        self.graph = stages
-        self.output_of = stages.output_of
-        stages.tied()  # marked before the caller wraps its optimizer
-        traced = stages.stages(part)
-        self.stage_module = traced[mine[0]] if len(mine) == 1 else merged([traced[g] for g in mine])
-        """This rank's stages (their parameters, under the model's names): what the optimizer
-        steps."""
-
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
-        loss = super().step(x, y, scale)
-        self.graph.sync_tied(self.rt)
-        return loss
-
-
-def merged(parts: list[nn.Module]) -> nn.Module:
-    """One module holding the parameters and buffers of `parts` under their own names (a
-    weight two parts share, once): a rank's chunks under the interleaved schedule, for its
-    optimizer and its checkpoints."""
-    whole = nn.Module()
-    for part in parts:
-        named = [
-            *part.named_parameters(remove_duplicate=False),
-            *part.named_buffers(remove_duplicate=False),
-        ]
-        for name, tensor in named:
-            parent, _, leaf = name.rpartition(".")
-            owner = whole
-            for piece in parent.split(".") if parent else []:
-                if piece not in owner._modules:
-                    owner.add_module(piece, nn.Module())
-                owner = owner._modules[piece]  # type: ignore[assignment]
-            if isinstance(tensor, nn.Parameter):
-                owner.register_parameter(leaf, tensor)
-            else:
-                owner.register_buffer(leaf, tensor)
-    return whole
-
-
-def graph_pipeline(
-    model: nn.Module,
-    rt: Runtime,
-    example: Batch,
-    points: list[str] | None = None,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
-    loss_fn: LossFn | None = None,
-    model_name: str = "model",
-    chunks: int = 1,
-) -> GraphPipelineEngine:
-    """This rank's stages of `model` on the mesh's pp axis and the engine that runs them: cut
-    into pp x `chunks` stages (`chunks` > 1: the interleaved schedule) at `points` (module
-    names; default: balanced by forward FLOPs on `example`, a batch like the ones `step` will
-    get). `engine.stage_module` holds the rank's parameters."""
-    pp = rt.mesh["pp"].size * chunks
-    if schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    check_interleaved(schedule, rt.mesh["pp"].size, microbatches, chunks)
-    part = first_part(example, microbatches)
-    if not points:
-        points = balanced_points(model, part, pp, model_name)
-    check_points(model, points, pp, model_name)
-    return GraphPipelineEngine(
-        rt,
-        GraphStages(model, points, model_name, example),
-        example,
-        microbatches,
-        schedule,
-        loss_fn,
-    )
-
-
-def pipeline_stage(
-    model: nn.Module,
-    example: Batch,
-    split: list[str] | None = None,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
-    loss_fn: LossFn | None = None,
-    virtual_stages: int = 2,
-) -> GraphPipelineEngine:
-    """`gradmesh.pipeline_stage`: this rank's stage of `model` on the initialised runtime's pp
-    axis (`virtual_stages` of them under `schedule="interleaved"`), cut at the module names
-    `split` (default: balanced by forward FLOPs on `example`, a batch like the ones to come).
-    Build the optimizer over `.stage_module.parameters()` (wrap it with
-    `DistributedOptimizer(..., backward_passes_per_step=engine.backward_passes)` when there
-    are replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns the
-    loss (`loss_fn(outputs, targets)`, summed over samples, before `scale`) on the last stage."""
-    from gradmesh.runtime.world import get_runtime
-
-    return graph_pipeline(
-        model,
-        get_runtime(),
-        example,
-        split,
-        microbatches,
-        schedule,
-        loss_fn,
-        type(model).__name__,
-        virtual_stages if schedule == "interleaved" else 1,
-    )

@@ -1,6 +1,6 @@
 """The engine of one pipeline stage: `step` runs the schedule (`schedule_actions`) over a
 replica's micro-batches, `predict` runs forwards only; only the last stage sees the loss and
-the logits (see `gradmesh.layout.pipeline` for the schedules and the bubble).
+the logits (see `gradmesh.layout.pipeline.schedules` for the schedules and the bubble).
 
 What crosses between two stages is a list of tensors: one activation for a sequence of layers,
 several for a model cut on its graph (a transformer's residual stream with its rotary
@@ -34,8 +34,9 @@ from gradmesh.collectives.channel import Channel
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.loss import LossFn, logits_of, summed
-from gradmesh.layout.pipeline import BubbleClock, schedule_actions
+from gradmesh.layout.pipeline.schedules import BubbleClock, schedule_actions
 from gradmesh.observe.timeline import span
+from gradmesh.runtime.axes import PP
 from gradmesh.runtime.world import Runtime
 
 Boundary = list[tuple[torch.Size, torch.dtype, bool]]
@@ -90,7 +91,7 @@ class PipelineEngine:
         schedule: str,
         loss_fn: LossFn | None = None,
     ) -> None:
-        axis = rt.mesh["pp"]
+        axis = rt.mesh[PP]
         self.rt, self.modules, self.loss_fn = rt, modules, summed(loss_fn)
         self.output_of: Callable[[list[torch.Tensor]], Any] = lambda values: values[0]
         """The model's output from the last stage's values (what the loss is given)."""

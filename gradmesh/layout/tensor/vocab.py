@@ -13,7 +13,7 @@ maximum is reduced over tp (max), then the sum of exponentials and the target's 
 allreduce (sum), so a step moves 3 numbers per token instead of the whole vocabulary's logits.
 Its backward is the local softmax minus the one-hot target, with no communication. This is
 Megatron-LM's construction; DTensor's `loss_parallel` does the same on DTensors, which the
-rest of gradmesh's layers do not use (see `gradmesh.layout.tensor_parallel`).
+rest of gradmesh's layers do not use (see `gradmesh.layout.tensor.layers`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradmesh.layout.tensor_parallel import _tp_collective, reduce_from_tp, shard, tp_place
+from gradmesh.layout.tensor.layers import _tp_collective, reduce_from_tp, shard, tp_place
 
 
 class VocabParallelEmbedding(nn.Module):

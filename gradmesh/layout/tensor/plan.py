@@ -11,7 +11,7 @@ declare `base_model_tp_plan`):
   matrix; `colwise(8,2,2)` for 8 query and 2 key/value heads), so each rank holds whole heads.
 - `rowwise`: input features split (the output of a colwise layer), output allreduced.
 - `embedding`: an `nn.Embedding` split by vocabulary rows (`VocabParallelEmbedding`).
-- Sequence parallelism (`gradmesh.layout.sequence_parallel`): `rowwise(seq)` reduce-scatters
+- Sequence parallelism (`gradmesh.layout.tensor.sequence`): `rowwise(seq)` reduce-scatters
   the partial sums along the sequence instead of allreducing them; `sequence` runs a module (a
   norm, dropout) on this rank's part of the sequence, its parameters' gradients summed over tp;
   `sequence(gather)` does so and all-gathers its output for the colwise layers after it;
@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.sequence_parallel import (
+from gradmesh.layout.tensor.layers import ParallelLayer, chunk_sizes, parallel_layer, shard
+from gradmesh.layout.tensor.sequence import (
     mark_sequence,
     reduce_scatter_sequence,
     sum_gradient_over_tp,
 )
-from gradmesh.layout.tensor_parallel import ParallelLayer, chunk_sizes, parallel_layer, shard
-from gradmesh.layout.vocab_parallel import VocabParallelEmbedding
+from gradmesh.layout.tensor.vocab import VocabParallelEmbedding
 
 KINDS = ("colwise", "rowwise", "embedding", "heads", "sequence")
 SEQUENCE_MODES = ("", "gather", "scatter")

@@ -21,7 +21,7 @@ dispatch (not profiled); (2) parameters would be DTensors in every sync path
 (DistributedOptimizer's flat buckets, local SGD, parameter broadcast, checkpoints), each needing
 to unwrap them; (3) their collectives bypass gradmesh's per-call numbering, byte counts by kind
 and one-line timeout messages. The placement vocabulary of DTensor (`Replicate`, `Shard(dim)`)
-is what the plan's styles follow (`gradmesh.layout.tp_plan`).
+is what the plan's styles follow (`gradmesh.layout.tensor.plan`).
 
 Besides the pair, a column-parallel layer can gather its output (`gather`: every rank ends
 with the whole output, as DTensor's `ColwiseParallel(output_layouts=Replicate())`), and can
@@ -43,6 +43,7 @@ from torch import nn
 from gradmesh.collectives import allgather, allreduce, reduce_scatter
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.collectives.api import Op
+from gradmesh.runtime.axes import TP
 from gradmesh.runtime.world import get_runtime
 
 
@@ -78,7 +79,7 @@ def tp_place() -> tuple[int, int]:
     """(tp degree, this rank's index on the tp axis): the mesh's, or a dry run's (index 0)."""
     if _DRY is not None:
         return _DRY.size, 0
-    axis = get_runtime().mesh["tp"]
+    axis = get_runtime().mesh[TP]
     return axis.size, axis.index
 
 
@@ -90,7 +91,7 @@ def _tp_collective(tensor: torch.Tensor, what: str, op: Op = "sum") -> torch.Ten
         _DRY.made.append((what, tensor.numel() * tensor.element_size(), "allreduce"))
         return tensor
     rt = get_runtime()
-    axis = rt.mesh["tp"]
+    axis = rt.mesh[TP]
     check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
     allreduce(tensor, op=op, group=axis.group, check=check, kind="tensor_parallel")
     return tensor
@@ -106,7 +107,7 @@ def tp_gather(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         _DRY.made.append((what, x.numel() * x.element_size(), "allgather"))
         return torch.cat([x] * _DRY.size, dim=dim)
     rt = get_runtime()
-    axis = rt.mesh["tp"]
+    axis = rt.mesh[TP]
     check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
     rows = allgather(
         x.contiguous(), group=axis.group, check=check, kind="tensor_parallel", backend=True
@@ -120,7 +121,7 @@ def tp_reduce_scatter(x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
         _DRY.made.append((what, x.numel() * x.element_size(), "reduce_scatter"))
         return x.chunk(_DRY.size, dim)[0].clone()
     rt = get_runtime()
-    axis = rt.mesh["tp"]
+    axis = rt.mesh[TP]
     moved = x.movedim(dim, 0).contiguous()  # the parts are then contiguous blocks
     check = FixedLayout.post(rt, axis.group, f"tensor-parallel {what}")
     block = reduce_scatter(moved, group=axis.group, check=check, kind="tensor_parallel")

@@ -9,7 +9,7 @@ A plan gives every layer with weights one of four placements on the mesh's `tp` 
   gradients are averaged over the batch group (every rank of the world: dp x tp).
 - `replicate`: the layer whole on every rank, every rank computing on the replica's whole batch
   (what the layers a tensor-parallel plan leaves whole do); gradients averaged over `dp`.
-- `colwise` / `rowwise`: the layer split over `tp` (`gradmesh.layout.tensor_parallel`); a
+- `colwise` / `rowwise`: the layer split over `tp` (`gradmesh.layout.tensor.layers`); a
   colwise layer must be followed by a rowwise one (the pair's exchange is one allreduce each way).
 
 Between layers, the activation is in one of three states: S (batch-sharded over tp), R (the
@@ -48,8 +48,9 @@ from torch import nn
 from gradmesh.collectives import allgather
 from gradmesh.collectives.agreement import FixedLayout
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.pipeline import layers_of
-from gradmesh.layout.tp_plan import apply_tp_plan, check_plan, matches
+from gradmesh.layout.pipeline.schedules import layers_of
+from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan, matches
+from gradmesh.runtime.axes import PP, TP
 from gradmesh.runtime.mesh import BATCH_SHARDED
 from gradmesh.runtime.world import Runtime, get_runtime
 
@@ -197,7 +198,7 @@ def _sizes(n: int, parts: int) -> list[int]:
 def _gather(x: torch.Tensor, n: int) -> torch.Tensor:
     """The replica's whole batch from every tp rank's slice (slices as `tensor_split` cuts)."""
     rt = get_runtime()
-    axis = rt.mesh["tp"]
+    axis = rt.mesh[TP]
     sizes = _sizes(n, axis.size)
     most = max(sizes)
     padded = x
@@ -211,7 +212,7 @@ def _gather(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def _mine(x: torch.Tensor) -> torch.Tensor:
-    axis = get_runtime().mesh["tp"]
+    axis = get_runtime().mesh[TP]
     return x.tensor_split(axis.size)[axis.index]
 
 
@@ -224,7 +225,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _mine(grad) * get_runtime().mesh["tp"].size, None
+        return _mine(grad) * get_runtime().mesh[TP].size, None
 
 
 class _Slice(torch.autograd.Function):
@@ -237,7 +238,7 @@ class _Slice(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _gather(grad.contiguous(), ctx.n) / get_runtime().mesh["tp"].size
+        return _gather(grad.contiguous(), ctx.n) / get_runtime().mesh[TP].size
 
 
 class _Batch:
@@ -258,11 +259,11 @@ def apply_plan(model: nn.Module, plan: Plan, rt: Runtime) -> nn.Module:
     """This rank's part of `model` under `plan` on the runtime's mesh (tp = the plan's, pp 1):
     split layers become their slices, conversions are hooked before the layers that need them,
     the `data` layers' parameters are marked batch-sharded. In place; returns `model`."""
-    tp = rt.mesh["tp"]
-    if tp.size != plan.tensor_parallel or rt.mesh["pp"].size != 1:
+    tp = rt.mesh[TP]
+    if tp.size != plan.tensor_parallel or rt.mesh[PP].size != 1:
         raise GradmeshError(
             f"plan for tensor_parallel {plan.tensor_parallel} on a mesh with tp {tp.size}, "
-            f"pp {rt.mesh['pp'].size} (a hybrid plan needs pp 1)"
+            f"pp {rt.mesh[PP].size} (a hybrid plan needs pp 1)"
         )
     check(plan, model, rt.size)
     names = weighted(model, plan.model)
@@ -293,7 +294,7 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str] | str | None = Non
     """`gradmesh.parallelize`: this rank's part of `model` on the initialised runtime's mesh.
 
     `plan` is a tensor-parallel plan (module name, wildcards allowed -> style, see
-    `gradmesh.layout.tp_plan`; by default the model's own `tp_plan` attribute), split over the
+    `gradmesh.layout.tensor.plan`; by default the model's own `tp_plan` attribute), split over the
     mesh's tp axis; or a hybrid `Plan` (a plan file's path, or its JSON), whose tp must be the
     mesh's. Build the optimizer over the returned module's parameters, then wrap it with
     `DistributedOptimizer`, which averages each parameter over the ranks that hold it."""
@@ -306,6 +307,6 @@ def parallelize(model: nn.Module, plan: Plan | dict[str, str] | str | None = Non
                 "(module name -> colwise, rowwise, embedding, ...)"
             )
     if isinstance(plan, dict):
-        tp = rt.mesh["tp"]
+        tp = rt.mesh[TP]
         return apply_tp_plan(model, plan, tp.size, tp.index, type(model).__name__)
     return apply_plan(model, load_plan(plan) if isinstance(plan, str) else plan, rt)

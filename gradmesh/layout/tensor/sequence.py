@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.tensor_parallel import (
+from gradmesh.layout.tensor.layers import (
     _tp_collective,
     tp_gather,
     tp_place,

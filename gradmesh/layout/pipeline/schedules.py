@@ -15,14 +15,14 @@ Both leave each stage idle for (p - 1) / (m + p - 1) of the step when stages tak
 and gives rank s the v chunks s, s + p, ...: a micro-batch visits every rank v times, each
 visit v times shorter, so filling and draining cost v times less and the bubble is
 (p - 1) / (v m + p - 1), for v times more point-to-point messages. The stage engine
-(`gradmesh.layout.stage_engine.PipelineEngine`) measures each stage's time outside computation;
+(`gradmesh.layout.pipeline.engine.PipelineEngine`) measures each stage's time outside computation;
 `bubble` reads the pipeline's bubble off the stage that computes longest (the others also wait
 for it).
 
 Activations and their gradients travel as raw tensors over tagged point-to-point messages
 (`Channel`, with the job's timeout): every rank knows each boundary's shape from a dry run of
 the whole model, and each micro-batch's size from the batch, so nothing is described on the
-wire. Any other model is cut on its graph (`gradmesh.layout.graph_pipeline`), which uses
+wire. Any other model is cut on its graph (`gradmesh.layout.pipeline.graph`), which uses
 torch's split but not its schedules. Why not `torch.distributed.pipelining`'s schedules: its
 stages infer shapes by sending pickled metadata (`send_object_list`) unless every shape is given
 up front, its schedules want equal micro-batches (an epoch's last batch is smaller), it is not

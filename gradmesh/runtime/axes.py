@@ -1,0 +1,149 @@
+"""The mesh's axes as data, and its shape: how many ranks each axis has. No torch here, so the
+options and the checks before launch read it too.
+
+Each axis is a row of `AXES` (outermost first): its name, the option that sets its size (the
+data axis has none: it is the rest of the world), and whether a checkpoint can move across its
+sizes (`--reshard`). Ranks are laid out with the last axis innermost:
+
+    rank = (dp_index * pp + pp_index) * tp + tp_index
+
+so a tensor-parallel group is adjacent ranks (one host, where its per-layer exchanges are
+cheapest), then pipeline stages, then data-parallel replicas. Everything else derives from the
+table and a shape: the process groups and rank coordinates (`gradmesh.runtime.mesh`), the
+checkpoint's layout keys (`gradmesh.layout.config.LAYOUT_KEYS`), the report's layout. A new
+axis is a row here, its own package under `gradmesh/layout/`, and its step in the recipe
+(`gradmesh.layout.recipe`); docs/architecture.md says it step by step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from gradmesh.errors import GradmeshError
+
+DP, PP, TP = "dp", "pp", "tp"
+"""The axes' names: the only place they are written, with the axes' own packages."""
+
+
+@dataclass(frozen=True)
+class AxisSpec:
+    """One axis of the mesh."""
+
+    name: str
+    flag: str
+    """The option that sets its size ("" for the data axis: the rest of the world)."""
+    what: str
+    """What its ranks hold, for messages."""
+    reshardable: bool
+    """Whether a checkpoint can be resumed at another size of this axis (`--reshard`)."""
+
+
+AXES = (
+    AxisSpec(DP, "", "data-parallel replicas", True),
+    AxisSpec(PP, "pipeline_parallel", "pipeline stages", False),
+    AxisSpec(TP, "tensor_parallel", "tensor-parallel ranks", True),
+)
+"""Outermost first."""
+NAMES = tuple(a.name for a in AXES)
+SPLITTING = tuple(a for a in AXES if a.flag)
+"""The axes that split one replica (all but the data axis)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """How many ranks each axis has, in `AXES` order (`shape.size("tp")`, or `shape.tp`)."""
+
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, sizes: Mapping[str, int]) -> MeshShape:
+        """A shape from axis name -> size (an axis left out has 1); one line for an unknown
+        axis or a size below 1."""
+        unknown = sorted(set(sizes) - set(NAMES))
+        if unknown:
+            raise GradmeshError(
+                f"unknown mesh axis {unknown[0]!r} (the mesh's axes: {', '.join(NAMES)})"
+            )
+        for axis in AXES:
+            size = sizes.get(axis.name, 1)
+            if not isinstance(size, int) or size < 1:
+                flag = f" (--{axis.flag.replace('_', '-')})" if axis.flag else ""
+                raise GradmeshError(f"mesh axis {axis.name}{flag} must be >= 1, got {size!r}")
+        return cls(tuple(int(sizes.get(name, 1)) for name in NAMES))
+
+    @classmethod
+    def for_world(cls, world: int, **sizes: int) -> MeshShape:
+        """The shape that puts the splitting axes' ranks (`tp=2, pp=2`) in each replica and the
+        rest of `world` on the data axis; one line, saying what would fit, when `world` is not a
+        multiple of them (or a data-axis size given does not make `world`)."""
+        shape = cls.of(sizes)
+        split = math.prod(shape.size(a.name) for a in SPLITTING)
+        named = " x ".join(f"{a.what} {shape.size(a.name)}" for a in SPLITTING)
+        if world % split:
+            fits = ", ".join(str(d) for d in divisors(world))
+            raise GradmeshError(
+                f"{world} workers cannot hold replicas of {named} = {split} ranks: their "
+                f"product must divide the worker count ({fits})"
+            )
+        if DP in sizes and sizes[DP] * split != world:
+            raise GradmeshError(
+                f"a mesh of {sizes[DP]} data-parallel replicas x {named} is "
+                f"{sizes[DP] * split} ranks, not the {world} workers"
+            )
+        return cls.of({**sizes, DP: world // split})
+
+    def size(self, axis: str) -> int:
+        return self.sizes[NAMES.index(axis)]
+
+    def __getattr__(self, name: str) -> int:
+        if name in NAMES:
+            return self.size(name)
+        raise AttributeError(name)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(zip(NAMES, self.sizes, strict=True))
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def split(self) -> int:
+        """Ranks one replica spans."""
+        return self.world // self.size(DP)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index on each axis (the last axis innermost)."""
+        out = {}
+        for name, size in reversed(list(zip(NAMES, self.sizes, strict=True))):
+            rank, out[name] = divmod(rank, size)
+        return {name: out[name] for name in NAMES}
+
+    def rank_of(self, coords: Mapping[str, int]) -> int:
+        rank = 0
+        for name, size in zip(NAMES, self.sizes, strict=True):
+            rank = rank * size + coords[name]
+        return rank
+
+    def lines(self, axis: str) -> list[list[int]]:
+        """Every group of ranks along `axis` (the ranks that differ only in that coordinate),
+        in the same order on every rank."""
+        others = [n for n in NAMES if n != axis]
+        ranges = [range(self.size(n)) for n in others]
+        return [
+            [
+                self.rank_of({**dict(zip(others, fixed, strict=True)), axis: i})
+                for i in range(self.size(axis))
+            ]
+            for fixed in itertools.product(*ranges)
+        ]
+
+    def describe(self) -> str:
+        return " x ".join(f"{name} {size}" for name, size in zip(NAMES, self.sizes, strict=True))
