@@ -45,6 +45,9 @@ MOVED = {
     "gradmesh.layout.stage_engine": "gradmesh.layout.pipeline.engine",
     "gradmesh.layout.graph_routes": "gradmesh.layout.pipeline.routes",
     "gradmesh.layout.graph_pipeline": "gradmesh.layout.pipeline.stages",
+    "gradmesh.layout.blocks": "gradmesh.models.blocks",
+    "gradmesh.layout.sharded": "gradmesh.sync.sharded.model",
+    "gradmesh.sync.data_parallel.zero": "gradmesh.sync.sharded.optimizer",
 }
 """Old module path -> new; a module under an old package path moved with it."""
 

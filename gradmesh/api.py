@@ -8,7 +8,6 @@ from gradmesh.horovod.api import join
 from gradmesh.horovod.gathers import allgather, broadcast
 from gradmesh.horovod.reductions import allreduce, allreduce_async
 from gradmesh.layout.pipeline.stages import pipeline_stage
-from gradmesh.layout.sharded import shard
 from gradmesh.layout.tensor.hybrid import parallelize
 from gradmesh.layout.tensor.vocab import vocab_parallel_cross_entropy
 from gradmesh.observe.timeline import start_timeline, stop_timeline
@@ -30,5 +29,6 @@ from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, syn
 from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Sum
+from gradmesh.sync.sharded.model import shard
 
 __all__ = sorted(name for name in dir() if not name.startswith("_"))

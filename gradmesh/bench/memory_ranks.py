@@ -6,7 +6,7 @@ One job per layout of `--layouts` (the planner's job, `gradmesh.plan.calibrate`,
 `zero3xtp2`: with tensor parallelism 2, dp the rest), interleaved over `--rounds`: the
 trainer's own setup (AdamW), `--warmup` then `--steps` steps on one fixed global batch, the
 median step, and then, on every rank, the bytes it holds at rest (parameters, gradients,
-optimizer state: DTensor shards as held, `gradmesh.layout.sharded.state_bytes`) and the peak
+optimizer state: DTensor shards as held, `gradmesh.sync.sharded.model.state_bytes`) and the peak
 of one more step's live tensor bytes (`peak_bytes`, the profiler's) on top of them. Rank 0's
 figures are reported (the ranks hold the same to within a shard's padding).
 

@@ -18,7 +18,7 @@ import os
 
 from torch import nn
 
-from gradmesh.layout.blocks import block_list
+from gradmesh.models.blocks import block_list
 
 BACKEND_ENV = "GRADMESH_COMPILE_BACKEND"
 

@@ -124,35 +124,6 @@ def every_of(spec: str) -> int:
     )
 
 
-ZERO_STAGES = (0, 1, 2, 3)
-"""Sharded data parallelism (`gradmesh.layout.sharded`): 0 off, 1 optimizer state, 2 and
-gradients, 3 and parameters."""
-
-
-def check_stage(stage: int, pp: int, strategy: str, compression: str) -> None:
-    """One line unless sharded data parallelism at `stage` can run with these settings."""
-    if stage not in ZERO_STAGES:
-        raise GradmeshError(f"--zero-stage {stage}: valid stages are 0 (off), 1, 2, 3")
-    if not stage:
-        return
-    if strategy != "allreduce":
-        raise GradmeshError(
-            f"--zero-stage {stage} shards the state of synchronous data parallelism; strategy "
-            f"{strategy} keeps its own copies (use --strategy allreduce)"
-        )
-    if pp > 1 and stage > 1:
-        raise GradmeshError(
-            f"--zero-stage {stage} with --pipeline-parallel is not supported: FSDP2 gathers a "
-            "module's parameters around its own forward, which a pipeline stage traced on the "
-            "model's graph never calls (--zero-stage 1 shards the optimizer's state in a pipeline)"
-        )
-    if compression != "none" and stage > 1:  # stage 1 averages with gradmesh's own reducer
-        raise GradmeshError(
-            f"--zero-stage {stage} reduce-scatters gradients with FSDP2's own collectives; "
-            "--compression applies to gradmesh's allreduce (--zero-stage 0 or 1)"
-        )
-
-
 def check_sequence_parallel(sequence_parallel: bool, tp: int, pp: int) -> None:
     """One line unless sequence parallelism can run on this mesh."""
     if sequence_parallel and (tp < 2 or pp > 1):

@@ -8,7 +8,7 @@ is PyTorch's kept fp8 training library (torchtitan's), its `Float8Linear` compos
 and torch.compile, and the scaled matrix product is torch's own `_scaled_mm`. It is an extra
 (`pip install 'gradmesh[fp8]'`), imported only when asked for.
 
-Which layers: the `nn.Linear`s inside the model's blocks (`gradmesh.layout.blocks`) whose sides
+Which layers: the `nn.Linear`s inside the model's blocks (`gradmesh.models.blocks`) whose sides
 are both multiples of 16, the shape fp8's tensor-core products take. Embeddings, norms and the
 output head keep bf16, as torchtitan leaves them. fp8 needs Hopper or Ada tensor cores (CUDA
 capability 8.9 or more); `gradmesh train` refuses it elsewhere in one line, while a script may
@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.blocks import block_list
+from gradmesh.models.blocks import block_list
 
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first tensor cores with fp8 (Ada, Hopper)."""

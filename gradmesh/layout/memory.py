@@ -1,7 +1,7 @@
 """Activation checkpointing: a block keeps, from its forward to its backward, only its inputs,
 and its backward runs its forward again to rebuild the rest (`torch.utils.checkpoint`,
 non-reentrant, so it composes with autograd hooks, tensor-parallel operators and gradient
-accumulation). The blocks are the model's (`gradmesh.layout.blocks`): every one (`blocks`), every
+accumulation). The blocks are the model's (`gradmesh.models.blocks`): every one (`blocks`), every
 k-th (`every:k`), or only each block's attention module (`attention`: Megatron's selective
 recomputation, which keeps the projections' and the MLP's activations and rebuilds what
 attention saves, its queries, keys, values and scores, cheap to recompute for their size). The
@@ -35,8 +35,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.blocks import block_list
 from gradmesh.layout.config import every_of
+from gradmesh.models.blocks import block_list
 
 _CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
 

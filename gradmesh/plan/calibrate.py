@@ -85,7 +85,7 @@ def memory_figures(job: Any, batch: int) -> dict[str, int]:
     """This rank's parameter, gradient and optimizer-state bytes at rest (shards as held), the
     peak of live tensor bytes one more step adds, and the whole model's parameter bytes."""
     from gradmesh.layout.memory import peak_bytes
-    from gradmesh.layout.sharded import state_bytes
+    from gradmesh.sync.sharded.model import state_bytes
     from gradmesh.train.setup import model_of
     from gradmesh.train.timing import replica_step
 

@@ -141,10 +141,10 @@ def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Devi
 
 
 def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
-    from gradmesh.layout.blocks import block_list
     from gradmesh.layout.engine import tp_plan
     from gradmesh.layout.pipeline.graph import block_flops
     from gradmesh.layout.tensor.plan import check_plan
+    from gradmesh.models.blocks import block_list
 
     depth = deep(spec)
     small = at_depth(spec, 3) if depth else spec

@@ -60,11 +60,11 @@ class Counted:
 
 def count(spec: Spec, tp: int) -> Counted:
     """The module docstring's counts of rank 0's slice at tp."""
-    from gradmesh.layout.blocks import block_list
     from gradmesh.layout.engine import tp_plan
     from gradmesh.layout.memory import saved_activations
     from gradmesh.layout.tensor.layers import dry_exchanges
     from gradmesh.layout.tensor.plan import apply_tp_plan
+    from gradmesh.models.blocks import block_list
     from gradmesh.models.flops import KernelCounter
 
     net, ids = spec.build()

@@ -112,3 +112,47 @@ class SyncConfig:
         self.compression.check()
         if self.compression.method != "none" and self.strategy == "hogwild":
             raise GradmeshError("hogwild shares memory: it sends nothing to compress")
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+"""Sharded data parallelism (`gradmesh.sync.sharded`): 0 off, 1 optimizer state, 2 and
+gradients, 3 and parameters."""
+
+
+def check_stage(
+    stage: int,
+    pp: int,
+    strategy: str,
+    compression: str,
+    plan: bool = False,
+    tensorboard: bool = False,
+) -> None:
+    """One line unless sharded data parallelism at `stage` can run with these settings (the
+    ZeRO stages' one check; `gradmesh.sync.sharded` runs them)."""
+    if stage not in ZERO_STAGES:
+        raise GradmeshError(f"--zero-stage {stage}: valid stages are 0 (off), 1, 2, 3")
+    if not stage:
+        return
+    if plan:
+        raise GradmeshError(f"--zero-stage {stage} with --plan is not supported yet")
+    if stage >= 2 and tensorboard:
+        raise GradmeshError(
+            f"--zero-stage {stage} with --tensorboard is not supported yet (its per-epoch "
+            "accuracy scores a copy of the whole model, which no rank holds)"
+        )
+    if strategy != "allreduce":
+        raise GradmeshError(
+            f"--zero-stage {stage} shards the state of synchronous data parallelism; strategy "
+            f"{strategy} keeps its own copies (use --strategy allreduce)"
+        )
+    if pp > 1 and stage > 1:
+        raise GradmeshError(
+            f"--zero-stage {stage} with --pipeline-parallel is not supported: FSDP2 gathers a "
+            "module's parameters around its own forward, which a pipeline stage traced on the "
+            "model's graph never calls (--zero-stage 1 shards the optimizer's state in a pipeline)"
+        )
+    if compression != "none" and stage > 1:  # stage 1 averages with gradmesh's own reducer
+        raise GradmeshError(
+            f"--zero-stage {stage} reduce-scatters gradients with FSDP2's own collectives; "
+            "--compression applies to gradmesh's allreduce (--zero-stage 0 or 1)"
+        )

@@ -122,7 +122,7 @@ class AllreduceStrategy(_Defaults):
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):  # zero stages 2 and 3: FSDP2 reduce-scatters the
-            self.sharded = True  # gradients itself (gradmesh.layout.sharded)
+            self.sharded = True  # gradients itself (gradmesh.sync.sharded.model)
             return optimizer
         broadcast_replica(model, rt)
         self.optimizer = DistributedOptimizer(

@@ -13,12 +13,11 @@ from gradmesh.layout.config import (
     check_interleaved,
     check_precision,
     check_sequence_parallel,
-    check_stage,
     every_of,
 )
 from gradmesh.runtime.axes import MeshShape
 from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
-from gradmesh.sync.config import SPLIT_LAYOUTS
+from gradmesh.sync.config import SPLIT_LAYOUTS, check_stage
 from gradmesh.train.config import TrainConfig
 from gradmesh.units import parse_shape
 
@@ -112,16 +111,16 @@ def _check_layout(config: TrainConfig) -> None:
         check_compile(shape.pp, layout.plan)
     check_sequence_parallel(layout.sequence_parallel, shape.tp, shape.pp)
     stage = config.sync.allreduce.zero_stage
-    check_stage(stage, shape.pp, strategy, config.sync.compression.method)
-    if stage and layout.plan:
-        raise GradmeshError(f"--zero-stage {stage} with --plan is not supported yet")
+    check_stage(
+        stage,
+        shape.pp,
+        strategy,
+        config.sync.compression.method,
+        plan=bool(layout.plan),
+        tensorboard=bool(config.output.tensorboard),
+    )
     if config.checkpoint.reshard:
         _check_reshard(config, shape.pp)
-    if stage >= 2 and config.output.tensorboard:
-        raise GradmeshError(
-            f"--zero-stage {stage} with --tensorboard is not supported yet (its per-epoch "
-            "accuracy scores a copy of the whole model, which no rank holds)"
-        )
     if layout.stages and shape.pp == 1:
         raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
     if config.job.emulate_compute_ms and (layout.split or layout.plan):

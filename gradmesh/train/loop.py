@@ -14,7 +14,7 @@ from gradmesh.collectives import allreduce
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 from gradmesh.runtime.world import Runtime
-from gradmesh.sync.data_parallel.zero import optimizer_state_dict
+from gradmesh.sync.sharded.optimizer import optimizer_state_dict
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.evaluation import Evaluator, evaluate

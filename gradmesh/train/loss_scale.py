@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from gradmesh.layout.sharded import local
 from gradmesh.observe.timeline import span
 from gradmesh.sync.data_parallel.optimizer import is_distributed
+from gradmesh.sync.sharded.model import local
 
 
 class DynamicLossScale:

@@ -26,7 +26,6 @@ from gradmesh.layout.engine import split_model
 from gradmesh.layout.fp8 import to_float8
 from gradmesh.layout.loss import Summed, summed
 from gradmesh.layout.memory import checkpoint_blocks
-from gradmesh.layout.sharded import shard_model
 from gradmesh.layout.tensor.hybrid import load_plan
 from gradmesh.models.devices import device_peak
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
@@ -37,7 +36,8 @@ from gradmesh.options import with_value
 from gradmesh.registry import import_path, parse_kwargs
 from gradmesh.runtime.process import MAX_WORLD_ENV, restarts
 from gradmesh.runtime.world import Runtime
-from gradmesh.sync.data_parallel.zero import shard_optimizer
+from gradmesh.sync.sharded.model import shard_model
+from gradmesh.sync.sharded.optimizer import shard_optimizer
 from gradmesh.sync.strategies import STRATEGIES, Strategy
 from gradmesh.train import checkpoint
 from gradmesh.train.config import TrainConfig

@@ -21,11 +21,11 @@ import gradmesh
 from gradmesh.layout.loss import cross_entropy
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline.stages import graph_pipeline
-from gradmesh.layout.sharded import state_bytes
 from gradmesh.layout.tensor.layers import unshard
 from gradmesh.layout.tensor.plan import shard_specs
 from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
 from gradmesh.models.small import ResidualCNN
+from gradmesh.sync.sharded.model import state_bytes
 from tests.harness import run_ranks
 
 STEPS, BATCH = 20, 8

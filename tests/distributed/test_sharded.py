@@ -1,4 +1,4 @@
-"""Sharded data parallelism (ZeRO stages 1-3, `gradmesh.layout.sharded`) on real gloo ranks: a
+"""Sharded data parallelism (ZeRO stages 1-3, `gradmesh.sync.sharded.model`) on real gloo ranks: a
 GPT with a tied head trained 20 AdamW steps at each stage, alone and with tensor parallelism,
 equals plain data parallelism on the same ranks, parameter by parameter, to 1e-9 of the
 tensor's largest value (float64; the issue asks 1e-5), while each rank holds its shard only and
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import gradmesh
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.sharded import state_bytes
 from gradmesh.models.gpt import GPT, GPTConfig
+from gradmesh.sync.sharded.model import state_bytes
 from tests.harness import run_ranks
 
 STEPS, BATCH = 20, 8

@@ -42,10 +42,10 @@ import gradmesh.data.batch as batch
 from gradmesh.collectives import allreduce
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.blocks import block_list
 from gradmesh.layout.pipeline.engine import Boundary, as_values
 from gradmesh.layout.pipeline.routes import Routes, routes_of
 from gradmesh.layout.pipeline.schedules import balance
+from gradmesh.models.blocks import block_list
 from gradmesh.runtime.axes import DP, PP
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
 from gradmesh.runtime.world import Runtime

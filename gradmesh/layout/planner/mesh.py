@@ -50,7 +50,6 @@ from torch import nn
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.blocks import block_list
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline.graph import block_flops
@@ -58,6 +57,7 @@ from gradmesh.layout.pipeline.schedules import balance
 from gradmesh.layout.planner.profiling import _timed, sharing_threads
 from gradmesh.layout.tensor.layers import dry_exchanges
 from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan
+from gradmesh.models.blocks import block_list
 from gradmesh.runtime.axes import divisors
 
 __all__ = [

@@ -219,7 +219,7 @@ def _sharded(
         raise GradmeshError("DistributedOptimizer: zero_stage 1 shards over the mesh's dp axis")
     if not stage:
         return optimizer
-    from gradmesh.sync.data_parallel.zero import shard_optimizer
+    from gradmesh.sync.sharded.optimizer import shard_optimizer
 
     return shard_optimizer(optimizer, 1, get_runtime())
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout.config import RESHARDABLE
-from gradmesh.layout.sharded import local
+from gradmesh.sync.sharded.model import local
 
 if TYPE_CHECKING:
     pass

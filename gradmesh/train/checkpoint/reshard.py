@@ -35,9 +35,9 @@ from torch.optim import Optimizer
 
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.layout.config import LAYOUT_KEYS
-from gradmesh.layout.sharded import local
 from gradmesh.layout.tensor.layers import shard, unshard
 from gradmesh.layout.tensor.plan import shard_specs
+from gradmesh.sync.sharded.model import local
 from gradmesh.train.checkpoint.files import Meta, complete, rank_file, read_meta, read_rank
 
 __all__ = [
@@ -73,7 +73,7 @@ def layout_record(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
     """What a rank file records of its layout: each split parameter's cut, by every name it
     has in the state dict, the parameters sharded over the replicas, and the optimizer's
     parameters by name."""
-    from gradmesh.sync.data_parallel.zero import optimizer_sharded
+    from gradmesh.sync.sharded.optimizer import optimizer_sharded
 
     specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
     names = optimizer_names(module, optimizer)

@@ -1,7 +1,7 @@
 """ZeRO stage 1 on the optimizer's side: torch's `ZeroRedundancyOptimizer` over the
 data-parallel group (`shard_optimizer`), and what a checkpoint keeps of it
 (`optimizer_state_dict`). The model's side (stages 2 and 3, FSDP2) is
-`gradmesh.layout.sharded`."""
+`gradmesh.sync.sharded.model`."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 keeps 1/dp of what plain data parallelism keeps whole.
 
 - **Stage 1** (optimizer state): torch's `ZeroRedundancyOptimizer` over the dp group around the
-  job's optimizer (`gradmesh.sync.data_parallel.zero`, the optimizer's side). Gradients are
+  job's optimizer (`gradmesh.sync.sharded.optimizer`, the optimizer's side). Gradients are
   averaged as in plain data parallelism; each rank then steps only its part of the parameters
   (holding only that part's optimizer state) and broadcasts it.
 - **Stage 2** (plus gradients) and **stage 3** (plus parameters): torch's FSDP2
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradmesh.collectives.api import exchanged
-from gradmesh.layout.blocks import block_list
+from gradmesh.models.blocks import block_list
 from gradmesh.runtime.compat import all_gather_single, reduce_scatter_single
 from gradmesh.runtime.world import Runtime
 
