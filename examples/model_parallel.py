@@ -14,7 +14,6 @@ import torch
 
 import gradmesh
 from gradmesh.data import DATASETS, DataOptions
-from gradmesh.layout.engine import split_model
 from gradmesh.models.registry import build_model
 
 parser = argparse.ArgumentParser()
@@ -31,9 +30,14 @@ replicas = gradmesh.mesh()["dp"]  # the ranks that hold the same part of the mod
 data = DATASETS.get("synthetic")(DataOptions(shape=(3, 32, 32), classes=10, samples=1024))
 torch.manual_seed(0)  # the whole model, the same on every rank, before it is split
 model = build_model("alexnet", data)
-split = split_model(
-    model, "alexnet", rt, args.microbatches, args.schedule, stages="", sample=data.train.x[:1]
+layout = gradmesh.LayoutConfig(
+    tensor_parallel=args.tensor_parallel,
+    pipeline_parallel=args.pipeline_parallel,
+    microbatches=args.microbatches,
+    schedule=args.schedule,
 )
+# the recipe: tensor split, then the pipeline cut (balanced on the layers' measured times)
+split = gradmesh.parallelize(model, layout, example=data.train.x[:1], name="alexnet")
 optimizer = torch.optim.SGD(split.module.parameters(), lr=0.02, momentum=0.9)
 gradmesh.broadcast_parameters(
     split.module.state_dict(), root_rank=replicas.rank_at(0), group=replicas.group
@@ -50,7 +54,7 @@ for step in range(args.steps):
     mine = torch.arange(start, start + batch).tensor_split(replicas.size)[replicas.index]
     optimizer.zero_grad()
     # the replica's summed loss, scaled so that averaging over replicas gives the batch mean
-    loss = split.engine.step(data.train.x[mine], data.train.y[mine], replicas.size / batch)
+    loss = split.step(data.train.x[mine], data.train.y[mine], replicas.size / batch)
     optimizer.step()
     # every replica's loss, counted once: only the rank holding a replica's output adds it
     total = gradmesh.allreduce(loss * split.owns_output, op=gradmesh.Sum, name="loss")

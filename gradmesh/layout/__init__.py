@@ -1,12 +1,11 @@
-"""Layouts: how one replica of the model is split over the ranks of the mesh's `tp` and `pp` axes.
-
-`split_model` applies the layout in one order, the one DESIGN.md documents: tensor parallelism
-first (each layer of the model's plan becomes this rank's slice), then pipeline parallelism (this
-rank keeps its stage's layers). It returns this rank's part of the model and the step engine that
-runs it: `PlainEngine` (forward, backward) or `PipelineEngine` (a schedule over micro-batches).
-`check_layout` says, before any process starts, why a layout cannot split a model. A hybrid
-`Plan` (`gradmesh.layout.tensor.hybrid`) places each layer on its own instead of the model's uniform
-tensor-parallel plan; `gradmesh.parallelize` applies one from a script.
+"""Layouts: how one replica of the model is split over the ranks of the mesh's splitting axes,
+a folder per parallelism (`tensor/`, `pipeline/`; context and expert parallelism will be
+folders beside them), with what every layout shares: the engines and the layout's steps
+(`engine.py`: `split_tensor`, `cut_pipeline`, `check_layout`), the loss convention
+(`loss.py`), recomputation and what a step holds (`memory.py`), fp8 (`fp8.py`), compilation
+(`compile.py`), the options (`config.py`). The recipe that runs the steps in order is
+`gradmesh.train.recipe.parallelize` (`gradmesh.parallelize`); sharding over the replicas is
+`gradmesh.sync.sharded`.
 """
 
 from typing import Any

@@ -1,6 +1,8 @@
-"""The step engine and the layout's order: `split_model` splits one replica over the mesh (tensor
-parallelism, then pipeline stages, or a hybrid plan's placement per layer) and returns this
-rank's part with the engine that runs it: `PlainEngine` (forward, backward) or the pipeline's."""
+"""The step engines and the layout's steps: `split_tensor` (a model split over the tp axis by
+its plan, or a hybrid plan's placement per layer) and `cut_pipeline` (this rank's stages on the
+pp axis and the engine that runs them: `PlainEngine`, forward and backward, or the pipeline's),
+with the checks before them. `gradmesh.train.recipe.parallelize` runs them in the recipe's one
+order, with recomputation, compilation and sharding between and after."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import (
     SCHEDULES,
+    LayoutConfig,
     check_interleaved,
     check_sequence_parallel,
 )
@@ -130,7 +133,8 @@ def tp_plan(
 
 @dataclass
 class Split:
-    """This rank's part of the model and how to run it."""
+    """This rank's part of the model and how to run it (`gradmesh.parallelize(model, layout)`
+    returns one: build the optimizer over `module.parameters()`, call `step(x, y, scale)`)."""
 
     module: nn.Module
     engine: Engine
@@ -140,106 +144,138 @@ class Split:
     """Whether this rank's loss and logits are the replica's (the last stage, tp index 0):
     the others' are not counted, so that sums over the world count each replica once."""
 
+    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+        """The engine's step: forward and backward of (x, y), the loss scaled by `scale`."""
+        return self.engine.step(x, y, scale)
 
-def check_layout(
-    model: nn.Module,
-    model_name: str,
-    tp: int,
-    pp: int,
-    stages: str,
-    chunks: int = 1,
-    sequence_parallel: bool = False,
-) -> None:
-    """One line, before launch, unless this layout can split `model`: its plan fits `tp`, its
-    layers make `pp` stages of `chunks` chunks each (the flags alone are checked by
-    `TrainConfig.validate`)."""
-    pp *= chunks
+    @property
+    def backward_passes(self) -> int:
+        return self.engine.backward_passes
+
+
+def check_layout(model: nn.Module, model_name: str, layout: LayoutConfig) -> None:
+    """One line, before launch, unless this layout can split `model`: its plan fits the tp
+    degree, its layers make pp stages of the chunks each rank holds (the flags alone are checked
+    by `TrainConfig.validate`)."""
+    tp, pp = layout.tensor_parallel, layout.pipeline_parallel * layout.chunks
     if tp > 1:
-        check_plan(model, tp_plan(model_name, model, sequence_parallel), tp, model_name)
+        check_plan(model, tp_plan(model_name, model, layout.sequence_parallel), tp, model_name)
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
-        if stages:
-            check_points(model, stages.split(","), pp, model_name)
+        if layout.stages:
+            check_points(model, layout.stages.split(","), pp, model_name)
         elif len(candidates(model)) + 1 < pp:
             raise GradmeshError(
                 f"a pipeline of {pp} stages: model {model_name} has {len(candidates(model)) + 1} "
                 "blocks to cut into stages; give split points with --stages (module names)"
             )
     elif pp > 1:
-        parse_stages(stages, layers_of(model, model_name), pp)
+        parse_stages(layout.stages, layers_of(model, model_name), pp)
 
 
-def split_model(
+def check_run(layout: LayoutConfig, tp: int, pp: int) -> None:
+    """One line unless `layout` can run on a mesh of `tp` x `pp` ranks a replica: its sizes are
+    the mesh's, the schedule can run, the precision is known (fp16 runs on any device here, a
+    script's choice; `gradmesh train` asks for a GPU, `check_precision`)."""
+    if (layout.tensor_parallel, layout.pipeline_parallel) != (tp, pp):
+        raise GradmeshError(
+            f"the layout asks for tensor_parallel {layout.tensor_parallel}, pipeline_parallel "
+            f"{layout.pipeline_parallel}, the mesh has tp {tp}, pp {pp}: initialise gradmesh "
+            "with the layout's sizes (gradmesh.init(mesh={...}))"
+        )
+    if layout.schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown schedule {layout.schedule!r} (valid: {', '.join(SCHEDULES)})")
+    if pp > 1:
+        check_interleaved(layout.schedule, pp, layout.microbatches, layout.chunks)
+    if layout.precision != "fp32" and layout.precision not in HALF:
+        raise GradmeshError(
+            f"unknown precision {layout.precision!r} (valid: fp32, {', '.join(HALF)})"
+        )
+    check_sequence_parallel(layout.sequence_parallel, tp, pp)
+
+
+def layout_info(layout: LayoutConfig, rt: Runtime) -> dict[str, Any]:
+    """The report's entries on the layout: the mesh's sizes and the pipeline's settings."""
+    piped = rt.mesh[PP].size > 1
+    info: dict[str, Any] = rt.mesh.shape.as_dict()
+    info["microbatches"] = layout.microbatches if piped else 1
+    info["schedule"] = layout.schedule if piped else None
+    info["chunks"] = layout.chunks if piped else 1
+    info["precision"] = layout.precision
+    info["sequence_parallel"] = layout.sequence_parallel
+    return info
+
+
+def split_tensor(
+    model: nn.Module, model_name: str, layout: LayoutConfig, plan: Plan | None, rt: Runtime
+) -> nn.Module:
+    """The recipe's tensor step: `model` split over the tp axis by its plan (by module name,
+    or a hybrid `plan`'s placement per layer), in place; the model as it is at tp 1."""
+    tp = rt.mesh[TP]
+    if plan is not None:
+        return apply_plan(model, plan, rt)
+    if tp.size == 1:
+        return model
+    styles = tp_plan(model_name, model, layout.sequence_parallel)
+    return apply_tp_plan(model, styles, tp.size, tp.index, model_name)
+
+
+def cut_pipeline(
     model: nn.Module,
     model_name: str,
+    layout: LayoutConfig,
     rt: Runtime,
-    microbatches: int,
-    schedule: str,
-    stages: str,
-    sample: torch.Tensor,
-    plan: Plan | None = None,
-    loss_fn: LossFn | None = None,
-    chunks: int = 1,
-    precision: str = "fp32",
-    sequence_parallel: bool = False,
+    run: tuple[Batch, LossFn | None, list[int] | None],
+    info: dict[str, Any],
 ) -> Split:
-    """This rank's part of `model` under the runtime's mesh: tensor split, then pipeline cut
-    (`chunks` stages per rank: more than one under the interleaved schedule), or a hybrid
-    `plan`'s placement per layer. Collective over the world when stages are balanced (the layer
-    times are averaged)."""
+    """The recipe's pipeline step: this rank's stages of `model` on the pp axis and the engine
+    that runs them (the whole model and a `PlainEngine` at pp 1). `run` is (a batch like the
+    ones to come, the loss, where a sequence of layers is cut: decided on the whole model)."""
+    sample, loss_fn, starts = run
     tp, pp = rt.mesh[TP], rt.mesh[PP]
-    _check_run(pp.size, microbatches, schedule, chunks, precision)
-    check_sequence_parallel(sequence_parallel, tp.size, pp.size)
-    piped = pp.size > 1
-    info: dict[str, Any] = rt.mesh.shape.as_dict()
-    info |= {"microbatches": microbatches if piped else 1, "schedule": schedule if piped else None}
-    info |= {"chunks": chunks if piped else 1, "precision": precision}
-    info["sequence_parallel"] = sequence_parallel
-    half = HALF.get(precision)
-    if plan is not None:  # every tp rank ends with the replica's logits: the first counts them
-        info["plan"] = dict(plan.layers)
-        module = apply_plan(model, plan, rt)
-        return Split(module, PlainEngine(module, 1, loss_fn, half), info, tp.index == 0)
-    if pp.size > 1 and not isinstance(model, nn.Sequential):  # split, then cut on the graph
-        if tp.size > 1:
-            model = apply_tp_plan(model, tp_plan(model_name, model), tp.size, tp.index, model_name)
-        points = [p for p in stages.split(",") if p] or None
+    half = HALF.get(layout.precision)
+    owns = tp.index == 0 and pp.index == pp.size - 1
+    if pp.size == 1:
+        m = layout.microbatches
+        if m > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
+            info["accumulation"] = m
+        if "plan" in info:  # every tp rank ends with the replica's logits: the first counts them
+            owns, m = tp.index == 0, 1
+        return Split(model, PlainEngine(model, m, loss_fn, half), info, owns)
+    if starts is None:  # any model: cut on its graph at module names
+        points = [p for p in layout.stages.split(",") if p] or None
         graph = graph_pipeline(
-            model, rt, sample, points, microbatches, schedule, loss_fn, model_name, chunks
+            model,
+            rt,
+            sample,
+            points,
+            layout.microbatches,
+            layout.schedule,
+            loss_fn,
+            model_name,
+            layout.chunks,
         )
         info["stage_points"] = graph.graph.points
         graph.half = half
-        owns = tp.index == 0 and pp.index == pp.size - 1
         return Split(graph.stage_module, graph, info, owns)
-    depth = pp.size * chunks
-    starts = cut_stages(model, model_name, depth, stages, sample[:1], rt) if pp.size > 1 else None
-    module = model
-    if tp.size > 1:  # checked here too: a script calling split_model skips check_layout
-        plan_ = tp_plan(model_name, model, sequence_parallel)
-        module = apply_tp_plan(model, plan_, tp.size, tp.index, model_name)
-    owns = tp.index == 0 and pp.index == pp.size - 1
-    if starts is None:
-        if microbatches > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
-            info["accumulation"] = microbatches
-        return Split(module, PlainEngine(module, microbatches, loss_fn, half), info, owns)
-    ends = [*starts[1:], len(list(module.children()))]
+    ends = [*starts[1:], len(list(model.children()))]
     info["stage_layers"] = [[s, e] for s, e in zip(starts, ends, strict=True)]
-    split = _layer_pipeline(
-        module, model_name, rt, starts, sample[:1], (microbatches, schedule, loss_fn), info
-    )
+    run_ = (layout.microbatches, layout.schedule, loss_fn)
+    split = _layer_pipeline(model, model_name, rt, starts, batch.leaves(sample)[0][:1], run_, info)
     cast(PipelineEngine, split.engine).half = half
     return split
 
 
-def _check_run(pp: int, microbatches: int, schedule: str, chunks: int, precision: str) -> None:
-    """One line unless the schedule can run on `pp` pipeline ranks and the precision is known
-    (fp16 runs on any device here, a script's choice; `gradmesh train` asks for a GPU,
-    `check_precision`)."""
-    if schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    if pp > 1:
-        check_interleaved(schedule, pp, microbatches, chunks)
-    if precision != "fp32" and precision not in HALF:
-        raise GradmeshError(f"unknown precision {precision!r} (valid: fp32, {', '.join(HALF)})")
+def layer_cut(
+    model: nn.Module, model_name: str, layout: LayoutConfig, sample: Batch, rt: Runtime
+) -> list[int] | None:
+    """Where a sequence of layers is cut into the pipeline's stages (given, or balanced on its
+    whole layers' measured times, averaged over the world: every rank cuts alike); None for a
+    model cut on its graph, or without a pipeline."""
+    pp = rt.mesh[PP].size
+    if pp == 1 or not isinstance(model, nn.Sequential):
+        return None
+    first = batch.leaves(sample)[0][:1]
+    return cut_stages(model, model_name, pp * layout.chunks, layout.stages, first, rt)
 
 
 def _layer_pipeline(

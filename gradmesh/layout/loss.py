@@ -1,6 +1,6 @@
 """The one loss convention, for `gradmesh train --loss`, `gradmesh.pipeline_stage(loss_fn=)`,
-`split_model` and every engine: a loss is `fn(outputs, targets)` returning the mean over the
-batch's samples, as PyTorch's losses return it (`F.cross_entropy`, `nn.MSELoss()`).
+`gradmesh.parallelize` and every engine: a loss is `fn(outputs, targets)` returning the mean
+over the batch's samples, as PyTorch's losses return it (`F.cross_entropy`, `nn.MSELoss()`).
 
 The engines need a sum: a micro-batch's loss counts its samples once each, so that a step's
 micro-batches add up to the batch's sum, which `step(x, y, scale)` then scales (by 1 / the

@@ -1,6 +1,7 @@
-"""Setting a rank up: data, the model split by the layout (tensor, then pipeline), the optimizer
-over this rank's own parameters (`setup`), then the strategy's wrapping, the data shard and the
-learning-rate warm-up (`attach`); and the checks that build the model before launch."""
+"""Setting a rank up: data, the model made parallel by the recipe (`gradmesh.train.recipe`), the
+optimizer over this rank's own parameters (`setup`), then the strategy's wrapping, the data
+shard and the learning-rate warm-up (`attach`); and the checks that build the model before
+launch."""
 
 from __future__ import annotations
 
@@ -8,10 +9,9 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import cast
 
 import torch
-from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -20,13 +20,9 @@ from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, S
 from gradmesh.data.batch import Batch
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.compile import compile_model
 from gradmesh.layout.engine import Split as ModelSplit
-from gradmesh.layout.engine import split_model
-from gradmesh.layout.fp8 import to_float8
 from gradmesh.layout.loss import Summed, summed
 from gradmesh.layout.memory import checkpoint_blocks
-from gradmesh.layout.tensor.hybrid import load_plan
 from gradmesh.models.devices import device_peak
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
 from gradmesh.models.registry import build_model
@@ -36,7 +32,6 @@ from gradmesh.options import with_value
 from gradmesh.registry import import_path, parse_kwargs
 from gradmesh.runtime.process import MAX_WORLD_ENV, restarts
 from gradmesh.runtime.world import Runtime
-from gradmesh.sync.sharded.model import shard_model
 from gradmesh.sync.sharded.optimizer import shard_optimizer
 from gradmesh.sync.strategies import STRATEGIES, Strategy
 from gradmesh.train import checkpoint
@@ -45,6 +40,7 @@ from gradmesh.train.emulated import emulate_compute
 from gradmesh.train.evaluation import Evaluator, has_classes
 from gradmesh.train.loss_scale import DynamicLossScale
 from gradmesh.train.optimizers import build_optimizer
+from gradmesh.train.recipe import parallelize
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
 from gradmesh.units import parse_shape
 
@@ -132,15 +128,7 @@ def check_layout(config: TrainConfig) -> None:
         with torch.no_grad():
             two = data.train.rows(slice(0, 2))
             loss_of(config)(batch.call(model, two.x), two.y)
-    check(
-        model,
-        config.data.model,
-        config.layout.tensor_parallel,
-        config.layout.pipeline_parallel,
-        config.layout.stages,
-        config.layout.chunks,
-        config.layout.sequence_parallel,
-    )
+    check(model, config.data.model, config.layout)
 
 
 def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
@@ -203,19 +191,6 @@ class Job:
     or why it is unknown."""
 
 
-def _before_split(config: TrainConfig, whole: nn.Module) -> dict[str, Any]:
-    """What changes the whole model in place before the layout splits it (so every layout has
-    it): fp8's linear layers, then recomputation; the report's entries on them."""
-    info: dict[str, Any] = {}
-    if config.layout.precision == "fp8":
-        info["fp8_layers"] = len(to_float8(whole))
-    spec = config.layout.activation_checkpointing
-    if spec:
-        info["recomputed_blocks"] = len(checkpoint_blocks(whole, spec, config.data.model))
-        info["recomputed"] = "attention modules" if spec == "attention" else "blocks"
-    return info
-
-
 def setup(config: TrainConfig, rt: Runtime) -> Job:
     """Data, the model split by the layout (tensor, then pipeline), the optimizer over this
     rank's own parameters, the strategy's wrapping: in that order, on every rank."""
@@ -230,20 +205,14 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
         emulate_compute(whole, first_input(data), config.job.emulate_compute_ms)
-    before = _before_split(config, whole)
-    split = split_model(
+    split = parallelize(  # the recipe: tp, recomputation, compile, pipeline cut, sharding
         whole,
-        config.data.model,
-        rt,
-        config.layout.microbatches,
-        config.layout.schedule,
-        config.layout.stages,
-        batch.to(first_input(data), rt.device),
-        load_plan(config.layout.plan) if config.layout.plan else None,
-        loss_of(config),
-        config.layout.chunks,
-        config.layout.precision,
-        config.layout.sequence_parallel,
+        config.layout,
+        example=batch.to(first_input(data), rt.device),
+        loss_fn=loss_of(config),
+        zero_stage=config.sync.allreduce.zero_stage,
+        name=config.data.model,
+        rt=rt,
     )
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,
@@ -252,13 +221,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         config.data.batch_size,
         config.optimizer.reference_batch or None,
     )
-    split.info |= before
-    if config.layout.compile:  # after the tensor split, before sharding (torchtitan's order)
-        split.info["compiled"] = len(compile_model(split.module))
-    stage = config.sync.allreduce.zero_stage  # shards over the replicas: before the optimizer
-    shard_model(split.module, stage, rt)
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
-    optimizer = shard_optimizer(optimizer, stage, rt)
+    optimizer = shard_optimizer(optimizer, config.sync.allreduce.zero_stage, rt)  # ZeRO 1
     strategy = STRATEGIES.get(config.sync.strategy)(
         config.sync, split.engine.backward_passes, config.job.timeout_s
     )

@@ -450,24 +450,17 @@ def bf16_steps(pp: int, kind: str) -> tuple[list[float], list[torch.dtype], bool
     """3 AdamW steps under --precision bf16, cut into `pp` stages (4 micro-batches) or whole:
     the losses (on the last stage), the dtypes of the steps' matrix products, and whether every
     weight and gradient stayed fp32."""
-    from gradmesh.layout.engine import split_model
+    from gradmesh.layout.config import LayoutConfig
 
-    rt = gradmesh.get_runtime()
     model = _model(kind, DEEP if kind == "gpt" else {})
     xs, ys = _batches(kind)
-    points = "blocks.2" if kind == "gpt" else ""
-    split = split_model(
-        model,
-        kind,
-        rt,
-        4 if pp > 1 else 1,
-        "1f1b",
-        points,
-        xs[0],
-        None,
-        loss_of(kind),
+    layout = LayoutConfig(
+        pipeline_parallel=pp,
+        microbatches=4 if pp > 1 else 1,
+        stages="blocks.2" if kind == "gpt" else "",
         precision="bf16",
     )
+    split = gradmesh.parallelize(model, layout, example=xs[0], loss_fn=loss_of(kind), name=kind)
     opt = torch.optim.AdamW(split.module.parameters(), lr=1e-2)
     losses = []
     products = MatmulDtypes()

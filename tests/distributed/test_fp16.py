@@ -107,16 +107,17 @@ def pipeline_steps(precision: str, steps: int) -> tuple[list[float], tuple[int, 
     """`steps` AdamW steps of a 4-block GPT cut into 2 pipeline stages (4 micro-batches) under
     `precision`, a loss scale from 2^24 with fp16. Returns the losses (the last stage's) and
     (steps skipped, final scale)."""
-    from gradmesh.layout.engine import split_model
+    from gradmesh.layout.config import LayoutConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(**{**CONFIG, "depth": 4}))
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, CONFIG["vocab"], (8, CONFIG["seq"] + 1), generator=g)
     x, y = data[:, :-1], data[:, 1:]
-    rt = gradmesh.get_runtime()
-    points = "blocks.2"
-    split = split_model(model, "gpt", rt, 4, "1f1b", points, x, None, lm_loss, precision=precision)
+    layout = LayoutConfig(
+        pipeline_parallel=2, microbatches=4, stages="blocks.2", precision=precision
+    )
+    split = gradmesh.parallelize(model, layout, example=x, loss_fn=lm_loss, name="gpt")
     opt = torch.optim.AdamW(split.module.parameters(), lr=3e-3)
     scale = DynamicLossScale(scale=2.0**24) if precision == "fp16" else None
     losses = [one_step(split.engine, opt, scale, x, y) for _ in range(steps)]

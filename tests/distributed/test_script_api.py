@@ -6,8 +6,10 @@ a `transformers.LlamaForCausalLM` straight from its config (its cache on, as by 
 returns a `ModelOutput`). Each trains 20 AdamW steps in float64 with a mean loss written as a
 user writes it (`F.cross_entropy`, the Llama's read from `out.logits`, or its own `labels` path)
 under tp 2, pp 2 (1F1B and interleaved) and tp 2 x pp 2 on 4 ranks (the rest data-parallel),
-one job re-initialising gradmesh per layout; every parameter, put together from its tp slices,
-must equal the one process's to 1e-9.
+one job re-initialising gradmesh per layout: tp 2 and pp 2 through `gradmesh.parallelize(model)`
+(the tensor step) and `gradmesh.pipeline_stage`, the other two through the whole recipe,
+`gradmesh.parallelize(model, LayoutConfig(...))` on a mesh given as `init(mesh={...})`. Every
+parameter, put together from its tp slices, must equal the one process's to 1e-9.
 """
 
 from __future__ import annotations
@@ -30,11 +32,11 @@ transformers = pytest.importorskip(
 )
 
 STEPS, BATCH, VOCAB, SEQ = 20, 8, 64, 16
-LAYOUTS = {  # name: (tp, pp, schedule)
-    "tp2": (2, 1, "1f1b"),
-    "pp2": (1, 2, "1f1b"),
-    "pp2-interleaved": (1, 2, "interleaved"),
-    "tp2xpp2": (2, 2, "1f1b"),
+LAYOUTS = {  # name: (tp, pp, schedule, through the whole recipe: gradmesh.parallelize(layout))
+    "tp2": (2, 1, "1f1b", False),
+    "pp2": (1, 2, "1f1b", False),
+    "pp2-interleaved": (1, 2, "interleaved", True),
+    "tp2xpp2": (2, 2, "1f1b", True),
 }
 
 
@@ -149,24 +151,40 @@ def one_process(kind: str) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.named_parameters()}
 
 
-def train(kind: str, tp: int, pp: int, schedule: str) -> Any:
-    """20 steps of this rank's part under (tp, pp, schedule), from a script's calls."""
-    rt = gradmesh.init(tensor_parallel=tp, pipeline_parallel=pp)
+def train(kind: str, tp: int, pp: int, schedule: str, recipe: bool) -> Any:
+    """20 steps of this rank's part under (tp, pp, schedule), from a script's calls: the
+    tensor step then `pipeline_stage`, or the whole recipe from a layout."""
+    if recipe:
+        rt = gradmesh.init(mesh={"tp": tp, "pp": pp})
+    else:
+        rt = gradmesh.init(tensor_parallel=tp, pipeline_parallel=pp)
     coords = rt.mesh.shape.coords(rt.rank)
     dp = rt.mesh.shape.dp
     model, points, loss_fn = build(kind)
     xs, ys = batches(kind)
     mine = slice(coords["dp"] * BATCH // dp, (coords["dp"] + 1) * BATCH // dp)
-    model = gradmesh.parallelize(model)  # by the plan it declares (tp 1: left whole)
-    specs = shard_specs(model)
+    virtual = 2 if schedule == "interleaved" else 1
+    split = points if virtual == 2 else points[1:2]
     step_fn, passes = None, 1
-    if pp > 1:
-        virtual = 2 if schedule == "interleaved" else 1
-        split = points if virtual == 2 else points[1:2]
-        stage = gradmesh.pipeline_stage(
-            model, rows(xs, 0, mine), split, 4, schedule, loss_fn, virtual_stages=virtual
+    if recipe:
+        layout = gradmesh.LayoutConfig(
+            tensor_parallel=tp,
+            pipeline_parallel=pp,
+            microbatches=4,
+            schedule=schedule,
+            stages=",".join(split),
         )
-        model, step_fn, passes = stage.stage_module, stage.step, stage.backward_passes
+        part = gradmesh.parallelize(model, layout, example=rows(xs, 0, mine), loss_fn=loss_fn)
+        specs = shard_specs(model)  # split in place: the whole model's modules, sliced
+        model, step_fn, passes = part.module, part.step, part.backward_passes
+    else:
+        model = gradmesh.parallelize(model)  # by the plan it declares (tp 1: left whole)
+        specs = shard_specs(model)
+        if pp > 1:
+            stage = gradmesh.pipeline_stage(
+                model, rows(xs, 0, mine), split, 4, schedule, loss_fn, virtual_stages=virtual
+            )
+            model, step_fn, passes = stage.stage_module, stage.step, stage.backward_passes
     opt = gradmesh.DistributedOptimizer(
         torch.optim.AdamW(model.parameters(), lr=1e-2),
         named_parameters=model.named_parameters(),

@@ -153,7 +153,7 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
         ([f"--model={USER}:nothing"], "has no nothing"),
         (
             [f"--model={USER}:model", f"--dataset={USER}:data", f"--loss={USER}:per_sample_loss"],
-            "returned (2,), not a scalar",
+            "returned shape (2,), not a scalar: return the batch's mean",
         ),
         (["--model", "gpt"], "model gpt and dataset digits do not fit"),
         (

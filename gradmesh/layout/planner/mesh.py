@@ -1,6 +1,7 @@
 """The mesh planner: data, tensor and pipeline degrees for any model (a transformer with a tied
 head, a residual CNN, a user's factory), where `search` places each layer of a sequence of
-layers. It prices every layout `split_model` can run on W ranks and returns them fastest first.
+layers. It prices every layout the recipe (`gradmesh.train.recipe`) can run on W ranks and
+returns them fastest first.
 
 **Profile** (`profile_mesh`), on this machine under the job's own contention (in as many
 processes at once as ranks share its cores, each with a rank's threads, medians over them, as
