@@ -24,8 +24,8 @@ from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster
-from gradmesh.layout.config import bubble_formula
-from gradmesh.layout.planner.mesh import STATED_ERROR, Layout
+from gradmesh.layout.config import Layout, bubble_formula
+from gradmesh.layout.planner.mesh import STATED_ERROR
 from gradmesh.layout.planner.mesh_cost import calibration_layouts
 from gradmesh.models.registry import is_token_model
 from gradmesh.options import option

@@ -66,7 +66,7 @@ def predicted(param_bytes: int, stage: int, tp: int, dp: int, slots: int = 2) ->
 
 def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
     """Every layout's figures at `args.world` ranks, beside the predicted state."""
-    from gradmesh.layout.planner.mesh import Layout
+    from gradmesh.layout.config import Layout
     from gradmesh.plan.calibrate import layout_job
     from gradmesh.plan.mesh import workload
 

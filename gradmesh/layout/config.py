@@ -4,6 +4,7 @@ workers are data-parallel replicas). No torch here: the CLI builds its flags fro
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
@@ -85,6 +86,76 @@ class LayoutConfig:
     def split(self) -> bool:
         """Whether one replica spans more than one rank."""
         return self.tensor_parallel * self.pipeline_parallel > 1
+
+    def at(self, workers: int, zero_stage: int = 0) -> Layout:
+        """This layout on `workers` ranks, as the planner and the simulator price it."""
+        tp, pp = self.tensor_parallel, self.pipeline_parallel
+        return Layout(
+            workers // (tp * pp),
+            tp,
+            pp,
+            self.microbatches,
+            self.schedule if pp > 1 else None,
+            self.chunks,
+            zero_stage,
+            self.activation_checkpointing == "blocks",
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One layout of a job on `dp` x `tp` x `pp` ranks, as the planner and the simulator price
+    it: the mesh's sizes and the options that change a step's cost, named as `LayoutConfig`
+    names them (`chunks` is `LayoutConfig.chunks`: the chunks each pipeline rank holds, 1 but
+    under the interleaved schedule). Made from the options by `LayoutConfig.at`; `options()`
+    gives them back, which `gradmesh train` and the recipe take, and `flags()` prints them."""
+
+    dp: int
+    tp: int
+    pp: int
+    microbatches: int = 1
+    schedule: str | None = None
+    chunks: int = 1
+    zero_stage: int = 0
+    """Sharded data parallelism's stage on the dp axis (`--zero-stage`)."""
+    checkpointing: bool = False
+    """Every block recomputed in backward (`--activation-checkpointing blocks`)."""
+
+    @property
+    def name(self) -> str:
+        parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1)
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
+        if self.pp > 1 or self.microbatches > 1:
+            parts.append(f"m{self.microbatches}")
+        parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["ac"] * self.checkpointing
+        return "x".join(parts)
+
+    def options(self) -> dict[str, Any]:
+        """The `gradmesh train` options (by field name) that run this layout."""
+        return {
+            "tensor_parallel": self.tp,
+            "pipeline_parallel": self.pp,
+            "microbatches": self.microbatches if self.pp > 1 else 1,
+            "schedule": self.schedule or "1f1b",
+            "virtual_stages": max(self.chunks, 2),
+            "zero_stage": self.zero_stage,
+            "activation_checkpointing": "blocks" if self.checkpointing else "",
+        }
+
+    def flags(self) -> str:
+        """The `gradmesh train` flags that run this layout."""
+        out = [f"--tensor-parallel {self.tp}"] * (self.tp > 1)
+        if self.pp > 1:
+            out.append(f"--pipeline-parallel {self.pp} --microbatches {self.microbatches}")
+            out.append(f"--schedule {self.schedule}")
+            if self.chunks > 1:
+                out.append(f"--virtual-stages {self.chunks}")
+        if self.zero_stage:
+            out.append(f"--zero-stage {self.zero_stage}")
+        if self.checkpointing:
+            out.append("--activation-checkpointing blocks")
+        return " ".join(out) or "(data parallel: no layout flags)"
 
 
 def check_interleaved(schedule: str, pp: int, m: int, virtual: int) -> None:

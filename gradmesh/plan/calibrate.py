@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradmesh.layout.planner.mesh import Layout
+from gradmesh.layout.config import Layout
 
 
 def layout_job(
@@ -20,21 +20,13 @@ def layout_job(
 ) -> dict[str, Any]:
     """The config of a job timing `lay` on `world` ranks; `options` are the workload's
     `gradmesh train` options (`TrainWorkload`: model, data, batch; any other `gradmesh train`
-    option). `lay`'s ZeRO stage and checkpointing become `--zero-stage` and
-    `--activation-checkpointing blocks`. With `memory`, the job also reports what each rank
+    option), and the layout's own (`Layout.options`: its sizes, micro-batches, schedule, ZeRO
+    stage and recomputation). With `memory`, the job also reports what each rank
     holds (`memory_figures`)."""
-    options = {**options, "zero_stage": lay.zero_stage}
-    if lay.checkpointing:
-        options["activation_checkpointing"] = "blocks"
     return {
         "memory": memory,
-        "options": options,
+        "options": {**options, **lay.options()},
         "world": world,
-        "tp": lay.tp,
-        "pp": lay.pp,
-        "microbatches": lay.microbatches,
-        "schedule": lay.schedule or "1f1b",
-        "virtual_stages": lay.chunks,
         "steps": steps,
         "warmup": warmup,
     }
@@ -49,18 +41,10 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     from gradmesh.train.setup import attach, setup
     from gradmesh.train.timing import timed_steps
 
-    tp, pp = config["tp"], config["pp"]
-    train = TrainConfig.of(
-        **config["options"],
-        workers=config["world"],
-        tensor_parallel=tp,
-        pipeline_parallel=pp,
-        microbatches=config["microbatches"] if pp > 1 else 1,
-        schedule=config["schedule"],
-        virtual_stages=config["virtual_stages"],
-    )
+    train = TrainConfig.of(**config["options"], workers=config["world"])
+    pp = train.layout.pipeline_parallel
     batch = train.data.batch_size
-    rt = init(tensor_parallel=tp, pipeline_parallel=pp)
+    rt = init(mesh=train.layout.mesh_sizes())
     job = setup(train, rt)
     attach(job)
     step_s, cpu_idle, _ = timed_steps(job, batch, config["warmup"], config["steps"])

@@ -5,8 +5,10 @@ trainer's own model, data, loss and optimizer."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
+
+from gradmesh.layout.config import Layout
 
 if TYPE_CHECKING:  # not imported at run time: it imports torch, which `gradmesh --help` and
     from gradmesh.data.batch import Batch  # a launcher that only starts workers do without
@@ -72,18 +74,13 @@ def workload(
 
 
 def flags(row: dict[str, Any]) -> str:
-    """The `gradmesh train` flags that run a layout."""
-    out = [f"--tensor-parallel {row['tp']}"] * (row["tp"] > 1)
-    if row["pp"] > 1:
-        out.append(f"--pipeline-parallel {row['pp']} --microbatches {row['microbatches']}")
-        out.append(f"--schedule {row['schedule']}")
-        if row["chunks"] > 1:
-            out.append(f"--virtual-stages {row['chunks']}")
-    if row.get("zero_stage"):
-        out.append(f"--zero-stage {row['zero_stage']}")
-    if row.get("checkpointing"):
-        out.append("--activation-checkpointing blocks")
-    return " ".join(out) or "(data parallel: no layout flags)"
+    """The `gradmesh train` flags that run a layout (a prediction's row)."""
+    return layout_of(row).flags()
+
+
+def layout_of(row: dict[str, Any]) -> Layout:
+    """The layout a prediction's row describes."""
+    return Layout(**{f.name: row[f.name] for f in fields(Layout) if f.name in row})
 
 
 def describe_mesh(plan: Any, tokens_per_sample: int | None, top: int) -> str:

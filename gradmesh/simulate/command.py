@@ -204,7 +204,7 @@ def _job(args: SimulateConfig, prof: Any, links: Links, split: Any) -> Job:
         sync_every=args.local_sgd.sync_every,
         tensor_parallel=args.layout.tensor_parallel,
         split=split,
-        stages=args.layout.pipeline_parallel,
+        pipeline_parallel=args.layout.pipeline_parallel,
         microbatches=args.layout.microbatches,
         schedule=args.layout.schedule,
         virtual_stages=args.layout.virtual_stages,

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.planner.mesh import Layout
+from gradmesh.layout.config import Layout, LayoutConfig
 from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.mesh import USABLE, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
@@ -50,7 +50,7 @@ def _mixed(args: Any, device: Any) -> Any:
 
 def _fixed(args: Any, n: int) -> Layout:
     """The layout the options give at `n` GPUs (one line when its degrees do not divide n)."""
-    lay = args.layout
+    lay: LayoutConfig = args.layout
     tp, pp = lay.tensor_parallel, lay.pipeline_parallel
     if n % (tp * pp):
         raise GradmeshError(
@@ -65,18 +65,7 @@ def _fixed(args: Any, n: int) -> Layout:
         raise GradmeshError(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
     if lay.activation_checkpointing not in ("", "blocks"):
         raise GradmeshError("--activation-checkpointing: the simulator prices blocks (every one)")
-    schedule = lay.schedule if pp > 1 else None
-    chunks = lay.virtual_stages if schedule == "interleaved" else 1
-    return Layout(
-        n // (tp * pp),
-        tp,
-        pp,
-        lay.microbatches,
-        schedule,
-        chunks,
-        args.zero_stage,
-        lay.activation_checkpointing == "blocks",
-    )
+    return lay.at(n, args.zero_stage)
 
 
 def _row(p: Priced, n: int) -> dict[str, Any]:

@@ -56,7 +56,7 @@ class Row:
     """The device's default for convnets; bf16 for transformers."""
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
-    microbatch: int = 1
+    microbatches: int = 1
     checkpointing: bool = True
 
     @property
@@ -166,13 +166,13 @@ def megatron_flops(args: dict[str, Any], batch: int, sequence: int, vocab: int) 
 
 
 def _transformer(row: Row, device: Device) -> float:
-    from gradmesh.layout.planner.mesh import Layout
+    from gradmesh.layout.config import Layout
     from gradmesh.simulate.mesh import price
 
     meta = _meta(row).on(device)
     tp, pp = row.tensor_parallel, row.pipeline_parallel
     dp = row.gpus // (tp * pp)
-    m = row.batch // (dp * row.microbatch)
+    m = row.batch // (dp * row.microbatches)
     lay = Layout(dp, tp, pp, m, "1f1b" if pp > 1 else None, 1, 0, row.checkpointing)
     intra, inter = _links(row)
     step = price(meta, lay, intra, inter, row.gpus_per_node, row.sequence).prediction.step_s

@@ -38,8 +38,8 @@ class Job:
     """tensor, hybrid: the largest tp group."""
     split: Split | None = None
     """tensor, hybrid, pipeline: the model's per-placement profile (`layout_profile`)."""
-    stages: int = 1
-    """pipeline: stages."""
+    pipeline_parallel: int = 1
+    """pipeline: stages (the option's name: `LayoutConfig.pipeline_parallel`)."""
     microbatches: int = 1
     """pipeline: micro-batches per replica's batch."""
     schedule: str = "1f1b"
@@ -146,7 +146,7 @@ def _pipeline(job: Job) -> float:
 
     split, _ = _split_of(job)
     n = job.gpus
-    stages = math.gcd(n, job.stages)
+    stages = math.gcd(n, job.pipeline_parallel)
     units_ = split.prof.units
     if stages > len(units_):
         stages = max(d for d in range(1, len(units_) + 1) if n % d == 0)

@@ -261,7 +261,12 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
     prof = Profile("toy", 1, 32, units, 0, 1, 0.0)
     free = CostParams(0.0, 0.0, 0.0)
     job = Job(
-        prof, 4, Links(free, free, 4), split=Split(prof, None, None), stages=4, microbatches=8
+        prof,
+        4,
+        Links(free, free, 4),
+        split=Split(prof, None, None),
+        pipeline_parallel=4,
+        microbatches=8,
     )
     pipeline = STRATEGIES.get("pipeline")
     job = dataclasses.replace(job, schedule=schedule)

@@ -51,6 +51,7 @@ from torch import nn
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import Layout
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline.graph import block_flops
@@ -92,30 +93,6 @@ class Workload(Protocol):
         """(whole model, at least the largest micro-batch of inputs and of targets, the summed
         loss, a function making the job's optimizer over parameters)."""
         ...
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp: int
-    tp: int
-    pp: int
-    microbatches: int = 1
-    schedule: str | None = None
-    chunks: int = 1
-    zero_stage: int = 0
-    """Sharded data parallelism's stage on the dp axis (`--zero-stage`)."""
-    checkpointing: bool = False
-    """Every block recomputed in backward (`--activation-checkpointing blocks`)."""
-
-    @property
-    def name(self) -> str:
-        parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1)
-        if self.pp > 1:
-            parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
-        if self.pp > 1 or self.microbatches > 1:
-            parts.append(f"m{self.microbatches}")
-        parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["ac"] * self.checkpointing
-        return "x".join(parts)
 
 
 def rank_blocks(prof: MeshProfile, lay: Layout) -> list[list[list[int]]]:

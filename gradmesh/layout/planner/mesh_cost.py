@@ -12,8 +12,8 @@ from typing import Any
 
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import bubble_formula
-from gradmesh.layout.planner.mesh import Layout, MeshProfile, Workload, profile_mesh, rank_blocks
+from gradmesh.layout.config import Layout, bubble_formula
+from gradmesh.layout.planner.mesh import MeshProfile, Workload, profile_mesh, rank_blocks
 from gradmesh.layout.planner.mesh_memory import (
     RECOMPUTE,
     MemoryPrediction,
