@@ -48,6 +48,7 @@ MOVED = {
     "gradmesh.layout.blocks": "gradmesh.models.blocks",
     "gradmesh.layout.sharded": "gradmesh.sync.sharded.model",
     "gradmesh.sync.data_parallel.zero": "gradmesh.sync.sharded.optimizer",
+    "gradmesh.layout.planner": "gradmesh.planner",
 }
 """Old module path -> new; a module under an old package path moved with it."""
 

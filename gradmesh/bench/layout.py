@@ -25,10 +25,10 @@ from typing import Any
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster
 from gradmesh.layout.config import Layout, bubble_formula
-from gradmesh.layout.planner.mesh import STATED_ERROR
-from gradmesh.layout.planner.mesh_cost import calibration_layouts
 from gradmesh.models.registry import is_token_model
 from gradmesh.options import option
+from gradmesh.planner.mesh import STATED_ERROR
+from gradmesh.planner.mesh_cost import calibration_layouts
 
 LAYOUTS = {
     "dp": (1, 1),
@@ -43,7 +43,7 @@ INTERLEAVED = {"pp2i": (1, 2), "pp4i": (1, 4)}
 `--schedule` the others run: not in the default list, asked for by name."""
 SHAPES = {**LAYOUTS, **INTERLEAVED}
 PLAN = "plan"
-"""The layout `gradmesh plan` chooses (`gradmesh.layout.planner.mesh`), measured like the
+"""The layout `gradmesh plan` chooses (`gradmesh.planner.mesh`), measured like the
 others; every layout's prediction is printed beside its measurement."""
 
 
@@ -149,9 +149,9 @@ def _plan(args: Config, named: dict[str, Layout], cluster: Any) -> Any:
     """The planner's `MeshPlan` on the jobs' own ranks (of `cluster`, or loopback), not yet
     calibrated: profiled here and priced on the links as a probe fits them, as `gradmesh plan
     --probe` does; the named layouts are profiled too."""
-    from gradmesh.layout.planner import plan_mesh
     from gradmesh.plan.probe import mesh_probe
     from gradmesh.plan.setting import Setting
+    from gradmesh.planner import plan_mesh
 
     setting = Setting(args.model, "", "", args.world, args.batch, args.world)
     probe = mesh_probe(cluster, args.world // (args.emulate_hosts or 1), setting)

@@ -15,7 +15,7 @@ AdamW's two slots, tp T and dp N: parameters P/T, gradients P/T, optimizer state
 divides the optimizer state by N, stages 2 and 3 all three (FSDP2 keeps parameters sharded
 between steps at both stages; they differ inside the step, where stage 2 keeps the gathered
 units from forward to backward). The step's peak is predicted beside it by the mesh planner's
-memory model (`gradmesh.layout.planner.mesh_memory.predict_memory`, from a profile of the
+memory model (`gradmesh.planner.mesh_memory.predict_memory`, from a profile of the
 model's slices taken in this process: what each block saves per sample, the step's transient,
 the units FSDP2 gathers).
 """
@@ -130,8 +130,8 @@ def predicted_steps(work: Any, world: int, batch: int, grids: dict[str, Any]) ->
     """Each layout's predicted memory (`predict_memory`: its step peak is what a step holds on
     top of the state), from a profile of the model's slices at the layouts' tp degrees and
     micro-batches, taken in this process."""
-    from gradmesh.layout.planner.mesh import profile_mesh
-    from gradmesh.layout.planner.mesh_memory import predict_memory
+    from gradmesh.planner.mesh import profile_mesh
+    from gradmesh.planner.mesh_memory import predict_memory
 
     tps = sorted({g.tp for g in grids.values()})
     prof, _ = profile_mesh(work, world, batch, tps, 1, list(grids.values()), 1, search=False)

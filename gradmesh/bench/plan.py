@@ -153,10 +153,10 @@ def _lines(results: dict[str, Any], payload: dict[str, Any]) -> list[str]:
 
 def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
-    from gradmesh.layout.planner import Links
     from gradmesh.plan.command import describe, make_plan
     from gradmesh.plan.probe import ProbeRequest, probe_links
     from gradmesh.plan.setting import Setting
+    from gradmesh.planner import Links
 
     if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
         raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")

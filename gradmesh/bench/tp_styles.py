@@ -18,6 +18,7 @@ from typing import Any
 from gradmesh.bench.harness import compare_jobs, limit_of, median, report
 from gradmesh.launch.jobs import worker_main
 from gradmesh.options import option
+from gradmesh.runtime.axes import TP
 
 IMPLEMENTATIONS = ("gradmesh", "dtensor")
 
@@ -65,7 +66,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
         styles = {
             k: ColwiseParallel() if v == "colwise" else RowwiseParallel() for k, v in mlps.items()
         }
-        parallelize_module(model, rt.mesh.device_mesh()["tp"], styles)  # type: ignore[arg-type]
+        parallelize_module(model, rt.mesh.device_mesh()[TP], styles)  # type: ignore[arg-type]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     data = torch.randint(0, 256, (config["batch"], config["seq"] + 1), generator=g, device="cpu")

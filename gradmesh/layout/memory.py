@@ -14,7 +14,7 @@ the same module, where a wrapper module would rename every parameter and a forwa
 the instance would keep calling the original object from a copy.
 
 What a step holds is measured here too, for the benchmarks and the mesh planner's memory model
-(`gradmesh.layout.planner.mesh_memory`): `peak_bytes`, the most live tensor bytes a step adds
+(`gradmesh.planner.mesh_memory`): `peak_bytes`, the most live tensor bytes a step adds
 (torch's profiler with `profile_memory=True`: every allocation and free the CPU allocator
 reports, summed in time order), and
 `saved_activations`, what each block saves for its backward (autograd's saved-tensor hooks,

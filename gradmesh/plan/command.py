@@ -1,7 +1,7 @@
 """`gradmesh plan`: profile a model on this machine, price every placement per layer on the
 links the job will use, and print (and write) the plan with the fastest predicted step, next to
 pure data parallelism, pure tensor parallelism and the rule "convolutions data-parallel, fully
-connected layers split" (the planner itself: `gradmesh.layout.planner`).
+connected layers split" (the planner itself: `gradmesh.planner`).
 
 Links: `--bandwidth R [--latency L]` describes the link between hosts (each rank its own host
 unless `--ranks-per-host`); `--emulate-hosts H [--bandwidth R]` probes the links of an emulated
@@ -65,7 +65,7 @@ def links_for(args: PlanConfig, workers: int) -> tuple[Any, int]:
     parallel step's time outside communication; ranks sharing this machine's cores) for the
     flags given."""
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
-    from gradmesh.layout.planner import Links
+    from gradmesh.planner import Links
     from gradmesh.units import parse_latency, parse_rate
 
     if args.emulate_hosts:
@@ -114,8 +114,8 @@ def make_plan(
     import torch
 
     from gradmesh.data import DATASETS, DataOptions
-    from gradmesh.layout.planner import divisors, exchange_sizes, plan, predict, profile
     from gradmesh.models.registry import TP_PLANS, build_model, check_pairing
+    from gradmesh.planner import divisors, exchange_sizes, plan, predict, profile
     from gradmesh.units import parse_shape
 
     if setting.workers < 1 or setting.batch < setting.workers:
@@ -190,7 +190,7 @@ def describe(best: Any, refs: list[Any], prof: Any) -> str:
 def run(args: PlanConfig, _command: list[str] | None = None) -> int:
     from pathlib import Path
 
-    from gradmesh.layout.planner import to_plan
+    from gradmesh.planner import to_plan
     from gradmesh.units import parse_size
 
     if args.workers < 1:
@@ -261,9 +261,9 @@ def _run_mesh(
     from pathlib import Path
 
     from gradmesh.launch.jobs import emulated_cluster
-    from gradmesh.layout.planner import plan_mesh
     from gradmesh.models.registry import is_token_model
     from gradmesh.plan.calibrate import calibrator
+    from gradmesh.planner import plan_mesh
     from gradmesh.units import parse_size
 
     limit = float(parse_size(args.memory_limit)) if args.memory_limit else None
@@ -315,7 +315,7 @@ def resolve(config: Any) -> Any:
 
     if config.layout.plan == "auto":
         from gradmesh.collectives.cost import DEFAULT_PARAMS
-        from gradmesh.layout.planner import Links, to_plan
+        from gradmesh.planner import Links, to_plan
 
         setting = Setting(
             config.data.model,

@@ -1,6 +1,6 @@
 """`gradmesh plan` on a model that is not a sequence of layers (the built-in `gpt`, `residual`,
 `hf:...`, a user's `pkg.module:factory`): the data, tensor and pipeline degrees, micro-batches
-and schedule with the fastest predicted step (`gradmesh.layout.planner.mesh`), measured on the
+and schedule with the fastest predicted step (`gradmesh.planner.mesh`), measured on the
 trainer's own model, data, loss and optimizer."""
 
 from __future__ import annotations

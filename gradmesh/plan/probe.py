@@ -45,7 +45,7 @@ def probe_links(request: ProbeRequest, cluster: Any, per_host: int) -> tuple[Any
 
     from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams
     from gradmesh.launch.jobs import run_workers
-    from gradmesh.layout.planner import Links
+    from gradmesh.planner import Links
 
     config = {**dataclasses.asdict(request), "setting": dataclasses.asdict(request.setting)}
     if not request.data_layers:  # no data-parallel step to time (`mesh_probe`)

@@ -28,7 +28,7 @@ levels.
 - `local-sgd`: compute every step, the parameters' allreduce every `--sync-every` steps.
 - `tensor`: the model's own tensor-parallel plan within groups of `--tensor-parallel` GPUs (a
   node's by default), data parallelism across groups; `hybrid`: the planner's choice per layer
-  (`gradmesh.layout.planner.plan`, its exact search), both priced by the planner's `predict`
+  (`gradmesh.planner.plan`, its exact search), both priced by the planner's `predict`
   on a profile whose seconds are each layer's roofline (`layout_profile`).
 - `pipeline`: gradmesh's own pipeline schedule, action by action (`_pipeline`).
 

@@ -11,8 +11,8 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import LayoutConfig, check_interleaved
-from gradmesh.layout.planner import Links
 from gradmesh.options import check_choices, component, option
+from gradmesh.planner import Links
 from gradmesh.simulate.devices import COMPUTE_KINDS, DEVICES, Device
 from gradmesh.simulate.profile import (
     CPU,

@@ -37,9 +37,9 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
-from gradmesh.layout.planner import Links
-from gradmesh.layout.planner.mesh import MeshProfile, Slice, block_outputs
-from gradmesh.layout.planner.mesh_cost import MeshPrediction, predict_mesh, variants
+from gradmesh.planner import Links
+from gradmesh.planner.mesh import MeshProfile, Slice, block_outputs
+from gradmesh.planner.mesh_cost import MeshPrediction, predict_mesh, variants
 from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.devices import Device
 from gradmesh.simulate.meta_count import (

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.planner import Profile, Unit
 from gradmesh.models.flops import Kernels, Layer, layer_kernels
+from gradmesh.planner import Profile, Unit
 from gradmesh.simulate.devices import Device
 
 CPU = "cpu"
@@ -146,8 +146,8 @@ def layout_profile(
     import torch
 
     from gradmesh.layout.pipeline.schedules import layers_of, sample_shapes
-    from gradmesh.layout.planner import describe_units, placements
     from gradmesh.models.registry import MODELS, TP_PLANS
+    from gradmesh.planner import describe_units, placements
 
     shape, classes = _input(model, shape)
     with torch.device("meta"):

@@ -119,7 +119,7 @@ def _links(row: Row) -> tuple[Any, Any]:
 
 
 def _convnet(row: Row, device: Device) -> float:
-    from gradmesh.layout.planner import Links
+    from gradmesh.planner import Links
     from gradmesh.simulate.profile import device_profile, model_layers
     from gradmesh.simulate.strategies import Job, compute_s, scaling
 

@@ -12,7 +12,7 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import check_interleaved
-from gradmesh.layout.planner import Links, Profile, predict
+from gradmesh.planner import Links, Profile, predict
 from gradmesh.registry import Registry
 from gradmesh.simulate.profile import Split
 
@@ -104,7 +104,7 @@ def _split_of(job: Job) -> tuple[Split, Profile]:
 def _tensor(job: Job) -> float:
     """The model's own tensor-parallel plan within groups of `_tp_of` GPUs (adjacent: a node's),
     data parallelism across them: the planner's `predict`."""
-    from gradmesh.layout.planner import tp_plan_layers
+    from gradmesh.planner import tp_plan_layers
 
     split, prof = _split_of(job)
     if not split.tp_plan:
@@ -118,7 +118,7 @@ def _tensor(job: Job) -> float:
 def _hybrid(job: Job) -> float:
     """The planner's own choice (per layer: data-parallel, replicated or split, at each tp up to
     `_tp_of`), by its search over the same cost model."""
-    from gradmesh.layout.planner import plan
+    from gradmesh.planner import plan
 
     split, prof = _split_of(job)
     best, _ = plan(

@@ -14,7 +14,10 @@ import pytest
 from gradmesh.collectives.cost import CostParams
 from gradmesh.collectives.ring import allgather_cost, ring_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.planner import (
+from gradmesh.layout.tensor.hybrid import conversions
+from gradmesh.plan.command import make_plan, resolve
+from gradmesh.plan.setting import Setting
+from gradmesh.planner import (
     LARGEST_FIT,
     SMALLEST_FIT,
     Links,
@@ -25,9 +28,6 @@ from gradmesh.layout.planner import (
     predict,
     search_tp,
 )
-from gradmesh.layout.tensor.hybrid import conversions
-from gradmesh.plan.command import make_plan, resolve
-from gradmesh.plan.setting import Setting
 from gradmesh.train.config import TrainConfig
 
 LINK = CostParams(alpha=50e-6, beta=8e-9, gamma=1e-10)

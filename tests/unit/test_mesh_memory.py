@@ -1,4 +1,4 @@
-"""The mesh planner's memory model (`gradmesh.layout.planner.mesh_memory`): what a forward saves
+"""The mesh planner's memory model (`gradmesh.planner.mesh_memory`): what a forward saves
 per block (measured), the micro-batches a schedule keeps in flight, what sharding and
 checkpointing take away, and the memory limit the plan obeys."""
 
@@ -9,7 +9,8 @@ import torch
 
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.memory import Saved, saved_activations
-from gradmesh.layout.planner import (
+from gradmesh.models.gpt import GPT, GPTConfig
+from gradmesh.planner import (
     Layout,
     MeshProfile,
     calibration_layouts,
@@ -21,8 +22,7 @@ from gradmesh.layout.planner import (
     preference,
     variants,
 )
-from gradmesh.layout.planner.mesh import Slice
-from gradmesh.models.gpt import GPT, GPTConfig
+from gradmesh.planner.mesh import Slice
 from tests.unit.test_mesh_planner import LINKS
 
 

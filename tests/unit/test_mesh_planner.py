@@ -1,4 +1,4 @@
-"""The mesh planner (`gradmesh.layout.planner.mesh`): the layouts it searches, its formulas, the
+"""The mesh planner (`gradmesh.planner.mesh`): the layouts it searches, its formulas, the
 calibration it fits on real steps, and the dry run that measures one tp rank's slice alone."""
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import bubble_formula
 from gradmesh.layout.engine import tp_plan
-from gradmesh.layout.planner import (
+from gradmesh.layout.tensor.layers import dry_exchanges
+from gradmesh.layout.tensor.plan import apply_tp_plan
+from gradmesh.models.gpt import GPT, GPTConfig
+from gradmesh.planner import (
     Calibration,
     Layout,
     Links,
@@ -20,10 +23,7 @@ from gradmesh.layout.planner import (
     layouts,
     predict_mesh,
 )
-from gradmesh.layout.planner.mesh import Slice
-from gradmesh.layout.tensor.layers import dry_exchanges
-from gradmesh.layout.tensor.plan import apply_tp_plan
-from gradmesh.models.gpt import GPT, GPTConfig
+from gradmesh.planner.mesh import Slice
 
 LINKS = Links(CostParams(1e-4, 1e-9, 1e-10), CostParams(1e-4, 1e-9, 1e-10), 4)
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from gradmesh.collectives.cost import CostParams
-from gradmesh.layout.planner import Links
 from gradmesh.models.devices import SHEETS
+from gradmesh.planner import Links
 from gradmesh.simulate.devices import ACHIEVED, DEVICES
 from gradmesh.simulate.profile import device_profile, model_layers
 from gradmesh.simulate.published import PUBLISHED, fit_devices, load, validate
@@ -250,7 +250,7 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
     links: each micro-batch takes 3 ms x 4/8 on a stage, and the step is (m + p - 1) of them:
     the bubble of (p - 1) / (m + p - 1) that docs/model_parallel.md states. One micro-batch
     runs the stages one after another; a link that costs time delays every hand-over."""
-    from gradmesh.layout.planner import Profile, Unit
+    from gradmesh.planner import Profile, Unit
     from gradmesh.simulate.profile import Split
     from gradmesh.simulate.strategies import STRATEGIES
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import gradmesh.simulate.mesh as mesh
-from gradmesh.layout.planner.mesh import Layout
+from gradmesh.planner.mesh import Layout
 from gradmesh.simulate.devices import DEVICES
 from gradmesh.simulate.fabrics import FABRICS, fabric_terms
 from gradmesh.simulate.mesh import meta_profile, price

@@ -36,6 +36,7 @@ from torch import nn
 
 from gradmesh.collectives.api import exchanged
 from gradmesh.models.blocks import block_list
+from gradmesh.runtime.axes import DP
 from gradmesh.runtime.compat import all_gather_single, reduce_scatter_single
 from gradmesh.runtime.world import Runtime
 
@@ -67,7 +68,7 @@ def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    mesh = rt.mesh.device_mesh(rt.device.type)["dp"]
+    mesh = rt.mesh.device_mesh(rt.device.type)[DP]
     reshard = stage == 3
     units = [model.get_submodule(name) for name in block_list(model)] + [model]
     gather, scatter = Counted(gather=True), Counted(gather=False)

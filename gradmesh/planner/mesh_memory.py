@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 from gradmesh.layout.config import Layout
 from gradmesh.layout.pipeline.schedules import schedule_actions
-from gradmesh.layout.planner.mesh import MeshProfile, Slice, rank_blocks
+from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
 __all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory"]
 

@@ -56,10 +56,10 @@ from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline.graph import block_flops
 from gradmesh.layout.pipeline.schedules import balance
-from gradmesh.layout.planner.profiling import _timed, sharing_threads
 from gradmesh.layout.tensor.layers import dry_exchanges
 from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan
 from gradmesh.models.blocks import block_list
+from gradmesh.planner.profiling import _timed, sharing_threads
 from gradmesh.runtime.axes import divisors
 
 __all__ = [

@@ -10,15 +10,16 @@ from torch import nn
 
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.planner.cost import (
+from gradmesh.layout.tensor.hybrid import CHOICES, GIVES, NEEDS, Plan, check
+from gradmesh.planner.cost import (
     Prediction,
     groups_of,
     layer_cost,
     memory_bytes,
     predict,
 )
-from gradmesh.layout.planner.profiling import Links, Profile, Unit
-from gradmesh.layout.tensor.hybrid import CHOICES, GIVES, NEEDS, Plan, check
+from gradmesh.planner.profiling import Links, Profile, Unit
+from gradmesh.runtime.axes import TP
 from gradmesh.runtime.axes import divisors as mesh_divisors
 
 __all__ = [
@@ -89,7 +90,7 @@ def search_tp(
         end = so_far
         if state == "S":
             logits = int(prof.batch * tp / w * last.out_bytes)
-            end += allgather_cost(tp, logits, links.over(groups["tp"], logits))
+            end += allgather_cost(tp, logits, links.over(groups[TP], logits))
         if best is None or end < best[0]:
             best = (end, chosen)
     if best is None:

@@ -35,13 +35,13 @@ pure data parallelism, pure tensor parallelism (the model's own tensor-parallel 
 and the rule "convolutions data-parallel, fully connected layers split".
 """
 
-from gradmesh.layout.planner import cost, mesh, mesh_cost, mesh_memory, profiling, search
-from gradmesh.layout.planner.cost import *  # noqa: F403
-from gradmesh.layout.planner.mesh import *  # noqa: F403
-from gradmesh.layout.planner.mesh_cost import *  # noqa: F403
-from gradmesh.layout.planner.mesh_memory import *  # noqa: F403
-from gradmesh.layout.planner.profiling import *  # noqa: F403
-from gradmesh.layout.planner.search import *  # noqa: F403
+from gradmesh.planner import cost, mesh, mesh_cost, mesh_memory, profiling, search
+from gradmesh.planner.cost import *  # noqa: F403
+from gradmesh.planner.mesh import *  # noqa: F403
+from gradmesh.planner.mesh_cost import *  # noqa: F403
+from gradmesh.planner.mesh_memory import *  # noqa: F403
+from gradmesh.planner.profiling import *  # noqa: F403
+from gradmesh.planner.search import *  # noqa: F403
 
 __all__ = [
     *cost.__all__,

@@ -1,5 +1,5 @@
 """The mesh planner's prices: each layout's step from a `MeshProfile` (the formulas are in
-`gradmesh.layout.planner.mesh`'s docstring), the calibration fitted on a few real steps, and the
+`gradmesh.planner.mesh`'s docstring), the calibration fitted on a few real steps, and the
 search over every layout (`plan_mesh`)."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout, bubble_formula
-from gradmesh.layout.planner.mesh import MeshProfile, Workload, profile_mesh, rank_blocks
-from gradmesh.layout.planner.mesh_memory import (
+from gradmesh.planner.mesh import MeshProfile, Workload, profile_mesh, rank_blocks
+from gradmesh.planner.mesh_memory import (
     RECOMPUTE,
     MemoryPrediction,
     param_bytes,
     predict_memory,
 )
-from gradmesh.layout.planner.profiling import Links
+from gradmesh.planner.profiling import Links
 from gradmesh.runtime.axes import divisors
 
 __all__ = [

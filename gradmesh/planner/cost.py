@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.collectives.ring import allgather_cost
-from gradmesh.layout.planner.profiling import Links, Profile, Unit
 from gradmesh.layout.tensor.hybrid import conversions
+from gradmesh.planner.profiling import Links, Profile, Unit
+from gradmesh.runtime.axes import DP, TP
 
 __all__ = [
     "groups_of",
@@ -61,14 +62,14 @@ class LayerCost:
     bwd_comm_s: float
     grad_bytes: int
     grad_group: str
-    """'batch' (every rank) or 'dp'."""
+    """'batch' (every rank) or the data axis's name."""
 
 
 def groups_of(workers: int, tp: int) -> dict[str, list[int]]:
     """Rank 0's groups: tp (adjacent), dp (stride tp), batch (every rank)."""
     return {
-        "tp": list(range(tp)),
-        "dp": list(range(0, workers, tp)),
+        TP: list(range(tp)),
+        DP: list(range(0, workers, tp)),
         "batch": list(range(workers)),
     }
 
@@ -92,21 +93,21 @@ def layer_cost(
     key = prof.key(choice, tp)
     compute = unit.fwd[key] + unit.bwd[key]
     fwd_comm = bwd_comm = 0.0
-    gathered = allgather_cost(tp, int(inputs), links.over(groups["tp"], inputs))
+    gathered = allgather_cost(tp, int(inputs), links.over(groups[TP], inputs))
     if conversion == "gather":
         fwd_comm += gathered
     elif conversion == "slice" and not first:
         bwd_comm += gathered
     if choice == "colwise":
-        bwd_comm += links.allreduce_s(algorithm, groups["tp"], inputs)
+        bwd_comm += links.allreduce_s(algorithm, groups[TP], inputs)
     elif choice == "rowwise":
-        fwd_comm += links.allreduce_s(algorithm, groups["tp"], partial)
+        fwd_comm += links.allreduce_s(algorithm, groups[TP], partial)
     grad = unit.param_bytes
     if tp > 1 and choice == "colwise":
         grad //= tp
     elif tp > 1 and choice == "rowwise":
         grad = (unit.param_bytes - unit.bias_bytes) // tp + unit.bias_bytes
-    group = "batch" if choice == "data" and tp > 1 else "dp"
+    group = "batch" if choice == "data" and tp > 1 else DP
     return LayerCost(compute, fwd_comm, bwd_comm, grad, group)
 
 
@@ -140,7 +141,7 @@ def predict(
     groups = groups_of(w, tp)
     last = prof.units[-1]
     logits = int(prof.batch * tp / w * last.out_bytes)
-    final = allgather_cost(tp, logits, links.over(groups["tp"], logits)) if after else 0.0
+    final = allgather_cost(tp, logits, links.over(groups[TP], logits)) if after else 0.0
     now = (
         sum(
             c.compute_s * _fwd_share(prof, u, ch, tp) + c.fwd_comm_s
@@ -149,7 +150,7 @@ def predict(
         + final
     )
     fusion = int(fusion_mb * (1 << 20))
-    pending: dict[str, int] = {"batch": 0, "dp": 0}
+    pending: dict[str, int] = {"batch": 0, DP: 0}
     ready: list[tuple[float, str, int]] = []  # (time, group, bytes) of each bucket
     remaining = {g: sum(c.grad_bytes for c in costs if c.grad_group == g) for g in pending}
     for u, ch, c in reversed(list(zip(prof.units, choices, costs, strict=True))):
