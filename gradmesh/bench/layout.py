@@ -151,13 +151,12 @@ def _plan(args: Config, named: dict[str, Layout], cluster: Any) -> Any:
     --probe` does; the named layouts are profiled too."""
     from gradmesh.plan.probe import mesh_probe
     from gradmesh.plan.setting import Setting
-    from gradmesh.planner import plan_mesh
+    from gradmesh.planner import Search, plan_mesh
 
     setting = Setting(args.model, "", "", args.world, args.batch, args.world)
     probe = mesh_probe(cluster, args.world // (args.emulate_hosts or 1), setting)
-    return plan_mesh(
-        _workload(args), args.world, args.batch, probe, args.world, also=list(named.values())
-    )
+    search = Search(also=list(named.values()))
+    return plan_mesh(_workload(args), args.world, args.batch, probe, args.world, search)
 
 
 def _measure(args: Config, named: dict[str, Layout], cluster: Any) -> dict[str, Any]:

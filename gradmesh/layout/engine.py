@@ -242,18 +242,7 @@ def cut_pipeline(
             owns, m = tp.index == 0, 1
         return Split(model, PlainEngine(model, m, loss_fn, half), info, owns)
     if starts is None:  # any model: cut on its graph at module names
-        points = [p for p in layout.stages.split(",") if p] or None
-        graph = graph_pipeline(
-            model,
-            rt,
-            sample,
-            points,
-            layout.microbatches,
-            layout.schedule,
-            loss_fn,
-            model_name,
-            layout.chunks,
-        )
+        graph = graph_pipeline(model, rt, sample, layout, loss_fn, model_name)
         info["stage_points"] = graph.graph.points
         graph.half = half
         return Split(graph.stage_module, graph, info, owns)

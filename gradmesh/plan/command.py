@@ -263,7 +263,7 @@ def _run_mesh(
     from gradmesh.launch.jobs import emulated_cluster
     from gradmesh.models.registry import is_token_model
     from gradmesh.plan.calibrate import calibrator
-    from gradmesh.planner import plan_mesh
+    from gradmesh.planner import Search, plan_mesh
     from gradmesh.units import parse_size
 
     limit = float(parse_size(args.memory_limit)) if args.memory_limit else None
@@ -278,10 +278,8 @@ def _run_mesh(
             args.batch,
             links,
             sharing,
-            args.tensor_parallel_max,
-            args.allreduce.algorithm,
+            Search(args.tensor_parallel_max, args.allreduce.algorithm, memory_limit=limit),
             measure=measure,
-            memory_limit=limit,
         )
     preds = plan.predictions
     if not preds:

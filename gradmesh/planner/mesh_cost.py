@@ -27,6 +27,7 @@ __all__ = [
     "Calibration",
     "MeshPlan",
     "MeshPrediction",
+    "Search",
     "calibration_layouts",
     "exchange_request",
     "fit_calibration",
@@ -295,17 +296,27 @@ class MeshPlan:
         self.predictions = sorted(preds, key=preference)
 
 
+@dataclass(frozen=True)
+class Search:
+    """What `plan_mesh` searches besides the data, tensor and pipeline degrees: tp up to
+    `tp_max`, gradients averaged by `algorithm`, the layouts of `also` profiled too (for
+    `MeshPlan.predict`), and with `memory_limit` (bytes a rank) the ZeRO stages and
+    recomputation, keeping the layouts predicted to fit."""
+
+    tp_max: int | None = None
+    algorithm: str = "native"
+    also: Sequence[Layout] = ()
+    memory_limit: float | None = None
+
+
 def plan_mesh(
     work: Workload,
     workers: int,
     batch_: int,
     links: Links | Callable[[list[int], list[int]], Links],
     sharing: int,
-    tp_max: int | None = None,
-    algorithm: str = "native",
-    also: Sequence[Layout] = (),
+    search: Search = Search(),
     measure: Callable[[list[Layout]], dict[Layout, float]] | None = None,
-    memory_limit: float | None = None,
 ) -> MeshPlan:
     """Every layout of `workers` ranks for `work`, predicted, fastest first. `links` may be a
     probe, called with `exchange_request`'s sizes once the model is profiled; `measure`, where
@@ -316,6 +327,12 @@ def plan_mesh(
     one line naming the smallest when none does), in the order of `preference`."""
     if batch_ < workers:
         raise GradmeshError(f"--batch {batch_} must be at least --workers {workers}")
+    tp_max, algorithm, also, memory_limit = (
+        search.tp_max,
+        search.algorithm,
+        search.also,
+        search.memory_limit,
+    )
     tps = [t for t in divisors(workers) if t <= (tp_max or workers)]
     prof, found = profile_mesh(work, workers, batch_, tps, sharing, also)
     if callable(links):

@@ -10,7 +10,7 @@ from gradmesh.runtime.process import restarts
 from gradmesh.train.evaluation import evaluate
 from gradmesh.train.loop import Clock
 from gradmesh.train.rank_stats import KINDS, gather_rank_stats
-from gradmesh.train.report import RunReport
+from gradmesh.train.report import RunFacts, RunReport
 from gradmesh.train.setup import Job
 
 
@@ -76,8 +76,7 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
     accuracy = evaluate(job.split, job.data.test, job.rt)
     stats = gather_rank_stats(job.rt, clock.compute_s, layout_figures(job, clock.steps))
     shape = job.rt.mesh.shape
-    report = RunReport.build(
-        job.config,
+    facts = RunFacts(
         job.replicas * shape.tp * shape.pp,  # worker processes (replicas for ps, one per worker)
         job.strategy.report(),
         accuracy,
@@ -93,6 +92,7 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
         job.peak_source,
         clock.steady_samples / clock.steady_s if clock.steady_s > 0 else 0.0,
     )
+    report = RunReport.build(job.config, facts)
     if job.evaluator is not None:
         job.evaluator.close()
     writes = job.strategy.writes_report(job.rt)

@@ -36,6 +36,27 @@ def _device_figures(figures: dict[str, float], stats: RankStats) -> tuple[float,
     return figures.pop("peak_flops", 0.0), memory
 
 
+@dataclass
+class RunFacts:
+    """What a run measured, which its report is built from (`RunReport.build`)."""
+
+    workers: int
+    """Worker processes (a ps job's replicas; one per rank otherwise)."""
+    strategy_info: dict[str, Any]
+    accuracy: float | None
+    losses: list[float]
+    wall_s: float
+    samples: int
+    stats: RankStats
+    layout: dict[str, Any] | None = None
+    faults: dict[str, Any] | None = None
+    steps: int = 0
+    cpu_idle: float = 0.0
+    flops_per_sample: float = 0.0
+    peak_source: str = ""
+    steady_rate: float = 0.0
+
+
 @dataclass(frozen=True)
 class RunReport:
     """The outcome of one training run; `comm_s`, `compute_s`, `bytes_sent` are per-worker means."""
@@ -105,30 +126,22 @@ class RunReport:
     took on top of the real arithmetic; 0 for a run that only computed."""
 
     @classmethod
-    def build(
-        cls,
-        config: TrainConfig,
-        workers: int,
-        strategy_info: dict[str, Any],
-        accuracy: float | None,
-        losses: list[float],
-        wall_s: float,
-        samples: int,
-        stats: RankStats,
-        layout: dict[str, Any] | None = None,
-        faults: dict[str, Any] | None = None,
-        steps: int = 0,
-        cpu_idle: float = 0.0,
-        flops_per_sample: float = 0.0,
-        peak_source: str = "",
-        steady_rate: float = 0.0,
-    ) -> RunReport:
+    def build(cls, config: TrainConfig, run: RunFacts) -> RunReport:
+        """The report of a run of `config` from what it measured."""
+        workers, stats, losses, samples, wall_s = (
+            run.workers,
+            run.stats,
+            run.losses,
+            run.samples,
+            run.wall_s,
+        )
+        flops_per_sample, steady_rate = run.flops_per_sample, run.steady_rate
         figures = summarize_layout(stats.layout)
         peak, gpu_memory = _device_figures(figures, stats)
         rate = samples / wall_s if wall_s > 0 else 0.0
         compression = compression_figures(figures)
         return cls(
-            test_accuracy=accuracy,
+            test_accuracy=run.accuracy,
             final_loss=losses[-1] if losses else None,
             wall_s=wall_s,
             samples_per_s=rate,
@@ -144,22 +157,22 @@ class RunReport:
             batch_size=config.data.batch_size,
             loss_history=losses,
             per_rank=dataclasses.asdict(stats),
-            strategy_info=strategy_info,
+            strategy_info=run.strategy_info,
             compression=compression,
-            layout={**(layout or {}), **figures},
+            layout={**(run.layout or {}), **figures},
             slowest=slowest(
                 stats.compute_s, config.layout.tensor_parallel * config.layout.pipeline_parallel
             ),
-            faults=faults or {},
-            steps=steps,
+            faults=run.faults or {},
+            steps=run.steps,
             emulated_compute_ms=config.job.emulate_compute_ms,
-            cpu_idle=cpu_idle,
+            cpu_idle=run.cpu_idle,
             tokens_per_sample=(
                 config.data.sequence_length if config.data.dataset in TOKEN_DATASETS else 0
             ),
             flops_per_sample=flops_per_sample,
             peak_flops=peak,
-            peak_source=peak_source,
+            peak_source=run.peak_source,
             steady_samples_per_s=steady_rate,
             mfu=(steady_rate or rate) * flops_per_sample / (workers * peak) if peak else 0.0,
             gpu_peak_memory_bytes=gpu_memory or None,

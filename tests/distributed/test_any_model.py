@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradmesh
+from gradmesh.layout.config import LayoutConfig
 from gradmesh.layout.loss import cross_entropy
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.pipeline.stages import graph_pipeline
@@ -159,8 +160,10 @@ def train_pipeline(
     if pp == 1:
         module, step = model, None
     else:
-        chunks = 2 if schedule == "interleaved" else 1  # 2 stages per rank, 4 in all
-        engine = graph_pipeline(model, rt, xs[0], points, 4, schedule, loss_of(kind), kind, chunks)
+        layout = LayoutConfig(  # interleaved: 2 stages per rank, 4 in all
+            pipeline_parallel=pp, microbatches=4, schedule=schedule, stages=",".join(points)
+        )
+        engine = graph_pipeline(model, rt, xs[0], layout, loss_of(kind), kind)
         module, step, passes = engine.stage_module, engine.step, engine.backward_passes
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     if dp > 1:  # each micro-batch's backward accumulates into the step's gradient
@@ -342,10 +345,10 @@ def train_tagger(kind: str, schedule: str) -> Any:
     step = None
     module: torch.nn.Module = model
     if rt.mesh["pp"].size > 1:
-        chunks = 2 if schedule == "interleaved" else 1
-        engine = graph_pipeline(
-            model, rt, inputs(0), [], 4, schedule, tagger_loss, "tagger", chunks
+        layout = LayoutConfig(
+            pipeline_parallel=rt.mesh["pp"].size, microbatches=4, schedule=schedule
         )
+        engine = graph_pipeline(model, rt, inputs(0), layout, tagger_loss, "tagger")
         module, step = engine.stage_module, engine.step
     opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
     for i in range(STEPS):

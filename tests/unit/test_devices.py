@@ -12,7 +12,7 @@ import torch
 
 from gradmesh.models.devices import MEASURED, SHEETS, UNKNOWN, device_peak, pick_peak, sheet_of
 from gradmesh.train.config import TrainConfig
-from gradmesh.train.report import RankStats, RunReport
+from gradmesh.train.report import RankStats, RunFacts, RunReport
 
 
 def never() -> float:
@@ -88,9 +88,8 @@ def report(peak: float, source: str, gpu_bytes: float) -> RunReport:
     config = TrainConfig.of(dataset="text", model="gpt")
     layout = {"peak_flops": [peak], "gpu_peak_memory_bytes": [gpu_bytes]}
     stats = RankStats([0.0], [1.0], [0], layout)
-    return RunReport.build(
-        config, 1, {}, 0.5, [2.0], 1.0, 1000, stats, flops_per_sample=1e9, peak_source=source
-    )
+    facts = RunFacts(1, {}, 0.5, [2.0], 1.0, 1000, stats, flops_per_sample=1e9, peak_source=source)
+    return RunReport.build(config, facts)
 
 
 def test_the_report_says_where_the_peak_came_from() -> None:

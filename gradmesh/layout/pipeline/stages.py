@@ -12,7 +12,7 @@ from torch import nn
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import SCHEDULES, check_interleaved
+from gradmesh.layout.config import SCHEDULES, LayoutConfig, check_interleaved
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.pipeline.engine import PipelineEngine
 from gradmesh.layout.pipeline.graph import (
@@ -106,33 +106,27 @@ def graph_pipeline(
     model: nn.Module,
     rt: Runtime,
     example: Batch,
-    points: list[str] | None = None,
-    microbatches: int = 1,
-    schedule: str = "1f1b",
+    layout: LayoutConfig,
     loss_fn: LossFn | None = None,
     model_name: str = "model",
-    chunks: int = 1,
 ) -> GraphPipelineEngine:
     """This rank's stages of `model` on the mesh's pp axis and the engine that runs them: cut
-    into pp x `chunks` stages (`chunks` > 1: the interleaved schedule) at `points` (module
-    names; default: balanced by forward FLOPs on `example`, a batch like the ones `step` will
-    get). `engine.stage_module` holds the rank's parameters."""
-    pp = rt.mesh[PP].size * chunks
-    if schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown schedule {schedule!r} (valid: {', '.join(SCHEDULES)})")
-    check_interleaved(schedule, rt.mesh[PP].size, microbatches, chunks)
-    part = first_part(example, microbatches)
+    into pp x `layout.chunks` stages (more than pp: the interleaved schedule) at the module
+    names `layout.stages` (default: balanced by forward FLOPs on `example`, a batch like the
+    ones `step` will get), run in `layout.microbatches` by `layout.schedule`.
+    `engine.stage_module` holds the rank's parameters."""
+    axis, chunks, m = rt.mesh[PP].size, layout.chunks, layout.microbatches
+    pp = axis * chunks
+    if layout.schedule not in SCHEDULES:
+        raise GradmeshError(f"unknown schedule {layout.schedule!r} (valid: {', '.join(SCHEDULES)})")
+    check_interleaved(layout.schedule, axis, m, chunks)
+    part = first_part(example, m)
+    points = [p for p in layout.stages.split(",") if p]
     if not points:
         points = balanced_points(model, part, pp, model_name)
     check_points(model, points, pp, model_name)
-    return GraphPipelineEngine(
-        rt,
-        GraphStages(model, points, model_name, example),
-        example,
-        microbatches,
-        schedule,
-        loss_fn,
-    )
+    stages = GraphStages(model, points, model_name, example)
+    return GraphPipelineEngine(rt, stages, example, m, layout.schedule, loss_fn)
 
 
 def pipeline_stage(
@@ -149,18 +143,17 @@ def pipeline_stage(
     `split` (default: balanced by forward FLOPs on `example`, a batch like the ones to come).
     Build the optimizer over `.stage_module.parameters()` (wrap it with
     `DistributedOptimizer(..., backward_passes_per_step=engine.backward_passes)` when there
-    are replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns the
-    loss (`loss_fn(outputs, targets)`, summed over samples, before `scale`) on the last stage."""
+    are replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns,
+    on the last stage, the loss summed over the samples before `scale` (`loss_fn(outputs,
+    targets)` is the batch's mean, as torch's losses give it; `gradmesh.layout.loss`)."""
     from gradmesh.runtime.world import get_runtime
 
-    return graph_pipeline(
-        model,
-        get_runtime(),
-        example,
-        split,
-        microbatches,
-        schedule,
-        loss_fn,
-        type(model).__name__,
-        virtual_stages if schedule == "interleaved" else 1,
+    rt = get_runtime()
+    layout = LayoutConfig(
+        pipeline_parallel=rt.mesh[PP].size,
+        microbatches=microbatches,
+        schedule=schedule,
+        virtual_stages=virtual_stages,
+        stages=",".join(split or []),
     )
+    return graph_pipeline(model, rt, example, layout, loss_fn, type(model).__name__)

@@ -41,6 +41,7 @@ from gradmesh.sync.data_parallel.reducer import (
     Average,
     GradientReducer,
     OnNonfinite,
+    ReduceOptions,
     Sum,
 )
 from gradmesh.sync.wrapping import wrap_optimizer
@@ -171,15 +172,15 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     ]
     batch = [(n, p) for n, p in trainable if getattr(p, BATCH_SHARDED, False)]
 
-    reducer_of = partial(
-        GradientReducer,
-        algorithm=allreduce,
-        op=cast(Op, op),
-        fusion_mb=fusion_mb,
-        backward_passes_per_step=backward_passes_per_step,
-        on_nonfinite=on_nonfinite,
-        predivide=gradient_predivide_factor,
+    options = ReduceOptions(
+        allreduce,
+        cast(Op, op),
+        fusion_mb,
+        backward_passes_per_step,
+        on_nonfinite,
+        gradient_predivide_factor,
     )
+    reducer_of = partial(GradientReducer, options=options)
     whole = [(n, p) for n, p in trainable if not getattr(p, BATCH_SHARDED, False)]
     reducer = reducer_of(
         whole, compression=resolve(compression), group=group, keep_sparse=not sparse_as_dense

@@ -9,6 +9,7 @@ import time
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -107,22 +108,35 @@ class NativeWork:
             self.rt.timeline.add("reduce", "comm", self.started, done, bucket=self.bucket.index)
 
 
+@dataclass(frozen=True)
+class ReduceOptions:
+    """How a `GradientReducer` averages: DistributedOptimizer's options."""
+
+    algorithm: str
+    op: Op
+    fusion_mb: float
+    backward_passes_per_step: int
+    on_nonfinite: OnNonfinite
+    predivide: float = 1.0
+
+
 class GradientReducer:
     """The long-lived state of one DistributedOptimizer: buckets, hooks, in-flight reductions."""
 
     def __init__(
         self,
         params: list[tuple[str, nn.Parameter]],
-        algorithm: str,
-        op: Op,
-        fusion_mb: float,
+        options: ReduceOptions,
         compression: Compressor,
-        backward_passes_per_step: int,
-        on_nonfinite: OnNonfinite,
-        predivide: float = 1.0,
         group: dist.ProcessGroup | None = None,
         keep_sparse: bool = False,
     ) -> None:
+        algorithm, op, fusion_mb = options.algorithm, options.op, options.fusion_mb
+        backward_passes_per_step, on_nonfinite = (
+            options.backward_passes_per_step,
+            options.on_nonfinite,
+        )
+        predivide = options.predivide
         self.rt = get_runtime()
         self.predivide = predivide
         """Gradients are divided by this before the sum and the average's divisor after it."""
