@@ -19,6 +19,8 @@ from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import (
     SCHEDULES,
     LayoutConfig,
+    check_compile,
+    check_fp8,
     check_interleaved,
     check_sequence_parallel,
 )
@@ -191,6 +193,10 @@ def check_run(layout: LayoutConfig, tp: int, pp: int) -> None:
             f"unknown precision {layout.precision!r} (valid: fp32, {', '.join(HALF)})"
         )
     check_sequence_parallel(layout.sequence_parallel, tp, pp)
+    if layout.precision == "fp8":
+        check_fp8(tp, pp, layout.plan)
+    if layout.compile:
+        check_compile(pp, layout.plan)
 
 
 def layout_info(layout: LayoutConfig, rt: Runtime) -> dict[str, Any]:

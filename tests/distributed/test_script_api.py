@@ -279,3 +279,66 @@ def test_a_loss_that_is_not_the_batch_mean_is_one_line(loss: Any, message: str) 
     with pytest.raises(GradmeshError, match=message) as err:
         PlainEngine(model, 1, loss).step(x, x, 0.5)
     assert "\n" not in str(err.value)
+
+
+class Scaled(nn.Linear):
+    """A user's Linear subclass with a forward of its own, which a split layer would drop."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return 2 * super().forward(x)
+
+
+@pytest.mark.parametrize(
+    ("layer", "message"),
+    [
+        (Scaled(8, 8), r"is a Scaled, a subclass of nn.Linear whose own attributes and forward"),
+        (
+            nn.Conv2d(8, 8, 3, padding=1, padding_mode="reflect"),
+            r"pads with padding_mode='reflect', which a split Conv2d does not keep",
+        ),
+    ],
+)
+def test_a_plan_on_a_layer_a_split_cannot_keep_is_one_line(layer: nn.Module, message: str) -> None:
+    from gradmesh.layout.tensor.plan import check_plan
+
+    model = nn.Sequential(layer)
+    with pytest.raises(GradmeshError, match="layer 0 of model m " + message) as err:
+        check_plan(model, {"0": "colwise"}, 2, "m")
+    assert "\n" not in str(err.value)
+
+
+class Opaque(nn.Module):
+    """A model whose forward returns an object that is not tensors."""
+
+    class Out:
+        def __init__(self, x: torch.Tensor) -> None:
+            self.x = x
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        return Opaque.Out(x)
+
+
+def test_a_model_whose_output_cannot_cross_a_stage_is_one_line() -> None:
+    from gradmesh.layout.pipeline.graph import GraphStages
+
+    stages = GraphStages(Opaque(), ["blocks.1"], "Opaque", torch.randn(2, 4))
+    message = r"cannot cut model Opaque at blocks.1: its forward returns a Out, which a stage "
+    with pytest.raises(GradmeshError, match=message) as err:
+        stages.stages(torch.randn(2, 4))
+    assert "\n" not in str(err.value)
+
+
+def test_a_layout_the_mesh_does_not_have_is_one_line() -> None:
+    from gradmesh.layout.config import LayoutConfig
+    from gradmesh.layout.engine import check_run
+
+    with pytest.raises(GradmeshError, match=r"the layout asks for tensor_parallel 2, .* tp 1"):
+        check_run(LayoutConfig(tensor_parallel=2), 1, 1)
+    with pytest.raises(GradmeshError, match=r"--precision fp8 with --tensor-parallel"):
+        check_run(LayoutConfig(tensor_parallel=2, precision="fp8"), 2, 1)

@@ -30,6 +30,7 @@ What is ours, and why:
 from __future__ import annotations
 
 import copy
+import re
 import warnings
 from typing import Any
 
@@ -155,10 +156,12 @@ class GraphStages:
             except Exception as exc:  # noqa: BLE001 - torch's reasons vary; one line for the user
                 cause = exc.__cause__ or exc
                 why = (str(cause).splitlines() or [type(cause).__name__])[0]
-                if "in output" in why:
-                    why += (
-                        ": a stage can pass on only tensors; make the forward return tensors (a "
-                        "tuple, a dict or a ModelOutput of them)"
+                found = re.search(r"Found <class '([\w.]+)'> in output", why)
+                if found:  # a value torch cannot flatten: name it and what to change
+                    what = found.group(1).rpartition(".")[2]
+                    why = (
+                        f"its forward returns a {what}, which a stage cannot pass on: return "
+                        "tensors (a tuple, a dict or a ModelOutput of them)"
                     )
                 raise GradmeshError(
                     f"cannot cut model {self.model_name} at {','.join(self.points)}: {why}"

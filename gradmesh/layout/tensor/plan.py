@@ -168,6 +168,7 @@ def _check_one(model: nn.Module, name: str, style: Style, tp: int, model_name: s
                 f"{where} is a {type(module).__name__}; {style.kind} splits Linear and "
                 "(ungrouped) Conv2d layers"
             )
+        _check_keepable(module, where)
         size = int(module.weight.shape[style.dim])
         what = "output " if style.kind == "colwise" else "input "
         what += "channels" if isinstance(module, nn.Conv2d) else "features"
@@ -186,6 +187,25 @@ def _check_one(model: nn.Module, name: str, style: Style, tp: int, model_name: s
         raise GradmeshError(
             f"--tensor-parallel {tp} does not divide the {size} {what} of {where} "
             f"({style.kind}); tensor-parallel sizes that fit: {_fits(size, tp)}"
+        )
+
+
+def _check_keepable(module: nn.Module, where: str) -> None:
+    """One line unless a split layer keeps what `module` is: a split Linear or Conv2d is a
+    plain one of this rank's widths, so a subclass's own attributes and forward, and a
+    convolution padded other than with zeros, would be lost."""
+    kind = nn.Linear if isinstance(module, nn.Linear) else nn.Conv2d
+    if type(module) is not kind and type(module).__module__.split(".")[0] != "gradmesh":
+        raise GradmeshError(
+            f"{where} is a {type(module).__name__}, a subclass of nn.{kind.__name__} whose own "
+            f"attributes and forward a split layer would not keep: split the nn.{kind.__name__} "
+            "inside it, or leave it out of the plan"
+        )
+    mode = getattr(module, "padding_mode", "zeros")
+    if mode != "zeros":
+        raise GradmeshError(
+            f"{where} pads with padding_mode={mode!r}, which a split Conv2d does not keep: use "
+            "padding_mode='zeros' or leave it out of the plan"
         )
 
 
