@@ -14,6 +14,7 @@ parameter, put together from its tp slices, must equal the one process's to 1e-9
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from torch import nn
 
 import gradmesh
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.run import free_port
 from gradmesh.layout.tensor.layers import unshard
 from gradmesh.layout.tensor.plan import shard_specs
 from tests.harness import run_ranks
@@ -209,11 +211,25 @@ JOBS = {  # one 4-rank job each: (model, layout) in turn
 }
 
 
-def all_layouts(job: str) -> list[Any]:
+def all_layouts(job: str, ports: list[int]) -> list[Any]:
     """Every (model, layout) of `job` in turn in this one job, gradmesh re-initialised for
-    each."""
+    each on a rendezvous port of its own: `shutdown` waits for no peer, so a rank that
+    re-initialises first would otherwise join rank 0's old store before rank 0 closes it."""
     gradmesh.shutdown()  # the harness's world of dp 4
-    return [train(kind, *LAYOUTS[name]) for kind, name in JOBS[job]]
+    results = []
+    for (kind, name), port in zip(JOBS[job], ports, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        results.append(train(kind, *LAYOUTS[name]))
+    return results
+
+
+def distinct_ports(n: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < n:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 def assert_equal(results: list[Any], want: dict[str, torch.Tensor], what: str) -> None:
@@ -239,7 +255,7 @@ def assert_equal(results: list[Any], want: dict[str, torch.Tensor], what: str) -
 
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_a_users_model_and_mean_loss_equal_one_process_in_every_layout(job: str) -> None:
-    ranks = run_ranks(all_layouts, 4, job, timeout=300.0)
+    ranks = run_ranks(all_layouts, 4, job, distinct_ports(len(JOBS[job])), timeout=300.0)
     wants: dict[str, dict[str, torch.Tensor]] = {}
     for i, (kind, name) in enumerate(JOBS[job]):
         if kind not in wants:
