@@ -23,7 +23,7 @@ from gradmesh.plan.mesh import TrainWorkload, describe_mesh, flags, workload
 from gradmesh.plan.probe import ProbeRequest, mesh_probe, probe_emulated
 from gradmesh.plan.setting import Setting
 from gradmesh.sync.config import AllreduceConfig
-from gradmesh.train.optimizers import STATE_TENSORS
+from gradmesh.train.config import STATE_TENSORS
 
 
 @dataclass

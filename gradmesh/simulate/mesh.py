@@ -52,7 +52,7 @@ from gradmesh.simulate.meta_count import (
     renamed,
     repeated,
 )
-from gradmesh.train.optimizers import STATE_TENSORS
+from gradmesh.train.config import STATE_TENSORS
 
 USABLE = 0.9
 """Of a device's memory, what a layout may fill: the rest is the CUDA context, the

@@ -15,7 +15,7 @@ from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.mesh import USABLE, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
 from gradmesh.simulate.meta_count import Spec
-from gradmesh.train.optimizers import STATE_TENSORS
+from gradmesh.train.config import STATE_TENSORS
 
 GIB = 2**30
 

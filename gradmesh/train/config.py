@@ -103,6 +103,13 @@ class DataConfig:
         return bool(self.loss or self.model_args or ":" in self.model or ":" in self.dataset)
 
 
+STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
+"""Tensors of state each optimizer keeps per parameter, each of the parameter's size and dtype
+(SGD's momentum; Adam's two moments): what the planner and the simulator count. Here, with the
+options and without torch, so that `gradmesh --help` and the planner's one-line errors do not
+import torch (`gradmesh.train.optimizers` checks it against what each optimizer holds)."""
+
+
 @dataclass
 class OptimizerConfig:
     """Optimizer: how each rank updates its own parameters."""

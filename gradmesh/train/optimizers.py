@@ -13,9 +13,6 @@ from gradmesh.train.config import OptimizerConfig
 
 OptimizerFn = Callable[[Iterable[torch.nn.Parameter], float, OptimizerConfig], Optimizer]
 OPTIMIZERS: Registry[OptimizerFn] = Registry("optimizer")
-STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}
-"""Tensors of state each optimizer keeps per parameter, each of the parameter's size and dtype
-(SGD's momentum; Adam's two moments): what the planner and the simulator count."""
 
 
 def fused(params: list[torch.nn.Parameter]) -> bool | None:

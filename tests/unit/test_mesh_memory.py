@@ -190,8 +190,8 @@ def test_a_memory_limit_keeps_what_fits_and_names_the_smallest_need() -> None:
 def test_the_state_table_counts_what_each_optimizer_holds() -> None:
     """`STATE_TENSORS`, which the planner and the simulator price, against the state each
     registered optimizer keeps after a step (tensors of the parameter's size)."""
-    from gradmesh.train.config import OptimizerConfig
-    from gradmesh.train.optimizers import OPTIMIZERS, STATE_TENSORS, build_optimizer
+    from gradmesh.train.config import STATE_TENSORS, OptimizerConfig
+    from gradmesh.train.optimizers import OPTIMIZERS, build_optimizer
 
     assert sorted(STATE_TENSORS) == sorted(OPTIMIZERS.names())
     for name in OPTIMIZERS.names():
