@@ -216,13 +216,21 @@ def split_tensor(
 ) -> nn.Module:
     """The recipe's tensor step: `model` split over the tp axis by its plan (by module name,
     or a hybrid `plan`'s placement per layer), in place; the model as it is at tp 1."""
-    tp = rt.mesh[TP]
     if plan is not None:
         return apply_plan(model, plan, rt)
-    if tp.size == 1:
+    tp = rt.mesh[TP]
+    return split_by_plan(model, model_name, layout, tp.size, tp.index)
+
+
+def split_by_plan(
+    model: nn.Module, model_name: str, layout: LayoutConfig, size: int, index: int
+) -> nn.Module:
+    """Slice `index` of `size` of `model` by its tensor-parallel plan (its `sp_plan` with
+    sequence parallelism), in place; the model as it is at size 1."""
+    if size == 1:
         return model
     styles = tp_plan(model_name, model, layout.sequence_parallel)
-    return apply_tp_plan(model, styles, tp.size, tp.index, model_name)
+    return apply_tp_plan(model, styles, size, index, model_name)
 
 
 def cut_pipeline(

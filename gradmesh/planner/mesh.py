@@ -51,13 +51,13 @@ from torch import nn
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import Layout
+from gradmesh.layout.config import Layout, LayoutConfig
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline.graph import block_flops
 from gradmesh.layout.pipeline.schedules import balance
 from gradmesh.layout.tensor.layers import dry_exchanges
-from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan
+from gradmesh.layout.tensor.plan import check_plan
 from gradmesh.models.blocks import block_list
 from gradmesh.planner.profiling import _timed, sharing_threads
 from gradmesh.runtime.axes import divisors
@@ -174,11 +174,10 @@ def layouts(workers: int, batch_: int, blocks: int, tps: list[int]) -> list[Layo
 
 
 def _slice_of(work: Workload, tp: int, sizes: list[int], rounds: int) -> Slice:
-    model, x, y, loss_fn, make_optimizer = work.build()
-    if tp > 1:
-        from gradmesh.layout.engine import tp_plan
+    from gradmesh.train.recipe import rank_slice
 
-        apply_tp_plan(model, tp_plan(work.name, model), tp, 0, work.name)
+    model, x, y, loss_fn, make_optimizer = work.build()
+    model = rank_slice(model, LayoutConfig(tensor_parallel=tp), work.name)  # the recipe's slice
     optimizer = make_optimizer(list(model.parameters()))
     seconds, exchanges = {}, {}
     with dry_exchanges(tp) as dry:

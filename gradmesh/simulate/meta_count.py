@@ -60,16 +60,15 @@ class Counted:
 
 def count(spec: Spec, tp: int) -> Counted:
     """The module docstring's counts of rank 0's slice at tp."""
-    from gradmesh.layout.engine import tp_plan
+    from gradmesh.layout.config import LayoutConfig
     from gradmesh.layout.memory import saved_activations
     from gradmesh.layout.tensor.layers import dry_exchanges
-    from gradmesh.layout.tensor.plan import apply_tp_plan
     from gradmesh.models.blocks import block_list
     from gradmesh.models.flops import KernelCounter
+    from gradmesh.train.recipe import rank_slice
 
     net, ids = spec.build()
-    if tp > 1:
-        apply_tp_plan(net, tp_plan(spec.model, net), tp, 0, spec.model)
+    net = rank_slice(net, LayoutConfig(tensor_parallel=tp), spec.model)  # the recipe's slice
     counter = KernelCounter()
     with dry_exchanges(tp) as dry:
         with counter:

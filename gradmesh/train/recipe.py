@@ -1,7 +1,8 @@
 """The one recipe that makes a model parallel: `gradmesh train`, a script's
 `gradmesh.parallelize(model, layout)` and the planner's real steps (`gradmesh.plan.calibrate`)
-all run `parallelize`, in one order (torchtitan's `parallelize_llama` orders its steps the same
-way, for the same reasons):
+all run `parallelize`, and the planner's profile and the simulator's meta-device counts run its
+steps on one rank's slice (`rank_slice`), in one order (torchtitan's `parallelize_llama`
+orders its steps the same way, for the same reasons):
 
 0. What to cut is decided on the whole model: a sequence of layers is balanced on its whole
    layers' measured times (averaged over the world, so that every rank cuts alike).
@@ -42,6 +43,7 @@ from gradmesh.layout.engine import (
     cut_pipeline,
     layer_cut,
     layout_info,
+    split_by_plan,
     split_tensor,
 )
 from gradmesh.layout.fp8 import to_float8
@@ -128,6 +130,21 @@ def parallelize(
     # (expert parallelism: here)
     shard_model(split.module, zero_stage, rt)  # 6. sharding: ZeRO 2 and 3 (1: the optimizer's)
     return split
+
+
+def rank_slice(model: nn.Module, layout: LayoutConfig, name: str = "") -> nn.Module:
+    """The recipe's steps on one rank's part that need no peer, for tp index 0 in a process of
+    its own: fp8, the tensor split by the model's plan, recomputation, in the recipe's order
+    (in place). What the planner times (`gradmesh.planner.mesh`) and the simulator counts on
+    the meta device (`gradmesh.simulate.meta_count`), under `dry_exchanges`, so that both
+    price the slice the trainer runs; the pipeline cut and sharding they price from per-block
+    figures instead."""
+    name = name or type(model).__name__
+    if layout.precision == "fp8":
+        to_float8(model)
+    model = split_by_plan(model, name, layout, layout.tensor_parallel, 0)
+    _recompute(model, layout.activation_checkpointing, name)
+    return model
 
 
 def _recompute(model: nn.Module, spec: str, name: str) -> dict[str, Any]:
