@@ -28,9 +28,12 @@ def canonical_name(value: str) -> str:
 class Registry(Generic[T]):
     """A named table of entries of one kind (`kind` is used in error messages)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, loader: Callable[[], object] | None = None) -> None:
         self.kind = kind
         self._entries: dict[str, T] = {}
+        self._loader = loader
+        """Imports the modules whose entries register themselves, on the first lookup (so that
+        importing the registry alone stays cheap)."""
         self.schemes: dict[str, Callable[[str], T]] = {}
         """Entries named `scheme:rest` made by a function of `rest` (the models' `hf:llama`),
         where a name with a colon is otherwise an import path."""
@@ -49,9 +52,15 @@ class Registry(Generic[T]):
 
         return add
 
+    def _load(self) -> None:
+        loader, self._loader = self._loader, None
+        if loader is not None:
+            loader()
+
     def get(self, name: str) -> T:
         """The entry called `name`, or the object an import path `pkg.module:attr` names (the
         user's own), or a one-line error listing the valid names."""
+        self._load()
         scheme = name.partition(":")[0]
         if ":" in name and scheme in self.schemes:
             return self.schemes[scheme](name.partition(":")[2])
@@ -66,12 +75,15 @@ class Registry(Generic[T]):
     def canonical(self, name: str) -> str:
         """The registered spelling of `name` (matched without regard to case), or `name` itself
         when nothing matches (it may name something else, like an import path)."""
+        self._load()
         return name.lower() if name.lower() in self._entries else name
 
     def names(self) -> list[str]:
+        self._load()
         return sorted(self._entries)
 
     def __contains__(self, name: object) -> bool:
+        self._load()
         return isinstance(name, str) and name.lower() in self._entries
 
     def __iter__(self) -> Iterator[str]:
@@ -122,3 +134,27 @@ def parse_kwargs(text: str, flag: str) -> dict[str, Any]:
                     continue
         out[key.strip()] = value
     return out
+
+
+def lazy_attributes(
+    package: str, where: dict[str, str] | None = None, search: tuple[str, ...] = ()
+) -> Callable[[str], Any]:
+    """A package's `__getattr__` that imports the module holding a name on first use: `where`
+    maps names to their modules; a name not in it is looked up in the `__all__` of each
+    module of `search`, in order (or a submodule of that name is returned). Lets a package
+    offer names whose modules import torch while importing none itself, so that
+    `gradmesh --help` and the one-line errors before launch stay fast."""
+    import importlib
+
+    def find(name: str) -> Any:
+        if where and name in where:
+            return getattr(importlib.import_module(f"{package}.{where[name]}"), name)
+        if name in search:
+            return importlib.import_module(f"{package}.{name}")
+        for module_name in search:
+            module = importlib.import_module(f"{package}.{module_name}")
+            if name in getattr(module, "__all__", ()):
+                return getattr(module, name)
+        raise AttributeError(f"module {package!r} has no attribute {name!r}")
+
+    return find

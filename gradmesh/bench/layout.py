@@ -27,8 +27,7 @@ from gradmesh.launch.jobs import emulated_cluster
 from gradmesh.layout.config import Layout, bubble_formula
 from gradmesh.models.registry import is_token_model
 from gradmesh.options import option
-from gradmesh.planner.mesh import STATED_ERROR
-from gradmesh.planner.mesh_cost import calibration_layouts
+from gradmesh.planner.links import STATED_ERROR
 
 LAYOUTS = {
     "dp": (1, 1),
@@ -205,6 +204,8 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:
         plan = _plan(args, named, cluster) if PLAN in names else None
         if plan is not None:  # calibration layouts the rows do not measure are measured too
+            from gradmesh.planner.mesh_cost import calibration_layouts
+
             wanted = calibration_layouts([p.layout for p in plan.predictions], args.world)
             extra = [lay for lay in wanted if lay not in named.values()]
             named.update({f"calibration {lay.name}": lay for lay in extra})

@@ -8,16 +8,33 @@ Every call is counted in the runtime's `CommStats`; `cost()` and `probe()` give 
 alpha-beta-gamma model.
 """
 
-from gradmesh.collectives import auto as _auto  # noqa: F401  (registers each algorithm)
-from gradmesh.collectives import butterfly as _butterfly  # noqa: F401
-from gradmesh.collectives import hierarchical as _hierarchical  # noqa: F401
-from gradmesh.collectives import native as _native  # noqa: F401
-from gradmesh.collectives import star as _star  # noqa: F401
-from gradmesh.collectives.api import ALGORITHMS, Op, allreduce
-from gradmesh.collectives.cost import CostParams, cost, probe
-from gradmesh.collectives.objects import allgather_object, broadcast_object
-from gradmesh.collectives.ring import allgather, reduce_scatter
-from gradmesh.collectives.tree import broadcast
+from typing import TYPE_CHECKING
+
+from gradmesh.collectives.cost import CostParams, cost, probe  # no torch: the formulas
+from gradmesh.registry import lazy_attributes
+
+if TYPE_CHECKING:
+    from gradmesh.collectives.api import ALGORITHMS, Op, allreduce
+    from gradmesh.collectives.objects import allgather_object, broadcast_object
+    from gradmesh.collectives.ring import allgather, reduce_scatter
+    from gradmesh.collectives.tree import broadcast
+
+_WHERE = {
+    "ALGORITHMS": "api",
+    "Op": "api",
+    "allreduce": "api",
+    "allgather_object": "objects",
+    "broadcast_object": "objects",
+    "allgather": "ring",
+    "reduce_scatter": "ring",
+    "broadcast": "tree",
+}
+
+
+__getattr__ = lazy_attributes(__name__, _WHERE)
+"""Each name loaded on first use, so that the cost formulas (`gradmesh.collectives.cost`) import
+no torch; the algorithms register themselves on the first lookup of a registry
+(`cost.load_algorithms`)."""
 
 __all__ = [
     "ALGORITHMS",

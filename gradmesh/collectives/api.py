@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from gradmesh.collectives.agreement import Check, PendingCheck
 from gradmesh.collectives.channel import Channel, resolve_group
-from gradmesh.collectives.cost import COSTS, CostFn
+from gradmesh.collectives.cost import COSTS, CostFn, load_algorithms
 from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import span
 from gradmesh.registry import Registry
@@ -31,7 +31,7 @@ OPS = ("average", "sum", "min", "max", "product")
 AllreduceFn = Callable[[torch.Tensor, Channel], None]
 """An algorithm sums a flat contiguous tensor in place over the channel's group."""
 
-ALGORITHMS: Registry[AllreduceFn] = Registry("allreduce algorithm")
+ALGORITHMS: Registry[AllreduceFn] = Registry("allreduce algorithm", loader=load_algorithms)
 
 
 def algorithm(name: str, cost: CostFn) -> Callable[[AllreduceFn], AllreduceFn]:

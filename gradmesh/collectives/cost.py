@@ -12,11 +12,12 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from gradmesh.registry import Registry
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ DEFAULT_PARAMS = CostParams(alpha=60e-6, beta=1 / 2.0e9, gamma=1 / 4.0e9)
 CostFn = Callable[[int, int, CostParams, int], float]
 """(p, nbytes, params, local_size) -> predicted seconds."""
 
-COSTS: Registry[CostFn] = Registry("allreduce algorithm")
+COSTS: Registry[CostFn] = Registry("allreduce algorithm", loader=lambda: load_algorithms())
 
 
 def log2ceil(p: int) -> int:
@@ -74,6 +75,9 @@ def probe(
     from gradmesh.runtime.world import get_runtime
 
     rt = get_runtime()
+    import torch  # a probe runs collectives; the formulas need no torch
+    import torch.distributed as dist
+
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(rt.size))
     if len(ranks) < 2:
         raise ValueError("probe needs a group of at least 2 ranks")
@@ -107,3 +111,17 @@ def probe(
         result = torch.tensor([alpha, beta, gamma], dtype=torch.float64, device=rt.device)
     dist.broadcast(result, src=pair[0], group=group)
     return CostParams(*(float(v) for v in result))
+
+
+ALGORITHM_MODULES = ("ring", "tree", "butterfly", "star", "hierarchical", "native", "auto")
+"""The modules whose algorithms (and their cost formulas) register themselves on import."""
+
+
+def load_algorithms() -> None:
+    """Import every algorithm, so that each registers its code and its cost formula: on the
+    first lookup of either registry (`COSTS`, `api.ALGORITHMS`), not at import, so that the
+    formulas alone need no torch (`gradmesh --help`, the planner's and simulator's commands)."""
+    import importlib
+
+    for name in ALGORITHM_MODULES:
+        importlib.import_module(f"gradmesh.collectives.{name}")

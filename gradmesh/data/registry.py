@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import gradmesh.data.batch as batch
-from gradmesh.data.batch import Batch
 from gradmesh.registry import Registry
+
+if TYPE_CHECKING:
+    from gradmesh.data.batch import Batch
 
 
 @dataclass(frozen=True)
@@ -21,13 +22,19 @@ class Split:
     y: Batch
 
     def __len__(self) -> int:
+        import gradmesh.data.batch as batch  # imports torch: the options need none
+
         return batch.size(self.y)
 
     def rows(self, index: Any) -> Split:
         """The samples `index` (a slice, or indices) of inputs and targets."""
+        import gradmesh.data.batch as batch
+
         return Split(batch.rows(self.x, index), batch.rows(self.y, index))
 
     def to(self, device: Any) -> Split:
+        import gradmesh.data.batch as batch
+
         return Split(batch.to(self.x, device), batch.to(self.y, device))
 
 
@@ -58,7 +65,18 @@ class DataOptions:
 
 
 DatasetFn = Callable[[DataOptions], DataSpec]
-DATASETS: Registry[DatasetFn] = Registry("dataset")
+
+
+def load_datasets() -> None:
+    """Import the modules whose datasets register themselves: on the first lookup of
+    `DATASETS`, not at import, so that the options and the CLI's flags need no torch."""
+    import importlib
+
+    for name in ("digits", "docstrings", "synthetic", "text"):
+        importlib.import_module(f"gradmesh.data.{name}")
+
+
+DATASETS: Registry[DatasetFn] = Registry("dataset", loader=load_datasets)
 FEATURE_ID_DATASETS: set[str] = set()
 """Datasets whose inputs are int64 feature ids (DataSpec.vocab > 0), known without loading them."""
 TOKEN_DATASETS: set[str] = {"text"}

@@ -4,7 +4,9 @@ models of feature-id inputs (`FEATURE_ID_MODELS`) also take the number of ids, `
 
 A model that can be split over tensor-parallel ranks declares its plan next to its definition
 (`TP_PLANS`: layer name -> colwise or rowwise, see `gradmesh.layout.tensor.layers`); every
-`nn.Sequential` model can be cut into pipeline stages."""
+`nn.Sequential` model can be cut into pipeline stages.
 
-from gradmesh.models import gpt, hf, imagenet, small  # noqa: F401  (they register their models)
-from gradmesh.models.registry import *  # noqa: F403
+Importing the package imports no torch (the simulator's device table, `gradmesh.models.devices`,
+serves commands that only build their options): the models register themselves on the first
+lookup of a registry (`registry.load_models`).
+"""

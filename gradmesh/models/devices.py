@@ -21,10 +21,15 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16", "fp8")
+KINDS = ("conv", "conv3x3", "matmul", "attention", "memory")
+"""The kinds of kernel the FLOP counter sorts operations into (`gradmesh.models.flops`) and the
+simulator's devices price at a fraction of peak each."""
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ def pick_peak(
 def tf32_matmuls() -> bool:
     """Whether float32 matrix products run on TF32 tensor cores: torch's newer per-backend
     setting where it is set, else the legacy flags (which raise once both APIs were used)."""
+    import torch  # the table above needs none: the simulator's commands read it
+
     new = getattr(torch.backends.cuda.matmul, "fp32_precision", "none")
     if new in ("tf32", "ieee"):
         return bool(new == "tf32")
@@ -135,6 +142,8 @@ def device_peak(
 ) -> tuple[float, str]:
     """`pick_peak` for this process's `device`, its CUDA name and TF32 setting read from torch
     (nothing CUDA is called on another device)."""
+    import torch
+
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else ""
     return pick_peak(

@@ -42,7 +42,6 @@ from gradmesh.data.batch import Batch
 Kernels = dict[str, tuple[float, float]]
 """(FLOPs, bytes read and written) by kind of kernel (`KINDS`)."""
 
-KINDS = ("conv", "conv3x3", "matmul", "attention", "memory")
 _aten = torch.ops.aten
 _KIND = {
     _aten.convolution: "conv",

@@ -4,13 +4,14 @@ and `build_model`, which picks the call from the dataset and says which pairs do
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from gradmesh.data.registry import FEATURE_ID_DATASETS, TOKEN_DATASETS, DataSpec
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
+
+if TYPE_CHECKING:
+    from torch import nn
 
 __all__ = [
     "FEATURE_ID_MODELS",
@@ -23,9 +24,20 @@ __all__ = [
     "check_pairing",
 ]
 
-ModelFn = Callable[..., nn.Module]
-MODELS: Registry[ModelFn] = Registry("model")
-TP_PLANS: Registry[dict[str, str]] = Registry("tensor-parallel plan")
+ModelFn = Callable[..., "nn.Module"]
+
+
+def load_models() -> None:
+    """Import the modules whose models (and plans) register themselves: on the first lookup of
+    `MODELS` or `TP_PLANS`, not at import, so that importing the package needs no torch."""
+    import importlib
+
+    for name in ("gpt", "hf", "imagenet", "small"):
+        importlib.import_module(f"gradmesh.models.{name}")
+
+
+MODELS: Registry[ModelFn] = Registry("model", loader=load_models)
+TP_PLANS: Registry[dict[str, str]] = Registry("tensor-parallel plan", loader=load_models)
 FEATURE_ID_MODELS = {"bag"}
 TOKEN_MODELS = {"gpt"}
 """Models of token sequences: (batch, time) ids in, (batch, time, vocab) logits out."""
@@ -83,6 +95,8 @@ def build_model(name: str, spec: DataSpec, args: dict[str, Any] | None = None) -
             model = builder(spec.input_shape, spec.num_classes, **args)
     except TypeError as exc:
         raise GradmeshError(f"model {name}: {exc}") from None
+    from torch import nn
+
     if not isinstance(model, nn.Module):
         raise GradmeshError(f"model {name} returned a {type(model).__name__}, not an nn.Module")
     return model

@@ -35,19 +35,22 @@ pure data parallelism, pure tensor parallelism (the model's own tensor-parallel 
 and the rule "convolutions data-parallel, fully connected layers split".
 """
 
-from gradmesh.planner import cost, mesh, mesh_cost, mesh_memory, profiling, search
-from gradmesh.planner.cost import *  # noqa: F403
-from gradmesh.planner.mesh import *  # noqa: F403
-from gradmesh.planner.mesh_cost import *  # noqa: F403
-from gradmesh.planner.mesh_memory import *  # noqa: F403
-from gradmesh.planner.profiling import *  # noqa: F403
-from gradmesh.planner.search import *  # noqa: F403
+from typing import TYPE_CHECKING
 
-__all__ = [
-    *cost.__all__,
-    *mesh.__all__,
-    *mesh_cost.__all__,
-    *mesh_memory.__all__,
-    *profiling.__all__,
-    *search.__all__,
-]
+from gradmesh.registry import lazy_attributes
+
+if TYPE_CHECKING:
+    from gradmesh.planner.cost import *  # noqa: F403
+    from gradmesh.planner.links import *  # noqa: F403
+    from gradmesh.planner.mesh import *  # noqa: F403
+    from gradmesh.planner.mesh_cost import *  # noqa: F403
+    from gradmesh.planner.mesh_memory import *  # noqa: F403
+    from gradmesh.planner.profiling import *  # noqa: F403
+    from gradmesh.planner.search import *  # noqa: F403
+
+MODULES = ("links", "cost", "mesh", "mesh_cost", "mesh_memory", "profiling", "search")
+"""The planner's modules, whose `__all__` the package offers, each imported on first use: what
+the commands price on (`links`) needs no torch, so `gradmesh --help` imports none."""
+
+
+__getattr__ = lazy_attributes(__name__, search=MODULES)

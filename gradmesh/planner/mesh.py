@@ -59,6 +59,7 @@ from gradmesh.layout.pipeline.schedules import balance
 from gradmesh.layout.tensor.layers import dry_exchanges
 from gradmesh.layout.tensor.plan import check_plan
 from gradmesh.models.blocks import block_list
+from gradmesh.planner.links import STATED_ERROR
 from gradmesh.planner.profiling import _timed, sharing_threads
 from gradmesh.runtime.axes import divisors
 
@@ -72,15 +73,6 @@ __all__ = [
     "profile_mesh",
     "rank_blocks",
 ]
-
-
-STATED_ERROR = 0.4
-"""How far a calibrated prediction may be from its measurement, as a fraction of the
-measurement: the planner's own statement, which `gradmesh bench layout` checks (its choice must
-measure within this of the fastest layout). On this 2-core machine the layouts outside the
-calibration measured from -22% to +37% of their predictions in four runs (docs/your_model.md):
-the per-micro-batch term fitted on dp 2 x pp 2 overprices a pipeline without data parallelism,
-and tp 4 on emulated 1 Gbit/s links waits longer per exchange than tp 2 did."""
 
 
 class Workload(Protocol):

@@ -12,7 +12,7 @@ from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import LayoutConfig, check_interleaved
 from gradmesh.options import check_choices, component, option
-from gradmesh.planner import Links
+from gradmesh.planner.links import Links
 from gradmesh.simulate.devices import COMPUTE_KINDS, DEVICES, Device
 from gradmesh.simulate.profile import (
     CPU,

@@ -4,7 +4,7 @@ A kernel of kind k with F FLOPs that reads and writes B bytes takes
 
     max(F / (peak[precision] * achieved[k]), B / (bandwidth * achieved["memory"]))
 
-seconds (`Device.seconds`; the kinds are `gradmesh.models.flops.KINDS`, counted per operation on
+seconds (`Device.seconds`; the kinds are `gradmesh.models.devices.KINDS`, counted per operation on
 the meta device by `layer_kernels`). The peaks, bandwidths and memory sizes are the vendors'
 data-sheet figures (SXM parts), read from the one device table the train report's MFU also
 uses (`gradmesh.models.devices`). The achieved fractions are fitted on the calibration rows of
@@ -25,8 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from gradmesh.errors import GradmeshError
-from gradmesh.models.devices import SHEETS
-from gradmesh.models.flops import KINDS
+from gradmesh.models.devices import KINDS, SHEETS
 from gradmesh.registry import Registry
 
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")

@@ -37,7 +37,7 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
-from gradmesh.planner import Links
+from gradmesh.planner.links import Links
 from gradmesh.planner.mesh import MeshProfile, Slice, block_outputs
 from gradmesh.planner.mesh_cost import MeshPrediction, predict_mesh, variants
 from gradmesh.runtime.axes import divisors

@@ -8,12 +8,14 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.models.flops import Kernels, Layer, layer_kernels
-from gradmesh.planner import Profile, Unit
+from gradmesh.planner.links import Profile, Unit
 from gradmesh.simulate.devices import Device
+
+if TYPE_CHECKING:
+    from gradmesh.models.flops import Kernels, Layer
 
 CPU = "cpu"
 """This machine's CPU: its rate is measured by running the model (`measured_cpu`)."""
@@ -58,6 +60,8 @@ def model_layers(
     with torch.device("meta"):
         net = builder(shape, classes).to(dtype)
         x = torch.randn(batch, *shape, dtype=dtype, device="meta")
+    from gradmesh.models.flops import layer_kernels  # imports torch: when a model is counted
+
     layers, backward = layer_kernels(net, x)
     return Costs(layers, backward)
 

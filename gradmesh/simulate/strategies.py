@@ -12,7 +12,7 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import check_interleaved
-from gradmesh.planner import Links, Profile, predict
+from gradmesh.planner.links import Links, Profile
 from gradmesh.registry import Registry
 from gradmesh.simulate.profile import Split
 
@@ -63,6 +63,8 @@ def _allreduce(job: Job) -> float:
     n = job.gpus
     prof = dataclasses.replace(job.prof, workers=n, batch=job.prof.batch * n)
     layers = {u.name: "data" for u in prof.units}
+    from gradmesh.planner.cost import predict  # imports torch: only when a strategy prices
+
     return predict(prof, layers, 1, job.links, job.algorithm, job.fusion_mb).step_s
 
 
@@ -112,6 +114,8 @@ def _tensor(job: Job) -> float:
     tp = _tp_of(job)
     layers = tp_plan_layers(prof, split.tp_plan) if tp > 1 else {}
     layers = layers or {u.name: "data" for u in prof.units}
+    from gradmesh.planner.cost import predict
+
     return predict(prof, layers, tp, job.links, job.algorithm, job.fusion_mb).step_s
 
 

@@ -23,13 +23,14 @@ from gradmesh.units import parse_shape
 
 
 def check_train(config: TrainConfig) -> None:
-    """Raise a one-line `GradmeshError` for values no run can use."""
+    """Raise a one-line `GradmeshError` for values no run can use: the counts and the layout
+    first, which need no torch, then the names, which the registries (torch's modules) hold."""
     config.check_choices()
-    _check_names(config)
     config.sync.check()
     _check_counts(config)
     _check_layout(config)
     _check_checkpoints(config)
+    _check_names(config)
 
 
 def _check_names(config: TrainConfig) -> None:

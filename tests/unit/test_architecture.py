@@ -185,3 +185,27 @@ def test_a_moved_module_still_imports_with_a_deprecation_warning(
     assert getattr(moved, name) is getattr(importlib.import_module(new), name)
     assert any(f"{old} is now {new}" in str(w.message) for w in caught)
     assert all(issubclass(w.category, DeprecationWarning) for w in caught)
+
+
+def test_help_and_the_flag_errors_import_no_torch() -> None:
+    """`gradmesh --help`, a command's help and a flag's one-line error come back without
+    importing torch (1.2 s a process here): the options, the registries' names and the cost
+    formulas they read are torch-free, and the registries import their entries on first lookup."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from gradmesh.cli import build_parser, main\n"
+        "build_parser()\n"
+        "try:\n"
+        "    main(['train', '--workers', '0'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr
+    assert "--workers must be >= 1" in out.stderr
