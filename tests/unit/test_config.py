@@ -134,6 +134,31 @@ def test_mesh_shape_puts_tensor_parallel_ranks_innermost() -> None:
         MeshShape.for_world(4, tp=0)
 
 
+def test_a_mesh_is_a_mapping_of_axes_checked_once() -> None:
+    from gradmesh.layout.config import LAYOUT_KEYS, RESHARDABLE, LayoutConfig
+    from gradmesh.runtime.world import _mesh_sizes
+
+    shape = MeshShape.for_world(8, **{"tp": 2, "pp": 2})
+    assert shape == MeshShape.of({"dp": 2, "pp": 2, "tp": 2})
+    assert shape.as_dict() == {"dp": 2, "pp": 2, "tp": 2} and shape.split == 4
+    assert shape.describe() == "dp 2 x pp 2 x tp 2"
+    assert all(shape.rank_of(shape.coords(r)) == r for r in range(8))
+    with pytest.raises(
+        GradmeshError, match=r"unknown mesh axis 'cp' \(the mesh's axes: dp, pp, tp\)"
+    ):
+        MeshShape.of({"cp": 2})
+    with pytest.raises(GradmeshError, match=r"a mesh of 3 data-parallel replicas x .* is 12 ranks"):
+        MeshShape.for_world(8, dp=3, tp=2, pp=2)
+    # the options name the axes' sizes; the checkpoint's layout keys come from the same table
+    assert LayoutConfig(tensor_parallel=2).mesh_sizes() == {"pp": 1, "tp": 2}
+    assert LAYOUT_KEYS == ("workers", "pipeline_parallel", "tensor_parallel", "zero_stage")
+    assert "pipeline_parallel" not in RESHARDABLE and "tensor_parallel" in RESHARDABLE
+    assert _mesh_sizes({"tp": 2}, 1, 1) == {"tp": 2}
+    assert _mesh_sizes(None, 2, 1) == {"tp": 2}
+    with pytest.raises(GradmeshError, match="not both"):
+        _mesh_sizes({"tp": 2}, 2, 1)
+
+
 @pytest.mark.parametrize("name", ["cnn", "mlp", "linear"])
 def test_models_accept_other_input_shapes(name: str) -> None:
     import torch
@@ -196,3 +221,27 @@ def test_a_command_line_builds_only_its_own_command_s_options() -> None:
 
     listed = build_parser(["train"]).format_help()
     assert "{run,train,emulate,plan,simulate,report,bench}" in listed
+
+
+def test_the_options_and_the_priced_layout_convert_both_ways() -> None:
+    """`LayoutConfig.at` gives the planner's and the simulator's `Layout`; its `options()` are
+    the trainer's own again, and its flags what `gradmesh plan` prints."""
+    from gradmesh.layout.config import LayoutConfig
+
+    config = LayoutConfig(
+        tensor_parallel=2,
+        pipeline_parallel=2,
+        microbatches=4,
+        schedule="interleaved",
+        activation_checkpointing="blocks",
+    )
+    lay = config.at(8, zero_stage=1)
+    assert (lay.dp, lay.tp, lay.pp, lay.chunks, lay.checkpointing) == (2, 2, 2, 2, True)
+    assert lay.name == "dp2xtp2xpp2ixm4xz1xac"
+    back = LayoutConfig(**{k: v for k, v in lay.options().items() if k != "zero_stage"})
+    assert back.at(8, lay.options()["zero_stage"]) == lay
+    assert lay.flags() == (
+        "--tensor-parallel 2 --pipeline-parallel 2 --microbatches 4 --schedule interleaved "
+        "--virtual-stages 2 --zero-stage 1 --activation-checkpointing blocks"
+    )
+    assert LayoutConfig().at(4).flags() == "(data parallel: no layout flags)"
