@@ -5,8 +5,8 @@ Two models written or built here, as a user's script would: a GPT whose attentio
 a `transformers.LlamaForCausalLM` straight from its config (its cache on, as by default; it
 returns a `ModelOutput`). Each trains 20 AdamW steps in float64 with a mean loss written as a
 user writes it (`F.cross_entropy`, the Llama's read from `out.logits`, or its own `labels` path)
-under tp 2, pp 2 (1F1B and interleaved) and tp 2 x pp 2 on 4 ranks (the rest data-parallel),
-one job re-initialising gradmesh per layout: tp 2 and pp 2 through `gradmesh.parallelize(model)`
+under tp 2, pp 2 (1F1B and interleaved) on 2 ranks and tp 2 x pp 2 on 4, each job
+re-initialising gradmesh per layout: tp 2 and pp 2 through `gradmesh.parallelize(model)`
 (the tensor step) and `gradmesh.pipeline_stage`, the other two through the whole recipe,
 `gradmesh.parallelize(model, LayoutConfig(...))` on a mesh given as `init(mesh={...})`. Every
 parameter, put together from its tp slices, must equal the one process's to 1e-9.
@@ -205,9 +205,12 @@ def train(kind: str, tp: int, pp: int, schedule: str, recipe: bool) -> Any:
     return coords, params, specs
 
 
-JOBS = {  # one 4-rank job each: (model, layout) in turn
-    "gpt": [("gpt", name) for name in LAYOUTS],
-    "llama": [("llama", name) for name in LAYOUTS] + [("llama-labels", "pp2")],
+JOBS = {  # a job of 2 ranks for the layouts of 2, one of 4 for tp 2 x pp 2: (model, layout)
+    "2": [
+        *[(kind, name) for kind in ("gpt", "llama") for name in ("tp2", "pp2", "pp2-interleaved")],
+        ("llama-labels", "pp2"),
+    ],
+    "4": [("gpt", "tp2xpp2"), ("llama", "tp2xpp2")],
 }
 
 
@@ -215,7 +218,7 @@ def all_layouts(job: str, ports: list[int]) -> list[Any]:
     """Every (model, layout) of `job` in turn in this one job, gradmesh re-initialised for
     each on a rendezvous port of its own: `shutdown` waits for no peer, so a rank that
     re-initialises first would otherwise join rank 0's old store before rank 0 closes it."""
-    gradmesh.shutdown()  # the harness's world of dp 4
+    gradmesh.shutdown()  # the harness's world, all data-parallel
     results = []
     for (kind, name), port in zip(JOBS[job], ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
@@ -255,7 +258,7 @@ def assert_equal(results: list[Any], want: dict[str, torch.Tensor], what: str) -
 
 @pytest.mark.parametrize("job", sorted(JOBS))
 def test_a_users_model_and_mean_loss_equal_one_process_in_every_layout(job: str) -> None:
-    ranks = run_ranks(all_layouts, 4, job, distinct_ports(len(JOBS[job])), timeout=300.0)
+    ranks = run_ranks(all_layouts, int(job), job, distinct_ports(len(JOBS[job])), timeout=300.0)
     wants: dict[str, dict[str, torch.Tensor]] = {}
     for i, (kind, name) in enumerate(JOBS[job]):
         if kind not in wants:
