@@ -77,10 +77,12 @@ def test_more_ranks_than_gpus_is_refused() -> None:
 
 @pytest.mark.slow
 def test_compile_composes_with_tp_zero3_and_recomputation(tmp_path: Path) -> None:
-    """dp 2 x tp 2 with ZeRO stage 3 and recomputed blocks, each block compiled (through
-    aot_eager: the graphs without generated kernels), takes one uncompiled process's steps."""
+    """tp 2 with ZeRO stage 3 (FSDP2's units and hooks on a data axis of one) and recomputed
+    blocks, each block compiled (through aot_eager: the graphs without generated kernels), in
+    the recipe's order, takes one uncompiled process's steps. 2 ranks keep the suite's time;
+    ZeRO-3 over real replicas is tests/distributed/test_sharded.py's."""
     flags = [*GPT_TEXT, "--optimizer", "adamw", "--lr", "0.003"]
-    split = ["--workers", "4", "--tensor-parallel", "2", "--zero-stage", "3", "--compile"]
+    split = ["--workers", "2", "--tensor-parallel", "2", "--zero-stage", "3", "--compile"]
     split += ["--activation-checkpointing", "blocks"]
     runs = {}
     for name, extra in (("one", ["--workers", "1"]), ("compiled", split)):
