@@ -133,6 +133,19 @@ def tp_plan(
     )
 
 
+def admitted_degrees(model: nn.Module, model_name: str, tps: list[int]) -> list[int]:
+    """The tensor-parallel degrees of `tps` the model's plan can split it over (1 always)."""
+    fits = []
+    for tp in tps:
+        if tp > 1:
+            try:
+                check_plan(model, tp_plan(model_name, model), tp, model_name)
+            except GradmeshError:
+                continue
+        fits.append(tp)
+    return fits
+
+
 @dataclass
 class Split:
     """This rank's part of the model and how to run it (`gradmesh.parallelize(model, layout)`

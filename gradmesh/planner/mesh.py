@@ -50,14 +50,12 @@ from torch import nn
 
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
-from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout, LayoutConfig
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline.graph import block_flops
 from gradmesh.layout.pipeline.schedules import balance
 from gradmesh.layout.tensor.layers import dry_exchanges
-from gradmesh.layout.tensor.plan import check_plan
 from gradmesh.models.blocks import block_list
 from gradmesh.planner.links import STATED_ERROR
 from gradmesh.planner.profiling import _timed, sharing_threads
@@ -268,16 +266,9 @@ def profile_mesh(
     names = block_list(model)
     sample = batch.rows(x, slice(0, 1))
     flops = block_flops(model, sample, 1, work.name) if len(names) > 1 else {}
-    admitted = [1]
-    for tp in tps:
-        if tp > 1:
-            from gradmesh.layout.engine import tp_plan
+    from gradmesh.layout.engine import admitted_degrees
 
-            try:
-                check_plan(model, tp_plan(work.name, model), tp, work.name)
-            except GradmeshError:
-                continue
-            admitted.append(tp)
+    admitted = sorted({1, *admitted_degrees(model, work.name, tps)})
     found = layouts(workers, batch_, len(flops), admitted) if search else []
     needs: dict[int, set[int]] = {}
     for lay in [*found, *also]:

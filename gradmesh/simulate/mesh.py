@@ -142,9 +142,8 @@ def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Devi
 
 
 def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Device) -> MetaProfile:
-    from gradmesh.layout.engine import tp_plan
+    from gradmesh.layout.engine import admitted_degrees
     from gradmesh.layout.pipeline.graph import block_flops
-    from gradmesh.layout.tensor.plan import check_plan
     from gradmesh.models.blocks import block_list
 
     depth = deep(spec)
@@ -157,12 +156,7 @@ def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Dev
         net, ids = spec.build()
         full = names = block_list(net)
     counted = {}
-    for tp in tps:
-        if tp > 1:
-            try:
-                check_plan(net, tp_plan(spec.model, net), tp, spec.model)
-            except GradmeshError:
-                continue
+    for tp in admitted_degrees(net, spec.model, tps):
         if depth:
             counted[tp] = repeated(count(at_depth(spec, 2), tp), count(small, tp), depth, full)
         else:
