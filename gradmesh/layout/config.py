@@ -3,6 +3,7 @@ workers are data-parallel replicas). No torch here: the CLI builds its flags fro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,25 @@ class LayoutConfig:
 
     tensor_parallel: int = option(1, "ranks each layer of the model's plan is split over (tp)")
     pipeline_parallel: int = option(1, "pipeline stages the model's layers are cut into (pp)")
+    context_parallel: int = option(
+        1,
+        "ranks each sequence is split over (cp), each holding two of 2 x cp chunks (one early, "
+        "one late: the causal work balanced); attention exchanges keys and values "
+        "(--context-attention); the same batch on each, gradients averaged over them",
+    )
+    context_attention: str = option(
+        "ring",
+        "context parallelism's attention: ring (keys and values passed around the cp ranks, "
+        "each step's transfer overlapped with a block's attention) or alltoall (Ulysses: "
+        "heads exchanged for sequence, each rank attends its heads over the whole sequence)",
+        choices=("ring", "alltoall"),
+    )
+    expert_parallel: int = option(
+        1,
+        "ranks a mixture of experts' experts are spread over (ep), tokens dispatched to their "
+        "experts and back by all-to-all; each takes its own samples, as a data-parallel "
+        "replica does (a model with experts: --model gpt --model-args experts=8,top_k=2)",
+    )
     microbatches: int = option(1, "pipeline: micro-batches per replica's batch")
     schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
     virtual_stages: int = option(
@@ -84,14 +104,14 @@ class LayoutConfig:
 
     @property
     def split(self) -> bool:
-        """Whether one replica spans more than one rank."""
-        return self.tensor_parallel * self.pipeline_parallel > 1
+        """Whether one replica's work spans more than one rank."""
+        return math.prod(self.mesh_sizes().values()) > 1
 
     def at(self, workers: int, zero_stage: int = 0) -> Layout:
         """This layout on `workers` ranks, as the planner and the simulator price it."""
         tp, pp = self.tensor_parallel, self.pipeline_parallel
         return Layout(
-            workers // (tp * pp),
+            workers // math.prod(self.mesh_sizes().values()),
             tp,
             pp,
             self.microbatches,
@@ -99,6 +119,9 @@ class LayoutConfig:
             self.chunks,
             zero_stage,
             self.activation_checkpointing == "blocks",
+            self.context_parallel,
+            self.expert_parallel,
+            self.context_attention,
         )
 
 
@@ -120,10 +143,19 @@ class Layout:
     """Sharded data parallelism's stage on the dp axis (`--zero-stage`)."""
     checkpointing: bool = False
     """Every block recomputed in backward (`--activation-checkpointing blocks`)."""
+    cp: int = 1
+    """Context-parallel ranks a sequence is split over (`--context-parallel`)."""
+    ep: int = 1
+    """Expert-parallel ranks a mixture's experts are spread over (`--expert-parallel`)."""
+    attention: str = "ring"
+    """Context parallelism's exchange (`--context-attention`)."""
 
     @property
     def name(self) -> str:
         parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1)
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}" + ("a2a" if self.attention == "alltoall" else ""))
+        parts += [f"ep{self.ep}"] * (self.ep > 1)
         if self.pp > 1:
             parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
         if self.pp > 1 or self.microbatches > 1:
@@ -141,6 +173,9 @@ class Layout:
             "virtual_stages": max(self.chunks, 2),
             "zero_stage": self.zero_stage,
             "activation_checkpointing": "blocks" if self.checkpointing else "",
+            "context_parallel": self.cp,
+            "context_attention": self.attention,
+            "expert_parallel": self.ep,
         }
 
     def flags(self) -> str:
@@ -155,6 +190,10 @@ class Layout:
             out.append(f"--zero-stage {self.zero_stage}")
         if self.checkpointing:
             out.append("--activation-checkpointing blocks")
+        if self.cp > 1:
+            out.append(f"--context-parallel {self.cp} --context-attention {self.attention}")
+        if self.ep > 1:
+            out.append(f"--expert-parallel {self.ep}")
         return " ".join(out) or "(data parallel: no layout flags)"
 
 
@@ -251,3 +290,65 @@ def check_compile(pp: int, plan: str) -> None:
             "--compile with --plan: a hybrid plan swaps layers per rank; compile a data-, "
             "tensor-parallel or sharded layout"
         )
+
+
+def check_context_layout(layout: LayoutConfig, pp: int, zero_stage: int) -> None:
+    """One line for what context parallelism does not compose with (the options alone; the
+    model's sequence, positions and attention: `gradmesh.layout.context.check_context`)."""
+    cp, ep = layout.context_parallel, layout.expert_parallel
+    if cp < 1 or ep < 1:
+        raise GradmeshError(
+            f"--context-parallel and --expert-parallel must be >= 1, got {cp} and {ep}"
+        )
+    if cp == 1:
+        return
+    refusals = (
+        (
+            pp > 1,
+            "--pipeline-parallel: a pipeline's stages are graphs traced on whole "
+            "sequences, whose attention the ring does not reach",
+        ),
+        (layout.sequence_parallel, "--sequence-parallel: both split the sequence; use one"),
+        (layout.compile, "--compile: the ring's exchanges run between compiled graphs"),
+        (
+            bool(layout.plan),
+            "--plan: a hybrid plan places layers over data and tensor parallelism only",
+        ),
+        (
+            ep > 1,
+            "--expert-parallel: the experts' all-to-all and the ring's chunks are not "
+            "composed yet; use one",
+        ),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise GradmeshError(f"--context-parallel {cp} with {why}")
+    del zero_stage  # ZeRO 1-3 shard over every replica, the cp ranks included
+
+
+def check_expert_layout(layout: LayoutConfig, pp: int, zero_stage: int) -> None:
+    """One line for what expert parallelism does not compose with (the options alone; the
+    model's experts: `gradmesh.layout.expert.check_expert`)."""
+    ep = layout.expert_parallel
+    if ep == 1:
+        return
+    refusals = (
+        (
+            pp > 1,
+            "--pipeline-parallel: the balance loss of a stage's mixtures does not reach "
+            "the last stage's loss",
+        ),
+        (
+            zero_stage >= 2,
+            f"--zero-stage {zero_stage}: FSDP2 would shard each rank's own "
+            "experts over replicas that hold others; use --zero-stage 1",
+        ),
+        (
+            bool(layout.plan),
+            "--plan: a hybrid plan places layers over data and tensor parallelism only",
+        ),
+        (layout.compile, "--compile: the dispatch's token counts change the graph each step"),
+    )
+    for refused, why in refusals:
+        if refused:
+            raise GradmeshError(f"--expert-parallel {ep} with {why}")

@@ -20,10 +20,14 @@ from gradmesh.layout.config import (
     SCHEDULES,
     LayoutConfig,
     check_compile,
+    check_context_layout,
+    check_expert_layout,
     check_fp8,
     check_interleaved,
     check_sequence_parallel,
 )
+from gradmesh.layout.context import check_context
+from gradmesh.layout.expert import check_expert
 from gradmesh.layout.loss import LossFn, logits_of, summed
 from gradmesh.layout.pipeline.engine import HALF, PipelineEngine, forward_precision, single_input
 from gradmesh.layout.pipeline.graph import candidates, check_points
@@ -168,11 +172,18 @@ class Split:
         return self.engine.backward_passes
 
 
-def check_layout(model: nn.Module, model_name: str, layout: LayoutConfig) -> None:
+def check_layout(
+    model: nn.Module, model_name: str, layout: LayoutConfig, sample: Batch | None = None
+) -> None:
     """One line, before launch, unless this layout can split `model`: its plan fits the tp
-    degree, its layers make pp stages of the chunks each rank holds (the flags alone are checked
-    by `TrainConfig.validate`)."""
+    degree, its layers make pp stages of the chunks each rank holds, its sequences (`sample`:
+    a batch like the training data's) and attention split over cp, its experts over ep (the
+    flags alone are checked by `gradmesh.train.checks`)."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel * layout.chunks
+    check_expert(model, model_name, layout.expert_parallel)
+    if layout.context_parallel > 1 and sample is not None:
+        cp, attention = layout.context_parallel, layout.context_attention
+        check_context(model, model_name, cp, attention, sample, tp)
     if tp > 1:
         check_plan(model, tp_plan(model_name, model, layout.sequence_parallel), tp, model_name)
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
@@ -187,16 +198,19 @@ def check_layout(model: nn.Module, model_name: str, layout: LayoutConfig) -> Non
         parse_stages(layout.stages, layers_of(model, model_name), pp)
 
 
-def check_run(layout: LayoutConfig, tp: int, pp: int) -> None:
-    """One line unless `layout` can run on a mesh of `tp` x `pp` ranks a replica: its sizes are
+def check_run(layout: LayoutConfig, mesh: dict[str, int], zero_stage: int = 0) -> None:
+    """One line unless `layout` can run on a mesh of these sizes (axis -> size): its sizes are
     the mesh's, the schedule can run, the precision is known (fp16 runs on any device here, a
-    script's choice; `gradmesh train` asks for a GPU, `check_precision`)."""
-    if (layout.tensor_parallel, layout.pipeline_parallel) != (tp, pp):
+    script's choice; `gradmesh train` asks for a GPU, `check_precision`), the axes compose."""
+    asked = layout.mesh_sizes()
+    if any(mesh.get(axis, 1) != size for axis, size in asked.items()):
+        wanted = ", ".join(f"{axis} {size}" for axis, size in asked.items())
+        has = ", ".join(f"{axis} {mesh.get(axis, 1)}" for axis in asked)
         raise GradmeshError(
-            f"the layout asks for tensor_parallel {layout.tensor_parallel}, pipeline_parallel "
-            f"{layout.pipeline_parallel}, the mesh has tp {tp}, pp {pp}: initialise gradmesh "
+            f"the layout asks for {wanted}; the mesh has {has}: initialise gradmesh "
             "with the layout's sizes (gradmesh.init(mesh={...}))"
         )
+    tp, pp = asked[TP], asked[PP]
     if layout.schedule not in SCHEDULES:
         raise GradmeshError(f"unknown schedule {layout.schedule!r} (valid: {', '.join(SCHEDULES)})")
     if pp > 1:
@@ -210,6 +224,8 @@ def check_run(layout: LayoutConfig, tp: int, pp: int) -> None:
         check_fp8(tp, pp, layout.plan)
     if layout.compile:
         check_compile(pp, layout.plan)
+    check_context_layout(layout, pp, zero_stage)
+    check_expert_layout(layout, pp, zero_stage)
 
 
 def layout_info(layout: LayoutConfig, rt: Runtime) -> dict[str, Any]:

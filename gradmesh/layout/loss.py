@@ -11,7 +11,9 @@ what the loss returned (a scalar), naming the loss in one line otherwise.
 Hugging Face `ModelOutput` (read its `.logits`, or `.loss` when the model was given `labels`).
 A pipeline's last stage puts its values back into that structure (`GraphStages.output_of`),
 so one loss serves a whole model and its cut. The default loss reads the logits from any of
-them (`logits_of`).
+them (`logits_of`). A model with mixtures of experts returns a `MoEOutput`
+(`gradmesh.models.moe`): the engines add its balance loss (a mean over samples too) to the
+user's loss, which need not know of it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 
 from gradmesh.data.batch import size as batch_size
 from gradmesh.errors import GradmeshError
+from gradmesh.models.moe import MoEOutput
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 """fn(outputs, targets) -> the batch's mean loss (a scalar tensor); targets are what the step
@@ -82,6 +85,8 @@ class Summed:
                 f"loss {self.name} returned {got}, not a scalar: return the batch's mean "
                 "(reduction='mean', as torch's losses do); the engines multiply it by the samples"
             )
+        if isinstance(out, MoEOutput):  # a mixture's balance loss, a mean over samples too
+            value = value + out.aux_loss
         return value * n
 
 

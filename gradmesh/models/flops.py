@@ -221,8 +221,12 @@ def flops_per_sample(build: Callable[[], nn.Module], sample: Batch) -> float:
 def _counted(net: nn.Module, sample: Batch) -> float:
     with FlopCounterMode(display=False) as counter:
         out = batch.call(net, sample)
-        first = batch.leaves(out, "model output")[0] if not torch.is_tensor(out) else out
-        first.float().sum().backward()  # type: ignore[no-untyped-call]
+        if not torch.is_tensor(out):  # the output's first tensor (a mixture's: with its losses)
+            found = [
+                t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.is_floating_point()
+            ]
+            out = found[0].float().sum() + sum(t.sum() for t in found[1:] if t.dim() == 0)
+        out.float().sum().backward()  # type: ignore[no-untyped-call]
     return float(counter.get_total_flops())
 
 

@@ -12,12 +12,14 @@ attention's output and the MLP's second layer row-parallel.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from gradmesh.errors import GradmeshError
+from gradmesh.models.moe import MoE, MoEOutput, check_routing
 from gradmesh.models.registry import MODELS
 
 
@@ -32,8 +34,18 @@ class GPTConfig:
     """Key/value heads (grouped-query attention); 0: as many as `heads`."""
     mlp_ratio: int = 4
     tie: bool = True
+    experts: int = 0
+    """Experts of each block's mixture (`gradmesh.models.moe`); 0: a plain MLP."""
+    top_k: int = 2
+    """Experts each token is routed to."""
+    capacity: float = 0.0
+    """Capacity factor of each expert (0: dropless routing)."""
+    balance: float = 0.01
+    """Weight of each mixture's balance loss."""
 
     def check(self) -> None:
+        if self.experts:
+            check_routing(self.experts, self.top_k, self.capacity)
         kv = self.kv_heads or self.heads
         if self.dim % self.heads or self.heads % kv:
             raise GradmeshError(
@@ -83,7 +95,12 @@ class Block(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.ln1, self.attn = nn.LayerNorm(c.dim), Attention(c)
-        self.ln2, self.mlp = nn.LayerNorm(c.dim), MLP(c)
+        self.ln2 = nn.LayerNorm(c.dim)
+        self.mlp: nn.Module = (
+            MoE(c.dim, c.mlp_ratio * c.dim, c.experts, c.top_k, c.capacity, c.balance)
+            if c.experts
+            else MLP(c)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
@@ -113,13 +130,17 @@ class GPT(nn.Module):
         """Module name -> tensor-parallel style (`gradmesh.layout.tensor.plan`); the head gathers
         the logits (use `head: colwise` with a vocabulary-parallel loss to keep them split)."""
         kv = self.config.kv_heads or self.config.heads
+        mlp = (
+            {}
+            if self.config.experts
+            else {"blocks.*.mlp.fc1": "colwise", "blocks.*.mlp.fc2": "rowwise"}
+        )
         return {
             "tok": "embedding",
             "blocks.*.attn": "heads(heads,kv_heads)",
             "blocks.*.attn.qkv": f"colwise({self.config.heads},{kv},{kv})",
             "blocks.*.attn.proj": "rowwise",
-            "blocks.*.mlp.fc1": "colwise",
-            "blocks.*.mlp.fc2": "rowwise",
+            **mlp,  # a mixture's experts stay whole on every tp rank (ep places them)
             "head": "colwise(gather)",
         }
 
@@ -139,19 +160,34 @@ class GPT(nn.Module):
             "norm": "sequence(gather)",
         }
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor | MoEOutput:
+        """Logits; with experts, the logits and the mixtures' balance losses (`MoEOutput`).
+        `positions`: each token's place in its sequence (default 0, 1, ...; context
+        parallelism gives each rank's chunks theirs)."""
         t = ids.shape[1]
-        if t > self.config.seq:
-            raise GradmeshError(f"gpt: sequence of {t} tokens, longer than seq {self.config.seq}")
-        x = self.tok(ids) + self.pos(torch.arange(t, device=ids.device))
+        if positions is None:
+            if t > self.config.seq:
+                raise GradmeshError(
+                    f"gpt: sequence of {t} tokens, longer than seq {self.config.seq}"
+                )
+            positions = torch.arange(t, device=ids.device)
+        x = self.tok(ids) + self.pos(positions)
         for block in self.blocks:
             x = block(x)
-        return self.head(self.norm(x))  # type: ignore[no-any-return]
+        logits = self.head(self.norm(x))
+        if not self.config.experts:
+            return logits  # type: ignore[no-any-return]
+        aux = [cast(MoE, block.mlp).aux_loss for block in self.blocks]
+        return MoEOutput(logits, torch.stack(cast(list[torch.Tensor], aux)).sum())
 
 
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def lm_loss(out: torch.Tensor | MoEOutput, target: torch.Tensor) -> torch.Tensor:
     """The language-model loss: cross-entropy of every position's next token, the mean over
-    the batch's positions (gradmesh's loss convention, `gradmesh.layout.loss`)."""
+    the batch's positions (gradmesh's loss convention, `gradmesh.layout.loss`; the engines add
+    a mixture's balance losses)."""
+    logits = out.logits if isinstance(out, MoEOutput) else out
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 

@@ -2,17 +2,23 @@
 options and the checks before launch read it too.
 
 Each axis is a row of `AXES` (outermost first): its name, the option that sets its size (the
-data axis has none: it is the rest of the world), and whether a checkpoint can move across its
-sizes (`--reshard`). Ranks are laid out with the last axis innermost:
+data axis has none: it is the rest of the world), whether a checkpoint can move across its
+sizes (`--reshard`), and what its ranks share: whether they take different samples of the
+batch (`batch`: dp, and ep, whose ranks hold different experts but see different samples) and
+whether they hold the same parameters, their gradients averaged (`replicates`: dp, ep for all
+but its experts, cp, whose ranks hold parts of the same sequences). Ranks are laid out with the
+last axis innermost:
 
-    rank = (dp_index * pp + pp_index) * tp + tp_index
+    rank = (((dp_index * pp + pp_index) * ep + ep_index) * cp + cp_index) * tp + tp_index
 
 so a tensor-parallel group is adjacent ranks (one host, where its per-layer exchanges are
-cheapest), then pipeline stages, then data-parallel replicas. Everything else derives from the
-table and a shape: the process groups and rank coordinates (`gradmesh.runtime.mesh`), the
-checkpoint's layout keys (`gradmesh.layout.config.LAYOUT_KEYS`), the report's layout. A new
-axis is a row here, its own package under `gradmesh/layout/`, and its step in the recipe
-(`gradmesh.layout.recipe`); docs/architecture.md says it step by step.
+cheapest), then the context ring, the experts' all-to-all, pipeline stages, then data-parallel
+replicas. Everything else derives from the table and a shape: the process groups and rank
+coordinates (`gradmesh.runtime.mesh`), the groups gradients are averaged over (`REPLICAS`) and
+the data is split over (`BATCH`), the checkpoint's layout keys
+(`gradmesh.layout.config.LAYOUT_KEYS`), the report's layout. A new axis is a row here, its own
+package under `gradmesh/layout/`, and its step in the recipe (`gradmesh.train.recipe`);
+docs/architecture.md says it step by step.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from dataclasses import dataclass
 
 from gradmesh.errors import GradmeshError
 
-DP, PP, TP = "dp", "pp", "tp"
+DP, PP, EP, CP, TP = "dp", "pp", "ep", "cp", "tp"
 """The axes' names: the only place they are written, with the axes' own packages."""
 
 
@@ -39,17 +45,30 @@ class AxisSpec:
     """What its ranks hold, for messages."""
     reshardable: bool
     """Whether a checkpoint can be resumed at another size of this axis (`--reshard`)."""
+    batch: bool = False
+    """Whether its ranks take different samples of the global batch."""
+    replicates: bool = False
+    """Whether its ranks hold the same parameters (their gradients averaged over it)."""
 
 
 AXES = (
-    AxisSpec(DP, "", "data-parallel replicas", True),
+    AxisSpec(DP, "", "data-parallel replicas", True, batch=True, replicates=True),
     AxisSpec(PP, "pipeline_parallel", "pipeline stages", False),
+    AxisSpec(EP, "expert_parallel", "expert-parallel ranks", False, batch=True, replicates=True),
+    AxisSpec(CP, "context_parallel", "context-parallel ranks", True, replicates=True),
     AxisSpec(TP, "tensor_parallel", "tensor-parallel ranks", True),
 )
 """Outermost first."""
 NAMES = tuple(a.name for a in AXES)
 SPLITTING = tuple(a for a in AXES if a.flag)
 """The axes that split one replica (all but the data axis)."""
+BATCH = tuple(a.name for a in AXES if a.batch)
+"""The axes over which the global batch is split: a rank's data shard is its place on them."""
+REPLICAS = tuple(a.name for a in AXES if a.replicates)
+"""The axes whose ranks hold the same parameters: gradients are averaged over them (the
+experts, which the ep axis places, over the others: `EXPERT_REPLICAS`)."""
+EXPERT_REPLICAS = tuple(a for a in REPLICAS if a != EP)
+"""The axes over which the copies of one expert average (`gradmesh.layout.expert`)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -132,18 +151,30 @@ class MeshShape:
             rank = rank * size + coords[name]
         return rank
 
-    def lines(self, axis: str) -> list[list[int]]:
-        """Every group of ranks along `axis` (the ranks that differ only in that coordinate),
-        in the same order on every rank."""
-        others = [n for n in NAMES if n != axis]
-        ranges = [range(self.size(n)) for n in others]
+    def lines(self, axes: str | tuple[str, ...]) -> list[list[int]]:
+        """Every group of ranks along `axes` (one axis, or several: the ranks that differ only
+        in those coordinates), each in rank order, the same on every rank."""
+        along = (axes,) if isinstance(axes, str) else axes
+        others = [n for n in NAMES if n not in along]
+        inside = [range(self.size(n)) for n in along]
         return [
-            [
-                self.rank_of({**dict(zip(others, fixed, strict=True)), axis: i})
-                for i in range(self.size(axis))
-            ]
-            for fixed in itertools.product(*ranges)
+            sorted(
+                self.rank_of(
+                    {**dict(zip(others, fixed, strict=True)), **dict(zip(along, i, strict=True))}
+                )
+                for i in itertools.product(*inside)
+            )
+            for fixed in itertools.product(*(range(self.size(n)) for n in others))
         ]
 
+    def spanned(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """The axes of `axes` with more than one rank."""
+        return tuple(a for a in axes if self.size(a) > 1)
+
     def describe(self) -> str:
-        return " x ".join(f"{name} {size}" for name, size in zip(NAMES, self.sizes, strict=True))
+        """'dp 2 x tp 2': the data axis and every axis of more than one rank."""
+        return " x ".join(
+            f"{name} {size}"
+            for name, size in zip(NAMES, self.sizes, strict=True)
+            if name == DP or size > 1
+        )

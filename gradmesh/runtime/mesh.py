@@ -1,8 +1,11 @@
-"""The mesh: the world's ranks on the named axes of `gradmesh.runtime.axes` (dp x pp x tp
-today), one process group per axis.
+"""The mesh: the world's ranks on the named axes of `gradmesh.runtime.axes` (dp x pp x ep x
+cp x tp), one process group per axis, and one for the ranks that average gradients
+(`mesh.replicas`: dp x ep x cp) and for those that split the batch (`mesh.batch`: dp x ep)
+where these span more than one axis.
 
-Code that averages over replicas uses `mesh[DP]`, code that splits a layer `mesh[TP]`, code
-that streams between stages `mesh[PP]`; nothing assumes the data axis is the whole world.
+Code that averages over replicas uses `mesh.replicas` (`mesh[DP]` itself when cp and ep are
+1), code that splits a layer `mesh[TP]`, code that streams between stages `mesh[PP]`; nothing
+assumes the data axis is the whole world.
 
 The groups are made here, with the job's timeout and labelled by axis in every message, and then
 handed to torch's `DeviceMesh.from_group` (`Mesh.device_mesh`), rather than made by
@@ -19,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime.axes import NAMES, MeshShape
+from gradmesh.runtime.axes import BATCH, DP, EXPERT_REPLICAS, NAMES, REPLICAS, MeshShape
 
 BATCH_SHARDED = "gradmesh_batch_sharded"
 """Attribute set (True) on a parameter whose layer computes on this rank's slice of its
@@ -30,6 +33,11 @@ LAYOUT_SYNCED = "gradmesh_layout_synced"
 """Attribute set (True) on a parameter whose gradient the layout itself makes whole and
 averages over dp (a weight tied across pipeline stages: summed over the stages that hold it and
 averaged over the replicas in one allreduce); data-parallel sync leaves it alone."""
+
+EXPERT_PLACED = "gradmesh_expert_placed"
+"""Attribute set (True) on a parameter of this rank's experts (`gradmesh.layout.expert`): the
+ep ranks hold different ones, so it is averaged over the copies of the same expert
+(`Mesh.experts`), not over every replica, and the first broadcast leaves it to that group."""
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -64,6 +72,24 @@ class Mesh:
         self.shape = shape
         self.axes = axes
         self._device_mesh: DeviceMesh | None = None
+
+    @property
+    def replicas(self) -> Axis:
+        """The ranks that hold the same parameters as this one (dp x ep x cp: `REPLICAS`), whose
+        gradients are averaged together; the dp axis itself when it is the only one of them."""
+        return self.axes[_composite(self.shape, REPLICAS)]
+
+    @property
+    def experts(self) -> Axis:
+        """The ranks that hold the same experts as this one (the replicas but the ep axis:
+        `EXPERT_REPLICAS`)."""
+        return self.axes[_composite(self.shape, EXPERT_REPLICAS)]
+
+    @property
+    def batch(self) -> Axis:
+        """The ranks that take different samples of the global batch (dp x ep: `BATCH`); a
+        rank's data shard is its index here."""
+        return self.axes[_composite(self.shape, BATCH)]
 
     def __getitem__(self, name: str) -> Axis:
         try:
@@ -107,17 +133,40 @@ def group_of_lines(lines: list[list[int]], rank: int, timeout: timedelta) -> dis
     return mine
 
 
+def _composite(shape: MeshShape, axes: tuple[str, ...]) -> str:
+    """The key of the axes' line in `Mesh.axes`: the one axis spanned (dp where none is), or
+    their names joined ('dp*cp')."""
+    spanned = shape.spanned(axes)
+    return spanned[0] if len(spanned) == 1 else "*".join(spanned) if spanned else DP
+
+
 def build_mesh(
     shape: MeshShape, rank: int, timeout: timedelta, groups: list[dist.ProcessGroup]
 ) -> Mesh:
-    """Make one group per axis (every rank calls this in the same order); each group made is
-    appended to `groups`, whose owner frees them at shutdown."""
+    """Make one group per axis, then one per set of axes (`REPLICAS`, `BATCH`,
+    `EXPERT_REPLICAS`) that spans more
+    than one axis (every rank calls this in the same order); each group made is appended to
+    `groups`, whose owner frees them at shutdown."""
     axes = {}
-    coords = shape.coords(rank)
     for name in NAMES:
-        lines = shape.lines(name)
-        group = group_of_lines(lines, rank, timeout)
-        groups.append(group)
-        ranks = next(line for line in lines if rank in line)
-        axes[name] = Axis(name, shape.size(name), coords[name], ranks, group)
+        axes[name] = _line(shape, name, rank, timeout, groups)
+    for along in (REPLICAS, BATCH, EXPERT_REPLICAS):
+        key = _composite(shape, along)
+        if key not in axes:
+            axes[key] = _line(shape, shape.spanned(along), rank, timeout, groups)
     return Mesh(shape, axes)
+
+
+def _line(
+    shape: MeshShape,
+    along: str | tuple[str, ...],
+    rank: int,
+    timeout: timedelta,
+    groups: list[dist.ProcessGroup],
+) -> Axis:
+    lines = shape.lines(along)
+    group = group_of_lines(lines, rank, timeout)
+    groups.append(group)
+    ranks = next(line for line in lines if rank in line)
+    name = along if isinstance(along, str) else "*".join(along)
+    return Axis(name, len(ranks), ranks.index(rank), ranks, group)

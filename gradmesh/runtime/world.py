@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_line, on_rank
 from gradmesh.runtime import device_guard
-from gradmesh.runtime.axes import DP, PP, TP, MeshShape
+from gradmesh.runtime.axes import PP, TP, MeshShape
 from gradmesh.runtime.connect import connect, host_groups, pick_backend
 from gradmesh.runtime.mesh import Axis, Mesh, build_mesh, group_of_lines
 from gradmesh.runtime.process import _env_int, bind_to_launcher
@@ -50,8 +50,9 @@ class Runtime:
     local_group: dist.ProcessGroup | None
     cross_group: dist.ProcessGroup | None
     mesh: Mesh
-    """The world as dp x pp x tp (`gradmesh.mesh()`): `tensor_parallel` x `pipeline_parallel`
-    adjacent ranks hold one replica of the model, the rest of the world is data-parallel."""
+    """The world on the mesh's axes (`gradmesh.mesh()`, `gradmesh.runtime.axes`): the
+    splitting axes' ranks, adjacent, hold one replica of the model, the rest of the world is
+    data-parallel."""
     widest_host: int = 1
     """The most ranks any host holds: the same on every rank (unlike `local_size` when hosts
     hold different numbers of ranks), so choices made from it agree across the world."""
@@ -87,10 +88,10 @@ class Runtime:
         self.sequence[id(group)] = n
         return n
 
-    def new_group(self, kind: str, axis: str | None = None) -> dist.ProcessGroup:
-        """A new group over the whole world (or over this rank's line of mesh `axis`) with the
-        job's timeout, named '<kind> <n>' in messages (n counts the groups of that kind). Every
-        rank must call it, in the same order."""
+    def new_group(self, kind: str, axis: str | tuple[str, ...] | None = None) -> dist.ProcessGroup:
+        """A new group over the whole world (or over this rank's line of mesh axes) with the job's
+        timeout, named '<kind> <n>' in messages (n counts the groups of that kind). Every rank
+        must call it, in the same order."""
         lines = [list(range(self.size))] if axis is None else self.mesh.shape.lines(axis)
         return self._own(kind, group_of_lines(lines, self.rank, self.timeout))
 
@@ -115,8 +116,13 @@ class Runtime:
 
     @property
     def dp(self) -> Axis:
-        """This rank's data-parallel axis: the replicas that average with it."""
-        return self.mesh[DP]
+        """The replicas that average gradients with this rank (`Mesh.replicas`)."""
+        return self.mesh.replicas
+
+    @property
+    def batch(self) -> Axis:
+        """The ranks that split the global batch with this one (`Mesh.batch`)."""
+        return self.mesh.batch
 
     def release_groups(self) -> None:
         """Drop every reference the runtime holds to a process group, after
@@ -308,8 +314,7 @@ def collective_device() -> torch.device:
 
 
 def mesh() -> Mesh:
-    """The world on the mesh's axes: `gradmesh.mesh()["dp"].group`, `.size`, `.index`."""
-    return get_runtime().mesh
+    return get_runtime().mesh  # the world on the mesh's axes: gradmesh.mesh()["dp"].group
 
 
 def rank() -> int:
@@ -344,18 +349,15 @@ def barrier() -> None:
     try:
         dist.barrier(group=world)
     except RuntimeError as exc:
-        raise PeerFailure(
-            f"rank {rt.rank}: barrier #{sequence} on world: {first_line(exc)}"
-        ) from None
+        message = f"rank {rt.rank}: barrier #{sequence} on world: {first_line(exc)}"
+        raise PeerFailure(message) from None
 
 
 def shutdown() -> None:
-    """Leave the job and free the process groups; safe to call twice.
-
-    No rank waits for the others here: a rank that leaves early (it failed, or the user's script
-    exited) must not sit in a barrier while its peers wait in a collective for it. A failing rank
-    does not free its groups either, since a collective stuck in a backend thread would hold it.
-    """
+    """Leave the job and free the process groups; safe to call twice. No rank waits for the
+    others here: a rank that leaves early (it failed, or the user's script exited) must not sit
+    in a barrier while its peers wait in a collective for it. A failing rank does not free its
+    groups either, since a collective stuck in a backend thread would hold it."""
     global _runtime
     failing = _runtime is not None and _runtime.failure is not None
     adopted = _runtime is not None and _runtime.adopted

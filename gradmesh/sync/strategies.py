@@ -23,6 +23,7 @@ from gradmesh.compression.config import CompressionConfig
 from gradmesh.compression.registry import make
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
+from gradmesh.runtime.mesh import EXPERT_PLACED
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.config import SyncConfig
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
@@ -79,7 +80,7 @@ class _Defaults:
     """What most strategies do: one data shard per rank, nothing to finish, rank 0 reports."""
 
     def shard(self, rt: Runtime) -> tuple[int, int]:
-        return rt.dp.index, rt.dp.size
+        return rt.batch.index, rt.batch.size
 
     def finish(self, samples: int, wall_s: float) -> None:
         pass
@@ -103,8 +104,16 @@ STRATEGIES: Registry[StrategyFactory] = Registry("strategy")
 
 
 def broadcast_replica(model: nn.Module, rt: Runtime) -> None:
-    """This part of the model as the first replica holds it, on every replica."""
-    broadcast_parameters(model.state_dict(), root_rank=rt.dp.rank_at(0), group=rt.dp.group)
+    """This part of the model as the first replica holds it, on every replica (this rank's
+    experts as the first rank holding the same experts holds them)."""
+    placed = {n for n, p in model.named_parameters() if getattr(p, EXPERT_PLACED, False)}
+    state = model.state_dict()
+    shared = {k: v for k, v in state.items() if k not in placed}
+    broadcast_parameters(shared, root_rank=rt.dp.rank_at(0), group=rt.dp.group)
+    if placed and rt.mesh.experts.size > 1:
+        mine = {k: v for k, v in state.items() if k in placed}
+        experts = rt.mesh.experts
+        broadcast_parameters(mine, root_rank=experts.rank_at(0), group=experts.group)
 
 
 @STRATEGIES.register("allreduce")

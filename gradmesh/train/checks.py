@@ -9,6 +9,8 @@ import os
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import (
     check_compile,
+    check_context_layout,
+    check_expert_layout,
     check_fp8,
     check_interleaved,
     check_precision,
@@ -91,7 +93,8 @@ def _check_layout(config: TrainConfig) -> None:
     if layout.split and strategy not in SPLIT_LAYOUTS:
         raise GradmeshError(
             f"strategy {strategy} needs the whole model on every worker; with "
-            f"--tensor-parallel/--pipeline-parallel use {' or '.join(sorted(SPLIT_LAYOUTS))}"
+            f"--tensor-, --pipeline-, --context- or --expert-parallel use "
+            f"{' or '.join(sorted(SPLIT_LAYOUTS))}"
         )
     if layout.plan and (strategy != "allreduce" or shape.pp > 1):
         raise GradmeshError(
@@ -112,6 +115,8 @@ def _check_layout(config: TrainConfig) -> None:
         check_compile(shape.pp, layout.plan)
     check_sequence_parallel(layout.sequence_parallel, shape.tp, shape.pp)
     stage = config.sync.allreduce.zero_stage
+    check_context_layout(layout, shape.pp, stage)
+    check_expert_layout(layout, shape.pp, stage)
     check_stage(
         stage,
         shape.pp,

@@ -28,7 +28,7 @@ def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float | None:
     class ids (a tuple or dict of targets, real values): accuracy does not apply."""
     if not has_classes(data):
         return None
-    mine = torch.tensor_split(torch.arange(len(data), device="cpu"), rt.dp.size)[rt.dp.index]
+    mine = torch.tensor_split(torch.arange(len(data), device="cpu"), rt.batch.size)[rt.batch.index]
     part = data.rows(mine)
     split.module.eval()
     logits = split.engine.predict(batch.to(part.x, rt.device))

@@ -75,9 +75,8 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
     job.strategy.finish(samples, wall_s)
     accuracy = evaluate(job.split, job.data.test, job.rt)
     stats = gather_rank_stats(job.rt, clock.compute_s, layout_figures(job, clock.steps))
-    shape = job.rt.mesh.shape
-    facts = RunFacts(
-        job.replicas * shape.tp * shape.pp,  # worker processes (replicas for ps, one per worker)
+    facts = RunFacts(  # worker processes (replicas for ps, one per worker)
+        job.replicas * job.rt.size // job.rt.batch.size,
         job.strategy.report(),
         accuracy,
         clock.losses,

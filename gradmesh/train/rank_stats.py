@@ -12,7 +12,7 @@ import torch.distributed as dist
 from gradmesh.layout.pipeline.schedules import bubble
 from gradmesh.runtime.world import Runtime
 
-KINDS = ("sync", "tensor_parallel", "pipeline", "metrics")
+KINDS = ("sync", "tensor_parallel", "pipeline", "context_parallel", "expert_parallel", "metrics")
 """What bytes were sent for (`CommStats.by_kind`)."""
 
 

@@ -9,16 +9,19 @@ orders its steps the same way, for the same reasons):
 1. fp8: torchao swaps whole `nn.Linear`s for `Float8Linear`s, so before anything splits them.
 2. Tensor parallelism (the tp axis): each module of the model's plan becomes this rank's slice,
    or a hybrid plan places each layer (`gradmesh.layout.tensor`).
-   - Context parallelism (a cp axis) goes here: attention split along the sequence, after the
-     layers it runs between are split, before recomputation wraps the blocks.
 3. Recomputation: each block's forward recomputed in backward (`gradmesh.layout.memory`), after
    the split, so that the recomputed forward is the split one, its exchanges included.
 4. Compilation: each block compiled (`gradmesh.layout.compile`), after the split and the
    recomputation it must trace, before sharding wraps the blocks.
 5. The pipeline cut (the pp axis): this rank's stages and the engine that runs the schedule,
    or, without a pipeline, the whole (split) model and a plain engine (`gradmesh.layout.engine`).
-   - Expert parallelism (an ep axis) goes here: the experts' layers placed over their ranks
-     inside each stage, after the cut says which blocks a rank holds.
+   - Context parallelism (the cp axis, `gradmesh.layout.context`): the engine's steps on this
+     rank's chunks of each sequence, the model's attention over the ring; it wraps the engine,
+     so it follows the cut (it refuses a pipeline), and takes the split, recomputed model as
+     it is (a recomputed block's attention runs over the ring again in backward).
+   - Expert parallelism (the ep axis, `gradmesh.layout.expert`): this rank's experts of each
+     mixture kept, tokens dispatched to them by all-to-all; after the tensor split (which
+     leaves the experts whole on every tp rank), on the model the engine runs.
 6. Sharding (the dp axis): ZeRO stages 2 and 3 make each block an FSDP2 unit
    (`gradmesh.sync.sharded`); stage 1 shards the optimizer when it is built
    (`shard_optimizer`), so it is the caller's next step.
@@ -37,6 +40,7 @@ from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.compile import compile_model
 from gradmesh.layout.config import LayoutConfig
+from gradmesh.layout.context import context_parallel
 from gradmesh.layout.engine import (
     Split,
     check_run,
@@ -46,12 +50,13 @@ from gradmesh.layout.engine import (
     split_by_plan,
     split_tensor,
 )
+from gradmesh.layout.expert import expert_parallel
 from gradmesh.layout.fp8 import to_float8
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.layout.tensor.hybrid import Plan, load_plan
 from gradmesh.layout.tensor.hybrid import parallelize as tensor_step
-from gradmesh.runtime.axes import PP, TP
+from gradmesh.runtime.axes import PP
 from gradmesh.runtime.world import Runtime, get_runtime
 from gradmesh.sync.config import check_stage
 from gradmesh.sync.sharded.model import shard_model
@@ -105,9 +110,9 @@ def parallelize(
             )
         return tensor_step(model, layout)
     rt = rt or get_runtime()
-    tp, pp = rt.mesh[TP].size, rt.mesh[PP].size
+    pp = rt.mesh[PP].size
     name = name or type(model).__name__
-    check_run(layout, tp, pp)
+    check_run(layout, rt.mesh.shape.as_dict(), zero_stage)
     check_stage(zero_stage, pp, "allreduce", "none", plan=bool(layout.plan))
     if example is None and pp > 1:
         raise GradmeshError(
@@ -127,9 +132,10 @@ def parallelize(
     if layout.compile:  # 4. compilation
         info["compiled"] = len(compile_model(model))
     split = cut_pipeline(model, name, layout, rt, (example, loss_fn, starts), info)  # 5. the cut
-    # (expert parallelism: here)
+    split = context_parallel(split, name, layout.context_attention, rt)  # context parallelism
+    info |= expert_parallel(split.module, name, rt)  # expert parallelism
     shard_model(split.module, zero_stage, rt)  # 6. sharding: ZeRO 2 and 3 (1: the optimizer's)
-    return split
+    return split  # type: ignore[no-any-return]
 
 
 def rank_slice(model: nn.Module, layout: LayoutConfig, name: str = "") -> nn.Module:

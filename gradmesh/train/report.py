@@ -13,7 +13,7 @@ from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import bubble_formula
 from gradmesh.models.devices import UNKNOWN
-from gradmesh.runtime.axes import NAMES, PP, TP, MeshShape
+from gradmesh.runtime.axes import NAMES, PP, MeshShape
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.rank_stats import (
     KINDS,
@@ -321,10 +321,18 @@ class RunReport:
                 f"  loss scale {scale['scale']:g} at the end; {scale['skipped_steps']} steps "
                 "skipped for overflowing gradients"
             )
-        if not lay or lay.get(TP, 1) * lay.get(PP, 1) == 1:
+        shape = MeshShape.of({a: lay.get(a, 1) for a in NAMES}) if lay else None
+        if shape is None or shape.split == 1:
             return recomputed
-        split = f"  layout {MeshShape.of({a: lay[a] for a in NAMES}).describe()}"
+        split = f"  layout {shape.describe()}"
         split += ", sequence parallel" if lay.get("sequence_parallel") else ""
+        if "context_attention" in lay:
+            split += f", {lay['context_attention']} attention"
+        if "experts" in lay:
+            split += (
+                f", {lay['experts_per_rank']} of {lay['experts']} experts a rank, top-"
+                f"{lay['top_k']}, {lay['routing']}"
+            )
         if lay[PP] > 1:
             chunks = lay.get("chunks", 1)
             split += f", {lay['microbatches']} micro-batches {lay['schedule']}"
@@ -335,7 +343,9 @@ class RunReport:
                 f"stage idle {lay['stage_idle']:.2f})"
             )
         per_step = ", ".join(
-            f"{k} {lay.get(f'{k}_bytes_per_step', 0.0) / 1e3:.1f} kB" for k in KINDS[:3]
+            f"{k} {lay.get(f'{k}_bytes_per_step', 0.0) / 1e3:.1f} kB"
+            for k in KINDS[:5]
+            if k in KINDS[:3] or lay.get(f"{k}_bytes_per_step")
         )
         return [
             split,

@@ -128,7 +128,7 @@ def check_layout(config: TrainConfig) -> None:
         with torch.no_grad():
             two = data.train.rows(slice(0, 2))
             loss_of(config)(batch.call(model, two.x), two.y)
-    check(model, config.data.model, config.layout)
+    check(model, config.data.model, config.layout, data.train.rows(slice(0, 1)).x)
 
 
 def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
@@ -196,8 +196,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     rank's own parameters, the strategy's wrapping: in that order, on every rank."""
     torch.manual_seed(config.job.seed)
     most = elastic_world()
-    if most is not None and rt.dp.size < most:  # fewer replicas, the same global batch
-        accumulate = accumulation(config.data.batch_size, rt.dp.size, most)
+    if most is not None and rt.batch.size < most:  # fewer replicas, the same global batch
+        accumulate = accumulation(config.data.batch_size, rt.batch.size, most)
         config = with_value(config, ("layout", "microbatches"), accumulate)
     if config.output.timeline:
         _start_timeline(config, rt)
@@ -217,7 +217,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,
         config.optimizer.lr_scaling,
-        most or rt.dp.size,
+        most or rt.batch.size,
         config.data.batch_size,
         config.optimizer.reference_batch or None,
     )

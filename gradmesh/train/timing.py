@@ -28,12 +28,12 @@ def replica_step(job: Any, batch: int) -> Callable[[], None]:
 
     rt, engine = job.rt, job.split.engine
     part = job.data.train.rows(
-        torch.arange(batch, device="cpu").tensor_split(rt.dp.size)[rt.dp.index]
+        torch.arange(batch, device="cpu").tensor_split(rt.batch.size)[rt.batch.index]
     )
 
     def step() -> None:
         job.optimizer.zero_grad(set_to_none=False)  # as the trainer's loop: gradients stay
-        engine.step(part.x, part.y, rt.dp.size / batch)
+        engine.step(part.x, part.y, rt.batch.size / batch)
         job.optimizer.step()
 
     return step

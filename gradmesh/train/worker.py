@@ -23,11 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     config = TrainConfig.from_mapping(json.loads(args.config), "--config")
     rank = "?"
     try:
-        rt = init(
-            timeout_s=config.job.timeout_s,
-            tensor_parallel=config.layout.tensor_parallel,
-            pipeline_parallel=config.layout.pipeline_parallel,
-        )
+        rt = init(timeout_s=config.job.timeout_s, mesh=config.layout.mesh_sizes())
         rank = str(rt.rank)
         report, writes = train(config, rt)
         if writes:

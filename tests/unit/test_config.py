@@ -122,10 +122,18 @@ def test_parse_shape() -> None:
 def test_mesh_shape_puts_tensor_parallel_ranks_innermost() -> None:
     shape = MeshShape.for_world(8, tp=2, pp=2)
     assert (shape.dp, shape.pp, shape.tp) == (2, 2, 2)
-    assert shape.coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert shape.coords(5) == {"dp": 1, "pp": 0, "ep": 0, "cp": 0, "tp": 1}
     assert shape.lines("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert shape.lines("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert shape.lines("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    # context parallelism inside the experts' axis, both inside the pipeline, tp innermost
+    shape = MeshShape.for_world(16, tp=2, cp=2, ep=2)
+    assert shape.coords(13) == {"dp": 1, "pp": 0, "ep": 1, "cp": 0, "tp": 1}
+    assert shape.lines("cp")[:2] == [[0, 2], [1, 3]]
+    assert shape.lines(("dp", "ep", "cp"))[0] == [0, 2, 4, 6, 8, 10, 12, 14]
+    assert shape.lines(("dp", "ep"))[1:3] == [[1, 5, 9, 13], [2, 6, 10, 14]]
+    assert shape.spanned(("dp", "pp", "cp")) == ("dp", "cp")
+    assert shape.describe() == "dp 2 x ep 2 x cp 2 x tp 2"
     with pytest.raises(
         GradmeshError, match=r"6 workers cannot hold .* = 4 ranks: .* \(1, 2, 3, 6\)"
     ):
@@ -140,19 +148,27 @@ def test_a_mesh_is_a_mapping_of_axes_checked_once() -> None:
 
     shape = MeshShape.for_world(8, **{"tp": 2, "pp": 2})
     assert shape == MeshShape.of({"dp": 2, "pp": 2, "tp": 2})
-    assert shape.as_dict() == {"dp": 2, "pp": 2, "tp": 2} and shape.split == 4
+    assert shape.as_dict() == {"dp": 2, "pp": 2, "ep": 1, "cp": 1, "tp": 2} and shape.split == 4
     assert shape.describe() == "dp 2 x pp 2 x tp 2"
     assert all(shape.rank_of(shape.coords(r)) == r for r in range(8))
     with pytest.raises(
-        GradmeshError, match=r"unknown mesh axis 'cp' \(the mesh's axes: dp, pp, tp\)"
+        GradmeshError, match=r"unknown mesh axis 'sp' \(the mesh's axes: dp, pp, ep, cp, tp\)"
     ):
-        MeshShape.of({"cp": 2})
+        MeshShape.of({"sp": 2})
     with pytest.raises(GradmeshError, match=r"a mesh of 3 data-parallel replicas x .* is 12 ranks"):
         MeshShape.for_world(8, dp=3, tp=2, pp=2)
     # the options name the axes' sizes; the checkpoint's layout keys come from the same table
-    assert LayoutConfig(tensor_parallel=2).mesh_sizes() == {"pp": 1, "tp": 2}
-    assert LAYOUT_KEYS == ("workers", "pipeline_parallel", "tensor_parallel", "zero_stage")
+    assert LayoutConfig(tensor_parallel=2).mesh_sizes() == {"pp": 1, "ep": 1, "cp": 1, "tp": 2}
+    assert LAYOUT_KEYS == (
+        "workers",
+        "pipeline_parallel",
+        "expert_parallel",
+        "context_parallel",
+        "tensor_parallel",
+        "zero_stage",
+    )
     assert "pipeline_parallel" not in RESHARDABLE and "tensor_parallel" in RESHARDABLE
+    assert "expert_parallel" not in RESHARDABLE and "context_parallel" in RESHARDABLE
     assert _mesh_sizes({"tp": 2}, 1, 1) == {"tp": 2}
     assert _mesh_sizes(None, 2, 1) == {"tp": 2}
     with pytest.raises(GradmeshError, match="not both"):

@@ -47,7 +47,7 @@ from gradmesh.layout.pipeline.engine import Boundary, as_values
 from gradmesh.layout.pipeline.routes import Routes, routes_of
 from gradmesh.layout.pipeline.schedules import balance
 from gradmesh.models.blocks import block_list
-from gradmesh.runtime.axes import DP, PP
+from gradmesh.runtime.axes import PP
 from gradmesh.runtime.mesh import LAYOUT_SYNCED
 from gradmesh.runtime.world import Runtime
 
@@ -269,8 +269,8 @@ class GraphStages:
             [p.grad.reshape(-1) if p.grad is not None else p.new_zeros(p.numel()) for p in params]
         )
         allreduce(flat, group=rt.mesh[PP].group, kind="pipeline")  # over the stages
-        if rt.mesh[DP].size > 1:  # and the replicas
-            allreduce(flat, op="average", group=rt.mesh[DP].group, kind="pipeline")
+        if rt.dp.size > 1:  # and the replicas
+            allreduce(flat, op="average", group=rt.dp.group, kind="pipeline")
         held = self.holders()
         axis = rt.mesh[PP]
         mine = set(range(axis.index, len(self.points) + 1, axis.size))  # this rank's stages

@@ -33,8 +33,8 @@ from gradmesh.compression.base import (
 from gradmesh.compression.registry import resolve
 from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.observe.timeline import span
-from gradmesh.runtime.axes import PP
-from gradmesh.runtime.mesh import BATCH_SHARDED, LAYOUT_SYNCED
+from gradmesh.runtime.axes import EXPERT_REPLICAS, PP
+from gradmesh.runtime.mesh import BATCH_SHARDED, EXPERT_PLACED, LAYOUT_SYNCED
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.data_parallel.reducer import (
     Adasum,
@@ -170,8 +170,6 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
     trainable = [
         (n, p) for n, p in named if p.requires_grad and not getattr(p, LAYOUT_SYNCED, False)
     ]
-    batch = [(n, p) for n, p in trainable if getattr(p, BATCH_SHARDED, False)]
-
     options = ReduceOptions(
         allreduce,
         cast(Op, op),
@@ -181,19 +179,46 @@ def DistributedOptimizer(  # noqa: N802 - the Horovod name users already know
         gradient_predivide_factor,
     )
     reducer_of = partial(GradientReducer, options=options)
-    whole = [(n, p) for n, p in trainable if not getattr(p, BATCH_SHARDED, False)]
+    placed = {id(p) for _, p in trainable if _placed(p)}
+    whole = [(n, p) for n, p in trainable if id(p) not in placed]
     reducer = reducer_of(
         whole, compression=resolve(compression), group=group, keep_sparse=not sparse_as_dense
     )
-    if batch:  # their layers saw 1/tp of the replica's batch: averaged over dp x tp ranks
-        if group is not None or reducer.rt.mesh[PP].size > 1:
-            raise GradmeshError("batch-sharded parameters need the mesh's dp group and pp 1")
-        hybrid = reducer.rt.new_group("hybrid batch")
-        reducer.also.append(reducer_of(batch, compression=NoCompression(), group=hybrid))
+    if placed:
+        _placed_reducers(reducer, reducer_of, trainable, group, resolve(compression))
     wrapped = wrap_optimizer(optimizer, _DistributedMixin, _gm=reducer)
     wrapped._parameter_names = {p: n for n, p in named}  # type: ignore[attr-defined]  # Horovod's
     reducer.rt.joinable = cast(_DistributedMixin, wrapped).join  # what gradmesh.join() joins
     return wrapped
+
+
+def _placed(p: torch.Tensor) -> bool:
+    """Whether the layout placed `p` on a group other than the replicas: a hybrid plan's
+    batch-sharded layer, or an expert."""
+    return bool(getattr(p, BATCH_SHARDED, False) or getattr(p, EXPERT_PLACED, False))
+
+
+def _placed_reducers(
+    reducer: GradientReducer,
+    reducer_of: Callable[..., GradientReducer],
+    trainable: list[tuple[str, torch.nn.Parameter]],
+    group: dist.ProcessGroup | None,
+    compression: Compressor,
+) -> None:
+    """The reducers of the parameters `_placed` puts elsewhere, after `reducer`'s."""
+    if group is not None:
+        raise GradmeshError("the layout's placed parameters are averaged over the mesh's groups")
+    rt = reducer.rt
+    experts = [(n, p) for n, p in trainable if getattr(p, EXPERT_PLACED, False)]
+    if experts and rt.mesh.experts.size > 1:  # over the copies of each expert only
+        copies = rt.new_group("experts", rt.mesh.shape.spanned(EXPERT_REPLICAS))
+        reducer.also.append(reducer_of(experts, compression=compression, group=copies))
+    batch = [(n, p) for n, p in trainable if getattr(p, BATCH_SHARDED, False)]
+    if batch:  # their layers saw 1/tp of the replica's batch: averaged over dp x tp ranks
+        if rt.mesh[PP].size > 1:
+            raise GradmeshError("batch-sharded parameters need the mesh's dp group and pp 1")
+        hybrid = rt.new_group("hybrid batch")
+        reducer.also.append(reducer_of(batch, compression=NoCompression(), group=hybrid))
 
 
 def _sharded(

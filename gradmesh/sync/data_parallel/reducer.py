@@ -31,7 +31,7 @@ from gradmesh.compression.base import (
 from gradmesh.compression.registry import reduce
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.observe.timeline import span
-from gradmesh.runtime.axes import DP
+from gradmesh.runtime.axes import REPLICAS
 from gradmesh.runtime.world import Runtime, get_runtime
 from gradmesh.sync.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.sync.data_parallel.sparse import SparseGradients
@@ -228,7 +228,9 @@ class GradientReducer:
         and a rank that steps two optimizers in another order than its peers times out naming
         the optimizer instead of reducing one's buckets with the other's (Gloo aborts the
         process on such a size mismatch)."""
-        return self.rt.new_group("DistributedOptimizer", DP) if self.replicas > 1 else None
+        if self.replicas == 1:
+            return None
+        return self.rt.new_group("DistributedOptimizer", self.rt.mesh.shape.spanned(REPLICAS))
 
     # -- during backward -------------------------------------------------------------------
     def _on_grad(self, p: torch.Tensor) -> None:

@@ -1,0 +1,171 @@
+"""Ring attention: causal attention over a sequence whose chunks are spread over the cp ranks
+(`chunks`), each rank's keys and values passed once around the ring.
+
+Forward: at step s a rank holds the keys and values of rank (index - s); it attends its two
+query chunks to the key chunks before them (the diagonal chunk causally), keeping each query's
+log-sum-exp, and merges the partial results as online softmax does; the next step's keys and
+values travel while the block computes. Backward goes around the ring again: each rank
+computes its queries' gradient against each visiting block, and that block's key and value
+gradients, which travel with the block and arrive home after the last step. Only the rank's
+own queries, keys, values, output and log-sum-exp are kept for backward (O(local)), which is
+what lets a sequence cp times longer fit.
+
+Why our own: torch's `context_parallel` (torch.distributed.tensor.experimental) is
+experimental, changes across the torch versions gradmesh supports (2.11-2.15), works on DTensor
+and CUDA kernels, and does not run on Gloo/CPU; this one is plain tensor algebra on any device
+and dtype (the scores of one block pair at a time: a fused kernel would not hold them, left for
+the GPU work), with gradmesh's channels (counted bytes, errors naming rank and peer).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from gradmesh.collectives.channel import Channel
+from gradmesh.layout.context.chunks import chunk_ids
+from gradmesh.runtime.mesh import Axis
+from gradmesh.runtime.world import get_runtime
+
+KIND = "context_parallel"
+"""The bytes' kind in the runtime's counts and the report."""
+
+
+class Ring:
+    """The cp axis as the ring sees it: its channel, neighbours, and counted transfers."""
+
+    def __init__(self, axis: Axis) -> None:
+        self.axis, self.rt = axis, get_runtime()
+        self.size, self.index = axis.size, axis.index
+        self.next, self.prev = (self.index + 1) % self.size, (self.index - 1) % self.size
+        self.waited = 0.0
+
+    def channel(self, what: str) -> Channel:
+        return Channel(self.rt, self.axis.group, f"ring attention {what} on cp")
+
+    def start(self, ch: Channel, send: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+        """Send `send` to the next rank while receiving the previous rank's into a new
+        tensor; returns it and the pending works (`finish` waits for them)."""
+        recv = torch.empty_like(send)
+        return recv, [
+            (ch.irecv(recv, self.prev), self.prev),
+            (ch.isend(send, self.next), self.next),
+        ]
+
+    def finish(self, ch: Channel, works: list[Any]) -> None:
+        """Wait for `start`'s works (the seconds waited are the exchange's, counted by
+        `count`)."""
+        started = time.perf_counter()
+        for work, peer in works:
+            ch.wait(work, peer, "exchange with")
+        self.waited += time.perf_counter() - started
+
+    def count(self, ch: Channel) -> None:
+        """The channel's bytes and the seconds waited, in the runtime's counts."""
+        self.rt.comm.add(ch.sent, self.waited, KIND)
+        self.waited = 0.0
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        n = s.shape[-1]
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -torch.inf)
+    return s
+
+
+def _pairs(cp: int, index: int, src: int) -> list[tuple[int, int, bool]]:
+    """(query chunk, key chunk, causal) for the blocks rank `index` computes against the keys
+    of rank `src`: a key chunk before the query chunk whole, the same chunk causally."""
+    mine, theirs = chunk_ids(cp, index), chunk_ids(cp, src)
+    return [
+        (a, b, qid == kid)
+        for a, qid in enumerate(mine)
+        for b, kid in enumerate(theirs)
+        if kid <= qid
+    ]
+
+
+class RingAttention(torch.autograd.Function):
+    """out = causal softmax(q k^T scale) v over the whole sequence, from this rank's chunks
+    of q, k, v (batch, heads, 2c, head dim)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ring: Ring
+    ) -> torch.Tensor:
+        work = torch.promote_types(q.dtype, torch.float32)
+        c = q.shape[-2] // 2
+        out = torch.zeros(q.shape, dtype=work, device=q.device)
+        lse = torch.full(q.shape[:-1], -torch.inf, dtype=work, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        ch = ring.channel("forward")
+        for step in range(ring.size):
+            pending = ring.start(ch, kv) if step < ring.size - 1 else None
+            src = (ring.index - step) % ring.size
+            for a, b, causal in _pairs(ring.size, ring.index, src):
+                qa, rows = q[..., a * c : (a + 1) * c, :], slice(a * c, (a + 1) * c)
+                s = _scores(qa, kv[0][..., b * c : (b + 1) * c, :], scale, causal).to(work)
+                block_lse = s.logsumexp(-1)
+                block = torch.matmul(
+                    torch.exp(s - block_lse[..., None]), kv[1][..., b * c : (b + 1) * c, :].to(work)
+                )
+                merged = torch.logaddexp(lse[..., rows], block_lse)
+                out[..., rows, :] = (
+                    out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
+                    + block * torch.exp(block_lse - merged)[..., None]
+                )
+                lse[..., rows] = merged
+            if pending is not None:
+                ring.finish(ch, pending[1])
+                kv = pending[0]
+        ring.count(ch)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale, ctx.ring = scale, ring
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, out, lse = ctx.saved_tensors
+        scale, ring = ctx.scale, ctx.ring
+        work, c = out.dtype, q.shape[-2] // 2
+        dout = dout.to(work)
+        delta = (dout * out).sum(-1)
+        dq = torch.zeros(q.shape, dtype=work, device=q.device)
+        kv = torch.stack([k, v]).contiguous()
+        dkv = torch.zeros(kv.shape, dtype=work, device=q.device)
+        ch = ring.channel("backward")
+        for step in range(ring.size):
+            pending = ring.start(ch, kv) if step < ring.size - 1 else None
+            src = (ring.index - step) % ring.size
+            for a, b, causal in _pairs(ring.size, ring.index, src):
+                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+                qa, kb, vb = (
+                    q[..., rows, :].to(work),
+                    kv[0][..., cols, :].to(work),
+                    kv[1][..., cols, :].to(work),
+                )
+                p = torch.exp(_scores(qa, kb, scale, causal) - lse[..., rows, None])
+                dkv[1][..., cols, :] += torch.matmul(p.transpose(-1, -2), dout[..., rows, :])
+                ds = p * (
+                    torch.matmul(dout[..., rows, :], vb.transpose(-1, -2)) - delta[..., rows, None]
+                )
+                dq[..., rows, :] += torch.matmul(ds, kb) * scale
+                dkv[0][..., cols, :] += torch.matmul(ds.transpose(-1, -2), qa) * scale
+            back = ring.start(ch, dkv)  # this block's gradients on to the next rank: home last
+            ring.finish(ch, back[1])
+            dkv = back[0]
+            if pending is not None:
+                ring.finish(ch, pending[1])
+                kv = pending[0]
+        ring.count(ch)
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+
+
+def ring_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, ring: Ring
+) -> torch.Tensor:
+    out: torch.Tensor = RingAttention.apply(q, k, v, scale, ring)  # type: ignore[no-untyped-call]
+    return out
