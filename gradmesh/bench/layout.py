@@ -40,7 +40,18 @@ LAYOUTS = {
 INTERLEAVED = {"pp2i": (1, 2), "pp4i": (1, 4)}
 """Pipelines under the interleaved schedule (`--virtual-stages` chunks per rank), whatever
 `--schedule` the others run: not in the default list, asked for by name."""
-SHAPES = {**LAYOUTS, **INTERLEAVED}
+SPLITTING: dict[str, dict[str, Any]] = {
+    "cp2": {"cp": 2},
+    "cp4": {"cp": 4},
+    "cp2a2a": {"cp": 2, "attention": "alltoall"},
+    "cp4a2a": {"cp": 4, "attention": "alltoall"},
+    "ep2": {"ep": 2},
+    "ep4": {"ep": 4},
+}
+"""Context parallelism (ring, or all-to-all: a2a) and expert parallelism (a model with experts:
+`--model-args experts=4`), data parallel the rest; each cp layout's bytes are printed beside
+the formula's (`gradmesh.planner.axes_cost.context_bytes`)."""
+SHAPES = {**LAYOUTS, **INTERLEAVED, **{n: (1, 1) for n in SPLITTING}}
 PLAN = "plan"
 """The layout `gradmesh plan` chooses (`gradmesh.planner.mesh`), measured like the
 others; every layout's prediction is printed beside its measurement."""
@@ -84,13 +95,17 @@ def _check(args: Config) -> list[str]:
     for name in names:
         if name == PLAN:
             continue
-        tp, pp = SHAPES[name]
-        if args.world % (tp * pp):
-            raise GradmeshError(f"layout {name} needs a world that {tp * pp} divides")
+        lay = _layout(args, name)
+        if args.world % lay.shape.split or lay.dp < 1:
+            raise GradmeshError(f"layout {name} needs a world that {lay.shape.split} divides")
     return names
 
 
 def _layout(args: Config, name: str) -> Layout:
+    if name in SPLITTING:
+        sizes = SPLITTING[name]
+        split = sizes.get("cp", 1) * sizes.get("ep", 1)
+        return Layout(args.world // split, 1, 1, **sizes)
     tp, pp = SHAPES[name]
     if pp == 1:
         return Layout(args.world // tp, tp, 1)
@@ -104,6 +119,7 @@ def _summary(args: Config, lay: Layout, runs: list[dict[str, Any]], cluster: Any
     pipelined = lay.pp > 1
     figures = medians(runs, ["step_s", "cpu_idle", *(["bubble"] if pipelined else [])])
     return {
+        "name": lay.name,
         **vars(lay),
         **figures,
         "bytes_per_step": runs[0]["bytes_per_step"],
@@ -119,7 +135,24 @@ def _summary(args: Config, lay: Layout, runs: list[dict[str, Any]], cluster: Any
         "tokens_per_s": args.batch * args.sequence_length / figures["step_s"]
         if is_token_model(args.model)
         else None,
+        **_formulas(args, lay),
     }
+
+
+def _formulas(args: Config, lay: Layout) -> dict[str, Any]:
+    """A cp layout's bytes a step a rank by the formula (`context_bytes`), an ep layout's by
+    the balanced dispatch's (`expert_bytes`), from one forward of the model."""
+    if lay.cp == 1 and lay.ep == 1:
+        return {}
+    from gradmesh.data.batch import call
+    from gradmesh.planner.axes_cost import context_bytes, expert_bytes, record_axes
+
+    model, x, _, _, _ = _workload(args).build()
+    seqs, experts = record_axes(model, x[:1], call)
+    b = lay.micro(args.batch)
+    if lay.cp > 1:
+        return {"context_parallel_formula_bytes": context_bytes(seqs, lay, b)}
+    return {"expert_parallel_formula_bytes": expert_bytes(experts, lay, b)}
 
 
 def _line(name: str, r: dict[str, Any]) -> str:
@@ -132,15 +165,20 @@ def _line(name: str, r: dict[str, Any]) -> str:
         else ""
     )
     rate = f" ({r['tokens_per_s']:.0f} tokens/s)" if r.get("tokens_per_s") else ""
+    formula = "".join(
+        f" ({kind} by the formula {r[f'{kind}_formula_bytes'] / 1e6:.2f})"
+        for kind in ("context_parallel", "expert_parallel")
+        if f"{kind}_formula_bytes" in r
+    )
     predicted = (
         f" predicted {r['predicted_step_s'] * 1e3:.1f} ({r['prediction_error']:+.0%})"
         if r.get("predicted_step_s")
         else ""
     )
     return (
-        f"{name:4} dp{r['dp']} tp{r['tp']} pp{r['pp']}: step {r['step_s'] * 1e3:7.1f} ms{rate}"
+        f"{name:6} {r['name']}: step {r['step_s'] * 1e3:7.1f} ms{rate}"
         f"{predicted}  params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: "
-        f"{sent}{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
+        f"{sent}{formula}{bubble}  cpu idle {r['cpu_idle']:.2f} ({r['limit']})"
     )
 
 

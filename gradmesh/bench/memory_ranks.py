@@ -29,7 +29,7 @@ from typing import Any
 from gradmesh.bench.harness import compare_jobs, limit_of, medians
 from gradmesh.units import parse_size
 
-_LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(\+ac)?$")
+_LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(?:xcp(\d+))?(\+ac)?$")
 
 
 def parse_layout(name: str, world: int) -> dict[str, Any]:
@@ -43,24 +43,28 @@ def parse_layout(name: str, world: int) -> dict[str, Any]:
             f"unknown memory layout {name!r} (like dp, zero1, zero2, zero3, zero3+ac, dpxtp2, "
             "zero3xtp2)"
         )
-    kind, tp = match.group(1), int(match.group(2) or 1)
-    if tp < 1 or world % tp:
-        raise GradmeshError(f"layout {name}: tp {tp} does not divide --world {world}")
+    kind, tp, cp = match.group(1), int(match.group(2) or 1), int(match.group(3) or 1)
+    if tp < 1 or cp < 1 or world % (tp * cp):
+        raise GradmeshError(f"layout {name}: tp {tp} x cp {cp} does not divide --world {world}")
     return {
         "stage": 0 if kind == "dp" else int(kind[-1]),
         "tp": tp,
-        "checkpointing": bool(match.group(3)),
+        "cp": cp,
+        "checkpointing": bool(match.group(4)),
     }
 
 
-def predicted(param_bytes: int, stage: int, tp: int, dp: int, slots: int = 2) -> dict[str, float]:
-    """The state a rank holds at rest (the module docstring's formulas)."""
+def predicted(
+    param_bytes: int, stage: int, tp: int, dp: int, slots: int = 2, cp: int = 1
+) -> dict[str, float]:
+    """The state a rank holds at rest (the module docstring's formulas; stages 2 and 3 shard
+    over dp x cp, stage 1 over dp)."""
     whole = param_bytes / tp
-    shard = whole / dp
+    shard = whole / (dp * cp)
     return {
         "param_bytes": shard if stage >= 2 else whole,
         "grad_bytes": shard if stage >= 2 else whole,
-        "optimizer_bytes": slots * (shard if stage >= 1 else whole),
+        "optimizer_bytes": slots * (shard if stage >= 2 else whole / dp if stage else whole),
     }
 
 
@@ -82,11 +86,12 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
     layouts = {n: parse_layout(n, args.world) for n in names}
     grids = {
         name: Layout(
-            args.world // lay["tp"],
+            args.world // (lay["tp"] * lay["cp"]),
             lay["tp"],
             1,
             zero_stage=lay["stage"],
             checkpointing=lay["checkpointing"],
+            cp=lay["cp"],
         )
         for name, lay in layouts.items()
     }
@@ -108,9 +113,8 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
         for key in ("param_bytes", "grad_bytes", "optimizer_bytes", "peak_bytes"):
             r[key] = rs[0][key]
         r["state_bytes"] = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
-        want = predicted(
-            rs[0]["model_param_bytes"], lay["stage"], lay["tp"], args.world // lay["tp"]
-        )
+        dp = args.world // (lay["tp"] * lay["cp"])
+        want = predicted(rs[0]["model_param_bytes"], lay["stage"], lay["tp"], dp, cp=lay["cp"])
         r["predicted"] = {**want, "state_bytes": sum(want.values())}
         r["prediction_error"] = r["predicted"]["state_bytes"] / r["state_bytes"] - 1
         step = steps[name]

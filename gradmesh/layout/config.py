@@ -9,7 +9,7 @@ from typing import Any
 
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
-from gradmesh.runtime.axes import AXES, SPLITTING
+from gradmesh.runtime.axes import AXES, CP, DP, EP, PP, SPLITTING, TP, MeshShape
 
 LAYOUT_KEYS = ("workers", *(a.flag for a in SPLITTING), "zero_stage")
 """The settings of a layout, by option: the world, each splitting axis's size, the ZeRO stage.
@@ -149,6 +149,26 @@ class Layout:
     """Expert-parallel ranks a mixture's experts are spread over (`--expert-parallel`)."""
     attention: str = "ring"
     """Context parallelism's exchange (`--context-attention`)."""
+
+    def micro(self, batch: int) -> int:
+        """Samples of one micro-batch on a rank, of a global `batch` (the cp ranks share
+        theirs)."""
+        return batch // (self.dp * self.ep * self.microbatches)
+
+    @property
+    def shards(self) -> int:
+        """The ranks ZeRO stages 2 and 3 shard a parameter over: those that hold it (dp x cp;
+        expert parallelism refuses these stages)."""
+        return self.dp * self.cp
+
+    @property
+    def shape(self) -> MeshShape:
+        """The mesh this layout runs on."""
+        return MeshShape.of({DP: self.dp, PP: self.pp, EP: self.ep, CP: self.cp, TP: self.tp})
+
+    def line(self, axes: tuple[str, ...]) -> list[int]:
+        """The ranks of rank 0's line along `axes` on this layout's mesh."""
+        return self.shape.lines(axes)[0]
 
     @property
     def name(self) -> str:

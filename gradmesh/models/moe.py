@@ -42,6 +42,8 @@ class MoEOutput(NamedTuple):
 
 def local(moe: MoE, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Every expert on this module."""
+    if counts.is_meta:
+        return moe.run(tokens, [len(tokens) // moe.experts] * moe.experts)
     return moe.run(tokens, [int(n) for n in counts.tolist()])
 
 
@@ -74,6 +76,7 @@ class MoE(nn.Module):
             nn.init.uniform_(b, -bound, bound)
         self.dispatch: Dispatch = local
         self.aux_loss: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
         self.dropped = 0
         """Token slots the last forward dropped (capacity)."""
 
@@ -86,13 +89,17 @@ class MoE(nn.Module):
         self.aux_loss = self.balance * _balance(probs.view(b, t, -1), chosen.view(b, t, -1))
         slots = chosen.reshape(-1)
         order = slots.argsort(stable=True)
-        counts = torch.bincount(slots, minlength=self.experts)
+        if slots.is_meta:  # counted without values (the simulator): an even load
+            counts = slots.new_full((self.experts,), len(slots) // self.experts)
+        else:
+            counts = torch.bincount(slots, minlength=self.experts)
+        self.counts = counts.detach()  # the last forward's load, for the planner
         tokens = flat[order // self.top_k]
         if self.capacity:
             out = self._capped(tokens, counts, len(slots))
         else:
             out = self.dispatch(self, tokens, counts)
-        placed = torch.zeros_like(out).index_copy(0, order, out)
+        placed = out if out.is_meta else torch.zeros_like(out).index_copy(0, order, out)
         return (placed.view(-1, self.top_k, d) * gates[..., None]).sum(1).view(b, t, d)
 
     def _capped(self, tokens: torch.Tensor, counts: torch.Tensor, slots: int) -> torch.Tensor:

@@ -37,7 +37,7 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     from gradmesh.runtime.world import init, shutdown
     from gradmesh.train.config import TrainConfig
     from gradmesh.train.finish import layout_figures
-    from gradmesh.train.rank_stats import gather_rank_stats, summarize_layout
+    from gradmesh.train.rank_stats import KINDS, gather_rank_stats, summarize_layout
     from gradmesh.train.setup import attach, setup
     from gradmesh.train.timing import timed_steps
 
@@ -50,10 +50,9 @@ def measure(config: dict[str, Any]) -> tuple[int, Any]:
     step_s, cpu_idle, _ = timed_steps(job, batch, config["warmup"], config["steps"])
     stats = gather_rank_stats(rt, 0.0, layout_figures(job, config["steps"]))
     mean = summarize_layout(stats.layout)
-    kinds = ("sync", "tensor_parallel", "pipeline")
     result = {
         "step_s": step_s,
-        "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in kinds},
+        "bytes_per_step": {k: mean[f"{k}_bytes_per_step"] for k in KINDS if k != "metrics"},
         "param_bytes_per_rank": mean["param_bytes"],
         "bubble": mean["bubble"] if pp > 1 else None,
         "stage_idle": stats.layout["stage_idle"] if pp > 1 else None,

@@ -39,6 +39,7 @@ beside its measurement, the calibration layouts marked.
 
 from __future__ import annotations
 
+import inspect
 import os
 import statistics
 from collections.abc import Sequence
@@ -57,6 +58,7 @@ from gradmesh.layout.pipeline.graph import block_flops
 from gradmesh.layout.pipeline.schedules import balance
 from gradmesh.layout.tensor.layers import dry_exchanges
 from gradmesh.models.blocks import block_list
+from gradmesh.planner.axes_cost import Experts, Sequences, context_fits, record_axes
 from gradmesh.planner.links import STATED_ERROR
 from gradmesh.planner.profiling import _timed, sharing_threads
 from gradmesh.runtime.axes import divisors
@@ -133,6 +135,10 @@ class MeshProfile:
     boundary_bytes: dict[str, int]
     """Bytes per sample out of each block."""
     slices: dict[int, Slice] = field(default_factory=dict)
+    sequences: Sequences | None = None
+    """The attention calls context parallelism splits (`axes_cost`); None: no attention."""
+    experts: Experts | None = None
+    """The mixtures expert parallelism spreads; None: no experts."""
 
     @property
     def block_names(self) -> list[str]:
@@ -141,9 +147,18 @@ class MeshProfile:
         return list(self.blocks) or list(next(iter(self.slices.values())).block_param_bytes)
 
 
-def layouts(workers: int, batch_: int, blocks: int, tps: list[int]) -> list[Layout]:
+def layouts(
+    workers: int,
+    batch_: int,
+    blocks: int,
+    tps: list[int],
+    cps: Sequence[int] = (1,),
+    eps: Sequence[int] = (1,),
+) -> list[Layout]:
     """Every layout to price: tp from `tps`, pp up to the blocks, 1F1B with m in (p, 2p, 4p)
-    micro-batches, and interleaved 1F1B (2 stages a rank) where the blocks allow."""
+    micro-batches, and interleaved 1F1B (2 stages a rank) where the blocks allow; without a
+    pipeline, context parallelism from `cps` (ring and all-to-all) and expert parallelism from
+    `eps` (the degrees the model admits)."""
     found = []
     for tp in tps:
         for pp in divisors(workers // tp):
@@ -152,6 +167,7 @@ def layouts(workers: int, batch_: int, blocks: int, tps: list[int]) -> list[Layo
                 continue
             if pp == 1:
                 found.append(Layout(dp, tp, 1))
+                found += _sequence_and_experts(dp, tp, cps, eps)
                 continue
             for m in (pp, 2 * pp, 4 * pp):
                 if (batch_ // dp) % m:
@@ -160,6 +176,17 @@ def layouts(workers: int, batch_: int, blocks: int, tps: list[int]) -> list[Layo
                     found.append(Layout(dp, tp, pp, m, "1f1b"))
                 if 2 * pp <= blocks:
                     found.append(Layout(dp, tp, pp, m, "interleaved", 2))
+    return found
+
+
+def _sequence_and_experts(dp: int, tp: int, cps: Sequence[int], eps: Sequence[int]) -> list[Layout]:
+    """The layouts of `dp` x `tp` ranks that give some of the replicas to cp or to ep."""
+    found = []
+    for cp in (c for c in cps if c > 1 and dp % c == 0):
+        for attention in ("ring", "alltoall"):
+            found.append(Layout(dp // cp, tp, 1, cp=cp, attention=attention))
+    for ep in (e for e in eps if e > 1 and dp % e == 0):
+        found.append(Layout(dp // ep, tp, 1, ep=ep))
     return found
 
 
@@ -269,10 +296,14 @@ def profile_mesh(
     from gradmesh.layout.engine import admitted_degrees
 
     admitted = sorted({1, *admitted_degrees(model, work.name, tps)})
-    found = layouts(workers, batch_, len(flops), admitted) if search else []
+    seqs, experts = record_axes(model, sample, batch.call)
+    cps = context_degrees(model, seqs, batch.leaves(sample)[0], workers)
+    eps = [e for e in divisors(workers) if experts is not None and experts.experts % e == 0]
+    found = layouts(workers, batch_, len(flops), admitted, cps, eps or [1]) if search else []
+    found = [lay for lay in found if context_fits(seqs, lay)]
     needs: dict[int, set[int]] = {}
     for lay in [*found, *also]:
-        needs.setdefault(lay.tp, set()).add(batch_ // (lay.dp * lay.microbatches))
+        needs.setdefault(lay.tp, set()).add(lay.micro(batch_))
     sizes = {tp: sorted(s) for tp, s in needs.items()}
     threads = sharing_threads(sharing)
     if sharing * threads <= (os.cpu_count() or 1):
@@ -285,4 +316,18 @@ def profile_mesh(
         slices = _median_slices(runs)
     prof = MeshProfile(work.name, workers, batch_, threads, sharing, flops, {}, slices)
     prof.boundary_bytes = {k: v for k, v in block_outputs(model, sample).items() if k in flops}
+    prof.sequences, prof.experts = seqs, experts
     return prof, found
+
+
+def context_degrees(
+    model: nn.Module, seqs: Sequences | None, ids: torch.Tensor, workers: int
+) -> list[int]:
+    """The cp degrees of `workers` whose 2 x cp chunks divide the sequence, where the model
+    attends causally with torch's attention and takes positions; [1] otherwise."""
+    from gradmesh.layout.context.parallel import POSITION_ARGUMENTS
+
+    taken = inspect.signature(model.forward).parameters
+    if seqs is None or ids.dim() < 2 or not any(a in taken for a in POSITION_ARGUMENTS):
+        return [1]
+    return [c for c in divisors(workers) if ids.shape[1] % (2 * c) == 0]

@@ -13,6 +13,7 @@ from typing import Any
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout, bubble_formula
+from gradmesh.planner.axes_cost import compute_factor, context_s, expert_bytes_held, expert_s
 from gradmesh.planner.mesh import MeshProfile, Workload, profile_mesh, rank_blocks
 from gradmesh.planner.mesh_memory import (
     RECOMPUTE,
@@ -21,7 +22,7 @@ from gradmesh.planner.mesh_memory import (
     predict_memory,
 )
 from gradmesh.planner.profiling import Links
-from gradmesh.runtime.axes import divisors
+from gradmesh.runtime.axes import DP, EXPERT_REPLICAS, REPLICAS, divisors
 
 __all__ = [
     "Calibration",
@@ -51,6 +52,10 @@ class MeshPrediction:
     bubble: float
     param_bytes_per_rank: int
     memory: MemoryPrediction | None = None
+    context_s: float = 0.0
+    """The attention exchanges over cp not hidden by compute (`axes_cost`)."""
+    expert_s: float = 0.0
+    """The mixtures' dispatches over ep."""
 
     def row(self) -> dict[str, Any]:
         out = {k: v for k, v in vars(self).items() if k not in ("layout", "memory")}
@@ -78,12 +83,12 @@ def _unit_exchanges_s(
     on the links (a ring moves the same bytes in both) plus the calibrated excess of one
     (`unit_exchange_s`), which, unit by unit, is most of what sharding costs where ranks share
     cores."""
-    if lay.dp <= 1:
+    if lay.shards <= 1:
         return 0.0
     total = 0.0
     for unit, calls in _unit_collectives(prof, lay):
         link = links.over(dp_ranks, unit)
-        total += calls * (allgather_cost(lay.dp, unit, link) + cal.unit_exchange_s)
+        total += calls * (allgather_cost(lay.shards, unit, link) + cal.unit_exchange_s)
     return total
 
 
@@ -148,34 +153,60 @@ def predict_mesh(
     cal = calibration or Calibration()
     sl = prof.slices[lay.tp]
     m = lay.microbatches
-    b = prof.batch // (lay.dp * m)
+    b = lay.micro(prof.batch)
     share, params, crossing = _pipeline_rank(prof, lay)
+    placed = expert_bytes_held(prof.experts, lay)  # this rank's experts (1 / ep of them)
+    params -= expert_bytes_held(prof.experts, Layout(1, 1, 1)) - placed
     tp_ranks = list(range(lay.tp))
     made = _exchanges(prof, lay)
     tensor = _exchange_s(links, tp_ranks, made) + cal.exchange_s * len(made)
     p2p = 0.0
     if lay.pp > 1:
-        pair = [0, lay.tp]
+        pair = [0, lay.tp * lay.cp * lay.ep]
         one = links.point_to_point or links.over(pair, crossing * b)
         p2p = lay.chunks * (2 * (one.alpha + crossing * b * one.beta) + cal.microbatch_s)
     bubble = bubble_formula(lay.pp, m, lay.chunks) if lay.pp > 1 else 0.0
     stretch = m / (1 - bubble)
-    dp_ranks = [i * lay.tp * lay.pp for i in range(lay.dp)]
-    if lay.zero_stage >= 2:  # FSDP2: a unit at a time
-        sync = _unit_exchanges_s(prof, lay, links, dp_ranks, cal)
+    replicas = lay.line(REPLICAS)
+    dp_ranks = lay.line((DP,))
+    if lay.zero_stage >= 2:  # FSDP2: a unit at a time, over dp x cp
+        sync = _unit_exchanges_s(prof, lay, links, lay.line(EXPERT_REPLICAS), cal)
     else:
-        sync = links.allreduce_s(algorithm, dp_ranks, params)
+        sync = links.allreduce_s(algorithm, replicas, params - placed)
+        if placed:  # an expert's copies: dp x cp
+            sync += links.allreduce_s(algorithm, lay.line(EXPERT_REPLICAS), placed)
     if lay.zero_stage == 1 and lay.dp > 1:  # each replica's updated part, to the others
         sync += allgather_cost(lay.dp, params, links.over(dp_ranks, params))
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
-    mine = params / (lay.dp if lay.zero_stage else 1)
+    mine = params / (lay.shards if lay.zero_stage >= 2 else lay.dp if lay.zero_stage else 1)
     update = sl.update_s * mine / whole + cal.step_overhead_s
-    compute = stretch * share * sl.seconds[b] * (1 + RECOMPUTE * lay.checkpointing)
-    tensor = stretch * share * tensor * (1 + RECOMPUTE * lay.checkpointing)
-    step = compute + tensor + stretch * p2p + sync + update
+    again = 1 + RECOMPUTE * lay.checkpointing
+    compute = (
+        stretch
+        * share
+        * sl.seconds[b]
+        * again
+        * compute_factor(prof.experts, sum(prof.blocks.values()), lay)
+    )
+    tensor = stretch * share * tensor * again
+    rate = 3 * sum(prof.blocks.values()) * b / sl.seconds[b] if prof.blocks else 0.0
+    context = context_s(prof.sequences, lay, links, b, rate) * again
+    experts = expert_s(prof.experts, lay, links, b)
+    step = compute + tensor + stretch * p2p + sync + update + context + experts
     memory = predict_memory(prof, lay) if sl.saved is not None else None
     return MeshPrediction(
-        lay, step, compute, tensor, stretch * p2p, sync, update, bubble, params, memory
+        lay,
+        step,
+        compute,
+        tensor,
+        stretch * p2p,
+        sync,
+        update,
+        bubble,
+        params,
+        memory,
+        context,
+        experts,
     )
 
 
@@ -207,11 +238,13 @@ def fitting(preds: Sequence[MeshPrediction], limit: float, workers: int) -> list
 
 def variants(found: Sequence[Layout], blocks: int) -> list[Layout]:
     """`found` and each with what saves memory at some time: ZeRO stages 1-3 where there are
-    replicas (stage 1 only in a pipeline: `--zero-stage` 2 and 3 refuse pipelines), and
+    replicas (stage 1 only in a pipeline or with experts: `--zero-stage` 2 and 3 refuse
+    them; 2 and 3 shard over the cp ranks too), and
     activation checkpointing of every block where the model has blocks."""
     out = []
     for lay in found:
-        stages = ((0, 1) if lay.pp > 1 else (0, 1, 2, 3)) if lay.dp > 1 else (0,)
+        stages = [0] + [1] * (lay.dp > 1)  # stage 1 over dp; 2 and 3 over dp x cp, no pp, ep
+        stages += [2, 3] * (lay.shards > 1 and lay.pp == 1 and lay.ep == 1)
         for z in stages:
             for ac in (False, True) if blocks else (False,):
                 out.append(dataclasses.replace(lay, zero_stage=z, checkpointing=ac))
@@ -253,7 +286,7 @@ def fit_calibration(
 
 
 def _exchanges(prof: MeshProfile, lay: Layout) -> list[tuple[int, str]]:
-    return prof.slices[lay.tp].exchanges[prof.batch // (lay.dp * lay.microbatches)]
+    return prof.slices[lay.tp].exchanges[lay.micro(prof.batch)]
 
 
 def exchange_request(prof: MeshProfile, found: Sequence[Layout]) -> tuple[list[int], list[int]]:
@@ -263,11 +296,11 @@ def exchange_request(prof: MeshProfile, found: Sequence[Layout]) -> tuple[list[i
     sizes: set[int] = set()
     groups: set[int] = set()
     for lay in found:
-        b = prof.batch // (lay.dp * lay.microbatches)
+        b = lay.micro(prof.batch)
         sizes.update(n for n, _ in _exchanges(prof, lay))
         _, params, crossing = _pipeline_rank(prof, lay)
         sizes.update(n for n in (params, crossing * b) if n)
-        groups.update(g for g in (lay.tp, lay.dp) if g > 1)
+        groups.update(g for g in (lay.tp, lay.dp, lay.cp, lay.ep, lay.dp * lay.cp) if g > 1)
     ordered = sorted(sizes) or [65536]
     picked = {ordered[round(i * (len(ordered) - 1) / 3)] for i in range(4)}
     return sorted(picked), sorted(groups)

@@ -1,8 +1,12 @@
 """The mesh planner's memory model: the bytes one rank holds at the peak of a step under a
-layout (dp x tp x pp, m micro-batches of b samples, a schedule, a ZeRO stage z, activation
-checkpointing or not), from the same profile its time is priced on (`profile_mesh`: rank 0's
-slice at each tp degree T, measured once at its largest micro-batch of S samples). The rank
-counted is the pipeline rank that holds the most.
+layout (dp x tp x pp x cp x ep, m micro-batches of b samples, a schedule, a ZeRO stage z,
+activation checkpointing or not), from the same profile its time is priced on (`profile_mesh`:
+rank 0's slice at each tp degree T, measured once at its largest micro-batch of S samples). The
+rank counted is the pipeline rank that holds the most. Context parallelism at cp c holds 1/c of
+each sequence, so every activation term is taken at b / c samples (the ring keeps what torch's
+fused attention keeps: queries, keys, values, output and log-sum-exp, of its own chunks);
+expert parallelism at ep e keeps 1/e of the experts' parameters (and their gradients and
+optimizer state); stages 2 and 3 shard over dp x cp, stage 1 over dp.
 
 - **State** of the rank's blocks (and of the embeddings, head and final norm on the end stages,
   where a tied weight lives on both): parameters g, gradients g, and the optimizer's state k g,
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 
 from gradmesh.layout.config import Layout
 from gradmesh.layout.pipeline.schedules import schedule_actions
+from gradmesh.planner.axes_cost import expert_bytes_held
 from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
 __all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory"]
@@ -131,7 +136,9 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
     saved = sl.saved
     assert saved is not None, "the profile measured no activations"
     names = prof.block_names
-    b = prof.batch / (lay.dp * lay.microbatches)
+    b = lay.micro(prof.batch) / lay.cp  # context parallelism: 1/cp of each sequence's tokens
+    experts = prof.experts.param_bytes if prof.experts is not None else 0
+    away = experts - expert_bytes_held(prof.experts, lay)  # the other ep ranks' experts
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
     slots = sl.optimizer_bytes / whole if whole else 0.0
     per_sample = saved.rest + sum(saved.blocks.values())
@@ -140,7 +147,7 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
     best: MemoryPrediction | None = None
     for rank, chunks in enumerate(rank_blocks(prof, lay)):
         mine = [i for chunk in chunks for i in chunk]
-        g = float(param_bytes(prof, lay, mine))
+        g = float(param_bytes(prof, lay, mine) - away)
         ends = 0 in mine or len(names) - 1 in mine or not names
         held = [b * sum(_saved(sl, names[i], lay) for i in chunk) for chunk in chunks]
         rest = saved.rest / sl.saved_samples if ends else 0.0
@@ -148,7 +155,7 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
             acts = in_flight(lay, rank, held) + b * (transient + max(rest, biggest))
         else:  # the embeddings' on the first stage, the head's and the loss's on the last
             acts = in_flight(lay, rank, [h + b * rest for h in held]) + b * transient
-        dp = lay.dp
+        dp = lay.shards if lay.zero_stage >= 2 else lay.dp  # FSDP2 over dp x cp, ZeRO-1 dp
         shard = g / dp if lay.zero_stage >= 2 else g
         optimizer = slots * (g / dp if lay.zero_stage >= 1 else g)
         gathered = 0.0

@@ -30,13 +30,14 @@ and `variants`' ZeRO stages and recomputation) and keeps those that fit the devi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
+from gradmesh.planner.axes_cost import Experts, Sequences, context_fits, record_axes
 from gradmesh.planner.links import Links
 from gradmesh.planner.mesh import MeshProfile, Slice, block_outputs
 from gradmesh.planner.mesh_cost import MeshPrediction, predict_mesh, variants
@@ -169,21 +170,55 @@ def _meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Dev
         blocks, outputs = grown(blocks, full), grown({n: outputs[n] for n in names}, full)
     prof = MeshProfile(spec.model, gpus, batch, 0, 1, blocks, {}, {})
     prof.boundary_bytes = {k: v for k, v in outputs.items() if k in blocks}
+    prof.sequences, prof.experts = _axes(net, ids, depth / len(names) if depth else 1.0)
     return MetaProfile(spec, prof, counted, device).on(device)
+
+
+def _axes(net: Any, ids: Any, grow: float) -> tuple[Sequences | None, Experts | None]:
+    """The attention calls and mixtures of one forward (`record_axes`, on the meta device: an
+    even load on the experts), grown to the whole depth where the model was counted at less."""
+    import gradmesh.data.batch as batch
+
+    seqs, experts = record_axes(net, ids, batch.call)
+    if seqs is not None:
+        seqs = dataclasses.replace(seqs, calls=round(seqs.calls * grow))
+    if experts is not None:
+        calls, params = round(experts.calls * grow), int(experts.param_bytes * grow)
+        experts = dataclasses.replace(
+            experts, calls=calls, param_bytes=params, flops=experts.flops * grow
+        )
+    return seqs, experts
+
+
+def _degrees(prof: MeshProfile) -> tuple[list[int], list[int]]:
+    """The cp and ep degrees the model admits on `prof.workers` GPUs."""
+    cps = [1] + [c for c in divisors(prof.workers) if prof.sequences is not None and c > 1]
+    experts = prof.experts.experts if prof.experts is not None else 1
+    eps = [e for e in divisors(prof.workers) if experts % e == 0 and (e == 1 or prof.experts)]
+    return cps, eps
 
 
 def shared_links(intra: CostParams, inter: CostParams, per_node: int, lay: Layout) -> Links:
     """The links as one GPU of `lay` sees them: a node's links out (`inter`, all its NICs) are
     shared by the data-parallel groups with a rank on it, min(GPUs a node, tp x pp) of them."""
-    sharing = max(1, min(per_node, lay.tp * lay.pp))
+    sharing = max(1, min(per_node, lay.shape.split))
     share = dataclasses.replace(inter, beta=inter.beta * sharing)
     return Links(intra, share, per_node)
 
 
-def mesh_layouts(gpus: int, batch: int, blocks: int, tps: list[int]) -> Iterator[Layout]:
+def mesh_layouts(
+    gpus: int,
+    batch: int,
+    blocks: int,
+    tps: list[int],
+    cps: Sequence[int] = (1,),
+    eps: Sequence[int] = (1,),
+) -> Iterator[Layout]:
     """Every layout of `gpus` at global `batch`: tp from `tps`, pp up to the blocks,
     micro-batches of 1, 2, 4 or 8 samples (without a pipeline, accumulated before the gradient
-    sync), 1F1B and (two chunks a rank, where the blocks allow) interleaved 1F1B."""
+    sync), 1F1B and (two chunks a rank, where the blocks allow) interleaved 1F1B; without a
+    pipeline, some replicas given to context parallelism (`cps`, ring and all-to-all) or to
+    expert parallelism (`eps`)."""
     for tp in tps:
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
@@ -195,10 +230,23 @@ def mesh_layouts(gpus: int, batch: int, blocks: int, tps: list[int]) -> Iterator
                 m = batch // dp // size
                 if pp == 1:  # micro-batches of one replica: gradient accumulation
                     yield Layout(dp, tp, 1, m)
+                    yield from _context_expert(dp, tp, m, cps, eps)
                     continue
                 yield Layout(dp, tp, pp, m, "1f1b")
                 if 2 * pp <= blocks and m % pp == 0:
                     yield Layout(dp, tp, pp, m, "interleaved", 2)
+
+
+def _context_expert(
+    dp: int, tp: int, m: int, cps: Sequence[int], eps: Sequence[int]
+) -> Iterator[Layout]:
+    """`dp` replicas of micro-batches as `m` gives, some given to cp (each sequence split,
+    the same samples) or to ep (the experts spread, the samples too)."""
+    for cp in (c for c in cps if c > 1 and dp % c == 0):
+        for attention in ("ring", "alltoall"):
+            yield Layout(dp // cp, tp, 1, m, cp=cp, attention=attention)
+    for ep in (e for e in eps if e > 1 and dp % e == 0):
+        yield Layout(dp // ep, tp, 1, m, ep=ep)
 
 
 @dataclass
@@ -235,7 +283,7 @@ def price(
     dev = meta.device
     fits = pred.memory.total_bytes <= USABLE * dev.memory_gib * 2**30
     batch = meta.profile.batch
-    gpus = lay.dp * lay.tp * lay.pp
+    gpus = lay.shape.world
     peak = dev.peak_tflops[dev.precision] * 1e12
     mfu = meta.flops_per_sample * batch / (pred.step_s * gpus * peak)
     return Priced(pred, fits, batch * sequence / pred.step_s, mfu)
@@ -253,10 +301,10 @@ def search(
     one line naming the smallest memory a GPU needs when none fits."""
     prof = meta.profile
     tps = sorted(prof.slices)
-    found = variants(
-        list(mesh_layouts(prof.workers, prof.batch, len(prof.block_names), tps)),
-        len(prof.block_names),
-    )
+    cps, eps = _degrees(prof)
+    blocks = len(prof.block_names)
+    laid = mesh_layouts(prof.workers, prof.batch, blocks, tps, cps, eps)
+    found = variants([lay for lay in laid if context_fits(prof.sequences, lay)], blocks)
     if not found:
         raise GradmeshError(
             f"no layout of {prof.workers} GPUs divides the batch of {prof.batch} samples"

@@ -81,9 +81,15 @@ def _check_counts(config: TrainConfig) -> None:
     problem = gpu_share_problem(job.workers, visible_gpus(), os.environ.get(BACKEND_ENV, ""))
     if problem:
         raise GradmeshError(problem)
-    if data.batch_size < job.workers:
+    shards = job.workers // max(1, config.layout.context_parallel)  # cp ranks share samples
+    if data.batch_size < shards:
         raise GradmeshError(
             f"global batch {data.batch_size} is smaller than the number of workers {job.workers}"
+            + (
+                f" over --context-parallel {config.layout.context_parallel}"
+                if shards < job.workers
+                else ""
+            )
         )
 
 
@@ -95,6 +101,11 @@ def _check_layout(config: TrainConfig) -> None:
             f"strategy {strategy} needs the whole model on every worker; with "
             f"--tensor-, --pipeline-, --context- or --expert-parallel use "
             f"{' or '.join(sorted(SPLIT_LAYOUTS))}"
+        )
+    if (shape.cp > 1 or shape.ep > 1) and strategy != "allreduce":
+        raise GradmeshError(
+            f"--context-parallel and --expert-parallel need --strategy allreduce: their ranks "
+            f"average gradients every step (strategy {strategy} does not)"
         )
     if layout.plan and (strategy != "allreduce" or shape.pp > 1):
         raise GradmeshError(

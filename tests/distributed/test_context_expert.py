@@ -4,7 +4,9 @@ gradmesh's GPT (4 heads, sequence 16) and its mixture-of-experts form (4 experts
 dropless routing, balance loss on) train 20 AdamW steps in float64 through the whole recipe,
 `gradmesh.parallelize(model, LayoutConfig(...))` on a mesh given as `init(mesh={...})`: the
 GPT at cp 2 and cp 4 with ring and with all-to-all attention, dp 2 x cp 2 and tp 2 x cp 2;
-the mixture at ep 2 and ep 4 and dp 2 x ep 2. A job of 2 ranks runs the layouts of 2 and one
+the mixture at ep 2 and ep 4 and dp 2 x ep 2; and a Hugging Face `LlamaForCausalLM` built from
+its config (rotary positions, grouped-query attention) at cp 2. A job of 2 ranks runs the
+layouts of 2 and one
 of 4 those of 4, gradmesh re-initialised for each (`tests/distributed/test_script_api.py`
 does the same for tp and pp). Every parameter, put together from its tp slices and its ep
 ranks' experts, must equal the one process's to 1e-9 of its largest value.
@@ -17,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import gradmesh
 from gradmesh.layout.tensor.layers import unshard
@@ -25,6 +28,10 @@ from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
 from gradmesh.runtime.mesh import EXPERT_PLACED
 from tests.distributed.test_script_api import distinct_ports
 from tests.harness import run_ranks
+
+transformers = pytest.importorskip(
+    "transformers", reason="the hf extra (pip install 'gradmesh[hf]') is missing"
+)
 
 STEPS, BATCH, VOCAB, SEQ = 20, 8, 64, 16
 LAYOUTS = {  # name: (mesh sizes, context attention)
@@ -39,7 +46,7 @@ LAYOUTS = {  # name: (mesh sizes, context attention)
     "dp2xep2": ({"ep": 2}, "ring"),
 }
 JOBS = {
-    "2": [("gpt", "cp2"), ("gpt", "cp2-a2a"), ("moe", "ep2")],
+    "2": [("gpt", "cp2"), ("gpt", "cp2-a2a"), ("moe", "ep2"), ("llama", "cp2")],
     "4": [
         ("gpt", "cp4"),
         ("gpt", "cp4-a2a"),
@@ -51,8 +58,19 @@ JOBS = {
 }
 
 
-def build(kind: str) -> GPT:
+def build(kind: str) -> nn.Module:
     torch.manual_seed(0)
+    if kind == "llama":  # grouped-query attention: torch's attention called with enable_gqa
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
+        return transformers.LlamaForCausalLM(config).double()
     experts = {"experts": 4, "top_k": 2, "balance": 0.05} if kind == "moe" else {}
     config = GPTConfig(vocab=VOCAB, seq=SEQ, dim=32, depth=2, heads=4, **experts)  # type: ignore[arg-type]
     return GPT(config).double()
@@ -65,6 +83,11 @@ def batches() -> tuple[torch.Tensor, torch.Tensor]:
     return data[:, :, :-1], data[:, :, 1:]
 
 
+def loss_of(out: Any, y: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss of a GPT's logits or a Hugging Face model's output."""
+    return lm_loss(getattr(out, "logits", out), y)
+
+
 def one_process(kind: str) -> dict[str, torch.Tensor]:
     model = build(kind)
     xs, ys = batches()
@@ -72,7 +95,7 @@ def one_process(kind: str) -> dict[str, torch.Tensor]:
     for step in range(STEPS):
         opt.zero_grad()
         out = model(xs[step])
-        loss = lm_loss(out, ys[step])
+        loss = loss_of(out, ys[step])
         (loss + out.aux_loss if kind == "moe" else loss).backward()
         opt.step()
     return {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -92,7 +115,7 @@ def train(kind: str, name: str) -> Any:
         expert_parallel=sizes.get("ep", 1),
         context_attention=attention,
     )
-    split = gradmesh.parallelize(model, layout, loss_fn=lm_loss)
+    split = gradmesh.parallelize(model, layout, loss_fn=loss_of)
     specs = shard_specs(model)
     opt = gradmesh.DistributedOptimizer(
         torch.optim.AdamW(split.module.parameters(), lr=1e-2),

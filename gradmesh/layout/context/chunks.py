@@ -16,7 +16,7 @@ def chunk_ids(cp: int, index: int) -> tuple[int, int]:
     return index, 2 * cp - 1 - index
 
 
-def positions(length: int, cp: int, index: int, device: torch.device | None = None) -> torch.Tensor:
+def positions(length: int, cp: int, index: int, device: torch.device) -> torch.Tensor:
     """The positions in the whole sequence of `length` of the tokens rank `index` holds."""
     check_length(length, cp)
     c = length // (2 * cp)

@@ -84,15 +84,20 @@ class Attending:
                 "attn_implementation='sdpa')"
             )
 
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
+    def installed(self) -> contextlib.AbstractContextManager[None]:
         """torch's attention is this object while the block runs (forward and backward, where
         recomputation calls it again)."""
-        F.scaled_dot_product_attention = self
-        try:
-            yield
-        finally:
-            F.scaled_dot_product_attention = TORCH_ATTENTION
+        return attention_replaced(self)
+
+
+@contextlib.contextmanager
+def attention_replaced(fn: Any) -> Iterator[None]:
+    """`F.scaled_dot_product_attention` is `fn` inside the block (and torch's again after)."""
+    F.scaled_dot_product_attention = fn
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = TORCH_ATTENTION
 
 
 def position_argument(model: nn.Module, model_name: str) -> str:

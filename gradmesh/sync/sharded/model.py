@@ -68,7 +68,12 @@ def shard_model(model: nn.Module, stage: int, rt: Runtime) -> nn.Module:
         return model
     from torch.distributed.fsdp import fully_shard
 
-    mesh = rt.mesh.device_mesh(rt.device.type)[DP]
+    if rt.dp is rt.mesh[DP]:
+        mesh = rt.mesh.device_mesh(rt.device.type)[DP]
+    else:  # context-parallel ranks hold the same parameters: sharded over dp x cp
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(rt.dp.group, rt.device.type)
     reshard = stage == 3
     units = [model.get_submodule(name) for name in block_list(model)] + [model]
     gather, scatter = Counted(gather=True), Counted(gather=False)
