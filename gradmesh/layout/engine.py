@@ -180,7 +180,7 @@ def check_layout(
     a batch like the training data's) and attention split over cp, its experts over ep (the
     flags alone are checked by `gradmesh.train.checks`)."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel * layout.chunks
-    check_expert(model, model_name, layout.expert_parallel)
+    check_expert(model, model_name, layout.expert_parallel, pp)
     if layout.context_parallel > 1 and sample is not None:
         cp, attention = layout.context_parallel, layout.context_attention
         check_context(model, model_name, cp, attention, sample, tp)

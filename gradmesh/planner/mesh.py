@@ -299,7 +299,8 @@ def profile_mesh(
     seqs, experts = record_axes(model, sample, batch.call)
     cps = context_degrees(model, seqs, batch.leaves(sample)[0], workers)
     eps = [e for e in divisors(workers) if experts is not None and experts.experts % e == 0]
-    found = layouts(workers, batch_, len(flops), admitted, cps, eps or [1]) if search else []
+    cut = len(flops) if experts is None else 0  # a mixture's routing: no pipeline cuts it
+    found = layouts(workers, batch_, cut, admitted, cps, eps or [1]) if search else []
     found = [lay for lay in found if context_fits(seqs, lay)]
     needs: dict[int, set[int]] = {}
     for lay in [*found, *also]:

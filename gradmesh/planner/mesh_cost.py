@@ -167,47 +167,44 @@ def predict_mesh(
         p2p = lay.chunks * (2 * (one.alpha + crossing * b * one.beta) + cal.microbatch_s)
     bubble = bubble_formula(lay.pp, m, lay.chunks) if lay.pp > 1 else 0.0
     stretch = m / (1 - bubble)
-    replicas = lay.line(REPLICAS)
-    dp_ranks = lay.line((DP,))
-    if lay.zero_stage >= 2:  # FSDP2: a unit at a time, over dp x cp
-        sync = _unit_exchanges_s(prof, lay, links, lay.line(EXPERT_REPLICAS), cal)
-    else:
-        sync = links.allreduce_s(algorithm, replicas, params - placed)
-        if placed:  # an expert's copies: dp x cp
-            sync += links.allreduce_s(algorithm, lay.line(EXPERT_REPLICAS), placed)
-    if lay.zero_stage == 1 and lay.dp > 1:  # each replica's updated part, to the others
-        sync += allgather_cost(lay.dp, params, links.over(dp_ranks, params))
+    sync = _sync_s(prof, lay, links, (algorithm, cal), (params, placed))
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
     mine = params / (lay.shards if lay.zero_stage >= 2 else lay.dp if lay.zero_stage else 1)
     update = sl.update_s * mine / whole + cal.step_overhead_s
     again = 1 + RECOMPUTE * lay.checkpointing
-    compute = (
-        stretch
-        * share
-        * sl.seconds[b]
-        * again
-        * compute_factor(prof.experts, sum(prof.blocks.values()), lay)
-    )
+    factor = compute_factor(prof.experts, sum(prof.blocks.values()), lay)
+    compute = stretch * share * sl.seconds[b] * again * factor
     tensor = stretch * share * tensor * again
     rate = 3 * sum(prof.blocks.values()) * b / sl.seconds[b] if prof.blocks else 0.0
     context = context_s(prof.sequences, lay, links, b, rate) * again
     experts = expert_s(prof.experts, lay, links, b)
     step = compute + tensor + stretch * p2p + sync + update + context + experts
     memory = predict_memory(prof, lay) if sl.saved is not None else None
-    return MeshPrediction(
-        lay,
-        step,
-        compute,
-        tensor,
-        stretch * p2p,
-        sync,
-        update,
-        bubble,
-        params,
-        memory,
-        context,
-        experts,
-    )
+    parts = (compute, tensor, stretch * p2p, sync, update, bubble, params, memory)
+    return MeshPrediction(lay, step, *parts, context, experts)
+
+
+def _sync_s(
+    prof: MeshProfile,
+    lay: Layout,
+    links: Links,
+    how: tuple[str, Calibration],
+    held: tuple[int, int],
+) -> float:
+    """The gradient sync after the step: `held` is (this rank's parameter bytes, those of its
+    experts); `how` (the allreduce algorithm, the calibration). Over the replicas (dp x ep x
+    cp), an expert's over its copies (dp x cp); FSDP2 a unit at a time over dp x cp; ZeRO-1
+    adds the gather of the updated parts over dp."""
+    (algorithm, cal), (params, placed) = how, held
+    if lay.zero_stage >= 2:
+        sync = _unit_exchanges_s(prof, lay, links, lay.line(EXPERT_REPLICAS), cal)
+    else:
+        sync = links.allreduce_s(algorithm, lay.line(REPLICAS), params - placed)
+        if placed:
+            sync += links.allreduce_s(algorithm, lay.line(EXPERT_REPLICAS), placed)
+    if lay.zero_stage == 1 and lay.dp > 1:  # each replica's updated part, to the others
+        sync += allgather_cost(lay.dp, params, links.over(lay.line((DP,)), params))
+    return sync
 
 
 def preference(pred: MeshPrediction) -> tuple[int, bool, float]:

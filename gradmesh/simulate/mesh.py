@@ -303,7 +303,8 @@ def search(
     tps = sorted(prof.slices)
     cps, eps = _degrees(prof)
     blocks = len(prof.block_names)
-    laid = mesh_layouts(prof.workers, prof.batch, blocks, tps, cps, eps)
+    cut = blocks if prof.experts is None else 0  # a mixture's routing: no pipeline cuts it
+    laid = mesh_layouts(prof.workers, prof.batch, cut, tps, cps, eps)
     found = variants([lay for lay in laid if context_fits(prof.sequences, lay)], blocks)
     if not found:
         raise GradmeshError(

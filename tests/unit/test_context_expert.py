@@ -213,6 +213,10 @@ def build():
             "cannot hold equally",
         ),
         (
+            ["--workers", "2", "--pipeline-parallel", "2", "--model-args", "experts=4"],
+            "--pipeline-parallel 2: model gpt has mixtures of experts, whose routing depends",
+        ),
+        (
             ["--model-args", "experts=4,top_k=5"],
             "a mixture of 4 experts cannot route each token to top_k 5 of them",
         ),
@@ -239,3 +243,25 @@ def test_bad_context_or_expert_input_is_one_line_before_any_rank_starts(
     monkeypatch.syspath_prepend(str(tmp_path))
     line = cli_line(["train", "--model", "gpt", "--dataset", "text", *args])
     assert message in line
+
+
+def test_the_rings_tiles_give_torchs_attention_and_its_gradients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a ring of one (this process), tiles of 3 query rows (a block is several tiles, the
+    diagonal block's masked at an offset) against torch's own attention, in float64."""
+    import gradmesh
+    import gradmesh.layout.context.ring as ring
+    from gradmesh.layout.context.parallel import TORCH_ATTENTION
+
+    monkeypatch.setattr(ring, "TILE", 3 * 8)  # 3 rows of a chunk of 8 keys
+    rt = gradmesh.init()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 16, 4, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    mine = ring.ring_attention(q, k, v, 0.5, ring.Ring(rt.mesh["cp"]))
+    theirs = TORCH_ATTENTION(q, k, v, is_causal=True, scale=0.5)
+    grad = torch.randn_like(mine)
+    ours = torch.autograd.grad(mine, (q, k, v), grad)
+    want = torch.autograd.grad(theirs, (q, k, v), grad)
+    assert torch.allclose(mine, theirs, atol=1e-12)
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(ours, want, strict=True))

@@ -20,6 +20,7 @@ the GPU work), with gradmesh's channels (counted bytes, errors naming rank and p
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,11 +69,19 @@ class Ring:
         self.waited = 0.0
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+TILE = 1 << 16
+"""Score elements (per batch and head) one tile of query rows computes at once: the ring holds
+one tile's scores, not a block's, so that its transient stays small beside the activations at
+any sequence length (a block of c query rows x c keys is c / (TILE / c) tiles)."""
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, offset: int | None) -> torch.Tensor:
+    """q k^T scale; with `offset` (a diagonal block), key j masked for query row i when
+    j > offset + i."""
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if causal:
-        n = s.shape[-1]
-        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -torch.inf)
+    if offset is not None:
+        rows = torch.arange(q.shape[-2], device=s.device)[:, None] + offset
+        s = s.masked_fill(torch.arange(k.shape[-2], device=s.device)[None, :] > rows, -torch.inf)
     return s
 
 
@@ -86,6 +95,18 @@ def _pairs(cp: int, index: int, src: int) -> list[tuple[int, int, bool]]:
         for b, kid in enumerate(theirs)
         if kid <= qid
     ]
+
+
+def _tiles(ring: Ring, src: int, c: int) -> Iterator[tuple[slice, slice, int | None]]:
+    """(query rows, key columns, causal offset) of every tile this rank computes against the
+    keys of rank `src` (its chunks of c tokens): a diagonal block's tile of rows r0..r1 needs
+    the keys up to r1 only."""
+    rows_a_tile = max(1, min(c, TILE // max(c, 1)))
+    for a, b, causal in _pairs(ring.size, ring.index, src):
+        for r0 in range(0, c, rows_a_tile):
+            r1 = min(c, r0 + rows_a_tile)
+            cols = slice(b * c, b * c + (r1 if causal else c))
+            yield slice(a * c + r0, a * c + r1), cols, r0 if causal else None
 
 
 class RingAttention(torch.autograd.Function):
@@ -104,18 +125,16 @@ class RingAttention(torch.autograd.Function):
         ch = ring.channel("forward")
         for step in range(ring.size):
             pending = ring.start(ch, kv) if step < ring.size - 1 else None
-            src = (ring.index - step) % ring.size
-            for a, b, causal in _pairs(ring.size, ring.index, src):
-                qa, rows = q[..., a * c : (a + 1) * c, :], slice(a * c, (a + 1) * c)
-                s = _scores(qa, kv[0][..., b * c : (b + 1) * c, :], scale, causal).to(work)
-                block_lse = s.logsumexp(-1)
-                block = torch.matmul(
-                    torch.exp(s - block_lse[..., None]), kv[1][..., b * c : (b + 1) * c, :].to(work)
+            for rows, cols, offset in _tiles(ring, (ring.index - step) % ring.size, c):
+                s = _scores(q[..., rows, :], kv[0][..., cols, :], scale, offset).to(work)
+                part_lse = s.logsumexp(-1)
+                part = torch.matmul(
+                    torch.exp(s - part_lse[..., None]), kv[1][..., cols, :].to(work)
                 )
-                merged = torch.logaddexp(lse[..., rows], block_lse)
+                merged = torch.logaddexp(lse[..., rows], part_lse)
                 out[..., rows, :] = (
                     out[..., rows, :] * torch.exp(lse[..., rows] - merged)[..., None]
-                    + block * torch.exp(block_lse - merged)[..., None]
+                    + part * torch.exp(part_lse - merged)[..., None]
                 )
                 lse[..., rows] = merged
             if pending is not None:
@@ -139,24 +158,21 @@ class RingAttention(torch.autograd.Function):
         ch = ring.channel("backward")
         for step in range(ring.size):
             pending = ring.start(ch, kv) if step < ring.size - 1 else None
-            src = (ring.index - step) % ring.size
-            for a, b, causal in _pairs(ring.size, ring.index, src):
-                rows, cols = slice(a * c, (a + 1) * c), slice(b * c, (b + 1) * c)
+            for rows, cols, offset in _tiles(ring, (ring.index - step) % ring.size, c):
                 qa, kb, vb = (
-                    q[..., rows, :].to(work),
-                    kv[0][..., cols, :].to(work),
-                    kv[1][..., cols, :].to(work),
+                    t[..., sl, :].to(work) for t, sl in ((q, rows), (kv[0], cols), (kv[1], cols))
                 )
-                p = torch.exp(_scores(qa, kb, scale, causal) - lse[..., rows, None])
+                p = torch.exp(_scores(qa, kb, scale, offset) - lse[..., rows, None])
                 dkv[1][..., cols, :] += torch.matmul(p.transpose(-1, -2), dout[..., rows, :])
                 ds = p * (
                     torch.matmul(dout[..., rows, :], vb.transpose(-1, -2)) - delta[..., rows, None]
                 )
                 dq[..., rows, :] += torch.matmul(ds, kb) * scale
                 dkv[0][..., cols, :] += torch.matmul(ds.transpose(-1, -2), qa) * scale
-            back = ring.start(ch, dkv)  # this block's gradients on to the next rank: home last
-            ring.finish(ch, back[1])
-            dkv = back[0]
+            if ring.size > 1:  # this block's gradients on to the next rank: home after the last
+                back = ring.start(ch, dkv)
+                ring.finish(ch, back[1])
+                dkv = back[0]
             if pending is not None:
                 ring.finish(ch, pending[1])
                 kv = pending[0]

@@ -29,11 +29,18 @@ def mixtures(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def check_expert(model: nn.Module, model_name: str, ep: int) -> None:
-    """One line, before launch, unless `model`'s mixtures spread over `ep` ranks."""
+def check_expert(model: nn.Module, model_name: str, ep: int, pp: int = 1) -> None:
+    """One line, before launch, unless `model`'s mixtures spread over `ep` ranks (and, with
+    mixtures, unless there is no pipeline)."""
+    found = mixtures(model)
+    if found and pp > 1:
+        raise GradmeshError(
+            f"--pipeline-parallel {pp}: model {model_name} has mixtures of experts, whose "
+            "routing depends on its tokens' values, which a pipeline's traced stage graphs "
+            "cannot hold"
+        )
     if ep == 1:
         return
-    found = mixtures(model)
     if not found:
         raise GradmeshError(
             f"--expert-parallel {ep}: model {model_name} has no mixture of experts to spread "
