@@ -13,7 +13,8 @@ the tp bytes per sample. Per block of the model (`block_list`): its share of the
 (the balanced cut the pipeline makes), its parameter bytes at each T, and the bytes per sample
 leaving it (what crosses a stage boundary).
 
-**Predict** (`mesh_cost.predict_mesh`), for dp x tp x pp = W, m micro-batches and v stages
+**Predict** (`mesh_cost.predict_mesh`), for dp x tp x pp = W (context and expert parallelism:
+`axes_cost`, whose terms add to these), m micro-batches and v stages
 per pipeline rank, N samples a step, b = N / (dp m) a micro-batch; s is the largest part of the
 FLOPs one pipeline rank holds (its v stages of the p v balanced ones; 1 without a pipeline), g
 that rank's parameter bytes (the embeddings and head count on both end stages: a tied weight

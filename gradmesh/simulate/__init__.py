@@ -34,7 +34,8 @@ levels.
 
 **Token models** (`mesh.py`, `mesh_command.py`) are priced on the mesh planner's own time and
 memory formulas (`predict_mesh`, `predict_memory`) on a profile counted on the meta device, under
-any dp x tp x pp layout with ZeRO and recomputation, or the fastest that fits (`--search`).
+any dp x tp x pp x cp x ep layout with ZeRO and recomputation, or the fastest that fits
+(`--search`).
 `--validate` prices the published rows (`published.py`).
 
 Efficiency at n GPUs is T(1) / T(n), T(1) one GPU's step with no communication (weak scaling:
