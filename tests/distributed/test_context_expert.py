@@ -4,7 +4,7 @@ gradmesh's GPT (4 heads, sequence 16) and its mixture-of-experts form (4 experts
 dropless routing, balance loss on) train 20 AdamW steps in float64 through the whole recipe,
 `gradmesh.parallelize(model, LayoutConfig(...))` on a mesh given as `init(mesh={...})`: the
 GPT at cp 2 and cp 4 with ring and with all-to-all attention, dp 2 x cp 2 and tp 2 x cp 2; the
-mixture at ep 2 and ep 4 and dp 2 x ep 2 (ZeRO-1); the GPT also at dp 2 x cp 2 under ZeRO-3
+mixture at ep 2, ep 4, dp 2 x ep 2 (ZeRO-1) and tp 2 x ep 2; the GPT also at dp 2 x cp 2 under ZeRO-3
 (FSDP2 over the four ranks that hold the parameters, all-to-all attention); and a Hugging Face
 `LlamaForCausalLM` built from its config (rotary positions, grouped-query attention) at cp 2.
 A job of 2 ranks runs the layouts of 2 and one of 4 those of 4, gradmesh re-initialised for
@@ -46,6 +46,7 @@ LAYOUTS = {  # name: (mesh sizes, context attention, ZeRO stage)
     "tp2xcp2": ({"tp": 2, "cp": 2}, "ring", 0),
     "ep4": ({"ep": 4}, "ring", 0),
     "dp2xep2-zero1": ({"ep": 2}, "ring", 1),  # the optimizer's state over dp, experts apart
+    "tp2xep2": ({"tp": 2, "ep": 2}, "ring", 0),  # the experts whole on each tp rank
 }
 JOBS = {
     "2": [("gpt", "cp2"), ("gpt", "cp2-a2a"), ("moe", "ep2"), ("llama", "cp2")],
@@ -57,6 +58,7 @@ JOBS = {
         ("gpt", "tp2xcp2"),
         ("moe", "ep4"),
         ("moe", "dp2xep2-zero1"),
+        ("moe", "tp2xep2"),
     ],
 }
 
