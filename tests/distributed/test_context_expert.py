@@ -4,13 +4,13 @@ gradmesh's GPT (4 heads, sequence 16) and its mixture-of-experts form (4 experts
 dropless routing, balance loss on) train 20 AdamW steps in float64 through the whole recipe,
 `gradmesh.parallelize(model, LayoutConfig(...))` on a mesh given as `init(mesh={...})`: the
 GPT at cp 2 and cp 4 with ring and with all-to-all attention, dp 2 x cp 2 and tp 2 x cp 2; the
-mixture at ep 2, ep 4, dp 2 x ep 2 (ZeRO-1) and tp 2 x ep 2; the GPT also at dp 2 x cp 2 under ZeRO-3
-(FSDP2 over the four ranks that hold the parameters, all-to-all attention); and a Hugging Face
-`LlamaForCausalLM` built from its config (rotary positions, grouped-query attention) at cp 2.
-A job of 2 ranks runs the layouts of 2 and one of 4 those of 4, gradmesh re-initialised for
-each (`tests/distributed/test_script_api.py` does the same for tp and pp). Every parameter,
-put together from its tp slices and its ep ranks' experts, must equal the one process's to
-1e-9 of its largest value.
+mixture at ep 2, ep 4, dp 2 x ep 2 (ZeRO-1) and tp 2 x ep 2; the GPT also at dp 2 x cp 2
+under ZeRO-3 (FSDP2 over the four ranks that hold the parameters, all-to-all attention); and
+a Hugging Face `LlamaForCausalLM` built from its config (rotary positions, grouped-query
+attention) at cp 2. A job of 2 ranks runs the layouts of 2 and one of 4 those of 4, gradmesh
+re-initialised for each (`tests/distributed/test_script_api.py` does the same for tp and pp).
+Every parameter, put together from its tp slices and its ep ranks' experts, must equal the one
+process's to 1e-9 of its largest value.
 """
 
 from __future__ import annotations

@@ -260,11 +260,11 @@ def test_the_rings_tiles_give_torchs_attention_and_its_gradients(
     rt = gradmesh.init()  # a world of one, left as the other tests expect it
     try:
         mine = ring.ring_attention(q, k, v, 0.5, ring.Ring(rt.mesh["cp"]))
+        grad = torch.randn_like(mine)
+        ours = torch.autograd.grad(mine, (q, k, v), grad)
     finally:
         gradmesh.shutdown()
     theirs = TORCH_ATTENTION(q, k, v, is_causal=True, scale=0.5)
-    grad = torch.randn_like(mine)
-    ours = torch.autograd.grad(mine, (q, k, v), grad)
     want = torch.autograd.grad(theirs, (q, k, v), grad)
     assert torch.allclose(mine, theirs, atol=1e-12)
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(ours, want, strict=True))
