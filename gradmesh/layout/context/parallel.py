@@ -118,16 +118,22 @@ def check_context(
 ) -> None:
     """One line, before launch, unless `model` can run context-parallel over `cp` ranks on
     batches like `sample`: the sequence cuts into 2 x cp chunks, the forward takes positions,
-    its attention is torch's, causal and without a mask (tried on one sample), and for
-    all-to-all its heads (on each of `tp` ranks) divide by cp."""
+    its attention is torch's, causal and without a mask (tried on one sample of 2 x cp tokens:
+    cheap whatever the sequence), and for all-to-all its heads (on each of `tp` ranks) divide
+    by cp."""
     length = _length(sample)
     check_length(length, cp, f"--context-parallel: model {model_name}: ")
     argument = position_argument(model, model_name)
     probe = Attending(None, attention, model_name)
-    first = batch.rows(sample, slice(0, 1))
+    short = 2 * cp
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return t[:, :short] if t.dim() >= 2 and t.shape[1] == length else t
+
+    first = tree_map(cut, batch.rows(sample, slice(0, 1)))
     with torch.no_grad(), probe.installed():
         args, kwargs = batch.arguments(first)
-        where = torch.arange(length, device=batch.leaves(first)[0].device)
+        where = torch.arange(short, device=batch.leaves(first)[0].device)
         model(*args, **kwargs, **{argument: where[None]})
     probe.check_called()
     if attention == "alltoall" and (probe.heads % tp or (probe.heads // tp) % cp):
