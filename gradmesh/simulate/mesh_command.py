@@ -52,9 +52,15 @@ def _fixed(args: Any, n: int) -> Layout:
     """The layout the options give at `n` GPUs (one line when its degrees do not divide n)."""
     lay: LayoutConfig = args.layout
     tp, pp = lay.tensor_parallel, lay.pipeline_parallel
-    if n % (tp * pp):
+    cp, ep = lay.context_parallel, lay.expert_parallel
+    if n % (tp * pp * cp * ep):
+        more = "".join(
+            f" x --{flag} {size}"
+            for flag, size in (("context-parallel", cp), ("expert-parallel", ep))
+            if size > 1
+        )
         raise GradmeshError(
-            f"{n} GPUs do not divide into --tensor-parallel {tp} x --pipeline-parallel {pp}"
+            f"{n} GPUs do not divide into --tensor-parallel {tp} x --pipeline-parallel {pp}{more}"
         )
     if args.zero_stage > 1 and pp > 1:
         raise GradmeshError(
