@@ -220,14 +220,17 @@ def flops_per_sample(build: Callable[[], nn.Module], sample: Batch) -> float:
 
 def _counted(net: nn.Module, sample: Batch) -> float:
     with FlopCounterMode(display=False) as counter:
-        out = batch.call(net, sample)
-        if not torch.is_tensor(out):  # the output's first tensor (a mixture's: with its losses)
-            found = [
-                t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.is_floating_point()
-            ]
-            out = found[0].float().sum() + sum(t.sum() for t in found[1:] if t.dim() == 0)
-        out.float().sum().backward()  # type: ignore[no-untyped-call]
+        scalar_of(batch.call(net, sample)).backward()  # type: ignore[no-untyped-call]
     return float(counter.get_total_flops())
+
+
+def scalar_of(out: Any) -> torch.Tensor:
+    """A scalar for a counting backward to start from: the sum of a model output's first
+    tensor (a tuple's, a `ModelOutput`'s), plus its scalar losses (a mixture's balance loss)."""
+    if torch.is_tensor(out):
+        return out.float().sum()
+    found = [t for t in tree_flatten(out)[0] if torch.is_tensor(t) and t.is_floating_point()]
+    return found[0].float().sum() + sum(t.float() for t in found[1:] if t.dim() == 0)
 
 
 def measured_peak_flops(seconds: float = 0.25, n: int = 512) -> float:

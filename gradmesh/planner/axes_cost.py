@@ -114,7 +114,6 @@ def record_axes(
         splittable[0] = splittable[0] and is_causal and attn_mask is None and not dropout_p
         return TORCH_ATTENTION(query, key, value, attn_mask, dropout_p, is_causal, **kw)
 
-    n = len(batch.leaves(sample)[0])
     with torch.no_grad(), attention_replaced(recording):
         call(model, sample)
     seqs = None
@@ -129,7 +128,8 @@ def record_axes(
     if mixtures:
         first = next(p for p in model.parameters())
         width = mixtures[0].w1.shape[1]
-        tokens = sum(int(m.counts.sum()) for m in mixtures if m.counts is not None) / n
+        length = batch.leaves(sample)[0].shape[1]  # each token's k slots, in every mixture
+        tokens = float(sum(m.top_k for m in mixtures) * length)
         hidden = mixtures[0].w1.shape[2]
         params = sum(
             sum(p.numel() * p.element_size() for p in (m.w1, m.b1, m.w2, m.b2)) for m in mixtures

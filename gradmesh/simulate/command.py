@@ -71,6 +71,9 @@ class SimulateConfig:
             "schedule",
             "virtual_stages",
             "activation_checkpointing",
+            "context_parallel",
+            "context_attention",
+            "expert_parallel",
         ),
     )
     global_batch: int = option(0, "token models: samples a step (default: --batch-per-gpu x dp)")

@@ -222,7 +222,7 @@ def mesh_layouts(
     for tp in tps:
         for pp in divisors(gpus // tp):
             dp = gpus // (tp * pp)
-            if batch % dp or pp > blocks:
+            if batch % dp or (pp > 1 and pp > blocks):
                 continue
             for size in (1, 2, 4, 8):
                 if (batch // dp) % size:

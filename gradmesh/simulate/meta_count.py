@@ -64,7 +64,7 @@ def count(spec: Spec, tp: int) -> Counted:
     from gradmesh.layout.memory import saved_activations
     from gradmesh.layout.tensor.layers import dry_exchanges
     from gradmesh.models.blocks import block_list
-    from gradmesh.models.flops import KernelCounter
+    from gradmesh.models.flops import KernelCounter, scalar_of
     from gradmesh.train.recipe import rank_slice
 
     net, ids = spec.build()
@@ -72,10 +72,10 @@ def count(spec: Spec, tp: int) -> Counted:
     counter = KernelCounter()
     with dry_exchanges(tp) as dry:
         with counter:
-            net(ids).float().sum().backward()
+            scalar_of(net(ids)).backward()  # type: ignore[no-untyped-call]
         made = [(n, kind) for _, n, kind in dry.made]
     with dry_exchanges(tp):
-        saved = saved_activations(net, lambda: net(ids).float().sum(), ids, peak=False)
+        saved = saved_activations(net, lambda: scalar_of(net(ids)), ids, peak=False)
     kernels = [(k, f, b) for costs in counter.costs.values() for k, (f, b) in costs.items()]
     names = block_list(net)
     per_block = dict.fromkeys(names, 0)

@@ -268,3 +268,27 @@ def test_the_rings_tiles_give_torchs_attention_and_its_gradients(
     want = torch.autograd.grad(theirs, (q, k, v), grad)
     assert torch.allclose(mine, theirs, atol=1e-12)
     assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(ours, want, strict=True))
+
+
+def test_the_simulator_searches_context_and_expert_parallelism() -> None:
+    """On the meta device (an even load on the experts): a GPT's search holds cp layouts of
+    both forms, a mixture's ep layouts and no pipeline, each priced with its exchanges."""
+    from gradmesh.simulate.devices import DEVICES
+    from gradmesh.simulate.fabrics import FABRICS, fabric_terms
+    from gradmesh.simulate.mesh import meta_profile, search
+    from gradmesh.simulate.meta_count import Spec
+
+    h100 = DEVICES.get("h100").at("bf16")
+    intra = fabric_terms(FABRICS.get("nvswitch-h100"))
+    inter = fabric_terms(FABRICS.get("infiniband-hdr"), 8)
+    gpt = Spec("gpt", {"dim": 128, "depth": 4, "heads": 4}, 1024, 1000, "bf16")
+    priced = search(meta_profile(gpt, 8, 8, [1, 2], h100), intra, inter, 8, 1024)
+    names = {p.prediction.layout.name for p in priced}
+    assert {"dp4xcp2", "dp4xcp2a2a", "dp1xcp8"} <= names
+    ring = next(p for p in priced if p.prediction.layout.name == "dp1xcp8")
+    assert ring.prediction.context_s > 0
+    moe = Spec("gpt", {"dim": 128, "depth": 4, "heads": 4, "experts": 8}, 256, 1000, "bf16")
+    meta = meta_profile(moe, 8, 8, [1], h100)
+    assert meta.profile.experts is not None and meta.profile.experts.imbalance(4) == 1.0
+    laid = [p.prediction.layout for p in search(meta, intra, inter, 8, 256)]
+    assert any(lay.ep == 8 for lay in laid) and all(lay.pp == 1 for lay in laid)
