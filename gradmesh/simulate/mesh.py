@@ -190,9 +190,15 @@ def _axes(net: Any, ids: Any, grow: float) -> tuple[Sequences | None, Experts | 
     return seqs, experts
 
 
+CP_SEARCHED = 16
+"""The largest cp degree `--search` tries (Llama 3 trained its 128k-token stage at cp 16):
+each degree multiplies the layouts searched, and a ring longer than that spans many nodes."""
+
+
 def _degrees(prof: MeshProfile) -> tuple[list[int], list[int]]:
-    """The cp and ep degrees the model admits on `prof.workers` GPUs."""
-    cps = [1] + [c for c in divisors(prof.workers) if prof.sequences is not None and c > 1]
+    """The cp (up to `CP_SEARCHED`) and ep degrees the model admits on `prof.workers` GPUs."""
+    seqs = prof.sequences
+    cps = [1] + [c for c in divisors(prof.workers) if seqs is not None and 1 < c <= CP_SEARCHED]
     experts = prof.experts.experts if prof.experts is not None else 1
     eps = [e for e in divisors(prof.workers) if experts % e == 0 and (e == 1 or prof.experts)]
     return cps, eps

@@ -33,11 +33,12 @@ class Spec:
 
         from gradmesh.models.registry import MODELS
 
+        builder = MODELS.get(self.model)  # first: the lookup loads the registry, schemes too
         with torch.device("meta"):
             if ":" in self.model and self.model.partition(":")[0] not in MODELS.schemes:
-                net = MODELS.get(self.model)(**self.args)
+                net = builder(**self.args)
             else:
-                net = MODELS.get(self.model)((self.sequence,), self.vocab, **self.args)
+                net = builder((self.sequence,), self.vocab, **self.args)
             if self.mixed:
                 net = net.to(torch.bfloat16)
             ids = torch.zeros(1, self.sequence, dtype=torch.long, device="meta")
