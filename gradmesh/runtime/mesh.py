@@ -144,9 +144,8 @@ def build_mesh(
     shape: MeshShape, rank: int, timeout: timedelta, groups: list[dist.ProcessGroup]
 ) -> Mesh:
     """Make one group per axis, then one per set of axes (`REPLICAS`, `BATCH`,
-    `EXPERT_REPLICAS`) that spans more
-    than one axis (every rank calls this in the same order); each group made is appended to
-    `groups`, whose owner frees them at shutdown."""
+    `EXPERT_REPLICAS`) that spans more than one axis (every rank calls this in the same order);
+    each group made is appended to `groups`, whose owner frees them at shutdown."""
     axes = {}
     for name in NAMES:
         axes[name] = _line(shape, name, rank, timeout, groups)
