@@ -24,7 +24,8 @@ from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster
-from gradmesh.layout.config import Layout, bubble_formula
+from gradmesh.layout.config import Layout
+from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.models.registry import is_token_model
 from gradmesh.options import option
 from gradmesh.planner.links import STATED_ERROR
@@ -128,7 +129,9 @@ def _summary(args: Config, lay: Layout, runs: list[dict[str, Any]], cluster: Any
         "stage_idle": [median([r["stage_idle"][rank] for r in runs]) for rank in range(args.world)]
         if pipelined
         else None,
-        "bubble_formula": bubble_formula(lay.pp, lay.microbatches, lay.chunks)
+        "bubble_formula": bubble_formula(
+            lay.pp, lay.microbatches, lay.chunks, lay.schedule or "1f1b"
+        )
         if pipelined
         else None,
         "limit": limit_of(figures["cpu_idle"], cluster),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.pipeline.order import SCHEDULES, chunks_of
 from gradmesh.options import option
 from gradmesh.runtime.axes import AXES, CP, DP, EP, PP, SPLITTING, TP, MeshShape
 
@@ -18,9 +19,6 @@ RESHARDABLE = frozenset(
     {"workers", "zero_stage", *(a.flag for a in AXES if a.flag and a.reshardable)}
 )
 """The layout settings a resharded resume may change (not the pipeline's)."""
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-"""Pipeline schedules by name (`gradmesh.layout.pipeline.schedules` runs them)."""
 
 
 @dataclass
@@ -50,7 +48,14 @@ class LayoutConfig:
         "replica does (a model with experts: --model gpt --model-args experts=8,top_k=2)",
     )
     microbatches: int = option(1, "pipeline: micro-batches per replica's batch")
-    schedule: str = option("1f1b", "pipeline schedule", choices=SCHEDULES)
+    schedule: str = option(
+        "1f1b",
+        "pipeline schedule: gpipe, 1f1b, interleaved (--virtual-stages chunks a rank), zb-h1 "
+        "(1F1B's memory, backward split into input and weight gradients, the weights' filling "
+        "the bubble; m >= p) or zbv (two stages a rank in a V, near-zero bubble; "
+        "m >= 2 (p - 1)); docs/model_parallel.md",
+        choices=SCHEDULES,
+    )
     virtual_stages: int = option(
         2,
         "pipeline, interleaved schedule: chunks of the model each rank holds (rank s holds "
@@ -95,8 +100,7 @@ class LayoutConfig:
     @property
     def chunks(self) -> int:
         """Chunks of the model each pipeline rank holds (more than one: interleaved)."""
-        interleaved = self.schedule == "interleaved" and self.pipeline_parallel > 1
-        return self.virtual_stages if interleaved else 1
+        return chunks_of(self.schedule, self.pipeline_parallel, self.virtual_stages)
 
     def mesh_sizes(self) -> dict[str, int]:
         """The splitting axes' sizes, axis name -> size (the data axis is the rest)."""
@@ -177,7 +181,8 @@ class Layout:
             parts.append(f"cp{self.cp}" + ("a2a" if self.attention == "alltoall" else ""))
         parts += [f"ep{self.ep}"] * (self.ep > 1)
         if self.pp > 1:
-            parts.append(f"pp{self.pp}" + ("i" if self.chunks > 1 else ""))
+            suffix = {"interleaved": "i", "zb-h1": "zb", "zbv": "v"}.get(self.schedule or "", "")
+            parts.append(f"pp{self.pp}{suffix}")
         if self.pp > 1 or self.microbatches > 1:
             parts.append(f"m{self.microbatches}")
         parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["ac"] * self.checkpointing
@@ -204,7 +209,7 @@ class Layout:
         if self.pp > 1:
             out.append(f"--pipeline-parallel {self.pp} --microbatches {self.microbatches}")
             out.append(f"--schedule {self.schedule}")
-            if self.chunks > 1:
+            if self.schedule == "interleaved":
                 out.append(f"--virtual-stages {self.chunks}")
         if self.zero_stage:
             out.append(f"--zero-stage {self.zero_stage}")
@@ -215,29 +220,6 @@ class Layout:
         if self.ep > 1:
             out.append(f"--expert-parallel {self.ep}")
         return " ".join(out) or "(data parallel: no layout flags)"
-
-
-def check_interleaved(schedule: str, pp: int, m: int, virtual: int) -> None:
-    """One line unless the interleaved schedule can run `m` micro-batches over `virtual`
-    chunks on each of `pp` stages."""
-    if schedule != "interleaved":
-        return
-    if virtual < 2:
-        raise GradmeshError(
-            f"--virtual-stages {virtual}: the interleaved schedule holds at least 2 chunks of "
-            "the model per rank (with 1 it is 1f1b)"
-        )
-    if m % pp:
-        raise GradmeshError(
-            f"--microbatches {m}: the interleaved schedule sends micro-batches through a rank's "
-            f"chunks in groups of --pipeline-parallel {pp}; give a multiple of {pp}"
-        )
-
-
-def bubble_formula(pp: int, m: int, virtual: int = 1) -> float:
-    """The idle part of the step of a pipeline of equal stages: (p - 1) / (v m + p - 1), v the
-    chunks per rank (1 but under the interleaved schedule)."""
-    return (pp - 1) / (virtual * m + pp - 1)
 
 
 def every_of(spec: str) -> int:

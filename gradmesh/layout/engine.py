@@ -17,13 +17,11 @@ import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import (
-    SCHEDULES,
     LayoutConfig,
     check_compile,
     check_context_layout,
     check_expert_layout,
     check_fp8,
-    check_interleaved,
     check_sequence_parallel,
 )
 from gradmesh.layout.context import check_context
@@ -31,6 +29,7 @@ from gradmesh.layout.expert import check_expert
 from gradmesh.layout.loss import LossFn, logits_of, summed
 from gradmesh.layout.pipeline.engine import HALF, PipelineEngine, forward_precision, single_input
 from gradmesh.layout.pipeline.graph import candidates, check_points
+from gradmesh.layout.pipeline.order import check_schedule, rank_of, stage_of
 from gradmesh.layout.pipeline.schedules import (
     cut_stages,
     layers_of,
@@ -211,10 +210,7 @@ def check_run(layout: LayoutConfig, mesh: dict[str, int], zero_stage: int = 0) -
             "with the layout's sizes (gradmesh.init(mesh={...}))"
         )
     tp, pp = asked[TP], asked[PP]
-    if layout.schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown schedule {layout.schedule!r} (valid: {', '.join(SCHEDULES)})")
-    if pp > 1:
-        check_interleaved(layout.schedule, pp, layout.microbatches, layout.chunks)
+    check_schedule(layout.schedule, pp, layout.microbatches, layout.chunks)
     if layout.precision != "fp32" and layout.precision not in HALF:
         raise GradmeshError(
             f"unknown precision {layout.precision!r} (valid: fp32, {', '.join(HALF)})"
@@ -276,7 +272,8 @@ def cut_pipeline(
     sample, loss_fn, starts = run
     tp, pp = rt.mesh[TP], rt.mesh[PP]
     half = HALF.get(layout.precision)
-    owns = tp.index == 0 and pp.index == pp.size - 1
+    last = pp.size * layout.chunks - 1  # the pipeline's last stage: its rank sees the logits
+    owns = tp.index == 0 and pp.index == rank_of(layout.schedule, last, pp.size)
     if pp.size == 1:
         m = layout.microbatches
         if m > 1:  # an elastic job's accumulation (pipelines refuse it otherwise)
@@ -292,7 +289,8 @@ def cut_pipeline(
     ends = [*starts[1:], len(list(model.children()))]
     info["stage_layers"] = [[s, e] for s, e in zip(starts, ends, strict=True)]
     run_ = (layout.microbatches, layout.schedule, loss_fn)
-    split = _layer_pipeline(model, model_name, rt, starts, batch.leaves(sample)[0][:1], run_, info)
+    first = batch.leaves(sample)[0][:1]
+    split = _layer_pipeline(model, model_name, rt, starts, first, run_, info, owns)
     cast(PipelineEngine, split.engine).half = half
     return split
 
@@ -318,20 +316,21 @@ def _layer_pipeline(
     sample: torch.Tensor,
     run: tuple[int, str, LossFn | None],
     info: dict[str, Any],
+    owns: bool,
 ) -> Split:
     """This rank's stages of a sequence of layers cut at `starts` (p x chunks stages; rank s
-    holds s, s + p, ...) and the engine that runs them: `run` is (micro-batches, schedule,
-    loss)."""
+    holds s, s + p, ..., or s and 2 p - 1 - s in a V: `stage_of`) and the engine that runs
+    them: `run` is (micro-batches, schedule, loss)."""
     pp = rt.mesh[PP]
     chunks = len(starts) // pp.size
     shapes = sample_shapes(layers_of(module, model_name), sample)
-    mine = [stage_module(module, starts, c * pp.size + pp.index) for c in range(chunks)]
+    where = [stage_of(run[1], c, pp.index, pp.size) for c in range(chunks)]
+    mine = [stage_module(module, starts, g) for g in where]
     dtype = next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
     entering = [shapes[first] for first in starts]
     engine = PipelineEngine(rt, list(mine), single_input(entering, dtype), *run)
     # one module holding every chunk's layers under their own names: what the optimizer steps
     stage = mine[0] if chunks == 1 else nn.Sequential(OrderedDict(_layers(mine)))
-    owns = rt.mesh[TP].index == 0 and pp.index == pp.size - 1
     return Split(stage, engine, info, owns)
 
 

@@ -56,7 +56,9 @@ from gradmesh.layout.config import Layout, LayoutConfig
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.memory import Saved, peak_bytes, saved_activations
 from gradmesh.layout.pipeline.graph import block_flops
+from gradmesh.layout.pipeline.order import stage_of
 from gradmesh.layout.pipeline.schedules import balance
+from gradmesh.layout.pipeline.zero_bubble import fewest_microbatches
 from gradmesh.layout.tensor.layers import dry_exchanges
 from gradmesh.models.blocks import block_list
 from gradmesh.planner.axes_cost import Experts, Sequences, context_fits, record_axes
@@ -90,15 +92,18 @@ class Workload(Protocol):
 
 def rank_blocks(prof: MeshProfile, lay: Layout) -> list[list[list[int]]]:
     """The blocks (indices into `prof.blocks`) of each pipeline rank's chunks under `lay`'s
-    balanced cut (chunk c of rank r is stage c p + r); without a pipeline, one rank, one chunk,
-    every block."""
+    balanced cut (chunk c of rank r is stage `stage_of(schedule, c, r, p)`); without a
+    pipeline, one rank, one chunk, every block."""
     flops = list(prof.blocks.values())
     depth = lay.pp * lay.chunks
     if lay.pp == 1:
         return [[list(range(len(prof.block_names)))]]
     starts = [*balance(flops, depth), len(flops)]
     return [
-        [list(range(starts[c * lay.pp + r], starts[c * lay.pp + r + 1])) for c in range(lay.chunks)]
+        [
+            list(range(starts[g], starts[g + 1]))
+            for g in (stage_of(lay.schedule or "1f1b", c, r, lay.pp) for c in range(lay.chunks))
+        ]
         for r in range(lay.pp)
     ]
 
@@ -156,8 +161,9 @@ def layouts(
     cps: Sequence[int] = (1,),
     eps: Sequence[int] = (1,),
 ) -> list[Layout]:
-    """Every layout to price: tp from `tps`, pp up to the blocks, 1F1B with m in (p, 2p, 4p)
-    micro-batches, and interleaved 1F1B (2 stages a rank) where the blocks allow; without a
+    """Every layout to price: tp from `tps`, pp up to the blocks, 1F1B and ZB-H1 with m in
+    (p, 2p, 4p) micro-batches, and interleaved 1F1B and ZBV (2 stages a rank) where the
+    blocks allow (ZBV from 2 (p - 1) micro-batches on); without a
     pipeline, context parallelism from `cps` (ring and all-to-all) and expert parallelism from
     `eps` (the degrees the model admits)."""
     found = []
@@ -175,8 +181,11 @@ def layouts(
                     continue
                 if pp <= blocks:
                     found.append(Layout(dp, tp, pp, m, "1f1b"))
+                    found.append(Layout(dp, tp, pp, m, "zb-h1"))
                 if 2 * pp <= blocks:
                     found.append(Layout(dp, tp, pp, m, "interleaved", 2))
+                if 2 * pp <= blocks and m >= fewest_microbatches("zbv", pp):
+                    found.append(Layout(dp, tp, pp, m, "zbv", 2))
     return found
 
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from gradmesh.collectives.ring import allgather_cost
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import Layout, bubble_formula
+from gradmesh.layout.config import Layout
+from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.planner.axes_cost import compute_factor, context_s, expert_bytes_held, expert_s
 from gradmesh.planner.mesh import MeshProfile, Workload, profile_mesh, rank_blocks
 from gradmesh.planner.mesh_memory import (
@@ -165,7 +166,7 @@ def predict_mesh(
         pair = [0, lay.tp * lay.cp * lay.ep]
         one = links.point_to_point or links.over(pair, crossing * b)
         p2p = lay.chunks * (2 * (one.alpha + crossing * b * one.beta) + cal.microbatch_s)
-    bubble = bubble_formula(lay.pp, m, lay.chunks) if lay.pp > 1 else 0.0
+    bubble = bubble_formula(lay.pp, m, lay.chunks, lay.schedule or "1f1b") if lay.pp > 1 else 0.0
     stretch = m / (1 - bubble)
     sync = _sync_s(prof, lay, links, (algorithm, cal), (params, placed))
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes

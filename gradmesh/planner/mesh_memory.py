@@ -16,13 +16,14 @@ optimizer state); stages 2 and 3 shard over dp x cp, stage 1 over dp.
   autograd's saved-tensor hooks during a forward of the slice, each storage counted once, the
   parameters not at all) times b / S, and what the rest saves (embeddings, head, loss) on the end
   stages. The micro-batches in flight are read off the schedule the engine runs
-  (`schedule_actions`: each (chunk, micro-batch) held from its forward to its backward, the most
-  held at once); one without a pipeline. On top, once, the step's transient: the measured peak
-  of one forward and backward beyond what it saved (the loss's buffers, the first gradients of
-  backward), times b / S. With checkpointing a block keeps only what entered it; on top of
-  those, the transient and the larger of the rest's saved bytes (the peak as backward starts)
-  and the largest block rebuilt in backward (the peak inside it, where the gradients flowing
-  back are as large as at the start).
+  (`schedule_actions`: each (chunk, micro-batch) held from its forward to its backward, to its
+  W under a zero-bubble schedule, the most held at once: `peak_in_flight`); one without a
+  pipeline. On top, once, the step's transient: the measured peak of one forward and backward
+  beyond what it saved (the loss's buffers, the first gradients of backward), times b / S.
+  With checkpointing a block keeps only what entered it; on top of those, the transient and
+  the larger of the rest's saved bytes (the peak as backward starts) and the largest block
+  rebuilt in backward (the peak inside it, where the gradients flowing back are as large as at
+  the start).
 - **Gathered parameters** (FSDP2, stages 2 and 3; no pipeline): the root's parameters (embeddings,
   head) stay gathered through the step; stage 3 holds two units gathered at once (one running,
   the next prefetched) and stage 2 every unit from forward to backward; and one unit's
@@ -45,7 +46,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gradmesh.layout.config import Layout
-from gradmesh.layout.pipeline.schedules import schedule_actions
+from gradmesh.layout.pipeline.order import peak_in_flight, schedule_actions
 from gradmesh.planner.axes_cost import expert_bytes_held
 from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
@@ -114,13 +115,8 @@ def in_flight(lay: Layout, rank: int, held: list[float]) -> float:
     """The most bytes `rank`'s schedule keeps at once, `held[c]` a micro-batch of chunk c."""
     if lay.pp == 1:
         return held[0]
-    live = top = 0.0
-    for kind, chunk, _ in schedule_actions(
-        lay.schedule or "1f1b", rank, lay.pp, lay.microbatches, lay.chunks
-    ):
-        live += held[chunk] if kind == "F" else -held[chunk]
-        top = max(top, live)
-    return top
+    actions = schedule_actions(lay.schedule or "1f1b", rank, lay.pp, lay.microbatches, lay.chunks)
+    return peak_in_flight(actions, held)
 
 
 def _saved(sl: Slice, name: str, lay: Layout) -> float:

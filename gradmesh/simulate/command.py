@@ -10,7 +10,8 @@ from typing import Any
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import LayoutConfig, check_interleaved
+from gradmesh.layout.config import LayoutConfig
+from gradmesh.layout.pipeline.order import check_schedule
 from gradmesh.options import check_choices, component, option
 from gradmesh.planner.links import Links
 from gradmesh.simulate.devices import COMPUTE_KINDS, DEVICES, Device
@@ -185,7 +186,7 @@ def _check(args: SimulateConfig) -> tuple[list[int], list[str]]:
             "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel and "
             "--pipeline-parallel must be >= 1, --servers-per-node >= 0, --fusion-mb > 0"
         )
-    check_interleaved(
+    check_schedule(
         args.layout.schedule,
         args.layout.pipeline_parallel,
         args.layout.microbatches,

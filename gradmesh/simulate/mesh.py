@@ -37,6 +37,7 @@ from typing import Any
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
+from gradmesh.layout.pipeline.zero_bubble import fewest_microbatches
 from gradmesh.planner.axes_cost import Experts, Sequences, context_fits, record_axes
 from gradmesh.planner.links import Links
 from gradmesh.planner.mesh import MeshProfile, Slice, block_outputs
@@ -222,7 +223,8 @@ def mesh_layouts(
 ) -> Iterator[Layout]:
     """Every layout of `gpus` at global `batch`: tp from `tps`, pp up to the blocks,
     micro-batches of 1, 2, 4 or 8 samples (without a pipeline, accumulated before the gradient
-    sync), 1F1B and (two chunks a rank, where the blocks allow) interleaved 1F1B; without a
+    sync), 1F1B, ZB-H1 (m >= p) and (two chunks a rank, where the blocks allow) interleaved
+    1F1B and ZBV; without a
     pipeline, some replicas given to context parallelism (`cps`, ring and all-to-all) or to
     expert parallelism (`eps`)."""
     for tp in tps:
@@ -239,8 +241,12 @@ def mesh_layouts(
                     yield from _context_expert(dp, tp, m, cps, eps)
                     continue
                 yield Layout(dp, tp, pp, m, "1f1b")
+                if m >= pp:
+                    yield Layout(dp, tp, pp, m, "zb-h1")
                 if 2 * pp <= blocks and m % pp == 0:
                     yield Layout(dp, tp, pp, m, "interleaved", 2)
+                if 2 * pp <= blocks and m >= fewest_microbatches("zbv", pp):
+                    yield Layout(dp, tp, pp, m, "zbv", 2)
 
 
 def _context_expert(

@@ -4,6 +4,7 @@ collectives' cost formulas through the planner (`predict`), and `scaling` over G
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -11,7 +12,7 @@ from typing import Any
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import check_interleaved
+from gradmesh.layout.pipeline.order import check_schedule
 from gradmesh.planner.links import Links, Profile
 from gradmesh.registry import Registry
 from gradmesh.simulate.profile import Split
@@ -43,8 +44,8 @@ class Job:
     microbatches: int = 1
     """pipeline: micro-batches per replica's batch."""
     schedule: str = "1f1b"
-    """pipeline: gpipe, 1f1b or interleaved
-    (`gradmesh.layout.pipeline.schedules.schedule_actions`)."""
+    """pipeline: gpipe, 1f1b, interleaved, zb-h1 or zbv
+    (`gradmesh.layout.pipeline.order.schedule_actions`)."""
     virtual_stages: int = 2
     """pipeline, interleaved: chunks of the model each GPU holds."""
     servers_apart: bool = False
@@ -141,12 +142,16 @@ def _pipeline(job: Job) -> float:
     """Pipeline parallelism as gradmesh runs it: the layer sequence cut into S stages balanced
     on their FLOPs (`pipeline.balance`; S the largest asked for that divides the GPU count,
     adjacent GPUs, so a node's; S v under the interleaved schedule, GPU s holding stages s,
-    s + S, ...), each replica's batch (S GPUs' worth) in `microbatches`, every GPU running its
-    schedule's actions in order (`pipeline.schedule_actions`) as a discrete-event simulation: a
-    forward waits for the stage before it and its activation's transfer, a backward for the
-    stage after it and its gradient's; then each GPU's parameters are averaged over the
+    s + S, ...; 2 S in a V, GPU s holding s and 2 S - 1 - s), each replica's batch (S GPUs'
+    worth) in `microbatches`, every GPU running its schedule's actions in order
+    (`order.timeline`) as a discrete-event simulation: a forward waits for the stage before it
+    and its activation's transfer, a backward for the stage after it and its gradient's; under
+    a zero-bubble schedule a backward is B and W, each half of its FLOPs (a matmul's input and
+    weight gradients cost the same); then each GPU's parameters are averaged over the
     S-strided replicas, after its last backward."""
+    from gradmesh.layout.pipeline.order import chunks_of, rank_of, stage_of, timeline
     from gradmesh.layout.pipeline.schedules import balance
+    from gradmesh.layout.pipeline.zero_bubble import SPLIT
 
     split, _ = _split_of(job)
     n = job.gpus
@@ -154,9 +159,14 @@ def _pipeline(job: Job) -> float:
     units_ = split.prof.units
     if stages > len(units_):
         stages = max(d for d in range(1, len(units_) + 1) if n % d == 0)
-    m = job.microbatches
-    v = job.virtual_stages if job.schedule == "interleaved" else 1
-    check_interleaved(job.schedule, stages, m, job.virtual_stages)
+    m, kind = job.microbatches, job.schedule
+    v = chunks_of(kind, stages, job.virtual_stages)
+    check_schedule(kind, stages, m, v)
+    if v > len(units_) // stages and kind != "interleaved":
+        raise GradmeshError(
+            f"schedule {kind} holds {v} stages a GPU: the model's {len(units_)} layers make "
+            f"fewer than {v * stages}"
+        )
     v = max(1, min(v, len(units_) // stages))  # no chunk without a layer
     depth = stages * v
     samples = split.prof.batch * stages / m  # per micro-batch (the profile is at one GPU's)
@@ -164,73 +174,24 @@ def _pipeline(job: Job) -> float:
     per_unit = [(u.fwd["data"] * scale, u.bwd["data"] * scale) for u in units_]
     starts = balance([f + b for f, b in per_unit], depth) if depth > 1 else [0]
     bounds = [*starts, len(units_)]
-    fwd = [sum(f for f, _ in per_unit[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
-    bwd = [sum(b for _, b in per_unit[a:c]) for a, c in zip(bounds, bounds[1:], strict=False)]
-    sends = [
-        _p2p_s(
-            job.links,
-            [g % stages, (g + 1) % stages],
-            samples * units_[bounds[g + 1] - 1].out_bytes,
-        )
-        for g in range(depth - 1)
-    ]
-    free = run_schedule(job.schedule, stages, m, fwd, bwd, sends, v)
+    fwd = [sum(f for f, _ in per_unit[a:b]) for a, b in itertools.pairwise(bounds)]
+    bwd = [sum(b for _, b in per_unit[a:c]) for a, c in itertools.pairwise(bounds)]
+    half = 0.5 if kind in SPLIT else 0.0  # W's share of a backward
+    costs = ([*fwd], [b * (1 - half) for b in bwd], [b * half for b in bwd])
+    sends = []
+    for g in range(depth - 1):
+        pair = [rank_of(kind, g, stages), rank_of(kind, g + 1, stages)]
+        nbytes = samples * units_[bounds[g + 1] - 1].out_bytes
+        sends.append(0.0 if pair[0] == pair[1] else _p2p_s(job.links, pair, nbytes))
+    free = timeline(kind, stages, m, costs, sends, v)
     replicas = list(range(0, n, stages))
     step = 0.0
     for s in range(stages):
-        mine = range(s, depth, stages)
+        mine = [stage_of(kind, c, s, stages) for c in range(v)]
         nbytes = sum(u.param_bytes for g in mine for u in units_[bounds[g] : bounds[g + 1]])
         sync = job.links.allreduce_s(job.algorithm, [r + s for r in replicas], nbytes)
         step = max(step, free[s] + sync)
     return step + split.prof.step_overhead_s
-
-
-def run_schedule(
-    schedule: str,
-    stages: int,
-    m: int,
-    fwd: list[float],
-    bwd: list[float],
-    sends: list[float],
-    virtual: int = 1,
-) -> list[float]:
-    """Every GPU's actions in its schedule's order as a discrete-event simulation over the
-    pipeline's `stages * virtual` stages (`fwd`, `bwd`, `sends` per stage; GPU s runs stages
-    s, s + stages, ...): a forward waits for the stage before it and its activation's
-    transfer, a backward for the stage after it and its gradient's. Returns the time each GPU
-    is done."""
-    from gradmesh.layout.pipeline.schedules import schedule_actions
-
-    depth = stages * virtual
-    done: dict[tuple[str, int, int], float] = {}
-    free = [0.0] * stages
-    queues = [schedule_actions(schedule, s, stages, m, virtual) for s in range(stages)]
-    while any(queues):
-        progressed = False
-        for s in range(stages):
-            while queues[s]:
-                kind, chunk, i = queues[s][0]
-                g = chunk * stages + s
-                if kind == "F":
-                    ready = [0.0] if g == 0 else _after(done.get(("F", g - 1, i)), sends[g - 1])
-                elif g < depth - 1:
-                    ready = _after(done.get(("B", g + 1, i)), sends[g])
-                else:
-                    ready = _after(done.get(("F", g, i)), 0.0)
-                if not ready:
-                    break
-                start = max(free[s], *ready)
-                free[s] = done[(kind, g, i)] = start + (fwd[g] if kind == "F" else bwd[g])
-                queues[s].pop(0)
-                progressed = True
-        if not progressed:
-            raise GradmeshError(f"pipeline schedule {schedule} deadlocked (a bug)")
-    return free
-
-
-def _after(t: float | None, transfer: float) -> list[float]:
-    """When an action that waits for an event at `t` (None: not yet) and a transfer may start."""
-    return [] if t is None else [t + transfer]
 
 
 def _p2p_s(links: Links, ranks: list[int], nbytes: float) -> float:

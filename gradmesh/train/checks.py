@@ -12,11 +12,11 @@ from gradmesh.layout.config import (
     check_context_layout,
     check_expert_layout,
     check_fp8,
-    check_interleaved,
     check_precision,
     check_sequence_parallel,
     every_of,
 )
+from gradmesh.layout.pipeline.order import check_schedule
 from gradmesh.runtime.axes import MeshShape
 from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
 from gradmesh.sync.config import SPLIT_LAYOUTS, check_stage
@@ -140,11 +140,11 @@ def _check_layout(config: TrainConfig) -> None:
         _check_reshard(config, shape.pp)
     if layout.stages and shape.pp == 1:
         raise GradmeshError("--stages cuts a pipeline: use it with --pipeline-parallel > 1")
-    if config.job.emulate_compute_ms and (layout.split or layout.plan):
+    if config.job.emulate_compute_ms and (shape.split != shape.pp or layout.plan):
         raise GradmeshError(
-            "--emulate-compute-ms spreads one step's compute over the whole model's layers: "
-            "it needs every worker to hold the whole model (no --tensor-parallel, "
-            "--pipeline-parallel or --plan)"
+            "--emulate-compute-ms spreads one step's compute over the model's whole layers: "
+            "it needs every worker to hold whole layers (data parallel or --pipeline-parallel; "
+            "no other splitting axis, no --plan)"
         )
     _check_microbatches(config, shape)
 
@@ -174,7 +174,7 @@ def _check_microbatches(config: TrainConfig, shape: MeshShape) -> None:
             "--microbatches streams a pipeline: use it with --pipeline-parallel > 1"
         )
     if shape.pp > 1:
-        check_interleaved(config.layout.schedule, shape.pp, m, config.layout.virtual_stages)
+        check_schedule(config.layout.schedule, shape.pp, m, config.layout.virtual_stages)
     per_replica = batch // shape.dp
     if m > 1 and batch % (shape.dp * m):
         fits = [k for k in range(1, per_replica + 1) if per_replica % k == 0 and k <= 64]

@@ -11,7 +11,7 @@ from typing import Any
 
 from gradmesh.data.registry import TOKEN_DATASETS
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import bubble_formula
+from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.models.devices import UNKNOWN
 from gradmesh.runtime.axes import NAMES, PP, MeshShape
 from gradmesh.train.config import TrainConfig
@@ -337,7 +337,7 @@ class RunReport:
             chunks = lay.get("chunks", 1)
             split += f", {lay['microbatches']} micro-batches {lay['schedule']}"
             split += f" ({chunks} stages per rank)" if chunks > 1 else ""
-            formula = bubble_formula(lay[PP], lay["microbatches"], chunks)
+            formula = bubble_formula(lay[PP], lay["microbatches"], chunks, lay["schedule"])
             split += (
                 f", bubble {lay.get('bubble', 0.0):.2f} (formula {formula:.2f}; "
                 f"stage idle {lay['stage_idle']:.2f})"

@@ -50,7 +50,7 @@ def test_registry_lists_valid_names_on_unknown() -> None:
         ({"emulate_compute_ms": -1.0}, "--emulate-compute-ms must be >= 0, got -1.0"),
         (
             {"emulate_compute_ms": 5.0, "tensor_parallel": 2},
-            "--emulate-compute-ms spreads one step's compute over the whole model's layers",
+            "--emulate-compute-ms spreads one step's compute over the model's whole layers",
         ),
         (
             {"workers": 2, "pipeline_parallel": 2, "microbatches": 3, "schedule": "interleaved"},

@@ -8,8 +8,8 @@ import torch
 
 from gradmesh.collectives.cost import CostParams
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import bubble_formula
 from gradmesh.layout.engine import tp_plan
+from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.layout.tensor.layers import dry_exchanges
 from gradmesh.layout.tensor.plan import apply_tp_plan
 from gradmesh.models.gpt import GPT, GPTConfig
@@ -39,8 +39,9 @@ def test_layouts_cover_every_split_of_the_world_the_batch_and_blocks_allow() -> 
     assert all((64 // lay.dp) % lay.microbatches == 0 for lay in found)
     assert [lay.name for lay in layouts(4, 8, 4, [1])] == [
         "dp4",
-        *("dp2xpp2xm2", "dp2xpp2ixm2", "dp2xpp2xm4", "dp2xpp2ixm4"),
-        *("dp1xpp4xm4", "dp1xpp4xm8"),
+        *("dp2xpp2xm2", "dp2xpp2zbxm2", "dp2xpp2ixm2", "dp2xpp2vxm2"),
+        *("dp2xpp2xm4", "dp2xpp2zbxm4", "dp2xpp2ixm4", "dp2xpp2vxm4"),
+        *("dp1xpp4xm4", "dp1xpp4zbxm4", "dp1xpp4xm8", "dp1xpp4zbxm8"),
     ]
     assert layouts(4, 2, 4, [1]) == []  # no replica holds the micro-batches a pipeline needs
 

@@ -6,9 +6,18 @@ import itertools
 
 import pytest
 
-from gradmesh.layout.config import bubble_formula
-from gradmesh.layout.pipeline.schedules import balance, bubble, schedule_actions
-from gradmesh.simulate.strategies import run_schedule
+from gradmesh.errors import GradmeshError
+from gradmesh.layout.pipeline.order import (
+    bubble_formula,
+    check_schedule,
+    peak_in_flight,
+    rank_of,
+    schedule_actions,
+    stage_of,
+    timeline,
+)
+from gradmesh.layout.pipeline.schedules import balance, bubble
+from gradmesh.layout.pipeline.zero_bubble import fewest_microbatches
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -63,14 +72,85 @@ def test_every_schedule_runs_without_deadlock_and_idles_as_its_formula(
     m, depth = groups * stages, stages * virtual
     kind = "interleaved" if virtual > 1 else "1f1b"
     f, b = [1.0 / virtual] * depth, [backward / virtual] * depth
-    free = run_schedule(kind, stages, m, f, b, [0.0] * (depth - 1), virtual)
+    free = timeline(kind, stages, m, (f, b, [0.0] * depth), [0.0] * (depth - 1), virtual)
     idle = 1 - m * (1 + backward) / max(free)
     assert idle == pytest.approx(bubble_formula(stages, m, virtual), abs=1e-12)
     if virtual > 1:  # v chunks per rank shrink the bubble against 1F1B's
-        one = run_schedule(
-            "1f1b", stages, m, [1.0] * stages, [backward] * stages, [0.0] * (stages - 1)
-        )
+        costs = ([1.0] * stages, [backward] * stages, [0.0] * stages)
+        one = timeline("1f1b", stages, m, costs, [0.0] * (stages - 1))
         assert max(free) < max(one)
+
+
+ZERO_BUBBLE_CASES = [(p, m) for p in range(2, 9) for m in sorted({p, 2 * p - 1, 2 * p, 3 * p, 8})]
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zbv"])
+@pytest.mark.parametrize(("stages", "m"), ZERO_BUBBLE_CASES)
+def test_zero_bubble_schedules_run_every_action_once_in_order(
+    kind: str, stages: int, m: int
+) -> None:
+    """Each (chunk, micro-batch): F, then B, then W, once each; a chunk's B's in micro-batch
+    order (its gradients arrive in that order)."""
+    chunks = 2 if kind == "zbv" else 1
+    for rank in range(stages):
+        actions = schedule_actions(kind, rank, stages, m)
+        want = [(a, c, i) for a in "FBW" for c in range(chunks) for i in range(m)]
+        assert sorted(actions) == sorted(want)
+        for _, c, i in want:
+            where = [actions.index((a, c, i)) for a in "FBW"]
+            assert where == sorted(where)
+        for c in range(chunks):
+            assert [i for a, cc, i in actions if a == "B" and cc == c] == list(range(m))
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zbv"])
+@pytest.mark.parametrize(("stages", "m"), ZERO_BUBBLE_CASES)
+def test_zero_bubble_schedules_idle_as_their_formula_and_hold_1f1b_s_peak(
+    kind: str, stages: int, m: int
+) -> None:
+    """Equal F, B and W times, free transfers: run action by action (no deadlock), each
+    schedule idles exactly its formula from its fewest micro-batches on, less than 1F1B's
+    third (ZB-H1) or sixth (ZBV) plus the fill, and no rank holds more activations than 1F1B's
+    first stage (p micro-batches of a stage: 2 p chunks of half a stage in a V)."""
+    if m < fewest_microbatches(kind, stages):
+        with pytest.raises(GradmeshError, match=f"--microbatches {m}: {kind} fills"):
+            check_schedule(kind, stages, m, 2)
+        return
+    check_schedule(kind, stages, m, 2)
+    chunks = 2 if kind == "zbv" else 1
+    depth, unit = stages * chunks, 1.0 / chunks
+    ones = [unit] * depth
+    free = timeline(kind, stages, m, (ones, ones, ones), [0.0] * (depth - 1))
+    idle = 1 - 3 * m / max(free)
+    assert idle == pytest.approx(bubble_formula(stages, m, chunks, kind), abs=1e-12)
+    plain = bubble_formula(stages, m)  # 1F1B's, with B the whole backward
+    assert idle <= plain / (2 if kind == "zb-h1" else 4)
+    for rank in range(stages):
+        held = peak_in_flight(schedule_actions(kind, rank, stages, m), [unit] * chunks)
+        assert held <= min(stages, m)
+        if m >= 2 * stages or kind == "zb-h1":
+            assert held == stages  # the same at every rank: 1F1B's first stage's
+
+
+@pytest.mark.parametrize("stages", [2, 3, 4, 8])
+def test_a_v_places_two_stages_a_rank_and_finds_each_stage_s_rank(stages: int) -> None:
+    placed = sorted(stage_of("zbv", c, r, stages) for r in range(stages) for c in (0, 1))
+    assert placed == list(range(2 * stages))
+    assert stage_of("zbv", 0, 0, stages) == 0 and stage_of("zbv", 1, 0, stages) == 2 * stages - 1
+    for schedule in ("zbv", "interleaved"):
+        for r in range(stages):
+            for c in (0, 1):
+                assert rank_of(schedule, stage_of(schedule, c, r, stages), stages) == r
+
+
+def test_schedules_refuse_what_they_cannot_run_in_one_line() -> None:
+    with pytest.raises(GradmeshError, match="unknown schedule 'zb-h2'"):
+        check_schedule("zb-h2", 4, 8, 1)
+    with pytest.raises(GradmeshError, match="--microbatches 3: zb-h1 .* at least 4"):
+        check_schedule("zb-h1", 4, 3, 1)
+    with pytest.raises(GradmeshError, match="--microbatches 5: zbv .* at least 6"):
+        check_schedule("zbv", 4, 5, 2)
+    check_schedule("zbv", 1, 1, 2)  # no pipeline: nothing to fill
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,12 @@ with tag `((2 i + d) * G + g) * MAX_VALUES + j` (d: 0 forward, 1 backward; G sta
 so that under the interleaved schedule, where a rank holds several stages and two neighbours
 exchange messages for several of them, no two messages share a tag.
 
+Under a V-shaped schedule (`zbv`) a rank holds two neighbouring stages (p - 1 and p on rank
+p - 1): what crosses between them stays on the rank (`_Step.local`), no message. Under the
+zero-bubble schedules a backward is two actions: B (`split.backward_input`) sends the input's
+gradient upstream at once, W (`WeightWork.run`) computes the weights' gradients when the
+schedule says.
+
 Receives are posted ahead of need (the next micro-batch's inputs while this one computes; an
 output's gradient as soon as the output is sent): Gloo moves a message only once its receive is
 posted, so a receive posted late puts a round trip between neighbours on the pipeline's critical
@@ -34,7 +40,9 @@ from gradmesh.collectives.channel import Channel
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.loss import LossFn, logits_of, summed
-from gradmesh.layout.pipeline.schedules import BubbleClock, schedule_actions
+from gradmesh.layout.pipeline.order import SPLIT, rank_of, schedule_actions, stage_of
+from gradmesh.layout.pipeline.schedules import BubbleClock
+from gradmesh.layout.pipeline.split import WeightWork, backward_input
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import PP
 from gradmesh.runtime.world import Runtime
@@ -74,6 +82,12 @@ class _Step:
     )
     sends: list[tuple[dist.Work, int]] = field(default_factory=list)
     busy: float = 0.0
+    local: dict[tuple[str, int, int], list[torch.Tensor]] = field(default_factory=dict)
+    """What one of this rank's stages hands the next (or the one before) on the same rank:
+    ('F', stage entered, micro-batch) -> activations, ('B', stage left, micro-batch) -> the
+    gradients of what it sent."""
+    weights: dict[tuple[int, int], WeightWork] = field(default_factory=dict)
+    """(chunk, micro-batch) -> the W its B left."""
 
 
 class PipelineEngine:
@@ -99,7 +113,6 @@ class PipelineEngine:
         self.stage, self.stages = axis.index, axis.size
         self.depth = self.stages * len(modules)
         """Stages of the whole pipeline."""
-        self.up, self.down = (self.stage - 1) % self.stages, (self.stage + 1) % self.stages
         self.group = axis.group
         self.m, self.schedule = microbatches, schedule
         self.clock = BubbleClock()
@@ -125,7 +138,11 @@ class PipelineEngine:
         return self.m * len(self.modules)
 
     def _global(self, chunk: int) -> int:
-        return chunk * self.stages + self.stage
+        return stage_of(self.schedule, chunk, self.stage, self.stages)
+
+    def _rank(self, stage: int) -> int:
+        """The pp rank holding pipeline stage `stage`."""
+        return rank_of(self.schedule, stage, self.stages)
 
     def _tag(self, i: int, backward: bool, stage: int, j: int) -> int:
         """Tensor j entering pipeline stage `stage` (or its gradient) for micro-batch i."""
@@ -144,7 +161,8 @@ class PipelineEngine:
         posted = []
         for j, (shape, dtype, _) in enumerate(self.inputs_of(stage, n)):
             buf = torch.empty(shape, dtype=dtype, device=self.rt.device)
-            posted.append((buf, ch.irecv(buf, self.up, tag=self._tag(i, False, stage, j))))
+            tag = self._tag(i, False, stage, j)
+            posted.append((buf, ch.irecv(buf, self._rank(stage - 1), tag=tag)))
         return posted
 
     def _received(
@@ -172,7 +190,7 @@ class PipelineEngine:
             if k < len(forwards):
                 c, i = forwards[k]
                 g = self._global(c)
-                if g and ("F", c, i) not in st.posted:
+                if g and self._rank(g - 1) != self.stage and ("F", c, i) not in st.posted:
                     st.posted["F", c, i] = self._post_inputs(st.ch, g, i, sizes[i])
 
         k = 0
@@ -182,8 +200,13 @@ class PipelineEngine:
                 post_input(k + 1)
                 k += 1
                 self._forward(st, c, i)
-            else:
+            elif action == "B":
                 self._backward(st, c, i)
+            else:
+                t0 = time.perf_counter()
+                with span("weights", microbatch=i):
+                    st.weights.pop((c, i)).run()
+                st.busy += time.perf_counter() - t0
         for work, peer in st.sends:
             st.ch.wait(work, peer, "send to")
         self.clock.step_s += time.perf_counter() - started
@@ -194,10 +217,14 @@ class PipelineEngine:
     def _forward(self, st: _Step, c: int, i: int) -> None:
         g = self._global(c)
         ins: list[torch.Tensor] = []  # what came from the stage before (the batch: nothing)
-        if g:
-            ins = self._received(st.ch, st.posted.pop(("F", c, i)), self.up)
-            for v, (_, _, grad) in zip(ins, self.inputs_of(g, batch.size(st.ys[i])), strict=True):
-                v.requires_grad_(grad)
+        if g and self._rank(g - 1) == self.stage:
+            ins = st.local.pop(("F", g, i))
+        elif g:
+            ins = self._received(st.ch, st.posted.pop(("F", c, i)), self._rank(g - 1))
+        for v, (_, _, grad) in zip(
+            ins, self.inputs_of(g, batch.size(st.ys[i])) if g else [], strict=True
+        ):
+            v.requires_grad_(grad)
         t0 = time.perf_counter()
         with span("forward", microbatch=i), self._autocast():
             outs = as_values(_run_stage(self.modules[c], g, ins, st.xs[i]))
@@ -208,33 +235,60 @@ class PipelineEngine:
                 outs = [loss * st.scale]
         st.busy += time.perf_counter() - t0
         st.inputs[c, i], st.outputs[c, i] = ins, outs
-        if g < self.depth - 1:
+        down = self._rank(g + 1) if g < self.depth - 1 else None
+        if down == self.stage:
+            st.local["F", g + 1, i] = [v.detach() for v in outs]
+        elif down is not None:
             back = []
             for j, v in enumerate(outs):
                 tag = self._tag(i, False, g + 1, j)
-                st.sends.append((st.ch.isend(v.detach(), self.down, tag=tag), self.down))
+                st.sends.append((st.ch.isend(v.detach(), down, tag=tag), down))
                 if v.requires_grad:
                     buf = torch.empty(v.shape, dtype=v.dtype, device=self.rt.device)
                     tag = self._tag(i, True, g + 1, j)
-                    back.append((buf, st.ch.irecv(buf, self.down, tag=tag)))
+                    back.append((buf, st.ch.irecv(buf, down, tag=tag)))
             st.posted["B", c, i] = back
 
     def _backward(self, st: _Step, c: int, i: int) -> None:
+        """B: the gradients of the stage's inputs, sent to the stage before at once; under a
+        schedule that does not split backward, the weights' too."""
         g = self._global(c)
-        outs = [v for v in st.outputs.pop((c, i)) if v.requires_grad]
-        last = g == self.depth - 1
-        grads = None if last else self._received(st.ch, st.posted.pop(("B", c, i)), self.down)
+        outputs = st.outputs.pop((c, i))
+        outs = [v for v in outputs if v.requires_grad]
+        grads = self._output_grads(st, g, i, outputs)
+        ins = st.inputs.pop((c, i))
         t0 = time.perf_counter()
         with span("backward", microbatch=i):
-            torch.autograd.backward(outs, grads)
+            if self.schedule in SPLIT:
+                found, st.weights[c, i] = backward_input(outs, grads, ins)
+            else:
+                torch.autograd.backward(outs, grads)
+                found = [v.grad for v in ins]
         st.busy += time.perf_counter() - t0
-        ins = st.inputs.pop((c, i))
-        if g:
-            for j, v in enumerate(ins):
-                if v.requires_grad:
-                    grad = v.grad if v.grad is not None else torch.zeros_like(v)
-                    work = st.ch.isend(grad, self.up, tag=self._tag(i, True, g, j))
-                    st.sends.append((work, self.up))
+        if not g:
+            return
+        sent = [
+            grad if grad is not None else torch.zeros_like(v)
+            for v, grad in zip(ins, found, strict=True)
+            if v.requires_grad
+        ]
+        up = self._rank(g - 1)
+        if up == self.stage:
+            st.local["B", g - 1, i] = sent
+            return
+        for j, grad in zip([j for j, v in enumerate(ins) if v.requires_grad], sent, strict=True):
+            st.sends.append((st.ch.isend(grad, up, tag=self._tag(i, True, g, j)), up))
+
+    def _output_grads(
+        self, st: _Step, g: int, i: int, outputs: list[torch.Tensor]
+    ) -> list[torch.Tensor] | None:
+        """The gradients of stage `g`'s outputs that take one (None: the loss, on the last)."""
+        if g == self.depth - 1:
+            return None
+        if self._rank(g + 1) == self.stage:
+            return st.local.pop(("B", g, i))
+        c = next(c for c in range(len(self.modules)) if self._global(c) == g)
+        return self._received(st.ch, st.posted.pop(("B", c, i)), self._rank(g + 1))
 
     @torch.no_grad()
     def predict(self, x: Batch) -> torch.Tensor | None:
@@ -245,26 +299,33 @@ class PipelineEngine:
         pending = []
         parts = [(i, part) for i, part in enumerate(batch.split(x, self.m)) if batch.size(part)]
         posted = {}  # every receive up front (see the module's docstring)
+        local: dict[tuple[int, int], list[torch.Tensor]] = {}  # a V's turn on this rank
         for c in range(len(self.modules)):
-            if self._global(c):
+            g = self._global(c)
+            if g and self._rank(g - 1) != self.stage:
                 for i, part in parts:
-                    posted[c, i] = self._post_inputs(ch, self._global(c), i, batch.size(part))
+                    posted[c, i] = self._post_inputs(ch, g, i, batch.size(part))
         for c, module in enumerate(self.modules):
             g = self._global(c)
             for i, part in parts:
-                ins = self._received(ch, posted.pop((c, i)), self.up) if g else []
+                if (g, i) in local:
+                    ins = local.pop((g, i))
+                else:
+                    ins = self._received(ch, posted.pop((c, i)), self._rank(g - 1)) if g else []
                 with self._autocast():
                     result = as_values(_run_stage(module, g, ins, part))
                 result = self._boundary(g, batch.size(part), result)
                 if g == self.depth - 1:
                     logits = logits_of(self.output_of(result))
                     out = logits if out is None else torch.cat([out, logits])
+                elif self._rank(g + 1) == self.stage:
+                    local[g + 1, i] = result
                 else:
                     for j, v in enumerate(result):
                         tag = self._tag(i, False, g + 1, j)
-                        pending.append(ch.isend(v, self.down, tag=tag))
-        for work in pending:
-            ch.wait(work, self.down, "send to")
+                        pending.append((ch.isend(v, self._rank(g + 1), tag=tag), self._rank(g + 1)))
+        for work, peer in pending:
+            ch.wait(work, peer, "send to")
         self.rt.comm.add(ch.sent, 0.0, "pipeline")
         return out
 

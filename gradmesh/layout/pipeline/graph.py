@@ -254,13 +254,14 @@ class GraphStages:
             setattr(self.originals[name], LAYOUT_SYNCED, True)
         return shared
 
-    def sync_tied(self, rt: Runtime) -> None:
+    def sync_tied(self, rt: Runtime, mine: set[int]) -> None:
         """Give every copy of a tied weight its whole gradient: summed over the stages that hold
         it (an allreduce over the pp axis, zeros from a rank whose stages do not hold it; a rank
         holding it on two of its stages has summed them in its own gradient already), then
         averaged over the replicas (the dp axis). Under tensor parallelism each tp rank sums its
         own slice with the stages of its own tp index. Every rank calls it after its step's
-        backwards; the data-parallel sync leaves these parameters alone (`LAYOUT_SYNCED`)."""
+        backwards with the stages it holds (`mine`); the data-parallel sync leaves these
+        parameters alone (`LAYOUT_SYNCED`)."""
         shared = self.tied()
         if not shared:
             return
@@ -272,8 +273,6 @@ class GraphStages:
         if rt.dp.size > 1:  # and the replicas
             allreduce(flat, op="average", group=rt.dp.group, kind="pipeline")
         held = self.holders()
-        axis = rt.mesh[PP]
-        mine = set(range(axis.index, len(self.points) + 1, axis.size))  # this rank's stages
         sizes = [p.numel() for p in params]
         for name, p, piece in zip(shared, params, torch.split(flat, sizes), strict=True):
             if mine & held[name]:

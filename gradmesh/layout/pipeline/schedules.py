@@ -188,41 +188,6 @@ def stage_module(model: nn.Module, starts: list[int], index: int) -> nn.Sequenti
     return nn.Sequential(OrderedDict(layers[starts[index] : end]))
 
 
-def schedule_actions(
-    kind: str, stage: int, stages: int, m: int, virtual: int = 1
-) -> list[tuple[str, int, int]]:
-    """The stage's ordered ('F' | 'B', chunk, micro-batch) actions for one step. Under
-    `interleaved` each rank holds `virtual` chunks of the model (chunk c of rank s is stage
-    c * stages + s of the whole pipeline); the other schedules hold one (chunk 0)."""
-    if kind == "gpipe":
-        return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
-    if kind == "interleaved":
-        return _interleaved(stage, stages, m, virtual)
-    warmup = min(stages - stage - 1, m)
-    actions = [("F", 0, i) for i in range(warmup)]
-    for i in range(m - warmup):
-        actions += [("F", 0, warmup + i), ("B", 0, i)]
-    return actions + [("B", 0, i) for i in range(m - warmup, m)]
-
-
-def _interleaved(stage: int, p: int, m: int, v: int) -> list[tuple[str, int, int]]:
-    """1F1B over `v` chunks per rank (Narayanan et al., 2021): micro-batches go through a rank's
-    chunks in groups of p (the k-th forward runs chunk (k mod pv) div p on micro-batch
-    (k div pv) p + k mod p; backwards visit the chunks in reverse), after a warm-up of
-    2 (p - stage - 1) + (v - 1) p forwards. Needs m divisible by p (`check_interleaved`)."""
-    total = m * v
-
-    def unit(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k % (p * v)) // p
-        return (v - 1 - chunk if backward else chunk), (k // (p * v)) * p + k % p
-
-    warmup = min(2 * (p - stage - 1) + (v - 1) * p, total)
-    actions = [("F", *unit(k, False)) for k in range(warmup)]
-    for k in range(total - warmup):
-        actions += [("F", *unit(warmup + k, False)), ("B", *unit(k, True))]
-    return actions + [("B", *unit(k, True)) for k in range(total - warmup, total)]
-
-
 @dataclass
 class BubbleClock:
     """A stage's time in steps and the part of it spent computing; the rest is idle (waiting

@@ -11,8 +11,7 @@ from torch import nn
 
 import gradmesh.data.batch as batch
 from gradmesh.data.batch import Batch
-from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import SCHEDULES, LayoutConfig, check_interleaved
+from gradmesh.layout.config import LayoutConfig
 from gradmesh.layout.loss import LossFn
 from gradmesh.layout.pipeline.engine import PipelineEngine
 from gradmesh.layout.pipeline.graph import (
@@ -21,6 +20,7 @@ from gradmesh.layout.pipeline.graph import (
     check_points,
     first_part,
 )
+from gradmesh.layout.pipeline.order import check_schedule, stage_of
 from gradmesh.runtime.axes import PP
 from gradmesh.runtime.world import Runtime
 
@@ -55,7 +55,8 @@ class GraphPipelineEngine(PipelineEngine):
         axis = rt.mesh[PP]
         part = first_part(example, microbatches)
         stages.specs(batch.size(part))  # traced now: a cut that cannot carry its values fails here
-        mine = list(range(axis.index, len(stages.points) + 1, axis.size))
+        chunks = (len(stages.points) + 1) // axis.size
+        mine = [stage_of(schedule, c, axis.index, axis.size) for c in range(chunks)]
         super().__init__(
             rt,
             [Dispatch(stages, g) for g in mine],
@@ -74,7 +75,7 @@ class GraphPipelineEngine(PipelineEngine):
 
     def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
         loss = super().step(x, y, scale)
-        self.graph.sync_tied(self.rt)
+        self.graph.sync_tied(self.rt, {self._global(c) for c in range(len(self.modules))})
         return loss
 
 
@@ -117,9 +118,7 @@ def graph_pipeline(
     `engine.stage_module` holds the rank's parameters."""
     axis, chunks, m = rt.mesh[PP].size, layout.chunks, layout.microbatches
     pp = axis * chunks
-    if layout.schedule not in SCHEDULES:
-        raise GradmeshError(f"unknown schedule {layout.schedule!r} (valid: {', '.join(SCHEDULES)})")
-    check_interleaved(layout.schedule, axis, m, chunks)
+    check_schedule(layout.schedule, axis, m, chunks)
     part = first_part(example, m)
     points = [p for p in layout.stages.split(",") if p]
     if not points:
@@ -139,8 +138,9 @@ def pipeline_stage(
     virtual_stages: int = 2,
 ) -> GraphPipelineEngine:
     """`gradmesh.pipeline_stage`: this rank's stage of `model` on the initialised runtime's pp
-    axis (`virtual_stages` of them under `schedule="interleaved"`), cut at the module names
-    `split` (default: balanced by forward FLOPs on `example`, a batch like the ones to come).
+    axis (`virtual_stages` of them under `schedule="interleaved"`, two under "zbv"), cut at the
+    module names `split` (default: balanced by forward FLOPs on `example`, a batch like the
+    ones to come).
     Build the optimizer over `.stage_module.parameters()` (wrap it with
     `DistributedOptimizer(..., backward_passes_per_step=engine.backward_passes)` when there
     are replicas), then call `.step(x, y, scale)` each step: it runs the schedule and returns,
