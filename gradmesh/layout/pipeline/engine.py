@@ -45,6 +45,7 @@ from gradmesh.layout.pipeline.schedules import BubbleClock
 from gradmesh.layout.pipeline.split import WeightWork, backward_input
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import PP
+from gradmesh.runtime.passes import one_backward
 from gradmesh.runtime.world import Runtime
 
 Boundary = list[tuple[torch.Size, torch.dtype, bool]]
@@ -204,7 +205,7 @@ class PipelineEngine:
                 self._backward(st, c, i)
             else:
                 t0 = time.perf_counter()
-                with span("weights", microbatch=i):
+                with span("weights", microbatch=i), one_backward():
                     st.weights.pop((c, i)).run()
                 st.busy += time.perf_counter() - t0
         for work, peer in st.sends:

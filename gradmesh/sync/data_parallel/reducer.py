@@ -32,6 +32,7 @@ from gradmesh.compression.registry import reduce
 from gradmesh.errors import GradmeshError, PeerFailure, first_line
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import REPLICAS
+from gradmesh.runtime.passes import defer
 from gradmesh.runtime.world import Runtime, get_runtime
 from gradmesh.sync.data_parallel.buckets import Bucket, plan_buckets
 from gradmesh.sync.data_parallel.sparse import SparseGradients
@@ -237,7 +238,8 @@ class GradientReducer:
         if not self.in_backward:
             self.in_backward = True
             self.backward_started = time.perf_counter()
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            if not defer(self._end_of_backward):  # a zero-bubble W's runs: once, at its end
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
         i = self.index[id(p)]
         self.counts[i] += 1
         if self.counts[i] == self.passes_per_step and id(p) in self.where:  # else sent sparse
