@@ -19,13 +19,14 @@ exceeds the hosts a group fits in.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster
 from gradmesh.layout.config import Layout
-from gradmesh.layout.pipeline.order import bubble_formula
+from gradmesh.layout.pipeline.order import bubble_formula, chunks_of
 from gradmesh.models.registry import is_token_model
 from gradmesh.options import option
 from gradmesh.planner.links import STATED_ERROR
@@ -38,9 +39,17 @@ LAYOUTS = {
     "pp4": (1, 4),
 }
 """name -> (tensor parallel, pipeline parallel); data parallel takes the rest of the world."""
-INTERLEAVED = {"pp2i": (1, 2), "pp4i": (1, 4)}
-"""Pipelines under the interleaved schedule (`--virtual-stages` chunks per rank), whatever
-`--schedule` the others run: not in the default list, asked for by name."""
+SCHEDULED = {
+    "pp2i": (1, 2, "interleaved"),
+    "pp4i": (1, 4, "interleaved"),
+    "pp2zb": (1, 2, "zb-h1"),
+    "pp4zb": (1, 4, "zb-h1"),
+    "pp2v": (1, 2, "zbv"),
+    "pp4v": (1, 4, "zbv"),
+}
+"""Pipelines under a schedule of their own, whatever `--schedule` the others run: interleaved
+(`--virtual-stages` chunks per rank), ZB-H1 and ZBV; not in the default list, asked for by
+name."""
 SPLITTING: dict[str, dict[str, Any]] = {
     "cp2": {"cp": 2},
     "cp4": {"cp": 4},
@@ -52,7 +61,11 @@ SPLITTING: dict[str, dict[str, Any]] = {
 """Context parallelism (ring, or all-to-all: a2a) and expert parallelism (a model with experts:
 `--model-args experts=4`), data parallel the rest; each cp layout's bytes are printed beside
 the formula's (`gradmesh.planner.axes_cost.context_bytes`)."""
-SHAPES = {**LAYOUTS, **INTERLEAVED, **{n: (1, 1) for n in SPLITTING}}
+SHAPES = {
+    **LAYOUTS,
+    **{n: (tp, pp) for n, (tp, pp, _) in SCHEDULED.items()},
+    **{n: (1, 1) for n in SPLITTING},
+}
 PLAN = "plan"
 """The layout `gradmesh plan` chooses (`gradmesh.planner.mesh`), measured like the
 others; every layout's prediction is printed beside its measurement."""
@@ -68,17 +81,26 @@ class Config:
     )
     model_args: str = option("", "the model builder's keyword arguments, like depth=4")
     sequence_length: int = option(64, "token models: tokens per sample")
+    synthetic_shape: str = option("3x32x32", "other models: the synthetic inputs' shape")
+    synthetic_classes: int = option(10, "other models: the synthetic data's classes")
     world: int = option(4, "ranks")
     batch: int = option(64, "global batch")
     microbatches: int = option(8, "pipeline")
-    schedule: str = option("1f1b", "gpipe or 1f1b", name=True)
+    schedule: str = option("1f1b", "the pp layouts' schedule: gpipe or 1f1b", name=True)
     virtual_stages: int = option(2, "the interleaved layouts (pp2i, pp4i): chunks per rank")
     steps: int = option(10, "measured steps")
     warmup: int = option(3, "warm-up steps")
     rounds: int = option(2, "interleaved rounds")
     layouts: str = option(
         ",".join([*LAYOUTS, PLAN]),
-        f"which layouts (also {', '.join(INTERLEAVED)}: interleaved 1F1B; {PLAN}: the planner's)",
+        f"which layouts (also {', '.join(SCHEDULED)}: interleaved 1F1B, ZB-H1 and ZBV; "
+        f"{', '.join(SPLITTING)}; {PLAN}: the planner's)",
+    )
+    emulate_compute_ms: float = option(
+        0.0,
+        "each job's step computes this many ms longer, slept by the layers (`gradmesh train "
+        "--emulate-compute-ms`): the schedules' bubbles without the cores' contention; the "
+        "pipelines' rows then carry the simulator's step (`order.timeline`) beside the measured",
     )
     emulate_hosts: int | None = option(None, "emulated hosts")
     bandwidth: str = option("1gbit", "emulated link rate")
@@ -110,8 +132,8 @@ def _layout(args: Config, name: str) -> Layout:
     tp, pp = SHAPES[name]
     if pp == 1:
         return Layout(args.world // tp, tp, 1)
-    chunks = args.virtual_stages if name in INTERLEAVED else 1
-    schedule = "interleaved" if chunks > 1 else args.schedule
+    schedule = SCHEDULED[name][2] if name in SCHEDULED else args.schedule
+    chunks = chunks_of(schedule, pp, args.virtual_stages)
     return Layout(args.world // (tp * pp), tp, pp, args.microbatches, schedule, chunks)
 
 
@@ -139,7 +161,34 @@ def _summary(args: Config, lay: Layout, runs: list[dict[str, Any]], cluster: Any
         if is_token_model(args.model)
         else None,
         **_formulas(args, lay),
+        **_simulated(args, lay, figures["step_s"]),
     }
+
+
+def _simulated(args: Config, lay: Layout, measured_s: float) -> dict[str, Any]:
+    """Under emulated compute, a pipeline's step as the simulator runs its schedule action by
+    action (`order.timeline`, the simulator's pipeline): the layers' sleeps (the emulated ms
+    by FLOPs, per micro-batch) cut into stages as the balancer cuts them, W half a backward,
+    transfers and the real arithmetic left out (the emulated compute is made to dwarf them)."""
+    if lay.pp == 1 or not args.emulate_compute_ms:
+        return {}
+    from gradmesh.layout.pipeline.order import timeline
+    from gradmesh.layout.pipeline.schedules import balance
+    from gradmesh.layout.pipeline.zero_bubble import SPLIT
+    from gradmesh.models.flops import layer_flops
+
+    model, x, _, _, _ = _workload(args).build()
+    layers = layer_flops(model, x[:1])
+    total = sum(la.fwd_flops + la.bwd_flops for la in layers)
+    kind, m, depth = lay.schedule or "1f1b", lay.microbatches, lay.pp * lay.chunks
+    per = args.emulate_compute_ms / 1e3 / m / total  # seconds per FLOP of a micro-batch
+    starts = [*balance([la.fwd_flops + la.bwd_flops for la in layers], depth), len(layers)]
+    fwd = [per * sum(la.fwd_flops for la in layers[a:b]) for a, b in itertools.pairwise(starts)]
+    bwd = [per * sum(la.bwd_flops for la in layers[a:b]) for a, b in itertools.pairwise(starts)]
+    half = 0.5 if kind in SPLIT else 0.0
+    costs = (fwd, [b * (1 - half) for b in bwd], [b * half for b in bwd])
+    step = max(timeline(kind, lay.pp, m, costs, [0.0] * (depth - 1), lay.chunks))
+    return {"simulated_step_s": step, "simulated_error": step / measured_s - 1}
 
 
 def _formulas(args: Config, lay: Layout) -> dict[str, Any]:
@@ -178,6 +227,8 @@ def _line(name: str, r: dict[str, Any]) -> str:
         if r.get("predicted_step_s")
         else ""
     )
+    if r.get("simulated_step_s"):
+        predicted += f" simulated {r['simulated_step_s'] * 1e3:.1f} ({r['simulated_error']:+.0%})"
     return (
         f"{name:6} {r['name']}: step {r['step_s'] * 1e3:7.1f} ms{rate}"
         f"{predicted}  params/rank {r['param_bytes_per_rank'] / 1e6:5.2f} MB  MB/step/rank: "
@@ -205,6 +256,8 @@ def _measure(args: Config, named: dict[str, Layout], cluster: Any) -> dict[str, 
 
     work = _workload(args)
     options = {**work.options, "model": work.name}
+    if args.emulate_compute_ms:
+        options["emulate_compute_ms"] = args.emulate_compute_ms
     configs = [
         layout_job(options, args.world, lay, args.steps, args.warmup) for lay in named.values()
     ]
@@ -217,9 +270,16 @@ def _measure(args: Config, named: dict[str, Layout], cluster: Any) -> dict[str, 
 def _workload(args: Config) -> Any:
     from gradmesh.plan.mesh import workload
 
-    return workload(
-        args.model, args.model_args, "synthetic", args.sequence_length, "3x32x32", args.batch
+    work = workload(
+        args.model,
+        args.model_args,
+        "synthetic",
+        args.sequence_length,
+        args.synthetic_shape,
+        args.batch,
     )
+    work.options["synthetic_classes"] = args.synthetic_classes
+    return work
 
 
 def _check_plan(results: dict[str, dict[str, Any]], plan: Any) -> dict[str, Any]:

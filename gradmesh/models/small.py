@@ -72,12 +72,16 @@ TP_PLANS.register("alexnet")({"10": "colwise", "12": "rowwise"})
 
 
 @MODELS.register("mlp")
-def mlp(input_shape: tuple[int, ...], num_classes: int) -> nn.Module:
-    """One hidden layer of 128 units on the flattened input."""
+def mlp(
+    input_shape: tuple[int, ...], num_classes: int, depth: int = 1, width: int = 128
+) -> nn.Module:
+    """`depth` hidden layers of `width` units (ReLU) on the flattened input (deeper: a layer
+    sequence to pipeline, as the schedules' benchmarks do)."""
     features = math.prod(input_shape)
-    return nn.Sequential(
-        nn.Flatten(), nn.Linear(features, 128), nn.ReLU(), nn.Linear(128, num_classes)
-    )
+    layers: list[nn.Module] = [nn.Flatten(), nn.Linear(features, width), nn.ReLU()]
+    for _ in range(depth - 1):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, num_classes))
 
 
 TP_PLANS.register("mlp")({"1": "colwise", "3": "rowwise"})

@@ -71,7 +71,8 @@ class _Sleeper:
         if isinstance(out, torch.Tensor) and out.requires_grad:
             n = _rows(out)
             self.waiting.append(n)
-            out.register_hook(lambda _g: time.sleep(self.half_bwd_s * n))  # type: ignore[no-untyped-call]
+            once = [n]  # a zero-bubble W runs the node, and with it this hook, again
+            out.register_hook(lambda _g: time.sleep(self.half_bwd_s * once.pop()) if once else None)  # type: ignore[no-untyped-call]
 
     def _weight(self) -> None:
         self.fired = self.fired % self.weights + 1

@@ -111,3 +111,19 @@ def test_a_custom_function_using_a_weight_on_the_input_s_path_is_refused_in_one_
     ins, work = backward_input([y], [torch.ones_like(y)], [x])
     work.run()
     assert ins[0] is not None and lin.weight.grad is not None
+
+
+def test_a_hook_changing_an_activation_s_gradient_changes_it_once() -> None:
+    stage, x = _stage("sequence")
+    whole = copy.deepcopy(stage)
+    xs, xw = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = stage(xs), whole(xw)
+    out.register_hook(lambda g: 3 * g)  # type: ignore[no-untyped-call]
+    ref.register_hook(lambda g: 3 * g)  # type: ignore[no-untyped-call]
+    grad = torch.randn_like(ref)
+    ref.backward(grad)
+    ins, work = backward_input([out], [grad], [xs])
+    work.run()
+    torch.testing.assert_close(ins[0], xw.grad, rtol=1e-12, atol=1e-14)
+    for p, q in zip(stage.parameters(), whole.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)

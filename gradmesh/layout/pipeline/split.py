@@ -11,11 +11,14 @@ node again from that gradient towards its weights only (`torch.autograd.backward
 node's gradient edges, `inputs=` its weights), which computes just the outputs the weights need
 and accumulates into `.grad` as a whole backward does, so gradient hooks (the data-parallel
 reducer's, the expert and sequence-parallel scalings) fire at W, when a weight's gradient is
-final. Outputs whose whole graph leads to weights only (the first stage, which takes integer
-tokens) are W roots as they are. A weight used twice in one stage (autograd sums what reaches
-it over both uses, so one split node's rerun would count the other's) makes that stage's W a
-whole backward restricted to its weights: correct, at the cost of the input gradients computed
-again. The saved tensors live until W (the graph is kept for it) and go with it.
+final. Hooks on a split node's output tensors run again when W runs the node (their side
+effects twice); a pre-hook of W's own gives the node what B gave it, so a hook that changes a
+gradient changes it once. Outputs whose whole graph leads to weights only (the first stage,
+which takes integer tokens) are W roots as they are. A weight used twice in one stage
+(autograd sums what reaches it over both uses, so one split node's rerun would count the
+other's) makes that stage's W a whole backward restricted to its weights: correct, at the cost
+of the input gradients computed again. The saved tensors live until W (the graph is kept for
+it) and go with it.
 
 Why not `torch.distributed.pipelining`'s split backward: it is coupled to its own stage and
 schedule classes; this one works on any graph gradmesh's stages build (layer sequences, graph
@@ -66,9 +69,15 @@ class WeightWork:
             kept = [(GradientEdge(split.node, k), g) for k, g in enumerate(split.grads)]
             kept = [(e, g) for e, g in kept if g is not None]
             if kept and split.weights:  # its input's gradient is not computed again
-                torch.autograd.backward(
-                    [e for e, _ in kept], [g for _, g in kept], inputs=split.weights
-                )
+                # what B gave the node, again: not what hooks on its outputs (which run again
+                # as the node does) would make of it a second time
+                hook = split.node.register_prehook(lambda _g, s=split: tuple(s.grads))
+                try:
+                    torch.autograd.backward(
+                        [e for e, _ in kept], [g for _, g in kept], inputs=split.weights
+                    )
+                finally:
+                    hook.remove()
         if self.roots:
             torch.autograd.backward([o for o, _ in self.roots], [g for _, g in self.roots])
         self.nodes, self.roots, self.again = [], [], None
