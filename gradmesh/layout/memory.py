@@ -27,7 +27,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -152,6 +152,12 @@ class Saved:
     """What the rest of the model and the loss saved (embeddings, head, loss)."""
     peak: int
     """The step's peak of live tensor bytes beyond what was live before it (`peak_bytes`)."""
+    kept: dict[str, int] = field(default_factory=dict)
+    """What a zero-bubble schedule keeps from each block's B to its W: the gradients of the
+    outputs of its modules that hold weights (`gradmesh.layout.pipeline.split` keeps what each
+    such operation receives), counted as those outputs' bytes."""
+    kept_rest: int = 0
+    """The same outside the blocks (the embeddings', the head's: its logits)."""
 
 
 def _storage(t: torch.Tensor) -> tuple[object, int]:
@@ -205,10 +211,22 @@ def saved_activations(
     def leave(*_: Any) -> None:
         owner[0] = ""
 
+    grads_kept, kept_rest = dict.fromkeys(names, 0), [0]
+
+    def weighted(_m: Any, _args: Any, out: Any) -> None:
+        n = sum(t.numel() * t.element_size() for t in tree_leaves(out) if torch.is_tensor(t))
+        if owner[0]:
+            grads_kept[owner[0]] += n
+        else:
+            kept_rest[0] += n
+
     hooks = []
     for name in names:
         block = model.get_submodule(name)
         hooks += [block.register_forward_pre_hook(enter(name)), block.register_forward_hook(leave)]
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            hooks.append(module.register_forward_hook(weighted))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = run()
@@ -223,4 +241,6 @@ def saved_activations(
     def step() -> None:
         run().backward()  # type: ignore[no-untyped-call]
 
-    return Saved(blocks, entered, rest[0], peak_bytes(step) if peak else 0)
+    return Saved(
+        blocks, entered, rest[0], peak_bytes(step) if peak else 0, grads_kept, kept_rest[0]
+    )

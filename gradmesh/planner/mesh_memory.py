@@ -17,7 +17,8 @@ optimizer state); stages 2 and 3 shard over dp x cp, stage 1 over dp.
   parameters not at all) times b / S, and what the rest saves (embeddings, head, loss) on the end
   stages. The micro-batches in flight are read off the schedule the engine runs
   (`schedule_actions`: each (chunk, micro-batch) held from its forward to its backward, to its
-  W under a zero-bubble schedule, the most held at once: `peak_in_flight`); one without a
+  W under a zero-bubble schedule, which also keeps from B to W the gradients its weights'
+  operations received (`Saved.kept`), the most held at once: `peak_in_flight`); one without a
   pipeline. On top, once, the step's transient: the measured peak of one forward and backward
   beyond what it saved (the loss's buffers, the first gradients of backward), times b / S.
   With checkpointing a block keeps only what entered it; on top of those, the transient and
@@ -111,12 +112,13 @@ def param_bytes(prof: MeshProfile, lay: Layout, blocks: Iterable[int]) -> int:
     return sum(sl.block_param_bytes[names[i]] for i in mine) + sl.rest_param_bytes * ends
 
 
-def in_flight(lay: Layout, rank: int, held: list[float]) -> float:
-    """The most bytes `rank`'s schedule keeps at once, `held[c]` a micro-batch of chunk c."""
+def in_flight(lay: Layout, rank: int, held: list[float], kept: list[float] | None = None) -> float:
+    """The most bytes `rank`'s schedule keeps at once, `held[c]` a micro-batch of chunk c
+    (`kept[c]`: what a zero-bubble schedule keeps from its B to its W)."""
     if lay.pp == 1:
         return held[0]
     actions = schedule_actions(lay.schedule or "1f1b", rank, lay.pp, lay.microbatches, lay.chunks)
-    return peak_in_flight(actions, held)
+    return peak_in_flight(actions, held, kept)
 
 
 def _saved(sl: Slice, name: str, lay: Layout) -> float:
@@ -147,10 +149,15 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
         ends = 0 in mine or len(names) - 1 in mine or not names
         held = [b * sum(_saved(sl, names[i], lay) for i in chunk) for chunk in chunks]
         rest = saved.rest / sl.saved_samples if ends else 0.0
+        kept_rest = saved.kept_rest / sl.saved_samples if ends else 0.0
+        kept = [
+            b * (kept_rest + sum(saved.kept.get(names[i], 0) for i in chunk) / sl.saved_samples)
+            for chunk in chunks
+        ]
         if lay.checkpointing:  # the transient, with the rest or one block rebuilt: the larger
-            acts = in_flight(lay, rank, held) + b * (transient + max(rest, biggest))
+            acts = in_flight(lay, rank, held, kept) + b * (transient + max(rest, biggest))
         else:  # the embeddings' on the first stage, the head's and the loss's on the last
-            acts = in_flight(lay, rank, [h + b * rest for h in held]) + b * transient
+            acts = in_flight(lay, rank, [h + b * rest for h in held], kept) + b * transient
         dp = lay.shards if lay.zero_stage >= 2 else lay.dp  # FSDP2 over dp x cp, ZeRO-1 dp
         shard = g / dp if lay.zero_stage >= 2 else g
         optimizer = slots * (g / dp if lay.zero_stage >= 1 else g)

@@ -56,6 +56,10 @@ def test_saved_activations_are_what_a_step_holds_per_block_and_grow_with_the_sam
     # a block's input (what checkpointing keeps): samples x tokens x width in fp32
     assert four.inputs["blocks.1"] == 4 * 32 * 32 * 4
     assert all(four.inputs[n] < four.blocks[n] / 4 for n in four.blocks)
+    # what a zero-bubble W keeps: the outputs of ln1, qkv (3 widths), proj, ln2, fc1 (4), fc2
+    assert four.kept["blocks.1"] == 4 * 32 * (1 + 3 + 1 + 1 + 4 + 1) * 32 * 4
+    # the token embedding, the final norm, the logits; the positions' embedding once (32 x 32)
+    assert four.kept_rest == 4 * 32 * (32 + 32 + 64) * 4 + 32 * 32 * 4
 
 
 def _profile() -> MeshProfile:
@@ -201,3 +205,31 @@ def test_the_state_table_counts_what_each_optimizer_holds() -> None:
         opt.step()
         held = [v for v in opt.state[p].values() if torch.is_tensor(v) and v.shape == p.shape]
         assert len(held) == STATE_TENSORS[name], name
+
+
+def test_the_planner_takes_a_zero_bubble_schedule_where_it_fits_and_1f1b_where_memory_forbids() -> (
+    None
+):
+    """ZB-H1 keeps 1F1B's p micro-batches of activations, but each micro-batch waiting for its
+    W also keeps the gradients its weights' operations received (`Saved.kept`): the last stage,
+    whose W's wait longest, holds p of them at its peak; ZBV holds 2 p chunks of half a stage."""
+    prof = _profile()
+    saved = prof.slices[1].saved
+    assert saved is not None
+    saved.kept, saved.kept_rest = dict.fromkeys(prof.block_names, 600_000), 200_000
+    found = [Layout(2, 1, 2, 4, s, 2 if s == "zbv" else 1) for s in ("1f1b", "zb-h1", "zbv")]
+    preds = {p.layout.schedule: p for p in (predict_mesh(prof, lay, LINKS) for lay in found)}
+    assert (
+        preds["zb-h1"].bubble < preds["1f1b"].bubble and preds["zbv"].bubble < preds["zb-h1"].bubble
+    )
+    assert preds["zb-h1"].step_s < preds["1f1b"].step_s
+    need = {s: p.memory.total_bytes for s, p in preds.items() if p.memory}
+    # the last rank: 2 micro-batches of 2 blocks and the rest, both with their kept gradients
+    kept = 4 * (2 * 300_000 + 100_000)  # 4 samples a micro-batch; the profile's bytes are of 2
+    assert need["zb-h1"] - need["1f1b"] == pytest.approx(2 * kept)
+    fastest = sorted(preds.values(), key=preference)[0]
+    assert fastest.layout.schedule in ("zb-h1", "zbv")
+    roomy = fitting(list(preds.values()), need["zb-h1"], 4)
+    assert sorted(roomy, key=preference)[0].layout.schedule == "zb-h1"
+    tight = fitting(list(preds.values()), need["1f1b"], 4)
+    assert [p.layout.schedule for p in tight] == ["1f1b"]

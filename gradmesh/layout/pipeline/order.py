@@ -161,15 +161,21 @@ def _after(t: float | None, transfer: float) -> float | None:
     return None if t is None else t + transfer
 
 
-def peak_in_flight(actions: list[Action], held: list[float]) -> float:
-    """The most activations `actions` keep at once, `held[c]` one micro-batch's of chunk c:
-    each kept from its F to its W (to its B where the schedule has no W's)."""
-    split = any(kind == "W" for kind, _, _ in actions)
+def peak_in_flight(
+    actions: list[Action], held: list[float], kept: list[float] | None = None
+) -> float:
+    """The most bytes `actions` keep at once, `held[c]` one micro-batch's activations of chunk
+    c, each kept from its F to its B, or to its W where the schedule has W's, which also keep
+    from B to W the gradients their weights' operations received (`kept[c]`)."""
+    extra = kept or [0.0] * len(held)
     live = top = 0.0
-    for kind, chunk, _ in actions:
+    split = any(kind == "W" for kind, _, _ in actions)
+    for kind, c, _ in actions:
         if kind == "F":
-            live += held[chunk]
-        elif kind == ("W" if split else "B"):
-            live -= held[chunk]
+            live += held[c]
+        elif kind == "B":
+            live += extra[c] if split else -held[c]
+        else:
+            live -= held[c] + extra[c]
         top = max(top, live)
     return top
