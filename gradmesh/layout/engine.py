@@ -29,7 +29,7 @@ from gradmesh.layout.expert import check_expert
 from gradmesh.layout.loss import LossFn, logits_of, summed
 from gradmesh.layout.pipeline.engine import HALF, PipelineEngine, forward_precision, single_input
 from gradmesh.layout.pipeline.graph import candidates, check_points
-from gradmesh.layout.pipeline.order import check_schedule, rank_of, stage_of
+from gradmesh.layout.pipeline.order import SPLIT, check_schedule, rank_of, stage_of
 from gradmesh.layout.pipeline.schedules import (
     cut_stages,
     layers_of,
@@ -37,6 +37,7 @@ from gradmesh.layout.pipeline.schedules import (
     sample_shapes,
     stage_module,
 )
+from gradmesh.layout.pipeline.split import check_splittable
 from gradmesh.layout.pipeline.stages import graph_pipeline
 from gradmesh.layout.tensor.hybrid import Plan, apply_plan
 from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan
@@ -180,6 +181,8 @@ def check_layout(
     flags alone are checked by `gradmesh.train.checks`)."""
     tp, pp = layout.tensor_parallel, layout.pipeline_parallel * layout.chunks
     check_expert(model, model_name, layout.expert_parallel, pp)
+    if layout.pipeline_parallel > 1 and layout.schedule in SPLIT and sample is not None:
+        check_splittable(model, lambda: batch.call(model, sample))
     if layout.context_parallel > 1 and sample is not None:
         cp, attention = layout.context_parallel, layout.context_attention
         check_context(model, model_name, cp, attention, sample, tp)
@@ -191,7 +194,9 @@ def check_layout(
         elif len(candidates(model)) + 1 < pp:
             raise GradmeshError(
                 f"a pipeline of {pp} stages: model {model_name} has {len(candidates(model)) + 1} "
-                "blocks to cut into stages; give split points with --stages (module names)"
+                "blocks to cut into stages (--pipeline-parallel times the stages each rank holds: "
+                "2 under zbv, --virtual-stages under interleaved); give split points with "
+                "--stages (module names)"
             )
     elif pp > 1:
         parse_stages(layout.stages, layers_of(model, model_name), pp)

@@ -127,3 +127,24 @@ def test_a_hook_changing_an_activation_s_gradient_changes_it_once() -> None:
     torch.testing.assert_close(ins[0], xw.grad, rtol=1e-12, atol=1e-14)
     for p, q in zip(stage.parameters(), whole.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+
+
+class _ScaledLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Scaled.apply(x, self.w)  # type: ignore[no-any-return]
+
+
+def test_the_layout_check_refuses_such_a_layer_before_launch() -> None:
+    from gradmesh.layout.config import LayoutConfig
+    from gradmesh.layout.engine import check_layout
+
+    model = nn.Sequential(nn.Linear(4, 4), _ScaledLayer(), nn.Linear(4, 4))
+    sample = torch.randn(1, 4)
+    split = LayoutConfig(pipeline_parallel=2, microbatches=2, schedule="zb-h1")
+    with pytest.raises(GradmeshError, match="custom autograd function _ScaledBackward"):
+        check_layout(model, "model", split, sample)
+    check_layout(model, "model", LayoutConfig(pipeline_parallel=2, microbatches=2), sample)

@@ -68,7 +68,9 @@ def parse_stages(text: str, layers: list[tuple[str, nn.Module]], pp: int) -> lis
     if pp > len(starts_ok):
         raise GradmeshError(
             f"a pipeline of {pp} stages asks for more stages than the model's {len(starts_ok)} "
-            f"layers with weights; at most {len(starts_ok)} stages fit"
+            f"layers with weights; at most {len(starts_ok)} stages fit (a pipeline's stages: "
+            "--pipeline-parallel times the stages each rank holds, 2 under zbv, "
+            "--virtual-stages under interleaved)"
         )
     if not text:
         return None

@@ -192,3 +192,40 @@ class _Graph:
                 found[id(variable)] = variable
             stack.extend(self.children[n])
         return list(found.values())
+
+
+def check_splittable(model: torch.nn.Module, run: Any) -> None:
+    """One line, before launch, if a layer of `model` that holds weights runs a custom autograd
+    function a zero-bubble schedule cannot split: each such layer is run again alone on what
+    entered it during `run()` (a forward of the whole model on a sample), its input a leaf, and
+    its graph read as a stage's would be. A function used outside such layers is found at the
+    first backward instead."""
+    seen: list[tuple[torch.nn.Module, tuple[Any, ...]]] = []
+
+    def keep(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        seen.append((module, args))
+
+    layers = [
+        m
+        for m in model.modules()
+        if not list(m.children()) and any(True for _ in m.parameters(recurse=False))
+    ]
+    hooks = [m.register_forward_pre_hook(keep) for m in layers]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    for module, args in seen:
+        ins = [
+            a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a
+            for a in args
+        ]
+        out = module(*ins)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,)) if torch.is_tensor(o)]
+        leaves = [a for a in ins if torch.is_tensor(a) and a.requires_grad]
+        if leaves and any(o.requires_grad for o in outs):
+            _Graph(
+                [o for o in outs if o.requires_grad], [get_gradient_edge(a).node for a in leaves]
+            )
