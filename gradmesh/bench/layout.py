@@ -25,8 +25,8 @@ from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster
-from gradmesh.layout.config import Layout
-from gradmesh.layout.pipeline.order import bubble_formula, chunks_of
+from gradmesh.layout.config import Layout, chunks_of
+from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.models.registry import is_token_model
 from gradmesh.options import option
 from gradmesh.planner.links import STATED_ERROR

@@ -8,9 +8,21 @@ from dataclasses import dataclass
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.pipeline.order import SCHEDULES, chunks_of
 from gradmesh.options import option
 from gradmesh.runtime.axes import AXES, CP, DP, EP, PP, SPLITTING, TP, MeshShape
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zbv")
+"""Pipeline schedules by name (`gradmesh.layout.pipeline.order` gives their actions)."""
+V_SHAPED = frozenset({"zbv"})
+"""Schedules placing two stages a rank in a V (rank r: stages r and 2 p - 1 - r)."""
+
+
+def chunks_of(schedule: str, pp: int, virtual: int) -> int:
+    """Chunks of the model each of `pp` pipeline ranks holds under `schedule`."""
+    if pp == 1:
+        return 1
+    return virtual if schedule == "interleaved" else 2 if schedule in V_SHAPED else 1
+
 
 LAYOUT_KEYS = ("workers", *(a.flag for a in SPLITTING), "zero_stage")
 """The settings of a layout, by option: the world, each splitting axis's size, the ZeRO stage.

@@ -187,18 +187,15 @@ def saved_activations(
     before = {_storage(t)[0] for t in held if torch.is_tensor(t)}
     seen: set[object] = set()
     kept: list[torch.Tensor] = []  # alive until counted: a meta tensor's identity is its id
-    blocks, entered = dict.fromkeys(names, 0), dict.fromkeys(names, 0)
-    rest, owner = [0], [""]
+    saved, outputs = _ByBlock(names), _ByBlock(names)
+    entered, owner = dict.fromkeys(names, 0), [""]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr, n = _storage(t)
         kept.append(t)
         if n and ptr not in before and ptr not in seen:
             seen.add(ptr)
-            if owner[0]:
-                blocks[owner[0]] += n
-            else:
-                rest[0] += n
+            saved.add(owner[0], n)
         return t
 
     def enter(name: str) -> Callable[..., None]:
@@ -211,22 +208,11 @@ def saved_activations(
     def leave(*_: Any) -> None:
         owner[0] = ""
 
-    grads_kept, kept_rest = dict.fromkeys(names, 0), [0]
+    def weighted(_m: Any, _args: Any, out: Any) -> None:  # what a zero-bubble W keeps
+        leaves = [t for t in tree_leaves(out) if torch.is_tensor(t)]
+        outputs.add(owner[0], sum(t.numel() * t.element_size() for t in leaves))
 
-    def weighted(_m: Any, _args: Any, out: Any) -> None:
-        n = sum(t.numel() * t.element_size() for t in tree_leaves(out) if torch.is_tensor(t))
-        if owner[0]:
-            grads_kept[owner[0]] += n
-        else:
-            kept_rest[0] += n
-
-    hooks = []
-    for name in names:
-        block = model.get_submodule(name)
-        hooks += [block.register_forward_pre_hook(enter(name)), block.register_forward_hook(leave)]
-    for module in model.modules():
-        if any(p.requires_grad for p in module.parameters(recurse=False)):
-            hooks.append(module.register_forward_hook(weighted))
+    hooks = _watch(model, [(n, enter(n)) for n in names], leave, weighted)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             loss = run()
@@ -241,6 +227,35 @@ def saved_activations(
     def step() -> None:
         run().backward()  # type: ignore[no-untyped-call]
 
-    return Saved(
-        blocks, entered, rest[0], peak_bytes(step) if peak else 0, grads_kept, kept_rest[0]
-    )
+    measured = peak_bytes(step) if peak else 0
+    return Saved(saved.blocks, entered, saved.rest, measured, outputs.blocks, outputs.rest)
+
+
+def _watch(
+    model: nn.Module,
+    entries: list[tuple[str, Callable[..., None]]],
+    leave: Callable[..., None],
+    weighted: Callable[..., None],
+) -> list[Any]:
+    """Hooks: each named block's entry and exit, and every module holding weights' output."""
+    hooks = []
+    for name, enter in entries:
+        block = model.get_submodule(name)
+        hooks += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    for module in model.modules():
+        if any(p.requires_grad for p in module.parameters(recurse=False)):
+            hooks.append(module.register_forward_hook(weighted))
+    return hooks
+
+
+class _ByBlock:
+    """Bytes counted against the block running now (by name), or outside the blocks."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.blocks, self.rest = dict.fromkeys(names, 0), 0
+
+    def add(self, owner: str, n: int) -> None:
+        if owner:
+            self.blocks[owner] += n
+        else:
+            self.rest += n

@@ -149,6 +149,7 @@ def repeated(two: Counted, three: Counted, depth: int, names: list[str]) -> Coun
         three.saved,
         blocks=grown(three.saved.blocks, names),
         inputs=grown(three.saved.inputs, names),
+        kept=grown(three.saved.kept, names),
     )
     return Counted(
         kernels,

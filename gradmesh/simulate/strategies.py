@@ -149,7 +149,8 @@ def _pipeline(job: Job) -> float:
     a zero-bubble schedule a backward is B and W, each half of its FLOPs (a matmul's input and
     weight gradients cost the same); then each GPU's parameters are averaged over the
     S-strided replicas, after its last backward."""
-    from gradmesh.layout.pipeline.order import chunks_of, rank_of, stage_of, timeline
+    from gradmesh.layout.config import chunks_of
+    from gradmesh.layout.pipeline.order import rank_of, stage_of, timeline
     from gradmesh.layout.pipeline.schedules import balance
     from gradmesh.layout.pipeline.zero_bubble import SPLIT
 

@@ -7,6 +7,7 @@ import itertools
 import pytest
 
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import SCHEDULES
 from gradmesh.layout.pipeline.order import (
     bubble_formula,
     check_schedule,
@@ -17,7 +18,7 @@ from gradmesh.layout.pipeline.order import (
     timeline,
 )
 from gradmesh.layout.pipeline.schedules import balance, bubble
-from gradmesh.layout.pipeline.zero_bubble import fewest_microbatches
+from gradmesh.layout.pipeline.zero_bubble import SPLIT, fewest_microbatches
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
@@ -144,6 +145,7 @@ def test_a_v_places_two_stages_a_rank_and_finds_each_stage_s_rank(stages: int) -
 
 
 def test_schedules_refuse_what_they_cannot_run_in_one_line() -> None:
+    assert set(SPLIT) <= set(SCHEDULES)  # the options' names cover the split schedules
     with pytest.raises(GradmeshError, match="unknown schedule 'zb-h2'"):
         check_schedule("zb-h2", 4, 8, 1)
     with pytest.raises(GradmeshError, match="--microbatches 3: zb-h1 .* at least 4"):

@@ -8,23 +8,13 @@ schedule's bubble). `gradmesh.layout.pipeline.schedules` says what each schedule
 from __future__ import annotations
 
 from gradmesh.errors import GradmeshError
+from gradmesh.layout.config import SCHEDULES, V_SHAPED, chunks_of
 from gradmesh.layout.pipeline.zero_bubble import (
     SPLIT,
-    V_SHAPED,
     Action,
     check_zero_bubble,
     zero_bubble_formula,
 )
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", *SPLIT)
-"""Pipeline schedules by name."""
-
-
-def chunks_of(schedule: str, pp: int, virtual: int) -> int:
-    """Chunks of the model each of `pp` pipeline ranks holds under `schedule`."""
-    if pp == 1:
-        return 1
-    return virtual if schedule == "interleaved" else 2 if schedule in V_SHAPED else 1
 
 
 def stage_of(schedule: str, chunk: int, rank: int, pp: int) -> int:

@@ -88,8 +88,6 @@ def zbv(rank: int, p: int, m: int) -> list[Action]:
 
 SPLIT: dict[str, Callable[[int, int, int], list[Action]]] = {"zb-h1": zb_h1, "zbv": zbv}
 """The schedules that split backward into B and W, by name."""
-V_SHAPED = frozenset({"zbv"})
-"""Schedules placing two stages a rank in a V (rank r: stages r and 2 p - 1 - r)."""
 
 
 def fewest_microbatches(schedule: str, p: int) -> int:
