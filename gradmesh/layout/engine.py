@@ -29,7 +29,7 @@ from gradmesh.layout.expert import check_expert
 from gradmesh.layout.loss import LossFn, logits_of, summed
 from gradmesh.layout.pipeline.engine import HALF, PipelineEngine, forward_precision, single_input
 from gradmesh.layout.pipeline.graph import candidates, check_points
-from gradmesh.layout.pipeline.order import SPLIT, check_schedule, rank_of, stage_of
+from gradmesh.layout.pipeline.order import check_schedule, rank_of, stage_of
 from gradmesh.layout.pipeline.schedules import (
     cut_stages,
     layers_of,
@@ -39,6 +39,7 @@ from gradmesh.layout.pipeline.schedules import (
 )
 from gradmesh.layout.pipeline.split import check_splittable
 from gradmesh.layout.pipeline.stages import graph_pipeline
+from gradmesh.layout.pipeline.zero_bubble import SPLIT
 from gradmesh.layout.tensor.hybrid import Plan, apply_plan
 from gradmesh.layout.tensor.plan import apply_tp_plan, check_plan
 from gradmesh.models.registry import TP_PLANS

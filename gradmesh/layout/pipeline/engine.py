@@ -40,9 +40,10 @@ from gradmesh.collectives.channel import Channel
 from gradmesh.data.batch import Batch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.loss import LossFn, logits_of, summed
-from gradmesh.layout.pipeline.order import SPLIT, rank_of, schedule_actions, stage_of
+from gradmesh.layout.pipeline.order import rank_of, schedule_actions, stage_of
 from gradmesh.layout.pipeline.schedules import BubbleClock
 from gradmesh.layout.pipeline.split import WeightWork, backward_input
+from gradmesh.layout.pipeline.zero_bubble import SPLIT
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import PP
 from gradmesh.runtime.passes import one_backward

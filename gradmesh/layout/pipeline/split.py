@@ -112,7 +112,8 @@ def backward_input(
         for hook in hooks:
             hook.remove()
     uses = [w for split in splits for w in split.weights]
-    uses += [w for out, _ in work.roots for w in graph.weights_below(out.grad_fn)]
+    roots = [out.grad_fn for out, _ in work.roots if out.grad_fn is not None]
+    uses += [w for root in roots for w in graph.weights_below(root)]
     if len({id(w) for w in uses}) < len(uses):  # a weight used twice: W is a whole backward
         weights = list({id(w): w for w in uses}.values())
         return _by_input(ins, wanted, found), WeightWork(again=(outs, grads, weights))
