@@ -2,18 +2,17 @@
 backward take MS milliseconds longer, spread over the layers that hold weights by their FLOPs
 (`models.flops`, the split the simulator prices by): a layer sleeps its share of forward before
 it runs, half its share of backward once its output's gradient is there (the input's gradient,
-B) and the other half when its weight's gradient is computed (W), each scaled by the rows it
-runs on over a replica's batch, so a pipeline's micro-batch sleeps its part. A bucket of
-gradients therefore leaves when it would on a device that slow, its reduce overlaps the
-backward still to come, and a zero-bubble schedule's W's take the time they would. Sleeping
-takes no CPU, so more workers than cores can stand for a bigger model's compute without the
-cores becoming the limit; every report labels the run as emulated
+B) and the other half when its weights' gradients are computed (W). A step of m micro-batches
+(a pipeline's, or accumulation) runs each layer m times: the trainer gives it MS / m a pass. A
+bucket of gradients therefore leaves when it would on a device that slow, its reduce overlaps
+the backward still to come, and a zero-bubble schedule's W's take the time they would.
+Sleeping takes no CPU, so more workers than cores can stand for a bigger model's compute
+without the cores becoming the limit; every report labels the run as emulated
 (`Report.emulated_compute_ms`)."""
 
 from __future__ import annotations
 
 import time
-from collections import deque
 from typing import Any
 
 import torch
@@ -23,10 +22,9 @@ from gradmesh.errors import GradmeshError
 from gradmesh.models.flops import layer_flops
 
 
-def emulate_compute(model: nn.Module, sample: torch.Tensor, ms: float, rows: int) -> list[Any]:
+def emulate_compute(model: nn.Module, sample: torch.Tensor, ms: float) -> list[Any]:
     """Hooks on `model` (input like `sample`, one row is enough) that add `ms` of sleep to one
-    forward and backward pass over `rows` rows (a replica's batch); returns the hook handles.
-    The model takes one input tensor."""
+    forward and backward pass; returns the hook handles. The model takes one input tensor."""
     if not isinstance(sample, torch.Tensor):
         raise GradmeshError("--emulate-compute-ms takes a model of one input tensor")
     with torch.device("meta"):
@@ -42,20 +40,18 @@ def emulate_compute(model: nn.Module, sample: torch.Tensor, ms: float, rows: int
             if total
             else (ms / 1e3 / len(layers) / 3, 2 * ms / 1e3 / len(layers) / 3)
         )
-        handles += _Sleeper(modules[la.name], fwd_s / rows, bwd_s / 2 / rows).handles
+        handles += _Sleeper(modules[la.name], fwd_s, bwd_s / 2).handles
     return handles
 
 
 class _Sleeper:
-    """One layer's sleeps, per row: forward before it runs, B when its output's gradient
-    arrives, W when the first of its weights' gradients is computed (the rows of each forward that
-    will take a backward wait in order: micro-batches' W's run in their order)."""
+    """One layer's sleeps: forward before it runs, B when its output's gradient arrives, W when
+    the first of its weights' gradients is computed."""
 
     def __init__(self, module: nn.Module, fwd_s: float, half_bwd_s: float) -> None:
         self.fwd_s, self.half_bwd_s = fwd_s, half_bwd_s
-        self.waiting: deque[int] = deque()
         self.handles = [
-            module.register_forward_pre_hook(self._forward),
+            module.register_forward_pre_hook(lambda _m, _a: time.sleep(fwd_s)),
             module.register_forward_hook(self._output),
         ]
         weights = [p for p in module.parameters() if p.requires_grad]
@@ -64,24 +60,15 @@ class _Sleeper:
             hook = weight.register_hook(lambda _g: self._weight())  # type: ignore[no-untyped-call]
             self.handles.append(hook)
 
-    def _forward(self, _module: nn.Module, args: Any) -> None:
-        time.sleep(self.fwd_s * _rows(args[0] if args else None))
-
     def _output(self, _module: nn.Module, _args: Any, out: Any) -> None:
         if isinstance(out, torch.Tensor) and out.requires_grad:
-            n = _rows(out)
-            self.waiting.append(n)
-            once = [n]  # a zero-bubble W runs the node, and with it this hook, again
-            out.register_hook(lambda _g: time.sleep(self.half_bwd_s * once.pop()) if once else None)  # type: ignore[no-untyped-call]
+            once = [self.half_bwd_s]  # a zero-bubble W runs the node, and this hook, again
+            out.register_hook(lambda _g: time.sleep(once.pop()) if once else None)  # type: ignore[no-untyped-call]
 
     def _weight(self) -> None:
         self.fired = self.fired % self.weights + 1
         if self.fired == 1:
-            time.sleep(self.half_bwd_s * (self.waiting.popleft() if self.waiting else 0))
-
-
-def _rows(value: Any) -> int:
-    return int(value.shape[0]) if isinstance(value, torch.Tensor) and value.dim() else 1
+            time.sleep(self.half_bwd_s)
 
 
 def _meta_copy(model: nn.Module) -> nn.Module:

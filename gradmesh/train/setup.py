@@ -204,8 +204,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     data = load_data(config)
     whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
-        rows = config.data.batch_size // rt.batch.size  # a replica's batch
-        emulate_compute(whole, first_input(data), config.job.emulate_compute_ms, rows)
+        per_pass = config.job.emulate_compute_ms / config.layout.microbatches
+        emulate_compute(whole, first_input(data), per_pass)
     split = parallelize(  # the recipe: tp, recomputation, compile, pipeline cut, sharding
         whole,
         config.layout,
