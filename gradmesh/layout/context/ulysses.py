@@ -7,37 +7,20 @@ divide by cp."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from gradmesh.errors import PeerFailure, first_line
+from gradmesh.collectives.alltoall import all_to_all
 from gradmesh.layout.context.chunks import restore, take
 from gradmesh.layout.context.ring import KIND
 from gradmesh.runtime.mesh import Axis
-from gradmesh.runtime.world import get_runtime
 
 
 def _exchange(x: torch.Tensor, axis: Axis, what: str) -> torch.Tensor:
     """All-to-all of `x` (cp, ...): part j to rank j; returns part i from rank i."""
-    rt = get_runtime()
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    started = time.perf_counter()
-    try:
-        dist.all_to_all_single(out, x, group=axis.group, async_op=True).wait(rt.timeout)
-    except RuntimeError as exc:
-        others = ", ".join(str(r) for r in axis.ranks if r != rt.rank)
-        raise PeerFailure(
-            f"rank {rt.rank}: all-to-all attention ({what}) on cp: waiting for rank(s) "
-            f"{others} failed: {first_line(exc)}"
-        ) from None
-    sent = x.numel() * x.element_size() * (axis.size - 1) // axis.size
-    rt.comm.add(sent, time.perf_counter() - started, KIND)
-    return out
+    return all_to_all(x, axis, f"all-to-all attention ({what})", KIND)
 
 
 class _AllToAll(torch.autograd.Function):

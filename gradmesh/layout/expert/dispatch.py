@@ -7,16 +7,13 @@ whatever the router chose, so the splits are each step's counts, read on the hos
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from gradmesh.errors import PeerFailure, first_line
+from gradmesh.collectives.alltoall import all_to_all
 from gradmesh.models.moe import MoE
 from gradmesh.runtime.mesh import Axis
-from gradmesh.runtime.world import get_runtime
 
 KIND = "expert_parallel"
 """The bytes' kind in the runtime's counts and the report."""
@@ -26,25 +23,8 @@ def _exchange(
     x: torch.Tensor, out_splits: list[int], in_splits: list[int], axis: Axis, what: str
 ) -> torch.Tensor:
     """All-to-all of the rows of `x`: `in_splits[j]` rows to rank j, `out_splits[i]` from
-    rank i; counted, and a failure names this rank and its peers."""
-    rt = get_runtime()
-    x = x.contiguous()
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    started = time.perf_counter()
-    try:
-        dist.all_to_all_single(out, x, out_splits, in_splits, group=axis.group, async_op=True).wait(
-            rt.timeout
-        )
-    except RuntimeError as exc:
-        others = ", ".join(str(r) for r in axis.ranks if r != rt.rank)
-        raise PeerFailure(
-            f"rank {rt.rank}: expert dispatch ({what}) on ep: waiting for rank(s) {others} "
-            f"failed: {first_line(exc)}"
-        ) from None
-    row = x[0].numel() * x.element_size() if len(x) else 0
-    sent = (sum(in_splits) - in_splits[axis.index]) * row
-    rt.comm.add(sent, time.perf_counter() - started, KIND)
-    return out
+    rank i."""
+    return all_to_all(x, axis, f"expert dispatch ({what})", KIND, (out_splits, in_splits))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -67,8 +47,7 @@ def dispatcher(axis: Axis) -> Any:
     def dispatch(moe: MoE, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         ep = axis.size
         mine = counts.view(ep, -1)  # row j: my tokens for rank j's experts
-        theirs = torch.empty_like(mine)
-        _count_exchange(mine, theirs, axis)
+        theirs = all_to_all(mine, axis, "expert dispatch (counts)", KIND)
         send = mine.sum(1).tolist()
         grid = theirs.tolist()  # grid[i][e]: rank i's tokens for my expert e
         got: torch.Tensor = _AllToAll.apply(tokens, [sum(r) for r in grid], send, axis)  # type: ignore[no-untyped-call]
@@ -80,16 +59,6 @@ def dispatcher(axis: Axis) -> Any:
         return back
 
     return dispatch
-
-
-def _count_exchange(mine: torch.Tensor, theirs: torch.Tensor, axis: Axis) -> None:
-    rt = get_runtime()
-    started = time.perf_counter()
-    dist.all_to_all_single(theirs, mine.contiguous(), group=axis.group, async_op=True).wait(
-        rt.timeout
-    )
-    sent = mine.numel() * mine.element_size() * (axis.size - 1) // axis.size
-    rt.comm.add(sent, time.perf_counter() - started, KIND)
 
 
 def _by_expert(grid: list[list[int]], device: torch.device) -> torch.Tensor:
