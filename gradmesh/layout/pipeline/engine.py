@@ -257,7 +257,7 @@ class PipelineEngine:
         g = self._global(c)
         outputs = st.outputs.pop((c, i))
         outs = [v for v in outputs if v.requires_grad]
-        grads = self._output_grads(st, g, i, outputs)
+        grads = self._output_grads(st, c, g, i)
         ins = st.inputs.pop((c, i))
         t0 = time.perf_counter()
         with span("backward", microbatch=i):
@@ -281,15 +281,13 @@ class PipelineEngine:
         for j, grad in zip([j for j, v in enumerate(ins) if v.requires_grad], sent, strict=True):
             st.sends.append((st.ch.isend(grad, up, tag=self._tag(i, True, g, j)), up))
 
-    def _output_grads(
-        self, st: _Step, g: int, i: int, outputs: list[torch.Tensor]
-    ) -> list[torch.Tensor] | None:
-        """The gradients of stage `g`'s outputs that take one (None: the loss, on the last)."""
+    def _output_grads(self, st: _Step, c: int, g: int, i: int) -> list[torch.Tensor] | None:
+        """The gradients of stage `g`'s (chunk `c`'s) outputs that take one (None: the loss,
+        on the last)."""
         if g == self.depth - 1:
             return None
         if self._rank(g + 1) == self.stage:
             return st.local.pop(("B", g, i))
-        c = next(c for c in range(len(self.modules)) if self._global(c) == g)
         return self._received(st.ch, st.posted.pop(("B", c, i)), self._rank(g + 1))
 
     @torch.no_grad()
