@@ -13,7 +13,8 @@ flags; with the names gradmesh's runtime and data-parallel engine give Horovod."
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -22,18 +23,16 @@ import torch.distributed as dist
 from gradmesh.collectives import allgather as gather_equal
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.gathers import _on_set
-from gradmesh.horovod.joining import announce_now, forget, register
-from gradmesh.horovod.joining import join as _join
-from gradmesh.horovod.joining import optimizer as _joining_optimizer
+from gradmesh.horovod.coordinator import BARRIER, close_all, header, register
 from gradmesh.horovod.process_sets import (
     ProcessSet,
     _group,
     _sets,
     add_process_set,
     global_process_set,
+    negotiated,
+    submit,
 )
-from gradmesh.runtime.world import barrier as _barrier
 from gradmesh.runtime.world import (
     collective_device,
     cross_rank,
@@ -51,6 +50,7 @@ from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, syn
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer as _DistributedOptimizer
 from gradmesh.sync.data_parallel.optimizer import broadcast_parameters
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Max, Min, Product, Sum
+from gradmesh.sync.wrapping import wrap_optimizer
 
 __all__ = [
     "GradmeshError",
@@ -120,7 +120,7 @@ def shutdown() -> None:
     for process_set in _sets.values():
         process_set._invalidate()
     _sets.clear()
-    forget()
+    close_all("the job was shut down (hvd.shutdown) while it was pending")
     _shutdown()
 
 
@@ -145,7 +145,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     `sparse_as_dense`; `num_groups` / `groups` are accepted, the fusion buffers being sized by
     bytes instead.
     With `process_set`, gradients are averaged over the set's ranks only (one optimizer per
-    set at a time)."""
+    set at a time); on a rank outside the set it steps on this rank's own gradients, as
+    Horovod's does."""
+    if isinstance(process_set, ProcessSet) and process_set.ranks and not process_set.included():
+        _group(process_set, "DistributedOptimizer", optimizer=True, outside_ok=True)
+        return wrap_optimizer(optimizer, _OutsideSet)
     group = _group(process_set, "DistributedOptimizer", optimizer=True)
     wrapped = _DistributedOptimizer(
         optimizer,
@@ -158,30 +162,42 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         group=group,
         sparse_as_dense=sparse_as_dense,
     )
-    if group is None:  # its steps are announced, for `join`
-        register(wrapped)
+    found = negotiated(global_process_set, "DistributedOptimizer") if group is None else None
+    if found is not None:  # its steps are announced, for `join`
+        register(found, wrapped)
     return wrapped
 
 
+class _OutsideSet:
+    """Methods of a DistributedOptimizer over a process set this rank is not in: nothing to
+    synchronize; `step` is the optimizer's own, on this rank's gradients."""
+
+    def synchronize(self) -> None:
+        return None
+
+    @contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        yield
+
+
 def barrier(process_set: Any = global_process_set) -> None:
-    """Wait until every rank of the set reaches this point."""
-    if _group(process_set, "barrier") is None:
-        announce_now("barrier")
-        _barrier()
-    else:
-        _on_set(process_set, "barrier", lambda group: dist.barrier(group=group))
+    """Wait until every rank of the set reaches this point: a request every rank submits,
+    matched as the others are (it runs nothing once matched)."""
+    submit(process_set, "barrier", header(BARRIER), "barrier", lambda *_: None).result()
 
 
 def join(device: int = -1) -> int:
-    """This rank has no more data: take part in the other ranks' operations on the global set
-    (zeros into sums, no rows into gathers, the optimizer's steps on zero gradients) until
-    every rank has joined; returns the last rank to join. When the most recent
-    DistributedOptimizer reduces over another process set, only its steps are taken part in
-    (see `joining`), and the last of the set's ranks to join is returned."""
+    """This rank has no more data: until every rank has joined, take part in the other ranks'
+    Sum and Average allreduces (zeros, still counted in averages) and their DistributedOptimizer
+    steps (on zero gradients), as Horovod's join does; returns the last rank to join. When the
+    most recent DistributedOptimizer reduces over another process set, only its steps are
+    taken part in, and the last of the set's ranks to join is returned."""
     joinable = get_runtime().joinable
     optimizer = getattr(joinable, "__self__", None)
-    if optimizer is None or optimizer is _joining_optimizer():
-        return _join()
+    found = negotiated(global_process_set, "join")
+    registered = None if found is None or found.optimizer is None else found.optimizer()
+    if optimizer is None or optimizer is registered:
+        return rank() if found is None else int(found.join().result())
     gm = optimizer._gm
     entered = gm.steps  # the steps every rank of the set has taken so far, joined or not
     optimizer.join()

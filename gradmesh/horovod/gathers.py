@@ -3,22 +3,30 @@ collectives (plain values, never pickle)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from gradmesh.collectives import allgather_object as _allgather_object
+from gradmesh.collectives import broadcast as _broadcast_tensor
 from gradmesh.collectives import broadcast_object as _broadcast_object
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.joining import ALLGATHER, BROADCAST, OTHER, announce_now, before
-from gradmesh.horovod.process_sets import _group, _root, global_process_set
+from gradmesh.horovod.coordinator import (
+    ALLGATHER_OBJECT,
+    ALLTOALL,
+    BROADCAST,
+    BROADCAST_OBJECT,
+    SPARSE,
+    header,
+)
+from gradmesh.horovod.process_sets import _group, _root, global_process_set, submit
 from gradmesh.horovod.reductions import (
     _autograd,
-    _named,
+    allgather_request,
     allreduce,
+    combined,
     reducescatter,
     reducescatter_async,
 )
@@ -53,33 +61,19 @@ __all__ = [
 def allgather_async(
     tensor: torch.Tensor, name: str | None = None, process_set: Any = global_process_set
 ) -> Handle:
-    group = _group(process_set, "allgather")
-    announce = _announce(group, ALLGATHER, "allgather")
-    return _named(name, lambda: _api.allgather_async(tensor, group, announce))
-
-
-def _announce(group: Any, kind: int, what: str, extra: int = 0) -> Any:
-    """An operation's announcement for `hvd.join` on the global set (None on another set)."""
-    return before(kind, what, extra) if group is None else None
+    return allgather_request(tensor, name, process_set)
 
 
 def grouped_allgather_async(
     tensors: list[torch.Tensor], name: str | None = None, process_set: Any = global_process_set
 ) -> Future[list[torch.Tensor]]:
-    """Each of `tensors` all-gathered, as one operation on the communication thread (the same
-    order on every rank); `synchronize` returns the list."""
+    """Each of `tensors` all-gathered (one request each, named `name.i`); `synchronize` returns
+    the list."""
     if not tensors:
         raise GradmeshError("grouped_allgather needs at least one tensor")
-    group = _group(process_set, "allgather")
-    copies = [t.detach().clone() for t in tensors]
-    announce = _announce(group, ALLGATHER, "allgather")
-
-    def gather_each() -> list[torch.Tensor]:
-        for t in copies if announce is not None else ():
-            announce(t)
-        return [_api.allgather_tensor(t, group) for t in copies]
-
-    return _named(name, lambda: _api.submit(gather_each))
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    handles = [allgather_request(t, n, process_set) for t, n in zip(tensors, names, strict=True)]
+    return combined(handles, list)
 
 
 def grouped_allgather(
@@ -99,14 +93,14 @@ def grouped_reducescatter_async(
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
 ) -> Future[list[torch.Tensor]]:
-    """Each of `tensors` reduce-scattered as `reducescatter` does, as one operation;
-    `synchronize` returns the list (each rank's block of each)."""
+    """Each of `tensors` reduce-scattered as `reducescatter` does (one request each, named
+    `name.i`); `synchronize` returns the list (each rank's block of each)."""
     if not tensors:
         raise GradmeshError("grouped_reducescatter needs at least one tensor")
     scale = (op, process_set, prescale_factor, postscale_factor)
-    parts = [reducescatter_async(t, None, *scale) for t in tensors]
-    # the communication thread runs in order: this waits only for the parts submitted above
-    return _named(name, lambda: _api.submit(lambda: [p.result() for p in parts]))
+    names = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    parts = [reducescatter_async(t, n, *scale) for t, n in zip(tensors, names, strict=True)]
+    return combined(parts, list)
 
 
 def grouped_reducescatter(
@@ -174,10 +168,13 @@ def broadcast_async_(
 def _broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any, in_place: bool
 ) -> Handle:
-    group = _group(process_set, "broadcast")
-    root = _root(root_rank, group, "broadcast")
-    announce = _announce(group, BROADCAST, "broadcast", root)
-    return _named(name, lambda: _api.broadcast_async(tensor, root, in_place, group, announce))
+    root = _root(root_rank, _group(process_set, "broadcast"), "broadcast")
+    target = tensor.data if in_place else tensor.detach().clone()
+
+    def run(group: Any, _: int) -> torch.Tensor:
+        return _broadcast_tensor(target, root, group) if members(group)[2] > 1 else target
+
+    return submit(process_set, "broadcast", header(BROADCAST, tensor, root), name, run)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -223,9 +220,12 @@ def alltoall_async(
     process_set: Any = global_process_set,
 ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """`synchronize` returns (rows received, int32 counts received from each rank)."""
-    group = _group(process_set, "alltoall")
-    announce = _announce(group, OTHER, "alltoall")
-    return _named(name, lambda: _api.alltoall_async(tensor, splits, group, announce))
+    flat = None if splits is None else torch.as_tensor(splits, device="cpu").reshape(-1)
+    wanted = None if flat is None else [int(s) for s in flat.tolist()]
+    row = header(ALLTOALL)
+    return submit(
+        process_set, "alltoall", row, name, lambda g, _: _api.alltoall_tensor(tensor, wanted, g)
+    )
 
 
 class _Alltoall(torch.autograd.Function):
@@ -257,54 +257,53 @@ def alltoall(
     return output if splits is None else (output, received)
 
 
+class SparseHandle(Future):  # type: ignore[type-arg]
+    """Horovod's sparse handle: a future that is also called (`handle()`) for its result."""
+
+    def __call__(self) -> torch.Tensor:
+        return self.result()  # type: ignore[no-any-return]
+
+
 def sparse_allreduce_async(
     tensor: torch.Tensor,
     name: str | None = None,
     op: str = Average,
     process_set: Any = global_process_set,
-) -> Handle:
+) -> SparseHandle:
     """Reduce a sparse COO tensor keeping it sparse: every rank's indices and values gathered
-    and coalesced (Sum, or Average over the set's ranks); `synchronize` returns the sparse
-    result, equal to a dense allreduce of the dense tensors."""
+    and coalesced (Sum, or Average over the set's ranks); `synchronize(handle)` or `handle()`
+    returns the sparse result, equal to a dense allreduce of the dense tensors."""
     if op not in (Average, Sum):
         raise GradmeshError(f"sparse_allreduce reduces with Average or Sum, not {op}")
     if not tensor.is_sparse:
         raise GradmeshError("sparse_allreduce_async takes a sparse tensor (allreduce: dense ones)")
-    group = _group(process_set, "sparse_allreduce")
-    announce = before(OTHER, "sparse_allreduce") if group is None else None
     copy = tensor.detach().coalesce()
 
-    def reduce() -> torch.Tensor:
-        if announce is not None:
-            announce(copy)
+    def reduce(group: Any, _: int) -> torch.Tensor:
         summed = sparse_sum(copy, group)
         return summed / members(group)[2] if op == Average else summed
 
-    return _named(name, lambda: _api.submit(reduce))
+    handle = submit(process_set, "sparse_allreduce", header(SPARSE), name, reduce)
+    return combined([handle], lambda results: results[0], SparseHandle())  # type: ignore[return-value]
 
 
-# -- objects, barrier, join ----------------------------------------------------------------
-
-
-def _on_set(process_set: Any, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` on the world, or on the set's group through the communication thread."""
-    group = _group(process_set, what)
-    if group is None:
-        announce_now(what)
-        return fn(*args)
-    return _api.submit(fn, *args, group).result()
+# -- objects, barrier ----------------------------------------------------------------------
 
 
 def broadcast_object(
     obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = global_process_set
 ) -> Any:
     """Root's object on every rank of the set (plain values, never pickle: see the module)."""
-    _root(root_rank, _group(process_set, "broadcast_object"), "broadcast_object")
-    return _on_set(process_set, "broadcast_object", _broadcast_object, obj, root_rank)
+    root = _root(root_rank, _group(process_set, "broadcast_object"), "broadcast_object")
+    row = header(BROADCAST_OBJECT, extra=root)
+    run = lambda g, _: _broadcast_object(obj, root, g)  # noqa: E731
+    return submit(process_set, "broadcast_object", row, name, run).result()
 
 
 def allgather_object(
     obj: Any, name: str | None = None, process_set: Any = global_process_set
 ) -> list[Any]:
     """Every rank's object, in rank order (plain values, never pickle)."""
-    return _on_set(process_set, "allgather_object", _allgather_object, obj)  # type: ignore[no-any-return]
+    row = header(ALLGATHER_OBJECT)
+    run = lambda g, _: _allgather_object(obj, g)  # noqa: E731
+    return submit(process_set, "allgather_object", row, name, run).result()  # type: ignore[no-any-return]

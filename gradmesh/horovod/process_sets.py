@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
 
 from gradmesh.collectives.objects import differing
 from gradmesh.errors import GradmeshError
+from gradmesh.horovod.coordinator import Coordinator, close, coordinator
 from gradmesh.runtime.world import get_runtime, rank, size
 
 __all__ = [
@@ -104,6 +106,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     if process_set is global_process_set or process_set.process_set_id == 0:
         return False
     _registered(process_set, "remove_process_set")
+    close(
+        process_set.process_set_id,  # type: ignore[arg-type]
+        f"process set {process_set.process_set_id} (ranks {process_set.ranks}) was removed "
+        "while it was pending",
+    )
     if process_set._groups is not None:
         for ref in process_set._groups:
             group = ref()
@@ -126,12 +133,16 @@ def _registered(process_set: Any, what: str) -> ProcessSet:
     return process_set
 
 
-def _group(process_set: Any, what: str, optimizer: bool = False) -> dist.ProcessGroup | None:
+def _group(
+    process_set: Any, what: str, optimizer: bool = False, outside_ok: bool = False
+) -> dist.ProcessGroup | None:
     """The group `what` runs on for `process_set`: None for the global set, else the set's own;
-    one line for a set that is not registered or a rank outside it."""
+    one line for a set that is not registered or (unless `outside_ok`) a rank outside it."""
     if process_set is None or process_set is global_process_set:
         return None
     ps = _registered(process_set, what)
+    if ps._groups is None and outside_ok:
+        return None
     if ps._groups is None:
         raise GradmeshError(
             f"rank {rank()}: {what}: this rank is not in process set {ps.process_set_id} "
@@ -149,3 +160,42 @@ def _root(root_rank: int, group: dist.ProcessGroup | None, what: str) -> int:
         where = "the job" if group is None else f"the process set (ranks {list(members)})"
         raise GradmeshError(f"rank {rank()}: {what}: root rank {root_rank} is not in {where}")
     return root_rank
+
+
+def negotiated(process_set: Any, what: str) -> Coordinator | None:
+    """The coordinator that matches `what` by name on `process_set` (one line for a set that
+    is not registered or a rank outside it); None for a set of one rank (it runs at once)."""
+    if process_set is None or process_set is global_process_set:
+        rt = get_runtime()
+        if rt.size == 1 or rt.async_group is None:
+            return None
+        return coordinator(0, rt.async_group, list(range(rt.size)))
+    group = _group(process_set, what)
+    ps = _registered(process_set, what)
+    if ps.size() == 1 or group is None:
+        return None
+    return coordinator(ps.process_set_id, group, ps.ranks)  # type: ignore[arg-type]
+
+
+Run = Callable[[dist.ProcessGroup | None, int], Any]
+"""An operation's body: given its set's group and how many of the set's ranks have joined."""
+
+
+def submit(process_set: Any, what: str, row: list[int], name: str | None, run: Run) -> Future[Any]:
+    """Submit an operation to its set's coordinator (see `coordinator`); in a set of one it runs
+    at once."""
+    found = negotiated(process_set, what)
+    if found is not None:
+        group = found.group
+        return found.submit(what, row, name, lambda joined: run(group, joined))
+    done: Future[Any] = Future()
+    alone = (
+        None
+        if process_set is None or process_set is global_process_set
+        else _group(process_set, what)
+    )
+    try:
+        done.set_result(run(alone, 0))
+    except BaseException as exc:  # raised where Horovod raises it: at synchronize
+        done.set_exception(exc)
+    return done

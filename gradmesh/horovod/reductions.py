@@ -1,20 +1,30 @@
 """Horovod's reductions (allreduce, grouped allreduce, reducescatter), synchronous and
-asynchronous, differentiable as Horovod's are; an operation's name is unique while in flight."""
+asynchronous, differentiable as Horovod's are; each is matched across ranks by its name
+(`coordinator`), which is unique while it is pending."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from gradmesh.errors import GradmeshError, GradmeshValueError
+from gradmesh.collectives import Op
+from gradmesh.collectives.flat import flat_buffers, views
+from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.joining import reduction
-from gradmesh.horovod.process_sets import _group, global_process_set
-from gradmesh.runtime.world import rank, size
+from gradmesh.horovod.coordinator import (
+    ALLGATHER,
+    ALLREDUCE,
+    OPS,
+    REDUCESCATTER,
+    grouped_header,
+    header,
+)
+from gradmesh.horovod.process_sets import _group, global_process_set, submit
+from gradmesh.runtime.world import size
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import Handle, synchronize
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Sum
@@ -31,25 +41,6 @@ __all__ = [
     "reducescatter",
     "reducescatter_async",
 ]
-
-
-# -- names in flight -----------------------------------------------------------------------
-
-_in_flight: set[str] = set()
-"""Names of operations started and not finished: Horovod refuses a second one of a name."""
-
-
-def _named(name: str | None, start: Callable[[], Future[Any]]) -> Future[Any]:
-    if name is not None and name in _in_flight:
-        raise GradmeshValueError(
-            f"rank {rank()}: an operation named {name!r} is still in flight; synchronize it "
-            "before starting another of that name"
-        )
-    handle = start()
-    if name is not None and not handle.done():
-        _in_flight.add(name)
-        handle.add_done_callback(lambda _: _in_flight.discard(name))
-    return handle
 
 
 def _autograd(function: type[torch.autograd.Function], *args: Any) -> Any:
@@ -70,8 +61,7 @@ def _op(average: bool | None, op: str | None) -> str:
 
 
 def _reduction(
-    start: Any,
-    tensors: Any,
+    tensors: torch.Tensor | list[torch.Tensor],
     average: bool | None,
     op: str | None,
     name: str | None,
@@ -80,24 +70,37 @@ def _reduction(
     compression: Any,
     process_set: Any,
     what: str,
-) -> Any:
-    """Start one of gradmesh's reductions with Horovod's reduction arguments; on the global set,
-    announced for `hvd.join` (each fused buffer of a group on its own)."""
-    group = _group(process_set, what)
-    reduce_op = _op(average, op)
-    return _named(
-        name,
-        lambda: start(
-            tensors,
-            op=reduce_op,
-            compression=compression,
-            name=name,
-            prescale_factor=prescale,
-            postscale_factor=postscale,
-            group=group,
-            before=None if group is not None else reduction(reduce_op),
-        ),
-    )
+) -> Future[Any]:
+    """One reduction submitted to its set's coordinator (matched by name); a joined rank's
+    zeros count in averages (Horovod's), and while a rank has joined the reduction travels
+    uncompressed. A list of tensors (a grouped allreduce) is one request: one fused buffer per
+    dtype, reduced in turn, the results split back."""
+    reduce_op = cast(Op, _op(average, op))
+    code = OPS.index(reduce_op)
+    kind = REDUCESCATTER if what == "reducescatter" else ALLREDUCE
+    if isinstance(tensors, list):
+        if not tensors:
+            raise GradmeshError("grouped allreduce needs at least one tensor")
+        fused = flat_buffers(tensors)
+        buffers = [flat for flat, _ in fused]
+        row = grouped_header(buffers, code)
+    else:
+        buffers, row = [tensors], header(kind, tensors, code)
+
+    def run(group: Any, joined: int) -> Any:
+        codec, label = (None, None) if joined else (compression, name)
+        out = [
+            _api.reduce_copy(b, reduce_op, codec, label, prescale, postscale, group)
+            for b in buffers
+        ]
+        if isinstance(tensors, torch.Tensor):
+            return _api.my_rows(out[0], group) if kind == REDUCESCATTER else out[0]
+        parts = {}
+        for reduced, (_, members) in zip(out, fused, strict=True):
+            parts.update({id(t): v for t, v in zip(members, views(reduced, members), strict=True)})
+        return [parts[id(t)] for t in tensors]
+
+    return submit(process_set, what, row, name, run)
 
 
 def allreduce_async(
@@ -110,8 +113,7 @@ def allreduce_async(
     process_set: Any = global_process_set,
     compression: Any = Compression.none,
 ) -> Handle:
-    return _reduction(  # type: ignore[no-any-return]
-        _api.allreduce_async,
+    return _reduction(
         tensor,
         average,
         op,
@@ -229,19 +231,10 @@ def grouped_allreduce_async(
     process_set: Any = global_process_set,
     compression: Any = Compression.none,
 ) -> Future[list[torch.Tensor]]:
-    """Reduce the tensors as one operation; `synchronize` returns the list of new tensors."""
-    return _reduction(  # type: ignore[no-any-return]
-        _api.grouped_allreduce_async,
-        tensors,
-        average,
-        op,
-        name,
-        prescale_factor,
-        postscale_factor,
-        compression,
-        process_set,
-        "grouped_allreduce",
-    )
+    """Reduce the tensors as one operation (one fused buffer per dtype); `synchronize` returns
+    the list of new tensors."""
+    scale = (prescale_factor, postscale_factor, compression, process_set, "grouped_allreduce")
+    return _reduction(list(tensors), average, op, name, *scale)
 
 
 class _GroupedAllreduce(torch.autograd.Function):
@@ -316,8 +309,15 @@ def reducescatter_async(
     postscale_factor: float = 1.0,
     compression: Any = Compression.none,
 ) -> Handle:
-    return _reduction(  # type: ignore[no-any-return]
-        _api.reducescatter_async,
+    """Reduce `tensor` over the set's ranks and give each rank its block of rows: with n rows
+    over W ranks, rank r gets n // W rows, plus one for the first n % W ranks (Horovod's split).
+    The sum is computed whole (an allreduce), then sliced: simple, and twice the bytes a ring
+    reduce-scatter would send."""
+    if op not in (Average, Sum):
+        raise GradmeshError(f"reducescatter reduces with Average or Sum, not {op}")
+    if tensor.dim() == 0:
+        raise GradmeshError("reducescatter needs a tensor with a first dimension to split")
+    return _reduction(
         tensor,
         None,
         op,
@@ -343,8 +343,7 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
         _, op, process_set, pre, post, _ = ctx.args
-        group = _group(process_set, "allgather")
-        gathered = synchronize(_api.allgather_async(grad, group))
+        gathered = synchronize(allgather_request(grad, None, process_set))
         scale = pre * post * (_members(process_set) if _op(None, op) == Sum else 1)
         return (gathered * scale, *[None] * len(ctx.args))
 
@@ -375,3 +374,35 @@ def reducescatter(
         postscale_factor,
         compression,
     )
+
+
+def allgather_request(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
+    """Every rank's `tensor` (a copy taken now) concatenated along dimension 0, matched by
+    name; first dimensions may differ."""
+    copy = tensor.detach().clone()
+    row = header(ALLGATHER, copy)
+    return submit(process_set, "allgather", row, name, lambda g, _: _api.allgather_tensor(copy, g))
+
+
+def combined(
+    handles: list[Future[Any]],
+    finish: Callable[[list[Any]], Any],
+    done: Future[Any] | None = None,
+) -> Future[Any]:
+    """One handle (`done`, or a new future) for several requests: `finish(their results)` once
+    all are done (the first error otherwise)."""
+    done = Future() if done is None else done
+    left = [len(handles)]
+
+    def one(_: Future[Any]) -> None:
+        left[0] -= 1
+        if left[0]:
+            return
+        try:
+            done.set_result(finish([h.result() for h in handles]))
+        except BaseException as exc:  # an operation's own error, raised at synchronize
+            done.set_exception(exc)
+
+    for handle in handles:
+        handle.add_done_callback(one)
+    return done

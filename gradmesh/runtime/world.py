@@ -70,8 +70,9 @@ class Runtime:
     failure: BaseException | None = None
     """Set when this rank is failing: leaving then waits for nobody."""
     async_group: dist.ProcessGroup | None = None
-    """A second group over the whole world for the communication thread, so that its
-    collectives never interleave with those the main thread issues on the default group."""
+    """A second group over the whole world for the Horovod drop-in's coordinator of the global
+    process set (`gradmesh.horovod.coordinator`): its rounds, and the operations they match,
+    never interleave with collectives other threads issue on the default group."""
     timeline: Any = None
     """The running timeline (`gradmesh.observe.timeline`), if any."""
     on_shutdown: list[Callable[[], object]] = field(default_factory=list)
@@ -255,7 +256,7 @@ def _build(
     for axis in rt.mesh.axes.values():
         rt.group_names[id(axis.group)] = f"{axis.name} axis"
     for group, label in (
-        (async_group, "world (comm thread)"),
+        (async_group, "world (negotiation)"),
         (local_group, "host-local"),
         (cross_group, "cross-host"),
     ):

@@ -283,8 +283,8 @@ def names_and_cycles() -> dict[str, Any]:
 @pytest.mark.parametrize("world", WORLDS)
 def test_names_in_flight_are_unique_and_init_shutdown_cycles_work(world: int) -> None:
     for r, got in enumerate(run_ranks(names_and_cycles, world)):
-        assert got["clash"] == f"rank {r}: an operation named 'loss' is still in flight; " + (
-            "synchronize it before starting another of that name"
+        assert got["clash"] == f"rank {r}: an operation named 'loss' is still in flight on " + (
+            "the global process set; synchronize it before starting another of that name"
         )
         assert got["fast"]
         for said in got["mismatched"]:  # on every rank, naming both ranks' tensors

@@ -1,9 +1,7 @@
-"""Tensor- and object-level operations with Horovod's names and semantics.
-
-Asynchronous operations run on the runtime's one communication thread, in submission order, so
-every rank issues them in the same order. Objects travel as JSON, never pickle: gradmesh does
-not unpickle anything that came over the network.
-"""
+"""Tensor operations with Horovod's semantics (scale factors, reduce-scatter's split,
+all-to-all's counts), run where the Horovod drop-in's coordinator runs them
+(`gradmesh.horovod.coordinator`: on its thread, once every rank has submitted them), and the
+optimizer-state broadcast."""
 
 from __future__ import annotations
 
@@ -17,23 +15,17 @@ from torch.optim import Optimizer
 
 from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
-from gradmesh.collectives.flat import flat_buffers, views
 from gradmesh.compression.base import Compressor, Link, NoCompression
 from gradmesh.compression.registry import reduce, resolve
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import collective_device, get_runtime
 
 Handle = Future[torch.Tensor]
-Before = Callable[[torch.Tensor], int] | None
-"""Run on the communication thread just before an operation, given the tensor it sends (for a
-grouped reduction, each fused buffer): returns how many ranks contribute
-to it (fewer than the group's size when some have joined: they add zeros and are left out of
-averages). Horovod's join announces operations this way (`gradmesh.horovod.joining`)."""
 
 
 def members(group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup | None, int, int]:
     """(the group an operation runs on, this rank's place in it, its size): `group` itself, or
-    for None the world as the communication thread's group."""
+    for None the world's negotiation group."""
     rt = get_runtime()
     if group is None:
         return rt.async_group, rt.rank, rt.size
@@ -64,23 +56,19 @@ def compressed_allreduce(
     return tensor
 
 
-def _reduce_copy(
+def reduce_copy(
     tensor: torch.Tensor,
     op: Op,
-    algorithm: str,
     compression: Compressor | str | None,
     name: str | None,
     prescale: float,
     postscale: float,
-    group: dist.ProcessGroup | None = None,
-    before: Before = None,
+    group: dist.ProcessGroup | None,
+    algorithm: str = "native",
 ) -> torch.Tensor:
+    """A copy of `tensor` reduced over `group` (times `prescale` before, `postscale` after, as
+    Horovod scales)."""
     on, _, size = members(group)
-    contributors = size if before is None else before(tensor)
-    if contributors < size:  # joined ranks add zeros, uncompressed, and leave the average
-        if op == "average":
-            op, postscale = "sum", postscale / contributors
-        compression, name = None, None
     copy = _scaled(tensor.detach().clone(), prescale)
     if size > 1:
         copy = compressed_allreduce(copy, resolve(compression), op, algorithm, on, name)
@@ -108,104 +96,26 @@ def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
     return rt.comm_executor().submit(fn, *args)
 
 
-def allreduce_async(
-    tensor: torch.Tensor,
-    op: Op = "average",
-    algorithm: str = "native",
-    compression: Compressor | str | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    group: dist.ProcessGroup | None = None,
-    before: Before = None,
-) -> Handle:
-    """Start reducing a copy of `tensor` (times `prescale_factor` before, `postscale_factor`
-    after, as Horovod does) over the world or `group`; `synchronize(handle)` returns the
-    result. `name`, if given, must be the same on every rank for the same call."""
-    scale = (prescale_factor, postscale_factor)
-    args = (tensor, op, algorithm, compression, name, *scale, group, before)
-    return submit(_reduce_copy, *args)
-
-
-def _reduce_group(
-    tensors: list[torch.Tensor],
-    op: Op,
-    algorithm: str,
-    compression: Compressor | str | None,
-    name: str | None,
-    prescale: float,
-    postscale: float,
-    group: dist.ProcessGroup | None,
-    before: Before,
-) -> list[torch.Tensor]:
-    """The tensors of each dtype fused into one flat buffer, reduced in one operation, split."""
-    out: dict[int, torch.Tensor] = {}
-    for flat, members in flat_buffers(tensors):
-        label = None if name is None else f"{name}.{str(flat.dtype).removeprefix('torch.')}"
-        scale = (prescale, postscale, group, before)
-        reduced = _reduce_copy(flat, op, algorithm, compression, label, *scale)
-        out.update({id(t): part for t, part in zip(members, views(reduced, members), strict=True)})
-    return [out[id(t)] for t in tensors]
-
-
-def grouped_allreduce_async(
-    tensors: list[torch.Tensor],
-    op: Op = "average",
-    algorithm: str = "native",
-    compression: Compressor | str | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    group: dist.ProcessGroup | None = None,
-    before: Before = None,
-) -> Future[list[torch.Tensor]]:
-    """Reduce several tensors as one operation (one fused buffer per dtype, each announced to
-    `before` on its own); `synchronize` returns the list of results in the order given."""
-    if not tensors:
-        raise GradmeshError("grouped allreduce needs at least one tensor")
-    args = (op, algorithm, compression, name, prescale_factor, postscale_factor, group, before)
-    return submit(_reduce_group, list(tensors), *args)
-
-
-def reducescatter_async(
-    tensor: torch.Tensor,
-    op: Op = "average",
-    algorithm: str = "native",
-    compression: Compressor | str | None = None,
-    name: str | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    group: dist.ProcessGroup | None = None,
-    before: Before = None,
-) -> Handle:
-    """Reduce `tensor` over every rank (of `group`) and give each rank its block of rows: with
-    n rows over W ranks, rank r gets n // W rows, plus one for the first n % W ranks (Horovod's
-    split). The sum is computed whole (an allreduce), then sliced: simple, and twice the bytes
-    a ring reduce-scatter would send."""
-    if op not in ("average", "sum"):
-        raise GradmeshError(f"reducescatter reduces with average or sum, not {op}")
-    if tensor.dim() == 0:
-        raise GradmeshError("reducescatter needs a tensor with a first dimension to split")
-    scale = (prescale_factor, postscale_factor)
-    args = (tensor, op, algorithm, compression, name, *scale, group, before)
-
-    def scatter() -> torch.Tensor:
-        reduced = _reduce_copy(*args)
-        _, me, size = members(group)
-        base, extra = divmod(reduced.shape[0], size)
-        start = me * base + min(me, extra)
-        return reduced[start : start + base + (me < extra)].clone()
-
-    return submit(scatter)
+def my_rows(reduced: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """This rank's block of `reduced`'s rows (Horovod's reduce-scatter split): with n rows over
+    W ranks, rank r gets n // W rows, plus one for the first n % W ranks."""
+    _, me, size = members(group)
+    base, extra = divmod(reduced.shape[0], size)
+    start = me * base + min(me, extra)
+    return reduced[start : start + base + (me < extra)].clone()
 
 
 MAX_DIMS = 8
 """Alltoall describes each rank's tensor in a fixed-size row: at most this many dimensions."""
 
 
-def _alltoall(
+def alltoall_tensor(
     tensor: torch.Tensor, splits: list[int] | None, group: dist.ProcessGroup | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Send rows of `tensor` to every rank (`splits[r]` rows to rank r, in order; without
+    splits, equal parts) and receive theirs, concatenated in rank order: (rows received, how
+    many came from each rank). Every rank's splits are checked first, so bad ones are one error
+    on every rank, not a hang."""
     group, me, world = members(group)
     rows = tensor.shape[0] if tensor.dim() else 0
     sends = [rows // world] * world if splits is None else list(splits)
@@ -258,21 +168,6 @@ CARRIERS = {
 """The dtype a tensor travels in through all-to-all where the backend lacks its own."""
 
 
-def alltoall_async(
-    tensor: torch.Tensor,
-    splits: torch.Tensor | list[int] | None = None,
-    group: dist.ProcessGroup | None = None,
-    before: Before = None,
-) -> Future[tuple[torch.Tensor, torch.Tensor]]:
-    """Send rows of `tensor` to every rank (`splits[r]` rows to rank r, in order; without
-    splits, equal parts) and receive theirs, concatenated in rank order; `synchronize` returns
-    (rows received, how many came from each rank). Every rank's splits are checked first, so
-    bad ones are one error on every rank, not a hang."""
-    flat = None if splits is None else torch.as_tensor(splits, device="cpu").reshape(-1)
-    wanted = None if flat is None else [int(s) for s in flat.tolist()]
-    return submit(_after(before, _alltoall), tensor, wanted, group)
-
-
 def synchronize(handle: Handle) -> torch.Tensor:
     """Wait for an asynchronous operation and return its result (each collective it runs is
     bounded by the job's timeout, so this wait is too)."""
@@ -299,42 +194,6 @@ def allgather_tensor(tensor: torch.Tensor, group: dist.ProcessGroup | None = Non
     padded[: item.shape[0]] = item
     everyone = gather_equal(padded, group)
     return torch.cat([everyone[r, :n] for r, n in enumerate(lengths)])
-
-
-def allgather_async(
-    tensor: torch.Tensor, group: dist.ProcessGroup | None = None, before: Before = None
-) -> Handle:
-    """`allgather_tensor` of a copy of `tensor`, on the communication thread."""
-    return submit(_after(before, allgather_tensor), tensor.detach().clone(), members(group)[0])
-
-
-def _after(before: Before, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn(tensor, ...)`, run after `before(tensor)` (whose count it does not need: a joined
-    rank takes its part)."""
-    if before is None:
-        return fn
-
-    def run(tensor: torch.Tensor, *args: Any) -> Any:
-        before(tensor)
-        return fn(tensor, *args)
-
-    return run
-
-
-def broadcast_async(
-    tensor: torch.Tensor,
-    root_rank: int,
-    in_place: bool = False,
-    group: dist.ProcessGroup | None = None,
-    before: Before = None,
-) -> Handle:
-    """Root's (a global rank's) value of `tensor`: written into `tensor` itself with
-    `in_place`, else into a copy (the argument left as it was)."""
-    target = tensor.data if in_place else tensor.detach().clone()
-    on, _, size = members(group)
-    if size == 1:
-        return submit(lambda: target)
-    return submit(_after(before, broadcast), target, root_rank, on)
 
 
 def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int = 0) -> None:

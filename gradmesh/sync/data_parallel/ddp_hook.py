@@ -30,8 +30,8 @@ def ddp_comm_hook(allreduce: str = "native", compression: Compressor | str | Non
     """A DDP comm hook averaging each bucket with the named algorithm and compressor."""
     ALGORITHMS.get(allreduce)
     compressor = resolve(compression)
-    rt = get_runtime()
-    link = Link(rt.async_group, allreduce)
+    rt = get_runtime()  # its own group: the world's negotiation group is Horovod's coordinator's
+    link = Link(rt.new_group("DDP comm hook") if rt.size > 1 else None, allreduce)
     states: dict[int, State] = {}
 
     def average(index: int, buffer: torch.Tensor, shapes: list[tuple[int, ...]]) -> torch.Tensor:

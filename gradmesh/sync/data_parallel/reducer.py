@@ -175,6 +175,9 @@ class GradientReducer:
         """Called before a step's first reduction leaves on a rank that trains (Horovod's join
         learns from it that a step follows); its future is checked at `synchronize`."""
         self.announced: Future[Any] | None = None
+        self.average_all = False
+        """Averages divide by every replica, joined ones included (Horovod's drop-in); else by
+        the replicas still training (gradmesh's own join)."""
         self.also: list[GradientReducer] = []
         """Reducers of other parameters of the same optimizer (a hybrid plan's batch-sharded
         layers, over the batch group), synchronized and reset with this one."""
@@ -385,6 +388,8 @@ class GradientReducer:
         ones kept sparse are reduced now, after the buckets."""
         group = self.group if self.replicas > 1 else None
         found = self.sparse is not None and self.sparse.designate(mine, group, self.where)
+        if self.average_all:
+            active = float(self.replicas)
         average = max(active, 1.0) if self.op == "average" else 1.0
         for bucket in self.buckets:
             with span("unpack", "comm", bucket=bucket.index):

@@ -1,0 +1,532 @@
+"""Horovod's coordinator: the drop-in's operations are matched across ranks by name, within
+each process set, and run once every rank of the set has submitted them, whatever order each
+rank submitted them in.
+
+Read from Horovod's `controller.cc`, `operations.cc`, `response_cache.cc` and
+`tensor_queue.cc`, and built for gradmesh's layering (torch.distributed groups, a thread per
+set, no rank-0 coordinator):
+
+- Each process set that is used gets a `Coordinator`: its own process group and its own thread.
+  A submitted operation becomes a pending `Request` (its name, a header: kind, dtype, shape and
+  the op or root, and the function that runs it); a second pending request with the same name
+  is a `ValueError` on that rank at once, as in Horovod. An unnamed operation is named by a
+  counter of unnamed operations on the set (Horovod's `allreduce.noname.N`), so unnamed ones
+  match in submission order.
+- While a rank has requests pending (or has joined), its thread runs rounds: one all-gather of
+  every rank's pending set on the set's group. A name pending on every rank that has not joined
+  is ready; every rank sees the same tables, so every rank runs the ready operations in the same
+  order (the lowest active rank's), on the same thread, on the set's group. A name whose headers
+  differ between ranks (another shape, dtype, op or root) is one error on every rank. A rank
+  with nothing pending takes no part in rounds, and costs nothing; an operation waits for its
+  last rank to submit it, bounded by the job's timeout.
+- The response cache: a request whose name and header ran before is sent as one bit of a fixed
+  bit set (the cache is the same on every rank: it is filled and aged in the agreed order of
+  execution, least recently used entries evicted). In the steady state a round is one
+  all-gather of 80 bytes a rank, whatever the number of operations it settles; new requests
+  add a second all-gather of their rows. Horovod allreduces the bits (AND); gradmesh
+  all-gathers them, which also tells every rank who has joined and what each rank waits for.
+- Join (Horovod's semantics): a joined rank contributes zeros to the others' Sum and Average
+  allreduces, and averages still divide by the set's size; the optimizer's steps are announced
+  as a request, so a joined rank takes them on zero gradients (replicas stay equal: Horovod's
+  joined rank does not step, gradmesh's does). Allgather, broadcast, alltoall, reducescatter,
+  barrier, the object collectives and Min/Max/Product with a joined rank are an error on the
+  ranks that called them, as Horovod's are (Min/Max/Product: gradmesh's own refusal, since
+  zeros would change them silently); a joined rank still advances its counter of unnamed
+  operations, so names stay matched after the error. `join()` returns the last rank to join.
+
+Why not Horovod's own C++ core: it does not build against current torch (docs/horovod.md), and
+its coordinator needs Horovod's MPI or Gloo controller besides gradmesh's groups.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradmesh.collectives import allreduce
+from gradmesh.errors import GradmeshError, GradmeshValueError, PeerFailure, first_line
+from gradmesh.runtime.compat import all_gather_single
+from gradmesh.runtime.world import get_runtime
+from gradmesh.sync.data_parallel.reducer import Average, Sum
+
+KINDS = (
+    "join",
+    "allreduce",
+    "allgather",
+    "broadcast",
+    "DistributedOptimizer step",
+    "reducescatter",
+    "alltoall",
+    "barrier",
+    "broadcast_object",
+    "allgather_object",
+    "sparse_allreduce",
+    "grouped_allreduce",
+)
+(
+    JOIN,
+    ALLREDUCE,
+    ALLGATHER,
+    BROADCAST,
+    STEP,
+    REDUCESCATTER,
+    ALLTOALL,
+    BARRIER,
+    BROADCAST_OBJECT,
+    ALLGATHER_OBJECT,
+    SPARSE,
+    GROUPED,
+) = range(len(KINDS))
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+    torch.complex64,
+    torch.complex128,
+)
+OPS = (Sum, Average, "min", "max", "product")
+"""A reduction's op, by the index its header carries."""
+MAX_DIMS = 8
+KIND, DTYPE, EXTRA, AUTO, NDIM, SHAPE = range(6)
+HEADER = SHAPE + MAX_DIMS
+ROW = 1 + HEADER
+"""A request's row: its name's hash, then its header."""
+WORDS, BITS = 8, 62
+"""The response cache's bit set: WORDS int64 words of BITS bits (kept positive)."""
+SUMMARY = 2 + WORDS
+"""A rank's summary each round: the round it joined (-1: it has not), its new rows, the bits."""
+SHAPED = (ALLREDUCE, REDUCESCATTER, BROADCAST, ALLGATHER)
+"""Kinds whose header carries the tensor's dtype and shape (an allgather's without its first
+dimension, which may differ between ranks)."""
+JOINABLE = (ALLREDUCE, GROUPED, STEP)
+"""Kinds a joined rank takes part in (allreduce with Sum or Average only)."""
+IDLE_S = (0.0005, 0.02)
+"""A round that settles nothing waits from the first to the second, doubling."""
+
+Key = tuple[int, ...]
+DIFFERENT = "the ranks called different operations"
+
+
+def name_hash(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> list[int]:
+    """A request's header (without its unnamed counter, which `submit` fills in)."""
+    row = [kind, -1, extra, -1, 0] + [-1] * MAX_DIMS
+    if tensor is not None and kind in SHAPED:
+        known = tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
+        row[DTYPE] = DTYPES.index(tensor.dtype) if known else len(DTYPES)
+        dims = list(tensor.shape[:MAX_DIMS])
+        if kind == ALLGATHER and dims:
+            dims[0] = -1
+        row[NDIM] = len(dims)
+        row[SHAPE : SHAPE + len(dims)] = dims
+    return row
+
+
+def grouped_header(buffers: list[torch.Tensor], op: int) -> list[int]:
+    """A grouped allreduce's header: one fused buffer per dtype, each as numel x 16 + its
+    dtype's code (at most MAX_DIMS dtypes, far more than torch has in common use)."""
+    if len(buffers) > MAX_DIMS or any(b.dtype not in DTYPES for b in buffers):
+        raise GradmeshError(
+            f"grouped_allreduce: at most {MAX_DIMS} dtypes of {len(DTYPES)} known ones in one group"
+        )
+    row = header(GROUPED, None, op)
+    row[NDIM] = len(buffers)
+    row[SHAPE : SHAPE + len(buffers)] = [b.numel() * 16 + DTYPES.index(b.dtype) for b in buffers]
+    return row
+
+
+def _buffers(row: Key) -> list[tuple[int, torch.dtype]]:
+    return [(code // 16, DTYPES[code % 16]) for code in row[SHAPE : SHAPE + row[NDIM]]]
+
+
+def said(row: Key) -> str:
+    """A header in words: 'allreduce of float32 (3, 4)'."""
+    kind = row[KIND]
+    if kind == GROUPED:
+        parts = " + ".join(f"{str(d).removeprefix('torch.')} ({n},)" for n, d in _buffers(row))
+        return f"{KINDS[kind]} ({OPS[row[EXTRA]]}) of {parts}"
+    if kind not in SHAPED:
+        return KINDS[kind]
+    code = row[DTYPE]
+    dtype = str(DTYPES[code]).removeprefix("torch.") if code < len(DTYPES) else "other dtype"
+    shape = tuple(row[SHAPE : SHAPE + row[NDIM]])
+    more = f" from root {row[EXTRA]}" if kind == BROADCAST else ""
+    op = f" ({OPS[row[EXTRA]]})" if kind in (ALLREDUCE, REDUCESCATTER) else ""
+    return f"{KINDS[kind]}{op} of {dtype} {shape}{more}"
+
+
+@dataclass
+class Request:
+    name: str
+    key: Key
+    """(name hash, *header): what the ranks must agree on."""
+    run: Callable[[int], Any]
+    """Runs the operation on this rank, given how many of the set's ranks have joined."""
+    future: Future[Any] = field(default_factory=Future)
+    since: float = field(default_factory=time.monotonic)
+
+
+class Cache:
+    """Horovod's response cache: keys that ran before, by bit, in least-recently-used order. Only
+    the agreed order of execution changes it, so it is the same on every rank."""
+
+    def __init__(self) -> None:
+        self.bits: OrderedDict[Key, int] = OrderedDict()
+        self.keys: dict[int, Key] = {}
+
+    def put(self, key: Key) -> None:
+        if key in self.bits:
+            self.bits.move_to_end(key)
+            return
+        if len(self.bits) < WORDS * BITS:
+            bit = len(self.bits)
+        else:
+            _, bit = self.bits.popitem(last=False)
+        self.bits[key], self.keys[bit] = bit, key
+
+    def encode(self, keys: list[Key]) -> tuple[list[int], list[Key]]:
+        """The bit set of the cached keys and the list of the others."""
+        words, new = [0] * WORDS, []
+        for key in keys:
+            bit = self.bits.get(key)
+            if bit is None:
+                new.append(key)
+            else:
+                words[bit // BITS] |= 1 << (bit % BITS)
+        return words, new
+
+    def decode(self, words: list[int]) -> list[Key]:
+        out = []
+        for w, word in enumerate(words):
+            while word:
+                low = word & -word
+                out.append(self.keys[w * BITS + low.bit_length() - 1])
+                word ^= low
+        return out
+
+
+@dataclass
+class Round:
+    """Every rank's side of one round."""
+
+    joined: list[int]
+    """The round each rank joined in, -1 for a rank that has not."""
+    keys: list[list[Key]]
+    """Each rank's pending keys: cached ones by bit, then new ones in submission order."""
+
+    def active(self) -> list[int]:
+        return [r for r, at in enumerate(self.joined) if at < 0]
+
+
+class Coordinator:
+    """The negotiation of one process set (see the module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, ranks: list[int], label: str) -> None:
+        self.group, self.ranks, self.label = group, ranks, label
+        self.me = dist.get_rank(group)
+        self.pending: dict[str, Request] = {}
+        self.lock = threading.Condition()
+        self.unnamed = 0
+        self.rounds = 0
+        self.joining: Future[int] | None = None
+        self.joined_in = -1
+        self.cache = Cache()
+        self.closed: str | None = None
+        self.optimizer: Any = None
+        """A weak reference to the set's most recent DistributedOptimizer (a joined rank steps
+        it when the others announce a step)."""
+        self.thread: threading.Thread | None = None
+
+    # -- the caller's side -------------------------------------------------------------
+    def submit(
+        self, what: str, row: list[int], name: str | None, run: Callable[[int], Any]
+    ) -> Future[Any]:
+        """Queue an operation; its future completes when every rank of the set has submitted
+        it and it ran. One line at once for a name already pending on this rank."""
+        with self.lock:
+            if self.closed is not None:
+                raise PeerFailure(
+                    f"rank {get_runtime().rank}: {what} on {self.label}: {self.closed}"
+                )
+            if name is None:  # matched by the counter; named as Horovod names it
+                row[AUTO], self.unnamed = self.unnamed, self.unnamed + 1
+                name, match = f"{what}.noname.{row[AUTO]}", f"noname.{row[AUTO]}"
+            else:
+                match = name
+            if name in self.pending:
+                raise GradmeshValueError(
+                    f"rank {get_runtime().rank}: an operation named {name!r} is still in flight "
+                    f"on {self.label}; synchronize it before starting another of that name"
+                )
+            request = Request(name, (name_hash(match), *row), run)
+            self.pending[name] = request
+            self._wake()
+        return request.future
+
+    def join(self) -> Future[int]:
+        """This rank has joined (see the module docstring); the future gives the last rank to
+        join, once every rank of the set has."""
+        with self.lock:
+            if self.joining is None:
+                self.joining = Future()
+                self._wake()
+            return self.joining
+
+    def close(self, reason: str) -> None:
+        """Fail what is pending with `reason` (the set was removed, the job shut down); later
+        submissions fail with it too."""
+        with self.lock:
+            self.closed = reason
+            failed = list(self.pending.values())
+            self.pending.clear()
+            joining, self.joining = self.joining, None
+            self.lock.notify_all()
+        me = get_runtime().rank
+        for request in failed:
+            where = f"{self._what(request)} {request.name!r} on {self.label}"
+            request.future.set_exception(PeerFailure(f"rank {me}: {where}: {reason}"))
+        if joining is not None:
+            joining.set_exception(PeerFailure(f"rank {me}: join on {self.label}: {reason}"))
+
+    def _wake(self) -> None:
+        if self.thread is None:
+            self.thread = threading.Thread(
+                target=self._loop, name=f"gradmesh-coordinator {self.label}", daemon=True
+            )
+            self.thread.start()
+        self.lock.notify_all()
+
+    # -- the coordinator's thread ------------------------------------------------------
+    def _loop(self) -> None:
+        idle = IDLE_S[0]
+        while True:
+            with self.lock:
+                while not self.pending and self.joining is None and self.closed is None:
+                    self.lock.wait()
+                if self.closed is not None:
+                    return
+                mine = list(self.pending.values())
+                if self.joining is not None and self.joined_in < 0:
+                    self.joined_in = self.rounds
+            try:
+                table = self._exchange([r.key for r in mine])
+            except PeerFailure as exc:  # the group cannot be trusted after a failed call
+                self.close(first_line(exc))
+                return
+            settled = self._settle(table, {r.key[0]: r for r in mine})
+            self._expire(table, mine)
+            if settled:
+                idle = IDLE_S[0]
+            else:
+                time.sleep(idle)
+                idle = min(2 * idle, IDLE_S[1])
+
+    def _exchange(self, keys: list[Key]) -> Round:
+        """One round: every rank's summary (one all-gather), then the new rows if any rank
+        has some (a second)."""
+        self.rounds += 1
+        words, new = self.cache.encode(keys)
+        summary = torch.tensor([self.joined_in, len(new), *words], dtype=torch.int64)
+        summaries = self._gather(summary, "summaries").view(-1, SUMMARY).tolist()
+        most = max(s[1] for s in summaries)
+        rows: list[list[int]] = [[] for _ in summaries]
+        if most:
+            padded = torch.full((most, ROW), -1, dtype=torch.int64)
+            if new:
+                padded[: len(new)] = torch.tensor(new, dtype=torch.int64)
+            rows = self._gather(padded.view(-1), "requests").view(len(summaries), -1).tolist()
+        keys_of = [
+            self.cache.decode(s[2:]) + [tuple(row[i * ROW : (i + 1) * ROW]) for i in range(s[1])]
+            for s, row in zip(summaries, rows, strict=True)
+        ]
+        return Round([int(s[0]) for s in summaries], keys_of)
+
+    def _gather(self, mine: torch.Tensor, what: str) -> torch.Tensor:
+        rt = get_runtime()
+        device = rt.device if rt.backend == "nccl" else torch.device("cpu")
+        out = torch.empty(mine.numel() * len(self.ranks), dtype=torch.int64, device=device)
+        try:
+            all_gather_single(out, mine.to(device), self.group, async_op=True).wait(rt.timeout)
+        except RuntimeError as exc:  # said by `close`, for each operation waiting
+            others = [r for r in self.ranks if r != rt.rank]
+            who = f"rank {others[0]} did not" if len(others) == 1 else f"not all of {others}"
+            raise PeerFailure(
+                f"round {self.rounds} of the negotiation ({what}): {who} take part within "
+                f"{rt.timeout.total_seconds():g} s: {first_line(exc)}"
+            ) from None
+        return out.cpu()
+
+    def _settle(self, table: Round, mine: dict[int, Request]) -> bool:
+        """Run (or refuse) every request ready in `table`, in the agreed order; whether any
+        was."""
+        active = table.active()
+        if not active:
+            self._joined_all(table)
+            return True
+        joined = len(self.ranks) - len(active)
+        lead = {key[0]: key for key in table.keys[active[0]]}
+        by_rank = [{key[0]: key for key in keys} for keys in table.keys]
+        ready = [h for h in lead if all(h in by_rank[r] for r in active)]
+        for h in ready:
+            keys = {r: by_rank[r][h] for r in active}
+            problem = self._problem(keys, table, joined)
+            key = lead[h]
+            if key[1 + AUTO] >= 0:  # a joined rank's unnamed counter follows the others'
+                with self.lock:
+                    self.unnamed = max(self.unnamed, key[1 + AUTO] + 1)
+            request = mine.get(h)
+            if request is not None:
+                self._finish(request, problem, joined)
+            elif not problem and self.joined_in >= 0:
+                self._take_part(key)
+            if not problem:
+                self.cache.put(key)
+        return bool(ready)
+
+    def _problem(self, keys: dict[int, Key], table: Round, joined: int) -> str:
+        """Why a ready name cannot run ('' if it can): the ranks disagree on it, or a joined
+        rank cannot take part in it."""
+        first = next(iter(keys.values()))
+        if any(key != first for key in keys.values()):
+            words = "; ".join(f"rank {self.ranks[r]}: {said(key[1:])}" for r, key in keys.items())
+            return f"{DIFFERENT}: {words}"
+        if not joined:
+            return ""
+        kind, extra = first[1 + KIND], first[1 + EXTRA]
+        reduces = kind in (ALLREDUCE, GROUPED)
+        if kind not in JOINABLE or (reduces and OPS[extra] not in (Sum, Average)):
+            who = [self.ranks[r] for r, at in enumerate(table.joined) if at >= 0]
+            return (
+                f"rank(s) {who} have joined, and joined ranks take part only in Sum and Average "
+                f"allreduces and the optimizer's steps, not in a {said(first[1:])} (as in "
+                "Horovod)"
+            )
+        return ""
+
+    def _finish(self, request: Request, problem: str, joined: int) -> None:
+        with self.lock:
+            self.pending.pop(request.name, None)
+        if problem:
+            me = get_runtime().rank
+            line = f"rank {me}: {self._what(request)} {request.name!r} on {self.label}: {problem}"
+            differ = problem.startswith(DIFFERENT)  # the ranks' doing: the job cannot go on
+            request.future.set_exception(PeerFailure(line) if differ else GradmeshError(line))
+            return
+        try:
+            result = request.run(joined)
+        except BaseException as exc:  # the operation's own error, raised at synchronize
+            request.future.set_exception(exc)
+        else:
+            request.future.set_result(result)
+
+    def _what(self, request: Request) -> str:
+        return KINDS[request.key[1 + KIND]]
+
+    def _take_part(self, key: Key) -> None:
+        """A joined rank's side of a ready operation: zeros into an allreduce, the optimizer's
+        step on zero gradients."""
+        row = key[1:]
+        if row[KIND] == STEP:
+            optimizer = self.optimizer() if self.optimizer is not None else None
+            if optimizer is None:
+                raise GradmeshError(
+                    f"rank {get_runtime().rank}: join: the others step a DistributedOptimizer "
+                    "this rank has not made"
+                )
+            optimizer.join_step()
+            return
+        device = get_runtime().device
+        if row[KIND] == GROUPED:
+            for numel, dtype in _buffers(row):
+                allreduce(
+                    torch.zeros(numel, dtype=dtype, device=device), "sum", "native", self.group
+                )
+            return
+        shape = list(row[SHAPE : SHAPE + row[NDIM]])
+        zeros = torch.zeros(shape, dtype=DTYPES[row[DTYPE]], device=device)
+        allreduce(zeros, "sum", "native", self.group)
+
+    def _joined_all(self, table: Round) -> None:
+        """Every rank has joined: each returns the last to join (of those, the highest)."""
+        last = max(range(len(self.ranks)), key=lambda r: (table.joined[r], r))
+        with self.lock:
+            joining, self.joining, self.joined_in = self.joining, None, -1
+        if joining is not None:
+            joining.set_result(self.ranks[last])
+
+    def _expire(self, table: Round, mine: list[Request]) -> None:
+        """Fail this rank's requests that waited past the job's timeout for ranks that have not
+        submitted them, naming those ranks."""
+        timeout = get_runtime().timeout.total_seconds()
+        now = time.monotonic()
+        for request in mine:
+            if request.future.done() or now - request.since < timeout:
+                continue
+            h = request.key[0]
+            missing = [
+                self.ranks[r] for r in table.active() if all(key[0] != h for key in table.keys[r])
+            ]
+            with self.lock:
+                self.pending.pop(request.name, None)
+            request.future.set_exception(
+                PeerFailure(
+                    f"rank {get_runtime().rank}: {self._what(request)} {request.name!r} on "
+                    f"{self.label}: rank(s) {missing} did not submit it within {timeout:g} s"
+                )
+            )
+
+
+_coordinators: dict[int, Coordinator] = {}
+"""The coordinator of each process set this rank is in, by set id."""
+
+
+def coordinator(set_id: int, group: dist.ProcessGroup, ranks: list[int]) -> Coordinator:
+    """The set's coordinator (made on first use)."""
+    found = _coordinators.get(set_id)
+    if found is None:
+        label = "the global process set" if set_id == 0 else f"process set {set_id}"
+        found = _coordinators[set_id] = Coordinator(group, ranks, label)
+    return found
+
+
+def close(set_id: int, reason: str) -> None:
+    """Fail the set's pending operations with `reason` and forget its coordinator."""
+    found = _coordinators.pop(set_id, None)
+    if found is not None:
+        found.close(reason)
+
+
+def close_all(reason: str) -> None:
+    for set_id in list(_coordinators):
+        close(set_id, reason)
+
+
+def register(found: Coordinator, optimizer: Any) -> None:
+    """`optimizer` (over the set) announces each step, so joined ranks take it too."""
+    found.optimizer = weakref.ref(optimizer)
+    gm = optimizer._gm
+    if gm.replicas > 1:
+        gm.average_all = True  # Horovod: a joined rank's zeros count in averages
+        gm.announce = lambda: found.submit(
+            KINDS[STEP], header(STEP), "DistributedOptimizer.step", lambda _: None
+        )
