@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from gradmesh.collectives import allgather as gather_equal
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, PeerFailure
 from gradmesh.horovod.compression import Compression
 from gradmesh.horovod.coordinator import BARRIER, close_all, header, register
 from gradmesh.horovod.process_sets import (
@@ -52,8 +52,13 @@ from gradmesh.sync.data_parallel.optimizer import broadcast_parameters
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Max, Min, Product, Sum
 from gradmesh.sync.wrapping import wrap_optimizer
 
+HorovodInternalError = PeerFailure
+"""Horovod's error for a collective that failed because of other ranks (a lost or silent peer,
+ranks that called different operations): gradmesh's `PeerFailure`."""
+
 __all__ = [
     "GradmeshError",
+    "HorovodInternalError",
     "Adasum",
     "Average",
     "barrier",

@@ -112,9 +112,9 @@ WORDS, BITS = 8, 62
 """The response cache's bit set: WORDS int64 words of BITS bits (kept positive)."""
 SUMMARY = 2 + WORDS
 """A rank's summary each round: the round it joined (-1: it has not), its new rows, the bits."""
-SHAPED = (ALLREDUCE, REDUCESCATTER, BROADCAST, ALLGATHER)
-"""Kinds whose header carries the tensor's dtype and shape (an allgather's without its first
-dimension, which may differ between ranks)."""
+SHAPED = (ALLREDUCE, REDUCESCATTER, BROADCAST, ALLGATHER, ALLTOALL)
+"""Kinds whose header carries the tensor's dtype and shape (an allgather's and an alltoall's
+without its first dimension, which may differ between ranks)."""
 JOINABLE = (ALLREDUCE, GROUPED, STEP)
 """Kinds a joined rank takes part in (allreduce with Sum or Average only)."""
 IDLE_S = (0.0005, 0.02)
@@ -135,7 +135,7 @@ def header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> lis
         known = tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
         row[DTYPE] = DTYPES.index(tensor.dtype) if known else len(DTYPES)
         dims = list(tensor.shape[:MAX_DIMS])
-        if kind == ALLGATHER and dims:
+        if kind in (ALLGATHER, ALLTOALL) and dims:
             dims[0] = -1
         row[NDIM] = len(dims)
         row[SHAPE : SHAPE + len(dims)] = dims

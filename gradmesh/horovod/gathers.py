@@ -11,7 +11,7 @@ import torch
 from gradmesh.collectives import allgather_object as _allgather_object
 from gradmesh.collectives import broadcast as _broadcast_tensor
 from gradmesh.collectives import broadcast_object as _broadcast_object
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.horovod.compression import Compression
 from gradmesh.horovod.coordinator import (
     ALLGATHER_OBJECT,
@@ -221,8 +221,13 @@ def alltoall_async(
 ) -> Future[tuple[torch.Tensor, torch.Tensor]]:
     """`synchronize` returns (rows received, int32 counts received from each rank)."""
     flat = None if splits is None else torch.as_tensor(splits, device="cpu").reshape(-1)
+    if flat is not None and (flat.is_floating_point() or flat.is_complex()):
+        raise GradmeshValueError(
+            f"rank {rank()}: alltoall: splits must be integers (int32, as Horovod's), got "
+            f"{flat.dtype}"
+        )
     wanted = None if flat is None else [int(s) for s in flat.tolist()]
-    row = header(ALLTOALL)
+    row = header(ALLTOALL, tensor)
     return submit(
         process_set, "alltoall", row, name, lambda g, _: _api.alltoall_tensor(tensor, wanted, g)
     )

@@ -89,10 +89,7 @@ def _reduction(
 
     def run(group: Any, joined: int) -> Any:
         codec, label = (None, None) if joined else (compression, name)
-        out = [
-            _api.reduce_copy(b, reduce_op, codec, label, prescale, postscale, group)
-            for b in buffers
-        ]
+        out = [_reduce(b, reduce_op, codec, label, prescale, postscale, group) for b in buffers]
         if isinstance(tensors, torch.Tensor):
             return _api.my_rows(out[0], group) if kind == REDUCESCATTER else out[0]
         parts = {}
@@ -219,6 +216,22 @@ def _write_back(source: Future[Any], into: list[torch.Tensor]) -> Future[Any]:
 
     source.add_done_callback(copy)
     return done
+
+
+def _reduce(
+    tensor: torch.Tensor,
+    op: Op,
+    codec: Any,
+    name: str | None,
+    prescale: float,
+    postscale: float,
+    group: Any,
+) -> torch.Tensor:
+    """Horovod's reduction: an integer average is the sum scaled by 1 / size in double
+    precision and truncated toward zero (gradmesh's own allreduce floors)."""
+    if op == Average and not (tensor.is_floating_point() or tensor.is_complex()):
+        op, postscale = Sum, postscale / _api.members(group)[2]
+    return _api.reduce_copy(tensor, op, codec, name, prescale, postscale, group)
 
 
 def grouped_allreduce_async(

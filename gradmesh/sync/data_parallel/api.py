@@ -17,7 +17,7 @@ from gradmesh.collectives import Op, allreduce, broadcast, broadcast_object
 from gradmesh.collectives import allgather as gather_equal
 from gradmesh.compression.base import Compressor, Link, NoCompression
 from gradmesh.compression.registry import reduce, resolve
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.runtime.world import collective_device, get_runtime
 
 Handle = Future[torch.Tensor]
@@ -135,7 +135,7 @@ def alltoall_tensor(
     bad = [r for r in range(world) if int(table[r, 0]) == 0]
     if bad:
         mine = f": {problem}" if problem else ""
-        raise GradmeshError(f"rank {me}: alltoall: rank {bad[0]} gave bad input{mine}")
+        raise GradmeshValueError(f"rank {me}: alltoall: rank {bad[0]} gave bad input{mine}")
     if any(
         not torch.equal(table[r, 1 : 2 + MAX_DIMS], table[0, 1 : 2 + MAX_DIMS])
         for r in range(world)

@@ -32,14 +32,22 @@ class Bucket:
     views: list[torch.Tensor] = field(default_factory=list)
     """Each parameter's slice of the buffer, shaped like it: one fused copy moves them all."""
     skip: set[int] = field(default_factory=set)
-    """Positions whose gradients travel sparse instead (`sparse.SparseGradients`): packed as
-    zeros, never written back."""
+    """Positions whose gradients travel sparse instead (`sparse.SparseGradients`), until the
+    bucket is remade `without_skipped` them."""
 
     def __post_init__(self) -> None:
         self.views = [
             self.buffer[a:b].view_as(p)
             for (_, p), (a, b) in zip(self.params, self.offsets, strict=True)
         ]
+
+    def without_skipped(self) -> Bucket:
+        """This bucket without the parameters `skip` names (found sparse at the first step, as
+        it leaves): they travel sparse, even at that step."""
+        kept = [m for j, m in enumerate(self.params) if j not in self.skip]
+        bucket = make_bucket(self.index, kept, self.has_flag, like=self.buffer)
+        bucket.ready = set(range(len(kept)))
+        return bucket
 
     def _dense_grads(self) -> list[torch.Tensor] | None:
         """Every parameter's gradient, when all exist and are dense (the usual step)."""
@@ -97,7 +105,9 @@ class Bucket:
             if j in self.skip:
                 continue
             reduced = grads[a:b].view_as(p)
-            if p.grad is None or p.grad.is_sparse:
+            if p.grad is not None and p.grad.is_sparse:  # densified to travel, sparse again
+                p.grad = reduced.to_sparse(p.grad.sparse_dim())  # (Horovod's sparse_as_dense)
+            elif p.grad is None:
                 p.grad = reduced.clone()
             else:
                 p.grad.copy_(reduced)
@@ -124,14 +134,22 @@ def plan_buckets(params: list[tuple[str, nn.Parameter]], fusion_bytes: int) -> l
         size += nbytes
     if not groups:  # nothing to train: one flag-only bucket keeps join() working
         return [Bucket(0, [], torch.zeros(1, device=collective_device()), [], has_flag=True)]
-    buckets = []
-    for i, members in enumerate(groups):
-        offsets, at = [], 0
-        for _, p in members:
-            offsets.append((at, at + p.numel()))
-            at += p.numel()
-        last = i == len(groups) - 1
-        first = members[0][1]
-        buffer = torch.zeros(at + (1 if last else 0), dtype=first.dtype, device=first.device)
-        buckets.append(Bucket(i, members, buffer, offsets, has_flag=last))
-    return buckets
+    return [make_bucket(i, members, i == len(groups) - 1) for i, members in enumerate(groups)]
+
+
+def make_bucket(
+    index: int,
+    members: list[tuple[str, nn.Parameter]],
+    last: bool,
+    like: torch.Tensor | None = None,
+) -> Bucket:
+    """A bucket of `members` (the last one also carries the count of ranks still training);
+    `like` gives the dtype and device when there are no members."""
+    offsets, at = [], 0
+    for _, p in members:
+        offsets.append((at, at + p.numel()))
+        at += p.numel()
+    kind = members[0][1] if members else like
+    assert kind is not None
+    buffer = torch.zeros(at + (1 if last else 0), dtype=kind.dtype, device=kind.device)
+    return Bucket(index, members, buffer, offsets, has_flag=last)

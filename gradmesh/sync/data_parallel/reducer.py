@@ -274,6 +274,10 @@ class GradientReducer:
         # buckets leave in index order on every rank, whatever order their gradients came in
         while self.next_launch < len(self.buckets) and self.buckets[self.next_launch].complete():
             bucket = self.buckets[self.next_launch]
+            if self.sparse is not None and not self.sparse.decided:  # the first step
+                self.sparse.designate(bucket, active, self.group if self.replicas > 1 else None)
+                if bucket.skip:
+                    bucket = self._without_sparse(bucket)
             with span("pack", "comm", bucket=bucket.index):
                 bucket.pack(active)
                 if self.predivide != 1.0:
@@ -281,8 +285,20 @@ class GradientReducer:
             self.futures[bucket.index] = self._submit(bucket)
             self.next_launch += 1
 
+    def _without_sparse(self, bucket: Bucket) -> Bucket:
+        """`bucket` remade without its sparse parameters (the same on every rank: they were
+        agreed), in its place."""
+        for j in bucket.skip:
+            self.where.pop(id(bucket.params[j][1]), None)
+        remade = bucket.without_skipped()
+        self.buckets[bucket.index] = remade
+        shapes = [tuple(p.shape) for _, p in remade.params]
+        self.states[bucket.index] = self.codec.new_state(remade.grad_numel, shapes)
+        self.where.update({id(p): (remade, j) for j, (_, p) in enumerate(remade.params)})
+        return remade
+
     def _submit(self, bucket: Bucket) -> Future[None] | NativeWork:
-        if self.replicas == 1:
+        if self.replicas == 1 or not bucket.buffer.numel():
             done: Future[None] = Future()
             done.set_result(None)
             return done
@@ -387,7 +403,7 @@ class GradientReducer:
         """Write the reduced gradients back (`mine` False on a rank that has joined); sparse
         ones kept sparse are reduced now, after the buckets."""
         group = self.group if self.replicas > 1 else None
-        found = self.sparse is not None and self.sparse.designate(mine, group, self.where)
+        found = self.sparse is not None and not self.sparse.decided and self.sparse.settle()
         if self.average_all:
             active = float(self.replicas)
         average = max(active, 1.0) if self.op == "average" else 1.0

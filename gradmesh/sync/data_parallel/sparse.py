@@ -43,42 +43,44 @@ def row_sparse(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 class SparseGradients:
-    """The parameters of one optimizer whose gradients travel sparse: those that had a sparse
-    gradient on some rank at the first step (found once, by one small max-reduction). That
-    step's buckets carry them densified but do not write them back; the reducer then plans its
-    buckets without them."""
+    """The parameters of one optimizer whose gradients travel sparse: those with a sparse
+    gradient on some rank at the first step, found bucket by bucket as each leaves (one small
+    max-reduction of the bucket's flags, at the first step only), so that even the first step
+    sends them sparse; the reducer then plans its buckets without them."""
 
     def __init__(self, params: list[tuple[str, nn.Parameter]]) -> None:
         self.params = params
-        self.sparse: list[nn.Parameter] | None = None
+        self.sparse: list[nn.Parameter] = []
         self.dense: list[tuple[str, nn.Parameter]] = params
+        self.decided = False
+        """Whether the first step has found them all."""
 
-    def designate(
-        self,
-        mine: bool,
-        group: dist.ProcessGroup | None,
-        where: dict[int, tuple[Bucket, int]],
-    ) -> bool:
-        """At the first step: find the sparse parameters, mark them to be skipped in `where`'s
-        buckets; whether any were found (the buckets are to be planned anew)."""
-        if self.sparse is not None:
-            return False
+    def designate(self, bucket: Bucket, mine: bool, group: dist.ProcessGroup | None) -> None:
+        """At the first step, as `bucket` leaves: mark its sparse parameters to be skipped in
+        its buffer (a joined rank, `mine` False, says none of its own are)."""
+        params = [p for _, p in bucket.params]
         flags = torch.tensor(
-            [float(mine and p.grad is not None and p.grad.is_sparse) for _, p in self.params],
+            [float(mine and p.grad is not None and p.grad.is_sparse) for p in params],
             device=collective_device(),
         )
         if group is not None and flags.numel():
             allreduce(flags, "max", "native", group)
-        self.sparse = [p for (_, p), flag in zip(self.params, flags, strict=True) if flag > 0]
-        self.dense = [(n, p) for (n, p), flag in zip(self.params, flags, strict=True) if flag == 0]
-        for p in self.sparse:
-            bucket, j = where[id(p)]
-            bucket.skip.add(j)
+        for j, (p, flag) in enumerate(zip(params, flags.tolist(), strict=True)):
+            if flag > 0:
+                bucket.skip.add(j)
+                self.sparse.append(p)
+
+    def settle(self) -> bool:
+        """After the first step's buckets: whether any parameter travels sparse (the buckets
+        are then to be planned anew, without them)."""
+        self.decided = True
+        found = {id(p) for p in self.sparse}
+        self.dense = [(n, p) for n, p in self.params if id(p) not in found]
         return bool(self.sparse)
 
     def reduce(self, mine: bool, divisor: float, group: dist.ProcessGroup | None) -> None:
         """Each sparse parameter's gradient summed over `group` and divided by `divisor`; a
         joined rank (`mine` False) sends none."""
-        for p in self.sparse or ():
+        for p in self.sparse:
             summed = sparse_sum(row_sparse(p.grad if mine else None, p), group)
             p.grad = summed / divisor if divisor != 1.0 else summed
