@@ -6,6 +6,8 @@
 # test imports from Horovod's test/utils/common.py are written to a temporary folder; the test
 # file itself is read from the given tree, never copied into this repository. Each rank writes
 # its pytest report to $OUT_DIR/rank-R.txt (default: the temporary folder, printed at the end).
+# HOROVOD_RANK and HOROVOD_SIZE are set as `horovodrun --gloo` sets them (gradmesh runs on
+# Gloo), which Horovod's tests read to tell a Gloo job from an MPI one.
 set -euo pipefail
 src=${1:?usage: horovod_suite.sh HOROVOD_SOURCE_TREE NP [pytest args]}
 np=${2:?usage: horovod_suite.sh HOROVOD_SOURCE_TREE NP [pytest args]}
@@ -47,13 +49,26 @@ def temppath():
     with tempfile.TemporaryDirectory() as folder:
         yield os.path.join(folder, "temp_test_file")
 PY
+if [ "${WITHOUT_MUON:-0}" = 1 ]; then
+  # test_broadcast_state, test_broadcast_state_options and test_force_allreduce build every
+  # torch.optim.Optimizer subclass with 1-D parameters; torch.optim.Muon (torch 2.9 on, newer
+  # than Horovod's tests) refuses them, whatever runs the collectives. This hides Muon from that
+  # list only, to show those tests pass otherwise.
+  cat > "$work/test/parallel/conftest.py" <<'PY'
+import torch
+_real = type.__subclasses__
+torch.optim.Optimizer.__subclasses__ = classmethod(
+    lambda cls: [c for c in _real(cls) if c.__name__ != "Muon"])
+PY
+fi
 cd "$work/test/parallel"
 export PYTHONPATH="$work/shim:$here${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 gradmesh=$(dirname "$python")/gradmesh
 # each rank's own report: bash expands RANK, which the launcher sets per worker
 timeout "${SUITE_TIMEOUT_S:-3600}" "$gradmesh" run -np "$np" -- bash -c \
-  "exec \"$python\" -m pytest -p no:cacheprovider -rs -v test_torch.py $* > \"$out/rank-\$RANK.txt\" 2>&1" \
+  "HOROVOD_RANK=\$RANK HOROVOD_SIZE=\$WORLD_SIZE HOROVOD_LOCAL_RANK=\$LOCAL_RANK \
+   HOROVOD_LOCAL_SIZE=\$LOCAL_WORLD_SIZE exec \"$python\" -m pytest -p no:cacheprovider -rs -v test_torch.py $* > \"$out/rank-\$RANK.txt\" 2>&1" \
   > "$out/run.log" 2>&1 || status=$?
 for f in "$out"/rank-*.txt; do echo "== $f"; grep -E "^(FAILED|ERROR)|passed|failed" "$f" | tail -n 20; done
 tail -n 5 "$out/run.log"

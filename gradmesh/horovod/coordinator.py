@@ -110,8 +110,9 @@ ROW = 1 + HEADER
 """A request's row: its name's hash, then its header."""
 WORDS, BITS = 8, 62
 """The response cache's bit set: WORDS int64 words of BITS bits (kept positive)."""
-SUMMARY = 2 + WORDS
-"""A rank's summary each round: the round it joined (-1: it has not), its new rows, the bits."""
+SUMMARY = 3 + WORDS
+"""A rank's summary each round: the round it joined (-1: it has not), its new rows, whether it
+is closing, the bits."""
 SHAPED = (ALLREDUCE, REDUCESCATTER, BROADCAST, ALLGATHER, ALLTOALL)
 """Kinds whose header carries the tensor's dtype and shape (an allgather's and an alltoall's
 without its first dimension, which may differ between ranks)."""
@@ -233,6 +234,7 @@ class Round:
     """The round each rank joined in, -1 for a rank that has not."""
     keys: list[list[Key]]
     """Each rank's pending keys: cached ones by bit, then new ones in submission order."""
+    closing: list[bool]
 
     def active(self) -> list[int]:
         return [r for r, at in enumerate(self.joined) if at < 0]
@@ -248,6 +250,8 @@ class Coordinator:
         self.lock = threading.Condition()
         self.unnamed = 0
         self.rounds = 0
+        self.new_rounds = 0
+        """Rounds that sent requests' rows (a second all-gather): names not in the cache."""
         self.joining: Future[int] | None = None
         self.joined_in = -1
         self.cache = Cache()
@@ -294,7 +298,9 @@ class Coordinator:
 
     def close(self, reason: str) -> None:
         """Fail what is pending with `reason` (the set was removed, the job shut down); later
-        submissions fail with it too."""
+        submissions fail with it too. Every rank of the set closes (removing a set and shutting
+        down are collective): the threads run rounds until all say they are closing, so none
+        is left waiting in a round for another, and the set's group can then be freed."""
         with self.lock:
             self.closed = reason
             failed = list(self.pending.values())
@@ -307,6 +313,8 @@ class Coordinator:
             request.future.set_exception(PeerFailure(f"rank {me}: {where}: {reason}"))
         if joining is not None:
             joining.set_exception(PeerFailure(f"rank {me}: join on {self.label}: {reason}"))
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join(get_runtime().timeout.total_seconds() + 5.0)
 
     def _wake(self) -> None:
         if self.thread is None:
@@ -323,15 +331,16 @@ class Coordinator:
             with self.lock:
                 while not self.pending and self.joining is None and self.closed is None:
                     self.lock.wait()
-                if self.closed is not None:
-                    return
+                closing = self.closed is not None
                 mine = list(self.pending.values())
                 if self.joining is not None and self.joined_in < 0:
                     self.joined_in = self.rounds
             try:
-                table = self._exchange([r.key for r in mine])
+                table = self._exchange([r.key for r in mine], closing)
             except PeerFailure as exc:  # the group cannot be trusted after a failed call
                 self.close(first_line(exc))
+                return
+            if all(table.closing):
                 return
             settled = self._settle(table, {r.key[0]: r for r in mine})
             self._expire(table, mine)
@@ -341,25 +350,26 @@ class Coordinator:
                 time.sleep(idle)
                 idle = min(2 * idle, IDLE_S[1])
 
-    def _exchange(self, keys: list[Key]) -> Round:
+    def _exchange(self, keys: list[Key], closing: bool = False) -> Round:
         """One round: every rank's summary (one all-gather), then the new rows if any rank
         has some (a second)."""
         self.rounds += 1
         words, new = self.cache.encode(keys)
-        summary = torch.tensor([self.joined_in, len(new), *words], dtype=torch.int64)
+        summary = torch.tensor([self.joined_in, len(new), int(closing), *words], dtype=torch.int64)
         summaries = self._gather(summary, "summaries").view(-1, SUMMARY).tolist()
         most = max(s[1] for s in summaries)
         rows: list[list[int]] = [[] for _ in summaries]
         if most:
+            self.new_rounds += 1
             padded = torch.full((most, ROW), -1, dtype=torch.int64)
             if new:
                 padded[: len(new)] = torch.tensor(new, dtype=torch.int64)
             rows = self._gather(padded.view(-1), "requests").view(len(summaries), -1).tolist()
         keys_of = [
-            self.cache.decode(s[2:]) + [tuple(row[i * ROW : (i + 1) * ROW]) for i in range(s[1])]
+            self.cache.decode(s[3:]) + [tuple(row[i * ROW : (i + 1) * ROW]) for i in range(s[1])]
             for s, row in zip(summaries, rows, strict=True)
         ]
-        return Round([int(s[0]) for s in summaries], keys_of)
+        return Round([int(s[0]) for s in summaries], keys_of, [bool(s[2]) for s in summaries])
 
     def _gather(self, mine: torch.Tensor, what: str) -> torch.Tensor:
         rt = get_runtime()
