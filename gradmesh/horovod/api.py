@@ -23,7 +23,8 @@ import torch.distributed as dist
 from gradmesh.collectives import allgather as gather_equal
 from gradmesh.errors import GradmeshError, PeerFailure
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.coordinator import BARRIER, close_all, header, register
+from gradmesh.horovod.coordinator import close_all, register
+from gradmesh.horovod.headers import BARRIER, header
 from gradmesh.horovod.process_sets import (
     ProcessSet,
     _group,

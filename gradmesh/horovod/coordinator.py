@@ -40,11 +40,9 @@ its coordinator needs Horovod's MPI or Gloo controller besides gradmesh's groups
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -55,125 +53,37 @@ import torch.distributed as dist
 
 from gradmesh.collectives import allreduce
 from gradmesh.errors import GradmeshError, GradmeshValueError, PeerFailure, first_line
+from gradmesh.horovod.headers import (
+    ALLREDUCE,
+    AUTO,
+    DIFFERENT,
+    DTYPE,
+    DTYPES,
+    EXTRA,
+    GROUPED,
+    JOINABLE,
+    KIND,
+    KINDS,
+    NDIM,
+    OPS,
+    ROW,
+    SHAPE,
+    STEP,
+    SUMMARY,
+    Cache,
+    Key,
+    Round,
+    buffers_of,
+    header,
+    name_hash,
+    said,
+)
 from gradmesh.runtime.compat import all_gather_single
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.data_parallel.reducer import Average, Sum
 
-KINDS = (
-    "join",
-    "allreduce",
-    "allgather",
-    "broadcast",
-    "DistributedOptimizer step",
-    "reducescatter",
-    "alltoall",
-    "barrier",
-    "broadcast_object",
-    "allgather_object",
-    "sparse_allreduce",
-    "grouped_allreduce",
-)
-(
-    JOIN,
-    ALLREDUCE,
-    ALLGATHER,
-    BROADCAST,
-    STEP,
-    REDUCESCATTER,
-    ALLTOALL,
-    BARRIER,
-    BROADCAST_OBJECT,
-    ALLGATHER_OBJECT,
-    SPARSE,
-    GROUPED,
-) = range(len(KINDS))
-DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int8,
-    torch.int16,
-    torch.int32,
-    torch.int64,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-OPS = (Sum, Average, "min", "max", "product")
-"""A reduction's op, by the index its header carries."""
-MAX_DIMS = 8
-KIND, DTYPE, EXTRA, AUTO, NDIM, SHAPE = range(6)
-HEADER = SHAPE + MAX_DIMS
-ROW = 1 + HEADER
-"""A request's row: its name's hash, then its header."""
-WORDS, BITS = 8, 62
-"""The response cache's bit set: WORDS int64 words of BITS bits (kept positive)."""
-SUMMARY = 3 + WORDS
-"""A rank's summary each round: the round it joined (-1: it has not), its new rows, whether it
-is closing, the bits."""
-SHAPED = (ALLREDUCE, REDUCESCATTER, BROADCAST, ALLGATHER, ALLTOALL)
-"""Kinds whose header carries the tensor's dtype and shape (an allgather's and an alltoall's
-without its first dimension, which may differ between ranks)."""
-JOINABLE = (ALLREDUCE, GROUPED, STEP)
-"""Kinds a joined rank takes part in (allreduce with Sum or Average only)."""
 IDLE_S = (0.0005, 0.02)
 """A round that settles nothing waits from the first to the second, doubling."""
-
-Key = tuple[int, ...]
-DIFFERENT = "the ranks called different operations"
-
-
-def name_hash(name: str) -> int:
-    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little") >> 1
-
-
-def header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> list[int]:
-    """A request's header (without its unnamed counter, which `submit` fills in)."""
-    row = [kind, -1, extra, -1, 0] + [-1] * MAX_DIMS
-    if tensor is not None and kind in SHAPED:
-        known = tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
-        row[DTYPE] = DTYPES.index(tensor.dtype) if known else len(DTYPES)
-        dims = list(tensor.shape[:MAX_DIMS])
-        if kind in (ALLGATHER, ALLTOALL) and dims:
-            dims[0] = -1
-        row[NDIM] = len(dims)
-        row[SHAPE : SHAPE + len(dims)] = dims
-    return row
-
-
-def grouped_header(buffers: list[torch.Tensor], op: int) -> list[int]:
-    """A grouped allreduce's header: one fused buffer per dtype, each as numel x 16 + its
-    dtype's code (at most MAX_DIMS dtypes, far more than torch has in common use)."""
-    if len(buffers) > MAX_DIMS or any(b.dtype not in DTYPES for b in buffers):
-        raise GradmeshError(
-            f"grouped_allreduce: at most {MAX_DIMS} dtypes of {len(DTYPES)} known ones in one group"
-        )
-    row = header(GROUPED, None, op)
-    row[NDIM] = len(buffers)
-    row[SHAPE : SHAPE + len(buffers)] = [b.numel() * 16 + DTYPES.index(b.dtype) for b in buffers]
-    return row
-
-
-def _buffers(row: Key) -> list[tuple[int, torch.dtype]]:
-    return [(code // 16, DTYPES[code % 16]) for code in row[SHAPE : SHAPE + row[NDIM]]]
-
-
-def said(row: Key) -> str:
-    """A header in words: 'allreduce of float32 (3, 4)'."""
-    kind = row[KIND]
-    if kind == GROUPED:
-        parts = " + ".join(f"{str(d).removeprefix('torch.')} ({n},)" for n, d in _buffers(row))
-        return f"{KINDS[kind]} ({OPS[row[EXTRA]]}) of {parts}"
-    if kind not in SHAPED:
-        return KINDS[kind]
-    code = row[DTYPE]
-    dtype = str(DTYPES[code]).removeprefix("torch.") if code < len(DTYPES) else "other dtype"
-    shape = tuple(row[SHAPE : SHAPE + row[NDIM]])
-    more = f" from root {row[EXTRA]}" if kind == BROADCAST else ""
-    op = f" ({OPS[row[EXTRA]]})" if kind in (ALLREDUCE, REDUCESCATTER) else ""
-    return f"{KINDS[kind]}{op} of {dtype} {shape}{more}"
 
 
 @dataclass
@@ -185,59 +95,6 @@ class Request:
     """Runs the operation on this rank, given how many of the set's ranks have joined."""
     future: Future[Any] = field(default_factory=Future)
     since: float = field(default_factory=time.monotonic)
-
-
-class Cache:
-    """Horovod's response cache: keys that ran before, by bit, in least-recently-used order. Only
-    the agreed order of execution changes it, so it is the same on every rank."""
-
-    def __init__(self) -> None:
-        self.bits: OrderedDict[Key, int] = OrderedDict()
-        self.keys: dict[int, Key] = {}
-
-    def put(self, key: Key) -> None:
-        if key in self.bits:
-            self.bits.move_to_end(key)
-            return
-        if len(self.bits) < WORDS * BITS:
-            bit = len(self.bits)
-        else:
-            _, bit = self.bits.popitem(last=False)
-        self.bits[key], self.keys[bit] = bit, key
-
-    def encode(self, keys: list[Key]) -> tuple[list[int], list[Key]]:
-        """The bit set of the cached keys and the list of the others."""
-        words, new = [0] * WORDS, []
-        for key in keys:
-            bit = self.bits.get(key)
-            if bit is None:
-                new.append(key)
-            else:
-                words[bit // BITS] |= 1 << (bit % BITS)
-        return words, new
-
-    def decode(self, words: list[int]) -> list[Key]:
-        out = []
-        for w, word in enumerate(words):
-            while word:
-                low = word & -word
-                out.append(self.keys[w * BITS + low.bit_length() - 1])
-                word ^= low
-        return out
-
-
-@dataclass
-class Round:
-    """Every rank's side of one round."""
-
-    joined: list[int]
-    """The round each rank joined in, -1 for a rank that has not."""
-    keys: list[list[Key]]
-    """Each rank's pending keys: cached ones by bit, then new ones in submission order."""
-    closing: list[bool]
-
-    def active(self) -> list[int]:
-        return [r for r, at in enumerate(self.joined) if at < 0]
 
 
 class Coordinator:
@@ -467,7 +324,7 @@ class Coordinator:
             return
         device = get_runtime().device
         if row[KIND] == GROUPED:
-            for numel, dtype in _buffers(row):
+            for numel, dtype in buffers_of(row):
                 allreduce(
                     torch.zeros(numel, dtype=dtype, device=device), "sum", "native", self.group
                 )

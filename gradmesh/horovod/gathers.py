@@ -13,7 +13,7 @@ from gradmesh.collectives import broadcast as _broadcast_tensor
 from gradmesh.collectives import broadcast_object as _broadcast_object
 from gradmesh.errors import GradmeshError, GradmeshValueError
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.coordinator import (
+from gradmesh.horovod.headers import (
     ALLGATHER_OBJECT,
     ALLTOALL,
     BROADCAST,
@@ -21,12 +21,17 @@ from gradmesh.horovod.coordinator import (
     SPARSE,
     header,
 )
-from gradmesh.horovod.process_sets import _group, _root, global_process_set, submit
+from gradmesh.horovod.process_sets import (
+    _group,
+    _root,
+    allgather_request,
+    combined,
+    global_process_set,
+    submit,
+)
 from gradmesh.horovod.reductions import (
     _autograd,
-    allgather_request,
     allreduce,
-    combined,
     reducescatter,
     reducescatter_async,
 )

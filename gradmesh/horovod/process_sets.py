@@ -7,12 +7,16 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from gradmesh.collectives.objects import differing
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.coordinator import Coordinator, close, coordinator
+from gradmesh.horovod.headers import ALLGATHER, header
 from gradmesh.runtime.world import get_runtime, rank, size
+from gradmesh.sync.data_parallel import api as _api
+from gradmesh.sync.data_parallel.api import Handle
 
 __all__ = [
     "add_process_set",
@@ -198,4 +202,36 @@ def submit(process_set: Any, what: str, row: list[int], name: str | None, run: R
         done.set_result(run(alone, 0))
     except BaseException as exc:  # raised where Horovod raises it: at synchronize
         done.set_exception(exc)
+    return done
+
+
+def allgather_request(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
+    """Every rank's `tensor` (a copy taken now) concatenated along dimension 0, matched by
+    name; first dimensions may differ."""
+    copy = tensor.detach().clone()
+    row = header(ALLGATHER, copy)
+    return submit(process_set, "allgather", row, name, lambda g, _: _api.allgather_tensor(copy, g))
+
+
+def combined(
+    handles: list[Future[Any]],
+    finish: Callable[[list[Any]], Any],
+    done: Future[Any] | None = None,
+) -> Future[Any]:
+    """One handle (`done`, or a new future) for several requests: `finish(their results)` once
+    all are done (the first error otherwise)."""
+    done = Future() if done is None else done
+    left = [len(handles)]
+
+    def one(_: Future[Any]) -> None:
+        left[0] -= 1
+        if left[0]:
+            return
+        try:
+            done.set_result(finish([h.result() for h in handles]))
+        except BaseException as exc:  # an operation's own error, raised at synchronize
+            done.set_exception(exc)
+
+    for handle in handles:
+        handle.add_done_callback(one)
     return done

@@ -4,7 +4,6 @@ asynchronous, differentiable as Horovod's are; each is matched across ranks by i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, cast
 
@@ -15,15 +14,19 @@ from gradmesh.collectives import Op
 from gradmesh.collectives.flat import flat_buffers, views
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.coordinator import (
-    ALLGATHER,
+from gradmesh.horovod.headers import (
     ALLREDUCE,
     OPS,
     REDUCESCATTER,
     grouped_header,
     header,
 )
-from gradmesh.horovod.process_sets import _group, global_process_set, submit
+from gradmesh.horovod.process_sets import (
+    _group,
+    allgather_request,
+    global_process_set,
+    submit,
+)
 from gradmesh.runtime.world import size
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import Handle, synchronize
@@ -387,35 +390,3 @@ def reducescatter(
         postscale_factor,
         compression,
     )
-
-
-def allgather_request(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
-    """Every rank's `tensor` (a copy taken now) concatenated along dimension 0, matched by
-    name; first dimensions may differ."""
-    copy = tensor.detach().clone()
-    row = header(ALLGATHER, copy)
-    return submit(process_set, "allgather", row, name, lambda g, _: _api.allgather_tensor(copy, g))
-
-
-def combined(
-    handles: list[Future[Any]],
-    finish: Callable[[list[Any]], Any],
-    done: Future[Any] | None = None,
-) -> Future[Any]:
-    """One handle (`done`, or a new future) for several requests: `finish(their results)` once
-    all are done (the first error otherwise)."""
-    done = Future() if done is None else done
-    left = [len(handles)]
-
-    def one(_: Future[Any]) -> None:
-        left[0] -= 1
-        if left[0]:
-            return
-        try:
-            done.set_result(finish([h.result() for h in handles]))
-        except BaseException as exc:  # an operation's own error, raised at synchronize
-            done.set_exception(exc)
-
-    for handle in handles:
-        handle.add_done_callback(one)
-    return done

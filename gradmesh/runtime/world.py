@@ -70,9 +70,8 @@ class Runtime:
     failure: BaseException | None = None
     """Set when this rank is failing: leaving then waits for nobody."""
     async_group: dist.ProcessGroup | None = None
-    """A second group over the whole world for the Horovod drop-in's coordinator of the global
-    process set (`gradmesh.horovod.coordinator`): its rounds, and the operations they match,
-    never interleave with collectives other threads issue on the default group."""
+    """A second world group, for the Horovod drop-in's coordinator of the global set: its rounds
+    never meet collectives other threads issue on the default group (`horovod.coordinator`)."""
     timeline: Any = None
     """The running timeline (`gradmesh.observe.timeline`), if any."""
     on_shutdown: list[Callable[[], object]] = field(default_factory=list)

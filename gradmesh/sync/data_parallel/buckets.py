@@ -2,20 +2,25 @@
 
 Parameters are taken in reverse registration order (backward produces the last layer's gradient
 first) and cut into buckets of at most `fusion_bytes` and one dtype/device each. The layout is
-the same on every rank because it depends only on the model. Each bucket owns one flat buffer,
+the same on every rank because it depends only on the model (`check_models_agree` checks that
+the models agree, once). Each bucket owns one flat buffer,
 allocated once; the last bucket carries one extra element, the count of ranks still training
 (1 from every active rank, 0 from a rank that has joined), so that `join` costs no extra message.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from gradmesh.errors import GradmeshError
-from gradmesh.runtime.world import collective_device
+from gradmesh.collectives.native import modelled_bytes_sent
+from gradmesh.collectives.objects import differing
+from gradmesh.errors import GradmeshError, PeerFailure, first_line
+from gradmesh.runtime.world import Runtime, collective_device
 
 
 @dataclass
@@ -153,3 +158,63 @@ def make_bucket(
     assert kind is not None
     buffer = torch.zeros(at + (1 if last else 0), dtype=kind.dtype, device=kind.device)
     return Bucket(index, members, buffer, offsets, has_flag=last)
+
+
+def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
+    return [f"{n} {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for n, p in params]
+
+
+def check_models_agree(
+    rt: Runtime, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup
+) -> None:
+    """Raise, naming the first differing parameter and the ranks, unless every rank has the
+    same parameter names, shapes and dtypes (`differing`: checksums first, text on mismatch)."""
+    try:
+        listings = differing(describe(params), group)
+    except RuntimeError as exc:
+        raise PeerFailure(
+            f"rank {rt.rank}: comparing the model's parameters on {rt.group_label(group)} "
+            f"failed: {first_line(exc)}"
+        ) from None
+    if listings is None:
+        return
+    ranks = dist.get_process_group_ranks(group)
+    for i in range(max(len(x) for x in listings)):
+        entries = [x[i] if i < len(x) else "(none)" for x in listings]
+        if len(set(entries)) > 1:
+            which = "; ".join(f"rank {r}: {e}" for r, e in zip(ranks, entries, strict=True))
+            raise GradmeshError(
+                f"rank {rt.rank}: models differ across ranks at parameter #{i}: {which}"
+            )
+
+
+class NativeWork:
+    """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
+    on the optimizer's group (as torch DDP does): no thread handoff on the hot path."""
+
+    def __init__(self, rt: Runtime, bucket: Bucket, label: str, group: dist.ProcessGroup) -> None:
+        self.rt, self.bucket, self.label = rt, bucket, label
+        self.started = time.perf_counter()
+        try:
+            self.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
+        except RuntimeError as exc:
+            raise self._error(exc) from None
+        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
+        rt.comm.add(modelled_bytes_sent(dist.get_world_size(group), nbytes), 0.0)
+
+    def _error(self, exc: BaseException) -> PeerFailure:
+        return PeerFailure(
+            f"rank {self.rt.rank}: {self.label} (bucket {self.bucket.index}) failed: "
+            f"{first_line(exc)}"
+        )
+
+    def result(self) -> None:
+        waited = time.perf_counter()
+        try:
+            self.work.wait(self.rt.timeout)
+        except RuntimeError as exc:
+            raise self._error(exc) from None
+        done = time.perf_counter()
+        self.rt.comm.add(0, done - waited)
+        if self.rt.timeline is not None:
+            self.rt.timeline.add("reduce", "comm", self.started, done, bucket=self.bucket.index)

@@ -18,8 +18,6 @@ from torch import nn
 
 from gradmesh.collectives import Op, allreduce
 from gradmesh.collectives.agreement import FixedLayout
-from gradmesh.collectives.native import modelled_bytes_sent
-from gradmesh.collectives.objects import differing
 from gradmesh.compression.base import (
     Compressor,
     Link,
@@ -29,12 +27,12 @@ from gradmesh.compression.base import (
     save_states,
 )
 from gradmesh.compression.registry import reduce
-from gradmesh.errors import GradmeshError, PeerFailure, first_line
+from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import REPLICAS
 from gradmesh.runtime.passes import defer
-from gradmesh.runtime.world import Runtime, get_runtime
-from gradmesh.sync.data_parallel.buckets import Bucket, plan_buckets
+from gradmesh.runtime.world import get_runtime
+from gradmesh.sync.data_parallel.buckets import Bucket, NativeWork, check_models_agree, plan_buckets
 from gradmesh.sync.data_parallel.sparse import SparseGradients
 
 NONFINITE_EVERY = 32
@@ -47,66 +45,6 @@ Max: Op = "max"
 Product: Op = "product"
 Adasum = "adasum"
 OnNonfinite = Literal["error", "skip", "pass"]
-
-
-def describe(params: list[tuple[str, nn.Parameter]]) -> list[str]:
-    return [f"{n} {list(p.shape)} {str(p.dtype).removeprefix('torch.')}" for n, p in params]
-
-
-def check_models_agree(
-    rt: Runtime, params: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup
-) -> None:
-    """Raise, naming the first differing parameter and the ranks, unless every rank has the
-    same parameter names, shapes and dtypes (`differing`: checksums first, text on mismatch)."""
-    try:
-        listings = differing(describe(params), group)
-    except RuntimeError as exc:
-        raise PeerFailure(
-            f"rank {rt.rank}: comparing the model's parameters on {rt.group_label(group)} "
-            f"failed: {first_line(exc)}"
-        ) from None
-    if listings is None:
-        return
-    ranks = dist.get_process_group_ranks(group)
-    for i in range(max(len(x) for x in listings)):
-        entries = [x[i] if i < len(x) else "(none)" for x in listings]
-        if len(set(entries)) > 1:
-            which = "; ".join(f"rank {r}: {e}" for r, e in zip(ranks, entries, strict=True))
-            raise GradmeshError(
-                f"rank {rt.rank}: models differ across ranks at parameter #{i}: {which}"
-            )
-
-
-class NativeWork:
-    """A bucket reduced by the backend's asynchronous allreduce, issued from the training thread
-    on the optimizer's group (as torch DDP does): no thread handoff on the hot path."""
-
-    def __init__(self, rt: Runtime, bucket: Bucket, label: str, group: dist.ProcessGroup) -> None:
-        self.rt, self.bucket, self.label = rt, bucket, label
-        self.started = time.perf_counter()
-        try:
-            self.work = dist.all_reduce(bucket.buffer, group=group, async_op=True)
-        except RuntimeError as exc:
-            raise self._error(exc) from None
-        nbytes = bucket.buffer.numel() * bucket.buffer.element_size()
-        rt.comm.add(modelled_bytes_sent(dist.get_world_size(group), nbytes), 0.0)
-
-    def _error(self, exc: BaseException) -> PeerFailure:
-        return PeerFailure(
-            f"rank {self.rt.rank}: {self.label} (bucket {self.bucket.index}) failed: "
-            f"{first_line(exc)}"
-        )
-
-    def result(self) -> None:
-        waited = time.perf_counter()
-        try:
-            self.work.wait(self.rt.timeout)
-        except RuntimeError as exc:
-            raise self._error(exc) from None
-        done = time.perf_counter()
-        self.rt.comm.add(0, done - waited)
-        if self.rt.timeline is not None:
-            self.rt.timeline.add("reduce", "comm", self.started, done, bucket=self.bucket.index)
 
 
 @dataclass(frozen=True)
@@ -176,8 +114,7 @@ class GradientReducer:
         learns from it that a step follows); its future is checked at `synchronize`."""
         self.announced: Future[Any] | None = None
         self.average_all = False
-        """Averages divide by every replica, joined ones included (Horovod's drop-in); else by
-        the replicas still training (gradmesh's own join)."""
+        """Averages divide by all replicas, joined ones too (the drop-in), not the active ones."""
         self.also: list[GradientReducer] = []
         """Reducers of other parameters of the same optimizer (a hybrid plan's batch-sharded
         layers, over the batch group), synchronized and reset with this one."""
@@ -276,26 +213,16 @@ class GradientReducer:
             bucket = self.buckets[self.next_launch]
             if self.sparse is not None and not self.sparse.decided:  # the first step
                 self.sparse.designate(bucket, active, self.group if self.replicas > 1 else None)
-                if bucket.skip:
-                    bucket = self._without_sparse(bucket)
+                if bucket.skip:  # remade without them, in its place
+                    bucket = self.buckets[bucket.index] = bucket.without_skipped()
+                    shapes = [tuple(p.shape) for _, p in bucket.params]
+                    self.states[bucket.index] = self.codec.new_state(bucket.grad_numel, shapes)
             with span("pack", "comm", bucket=bucket.index):
                 bucket.pack(active)
                 if self.predivide != 1.0:
                     bucket.buffer[: bucket.grad_numel].div_(self.predivide)
             self.futures[bucket.index] = self._submit(bucket)
             self.next_launch += 1
-
-    def _without_sparse(self, bucket: Bucket) -> Bucket:
-        """`bucket` remade without its sparse parameters (the same on every rank: they were
-        agreed), in its place."""
-        for j in bucket.skip:
-            self.where.pop(id(bucket.params[j][1]), None)
-        remade = bucket.without_skipped()
-        self.buckets[bucket.index] = remade
-        shapes = [tuple(p.shape) for _, p in remade.params]
-        self.states[bucket.index] = self.codec.new_state(remade.grad_numel, shapes)
-        self.where.update({id(p): (remade, j) for j, (_, p) in enumerate(remade.params)})
-        return remade
 
     def _submit(self, bucket: Bucket) -> Future[None] | NativeWork:
         if self.replicas == 1 or not bucket.buffer.numel():
