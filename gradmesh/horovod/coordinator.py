@@ -102,7 +102,9 @@ class Coordinator:
 
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], label: str) -> None:
         self.group, self.ranks, self.label = group, ranks, label
-        self.me = dist.get_rank(group)
+        rt = get_runtime()
+        self.device = rt.device if rt.backend == "nccl" else torch.device("cpu")
+        """Where the rounds' tensors live: NCCL takes CUDA tensors only."""
         self.pending: dict[str, Request] = {}
         self.lock = threading.Condition()
         self.unnamed = 0
@@ -212,15 +214,16 @@ class Coordinator:
         has some (a second)."""
         self.rounds += 1
         words, new = self.cache.encode(keys)
-        summary = torch.tensor([self.joined_in, len(new), int(closing), *words], dtype=torch.int64)
+        row = [self.joined_in, len(new), int(closing), *words]
+        summary = torch.tensor(row, dtype=torch.int64, device=self.device)
         summaries = self._gather(summary, "summaries").view(-1, SUMMARY).tolist()
         most = max(s[1] for s in summaries)
         rows: list[list[int]] = [[] for _ in summaries]
         if most:
             self.new_rounds += 1
-            padded = torch.full((most, ROW), -1, dtype=torch.int64)
+            padded = torch.full((most, ROW), -1, dtype=torch.int64, device=self.device)
             if new:
-                padded[: len(new)] = torch.tensor(new, dtype=torch.int64)
+                padded[: len(new)] = torch.tensor(new, dtype=torch.int64, device=self.device)
             rows = self._gather(padded.view(-1), "requests").view(len(summaries), -1).tolist()
         keys_of = [
             self.cache.decode(s[3:]) + [tuple(row[i * ROW : (i + 1) * ROW]) for i in range(s[1])]
@@ -230,10 +233,9 @@ class Coordinator:
 
     def _gather(self, mine: torch.Tensor, what: str) -> torch.Tensor:
         rt = get_runtime()
-        device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-        out = torch.empty(mine.numel() * len(self.ranks), dtype=torch.int64, device=device)
+        out = torch.empty(mine.numel() * len(self.ranks), dtype=torch.int64, device=self.device)
         try:
-            all_gather_single(out, mine.to(device), self.group, async_op=True).wait(rt.timeout)
+            all_gather_single(out, mine, self.group, async_op=True).wait(rt.timeout)
         except RuntimeError as exc:  # said by `close`, for each operation waiting
             others = [r for r in self.ranks if r != rt.rank]
             who = f"rank {others[0]} did not" if len(others) == 1 else f"not all of {others}"
