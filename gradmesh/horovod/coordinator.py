@@ -238,7 +238,7 @@ class Coordinator:
             all_gather_single(out, mine, self.group, async_op=True).wait(rt.timeout)
         except RuntimeError as exc:  # said by `close`, for each operation waiting
             others = [r for r in self.ranks if r != rt.rank]
-            who = f"rank {others[0]} did not" if len(others) == 1 else f"not all of {others}"
+            who = f"rank {others[0]} did not" if len(others) == 1 else f"not all of ranks {others}"
             raise PeerFailure(
                 f"round {self.rounds} of the negotiation ({what}): {who} take part within "
                 f"{rt.timeout.total_seconds():g} s: {first_line(exc)}"
