@@ -22,7 +22,7 @@ set, no rank-0 coordinator):
 - The response cache: a request whose name and header ran before is sent as one bit of a fixed
   bit set (the cache is the same on every rank: it is filled and aged in the agreed order of
   execution, least recently used entries evicted). In the steady state a round is one
-  all-gather of 80 bytes a rank, whatever the number of operations it settles; new requests
+  all-gather of 88 bytes a rank, whatever the number of operations it settles; new requests
   add a second all-gather of their rows. Horovod allreduces the bits (AND); gradmesh
   all-gathers them, which also tells every rank who has joined and what each rank waits for.
 - Join (Horovod's semantics): a joined rank contributes zeros to the others' Sum and Average
