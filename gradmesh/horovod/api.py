@@ -13,6 +13,7 @@ flags; with the names gradmesh's runtime and data-parallel engine give Horovod."
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -23,8 +24,8 @@ import torch.distributed as dist
 from gradmesh.collectives import allgather as gather_equal
 from gradmesh.errors import GradmeshError, PeerFailure
 from gradmesh.horovod.compression import Compression
-from gradmesh.horovod.coordinator import close_all, register
-from gradmesh.horovod.headers import BARRIER, header
+from gradmesh.horovod.coordinator import SHUT_DOWN, Coordinator, close_all
+from gradmesh.horovod.headers import BARRIER, KINDS, STEP, header
 from gradmesh.horovod.process_sets import (
     ProcessSet,
     _group,
@@ -126,7 +127,7 @@ def shutdown() -> None:
     for process_set in _sets.values():
         process_set._invalidate()
     _sets.clear()
-    close_all("the job was shut down (hvd.shutdown) while it was pending")
+    close_all(SHUT_DOWN)
     _shutdown()
 
 
@@ -170,7 +171,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     )
     found = negotiated(global_process_set, "DistributedOptimizer") if group is None else None
     if found is not None:  # its steps are announced, for `join`
-        register(found, wrapped)
+        _register(found, wrapped)
     return wrapped
 
 
@@ -241,3 +242,14 @@ def cuda_built() -> bool:
 
 def rocm_built() -> bool:
     return torch.version.hip is not None
+
+
+def _register(found: Coordinator, optimizer: Any) -> None:
+    """`optimizer` (over the set) announces each step, so joined ranks take it too."""
+    found.optimizer = weakref.ref(optimizer)
+    gm = optimizer._gm
+    if gm.replicas > 1:
+        gm.average_all = True  # Horovod: a joined rank's zeros count in averages
+        gm.announce = lambda: found.submit(
+            KINDS[STEP], header(STEP), "DistributedOptimizer.step", lambda _: None
+        )

@@ -26,13 +26,11 @@ set, no rank-0 coordinator):
   add a second all-gather of their rows. Horovod allreduces the bits (AND); gradmesh
   all-gathers them, which also tells every rank who has joined and what each rank waits for.
 - Join (Horovod's semantics): a joined rank contributes zeros to the others' Sum and Average
-  allreduces, and averages still divide by the set's size; the optimizer's steps are announced
-  as a request, so a joined rank takes them on zero gradients (replicas stay equal: Horovod's
-  joined rank does not step, gradmesh's does). Allgather, broadcast, alltoall, reducescatter,
-  barrier, the object collectives and Min/Max/Product with a joined rank are an error on the
-  ranks that called them, as Horovod's are (Min/Max/Product: gradmesh's own refusal, since
-  zeros would change them silently); a joined rank still advances its counter of unnamed
-  operations, so names stay matched after the error. `join()` returns the last rank to join.
+  allreduces, averages still divide by the set's size, and it takes the optimizer's steps
+  (announced as a request) on zero gradients (Horovod's joined rank does not step). Allgather,
+  broadcast, alltoall, reducescatter (Horovod's refusals), barrier, objects and Min/Max/Product
+  (gradmesh's) with a joined rank are an error on the ranks that called them; a joined rank
+  still advances its unnamed counter, so names stay matched. `join()` returns the last rank.
 
 Why not Horovod's own C++ core: it does not build against current torch (docs/horovod.md), and
 its coordinator needs Horovod's MPI or Gloo controller besides gradmesh's groups.
@@ -42,7 +40,6 @@ from __future__ import annotations
 
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -74,7 +71,6 @@ from gradmesh.horovod.headers import (
     Key,
     Round,
     buffers_of,
-    header,
     name_hash,
     said,
 )
@@ -115,6 +111,8 @@ class Coordinator:
         self.joined_in = -1
         self.cache = Cache()
         self.closed: str | None = None
+        self.leave_now = False
+        """Closed without waiting for the other ranks: the thread ends at once."""
         self.optimizer: Any = None
         """A weak reference to the set's most recent DistributedOptimizer (a joined rank steps
         it when the others announce a step)."""
@@ -155,13 +153,13 @@ class Coordinator:
                 self._wake()
             return self.joining
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, wait: bool = True) -> None:
         """Fail what is pending with `reason` (the set was removed, the job shut down); later
         submissions fail with it too. Every rank of the set closes (removing a set and shutting
         down are collective): the threads run rounds until all say they are closing, so none
         is left waiting in a round for another, and the set's group can then be freed."""
         with self.lock:
-            self.closed = reason
+            self.closed, self.leave_now = reason, not wait
             failed = list(self.pending.values())
             self.pending.clear()
             joining, self.joining = self.joining, None
@@ -172,7 +170,7 @@ class Coordinator:
             request.future.set_exception(PeerFailure(f"rank {me}: {where}: {reason}"))
         if joining is not None:
             joining.set_exception(PeerFailure(f"rank {me}: join on {self.label}: {reason}"))
-        if self.thread is not None and self.thread is not threading.current_thread():
+        if wait and self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join(get_runtime().timeout.total_seconds() + 5.0)
 
     def _wake(self) -> None:
@@ -191,13 +189,16 @@ class Coordinator:
                 while not self.pending and self.joining is None and self.closed is None:
                     self.lock.wait()
                 closing = self.closed is not None
+                if closing and self.leave_now:
+                    return
                 mine = list(self.pending.values())
                 if self.joining is not None and self.joined_in < 0:
                     self.joined_in = self.rounds
             try:
                 table = self._exchange([r.key for r in mine], closing)
-            except PeerFailure as exc:  # the group cannot be trusted after a failed call
-                self.close(first_line(exc))
+            except Exception as exc:  # noqa: BLE001 - the group cannot be trusted after a failed call
+                if not closing:  # (closing: the group may be gone already, on a failing rank)
+                    self.close(first_line(exc))
                 return
             if all(table.closing):
                 return
@@ -370,32 +371,30 @@ _coordinators: dict[int, Coordinator] = {}
 
 
 def coordinator(set_id: int, group: dist.ProcessGroup, ranks: list[int]) -> Coordinator:
-    """The set's coordinator (made on first use)."""
+    """The set's coordinator (made on first use; all of them closed when the runtime shuts
+    down, `gradmesh.shutdown()` as well as `hvd.shutdown()`)."""
     found = _coordinators.get(set_id)
     if found is None:
+        if not _coordinators:
+            rt = get_runtime()
+            rt.on_shutdown.append(lambda: close_all(SHUT_DOWN, wait=False))
         label = "the global process set" if set_id == 0 else f"process set {set_id}"
         found = _coordinators[set_id] = Coordinator(group, ranks, label)
     return found
 
 
-def close(set_id: int, reason: str) -> None:
+SHUT_DOWN = "the job was shut down while it was pending"
+
+
+def close(set_id: int, reason: str, wait: bool = True) -> None:
     """Fail the set's pending operations with `reason` and forget its coordinator."""
     found = _coordinators.pop(set_id, None)
     if found is not None:
-        found.close(reason)
+        found.close(reason, wait)
 
 
-def close_all(reason: str) -> None:
+def close_all(reason: str, wait: bool = True) -> None:
+    """Close every set's coordinator (`wait` False: at the runtime's shutdown, which need not
+    be collective, a rank waits for no peer)."""
     for set_id in list(_coordinators):
-        close(set_id, reason)
-
-
-def register(found: Coordinator, optimizer: Any) -> None:
-    """`optimizer` (over the set) announces each step, so joined ranks take it too."""
-    found.optimizer = weakref.ref(optimizer)
-    gm = optimizer._gm
-    if gm.replicas > 1:
-        gm.average_all = True  # Horovod: a joined rank's zeros count in averages
-        gm.announce = lambda: found.submit(
-            KINDS[STEP], header(STEP), "DistributedOptimizer.step", lambda _: None
-        )
+        close(set_id, reason, wait)
