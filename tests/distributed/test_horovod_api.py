@@ -13,7 +13,8 @@ import pytest
 import torch
 
 import gradmesh.horovod as hvd
-import gradmesh.sync.data_parallel.api
+from gradmesh.horovod.headers import BARRIER, header
+from gradmesh.horovod.process_sets import submit
 from tests.harness import run_ranks
 
 WORLDS = [2, 3]
@@ -243,8 +244,14 @@ def names_and_cycles() -> dict[str, Any]:
     hvd.init()  # a second call changes nothing
     r = hvd.rank()
     x = torch.ones(2)
-    hold = threading.Event()  # keeps the communication thread busy: "loss" stays in flight
-    gradmesh.sync.data_parallel.api.submit(hold.wait, 30)
+    hold, running = threading.Event(), threading.Event()
+
+    def held(*_: Any) -> None:  # keeps the coordinator's thread busy: "loss" stays in flight
+        running.set()
+        hold.wait(30)
+
+    submit(hvd.global_process_set, "barrier", header(BARRIER), "hold", held)
+    running.wait(30)
     first = hvd.allreduce_async(x, name="loss", op=hvd.Sum)
     started = time.monotonic()
     try:

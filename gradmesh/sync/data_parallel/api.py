@@ -5,7 +5,6 @@ optimizer-state broadcast."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -83,17 +82,6 @@ def _scaled(tensor: torch.Tensor, factor: float) -> torch.Tensor:
     if tensor.is_floating_point() or tensor.is_complex():
         return tensor.mul_(factor)
     return tensor.copy_((tensor.double() * factor).to(tensor.dtype))
-
-
-def submit(fn: Callable[..., Any], *args: Any) -> Future[Any]:
-    """Run `fn(*args)` on the communication thread, after every operation submitted before it
-    (so every rank runs them in the same order); at once in a world of one."""
-    rt = get_runtime()
-    if rt.size == 1:
-        done: Future[Any] = Future()
-        done.set_result(fn(*args))
-        return done
-    return rt.comm_executor().submit(fn, *args)
 
 
 def my_rows(reduced: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
