@@ -31,9 +31,7 @@ set, no rank-0 coordinator):
   broadcast, alltoall, reducescatter (Horovod's refusals), barrier, objects and Min/Max/Product
   (gradmesh's) with a joined rank are an error on the ranks that called them; a joined rank
   still advances its unnamed counter, so names stay matched. `join()` returns the last rank.
-
-Why not Horovod's own C++ core: it does not build against current torch (docs/horovod.md), and
-its coordinator needs Horovod's MPI or Gloo controller besides gradmesh's groups.
+Not Horovod's C++ core: it does not build against current torch (docs/horovod.md).
 """
 
 from __future__ import annotations
@@ -99,8 +97,7 @@ class Coordinator:
     def __init__(self, group: dist.ProcessGroup, ranks: list[int], label: str) -> None:
         self.group, self.ranks, self.label = group, ranks, label
         rt = get_runtime()
-        self.device = rt.device if rt.backend == "nccl" else torch.device("cpu")
-        """Where the rounds' tensors live: NCCL takes CUDA tensors only."""
+        self.device = rt.device if rt.backend == "nccl" else torch.device("cpu")  # NCCL: CUDA
         self.pending: dict[str, Request] = {}
         self.lock = threading.Condition()
         self.unnamed = 0
@@ -111,8 +108,7 @@ class Coordinator:
         self.joined_in = -1
         self.cache = Cache()
         self.closed: str | None = None
-        self.leave_now = False
-        """Closed without waiting for the other ranks: the thread ends at once."""
+        self.leave_now = False  # closed without waiting for the other ranks: the thread ends
         self.optimizer: Any = None
         """A weak reference to the set's most recent DistributedOptimizer (a joined rank steps
         it when the others announce a step)."""
@@ -202,7 +198,11 @@ class Coordinator:
                 return
             if all(table.closing):
                 return
-            settled = self._settle(table, {r.key[0]: r for r in mine})
+            try:  # a joined rank's part in the others' operation, failing, ends its join
+                settled = self._settle(table, {r.key[0]: r for r in mine})
+            except Exception as exc:  # noqa: BLE001 - said once, by `close`, to every waiter
+                self.close(first_line(exc), wait=False)
+                return
             self._expire(table, mine)
             if settled:
                 idle = IDLE_S[0]
@@ -309,7 +309,7 @@ class Coordinator:
         else:
             request.future.set_result(result)
 
-    def _what(self, request: Request) -> str:
+    def _what(self, request: Request) -> str:  # the request's kind, in words
         return KINDS[request.key[1 + KIND]]
 
     def _take_part(self, key: Key) -> None:
