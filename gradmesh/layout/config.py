@@ -100,8 +100,9 @@ class LayoutConfig:
     activation_checkpointing: str = option(
         "",
         "recompute activations in backward instead of keeping them: blocks (every block of the "
-        "model's block list), every:K (every K-th block) or attention (each block's attention "
-        "module only: Megatron's selective recomputation)",
+        "model's block list), every:K (every K-th block), ops (every block, keeping its matrix "
+        "products' outputs every other one and its fused attention's: torchtitan's selective "
+        "recomputation) or attention (each block's attention module only: Megatron's)",
     )
     plan: str = option(
         "",
@@ -138,7 +139,13 @@ class LayoutConfig:
             self.context_parallel,
             self.expert_parallel,
             self.context_attention,
+            self.activation_checkpointing if self.activation_checkpointing in SELECTIVE else "",
         )
+
+
+SELECTIVE = {"ops": "sac", "attention": "aac"}
+"""The selective recomputations a layout prices (`--activation-checkpointing`), and the suffix
+of its name: per operation (`gradmesh.layout.selective`) and the attention module only."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +172,13 @@ class Layout:
     """Expert-parallel ranks a mixture's experts are spread over (`--expert-parallel`)."""
     attention: str = "ring"
     """Context parallelism's exchange (`--context-attention`)."""
+    recompute: str = ""
+    """Selective recomputation of every block (`SELECTIVE`), where `checkpointing` is not."""
+
+    @property
+    def recomputation(self) -> str:
+        """`--activation-checkpointing`'s value for this layout: blocks, ops, attention or ""."""
+        return "blocks" if self.checkpointing else self.recompute
 
     def micro(self, batch: int) -> int:
         """Samples of one micro-batch on a rank, of a global `batch` (the cp ranks share
@@ -198,6 +212,8 @@ class Layout:
         if self.pp > 1 or self.microbatches > 1:
             parts.append(f"m{self.microbatches}")
         parts += [f"z{self.zero_stage}"] * (self.zero_stage > 0) + ["ac"] * self.checkpointing
+        if self.recompute and not self.checkpointing:
+            parts.append(SELECTIVE[self.recompute])
         return "x".join(parts)
 
     def options(self) -> dict[str, Any]:
@@ -209,7 +225,7 @@ class Layout:
             "schedule": self.schedule or "1f1b",
             "virtual_stages": max(self.chunks, 2),
             "zero_stage": self.zero_stage,
-            "activation_checkpointing": "blocks" if self.checkpointing else "",
+            "activation_checkpointing": self.recomputation,
             "context_parallel": self.cp,
             "context_attention": self.attention,
             "expert_parallel": self.ep,
@@ -225,8 +241,8 @@ class Layout:
                 out.append(f"--virtual-stages {self.chunks}")
         if self.zero_stage:
             out.append(f"--zero-stage {self.zero_stage}")
-        if self.checkpointing:
-            out.append("--activation-checkpointing blocks")
+        if self.recomputation:
+            out.append(f"--activation-checkpointing {self.recomputation}")
         if self.cp > 1:
             out.append(f"--context-parallel {self.cp} --context-attention {self.attention}")
         if self.ep > 1:
@@ -237,14 +253,15 @@ class Layout:
 def every_of(spec: str) -> int:
     """'blocks' and 'attention' -> 1 (every block, or its attention), 'every:k' -> k; one line
     for anything else."""
-    if spec in ("blocks", "attention"):
+    if spec in ("blocks", "attention", "ops"):
         return 1
     head, _, k = spec.partition(":")
     if head == "every" and k.isdigit() and int(k) >= 1:
         return int(k)
     raise GradmeshError(
         f"--activation-checkpointing {spec!r}: expected blocks (every block), every:K (every "
-        "K-th block) or attention (every block's attention)"
+        "K-th block), ops (every block, keeping the outputs costliest to redo) or attention "
+        "(every block's attention)"
     )
 
 

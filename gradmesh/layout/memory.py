@@ -2,9 +2,11 @@
 and its backward runs its forward again to rebuild the rest (`torch.utils.checkpoint`,
 non-reentrant, so it composes with autograd hooks, tensor-parallel operators and gradient
 accumulation). The blocks are the model's (`gradmesh.models.blocks`): every one (`blocks`), every
-k-th (`every:k`), or only each block's attention module (`attention`: Megatron's selective
-recomputation, which keeps the projections' and the MLP's activations and rebuilds what
-attention saves, its queries, keys, values and scores, cheap to recompute for their size). The
+k-th (`every:k`), each block keeping the outputs of the operations costliest to redo (`ops`:
+`gradmesh.layout.selective`, torchtitan's per-operation policy), or only each block's attention
+module (`attention`: Megatron's selective recomputation, which keeps the projections' and
+the MLP's activations and rebuilds what attention saves, its queries, keys, values and scores,
+cheap to recompute for their size). The
 memory it saves is the activations inside what is recomputed, for one more forward of it in
 backward (about a third more arithmetic for a block whose backward costs twice its forward).
 
@@ -34,27 +36,30 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+import gradmesh.layout.selective as selective
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import every_of
 from gradmesh.models.blocks import block_list
 
-_CLASSES: dict[type[nn.Module], type[nn.Module]] = {}
+_CLASSES: dict[tuple[type[nn.Module], bool], type[nn.Module]] = {}
 
 
-def _recomputed(cls: type[nn.Module]) -> type[nn.Module]:
-    """`cls` whose forward keeps only its inputs for backward (made once per class)."""
-    if cls not in _CLASSES:
+def _recomputed(cls: type[nn.Module], ops: bool = False) -> type[nn.Module]:
+    """`cls` whose forward keeps only its inputs for backward (with `ops`, also the outputs the
+    per-operation policy keeps: `gradmesh.layout.selective`), made once per class."""
+    if (cls, ops) not in _CLASSES:
+        more: dict[str, Any] = {"context_fn": selective.contexts} if ops else {}
 
         def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
             run = super(made, self).forward  # type: ignore[arg-type]
             if not torch.is_grad_enabled():
                 return run(*args, **kwargs)
-            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+            return checkpoint(run, *args, use_reentrant=False, **more, **kwargs)
 
         made = type(cls.__name__, (cls,), {"forward": forward, "recomputed": True})
         made.__qualname__ = cls.__qualname__
-        _CLASSES[cls] = made
-    return _CLASSES[cls]
+        _CLASSES[cls, ops] = made
+    return _CLASSES[cls, ops]
 
 
 def checkpoint_blocks(model: nn.Module, spec: str, model_name: str) -> list[str]:
@@ -74,21 +79,29 @@ def checkpoint_blocks(model: nn.Module, spec: str, model_name: str) -> list[str]
     for name in chosen:
         block = model.get_submodule(name)
         if not getattr(block, "recomputed", False):
-            block.__class__ = _recomputed(type(block))
+            block.__class__ = _recomputed(type(block), spec == "ops")
     return chosen
 
 
 ATTENTION_NAMES = ("attn", "attention", "self_attn")
 
 
-def attention_of(model: nn.Module, block: str, model_name: str) -> str:
-    """The name of `block`'s attention module: its first descendant named as one usually is
-    (`ATTENTION_NAMES`: gradmesh's GPT, Hugging Face's Llama, GPT-2 and BERT-like models) or
-    whose class name ends in Attention; one line when it has none."""
+def _attention_name(model: nn.Module, block: str) -> str | None:
+    """`attention_of`'s name, None where the block has no attention module."""
     for name, module in model.get_submodule(block).named_modules():
         last = name.rpartition(".")[2]
         if name and (last in ATTENTION_NAMES or type(module).__name__.endswith("Attention")):
             return f"{block}.{name}"
+    return None
+
+
+def attention_of(model: nn.Module, block: str, model_name: str) -> str:
+    """The name of `block`'s attention module: its first descendant named as one usually is
+    (`ATTENTION_NAMES`: gradmesh's GPT, Hugging Face's Llama, GPT-2 and BERT-like models) or
+    whose class name ends in Attention; one line when it has none."""
+    found = _attention_name(model, block)
+    if found is not None:
+        return found
     raise GradmeshError(
         f"--activation-checkpointing attention: block {block} of model {model_name} has no "
         f"attention module (a submodule named {', '.join(ATTENTION_NAMES)} or a class ending in "
@@ -158,6 +171,28 @@ class Saved:
     such operation receives), counted as those outputs' bytes."""
     kept_rest: int = 0
     """The same outside the blocks (the embeddings', the head's: its logits)."""
+    ops: dict[str, int] = field(default_factory=dict)
+    """What each block keeps under the per-operation policy (`--activation-checkpointing ops`):
+    its input and the outputs `gradmesh.layout.selective` keeps."""
+    attention: dict[str, int] = field(default_factory=dict)
+    """What each block keeps with only its attention module recomputed (`attention`)."""
+    block_flops: dict[str, float] = field(default_factory=dict)
+    """Each block's forward FLOPs."""
+    ops_redone: dict[str, float] = field(default_factory=dict)
+    """The forward FLOPs of each block the per-operation policy runs again in backward."""
+    attention_redone: dict[str, float] = field(default_factory=dict)
+    """Those of each block's attention module."""
+
+    def recomputed(self, mode: str) -> tuple[dict[str, int], dict[str, float]]:
+        """(what each block keeps, the forward FLOPs it runs again) under recomputation `mode`:
+        "" none, "blocks" every block, "ops" or "attention" selectively."""
+        if mode == "ops":
+            return self.ops, self.ops_redone
+        if mode == "attention":
+            return self.attention, self.attention_redone
+        if mode == "blocks":
+            return self.inputs, self.block_flops
+        return self.blocks, dict.fromkeys(self.blocks, 0.0)
 
 
 def _storage(t: torch.Tensor) -> tuple[object, int]:
@@ -178,8 +213,10 @@ def saved_activations(
     block of the model's block list and outside them, and (with `peak`) the peak of it and its
     backward together (gradients allocated first, as in a training step after the first). The
     inputs, parameters and buffers were allocated before the step and outlive it: not counted
-    (an input is often a view of the whole dataset's storage). Works on the meta device (the
-    simulator's models), without the peak: the profiler sees no meta allocation."""
+    (an input is often a view of the whole dataset's storage). Per block too: what it keeps
+    under selective recomputation, per operation (`gradmesh.layout.selective`'s policy) and of
+    its attention module only, and the forward FLOPs each recomputes. Works on the meta device
+    (the simulator's models), without the peak: the profiler sees no meta allocation."""
     from torch.utils._pytree import tree_leaves
 
     names = block_list(model)
@@ -187,8 +224,9 @@ def saved_activations(
     before = {_storage(t)[0] for t in held if torch.is_tensor(t)}
     seen: set[object] = set()
     kept: list[torch.Tensor] = []  # alive until counted: a meta tensor's identity is its id
-    saved, outputs = _ByBlock(names), _ByBlock(names)
-    entered, owner = dict.fromkeys(names, 0), [""]
+    saved, outputs, inner = _ByBlock(names), _ByBlock(names), _ByBlock(names)
+    entered, owner = dict.fromkeys(names, 0), ["", ""]  # the block, its attention if running
+    policy = selective.PolicyCount(lambda: owner[0], lambda: bool(owner[1]))
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ptr, n = _storage(t)
@@ -196,12 +234,15 @@ def saved_activations(
         if n and ptr not in before and ptr not in seen:
             seen.add(ptr)
             saved.add(owner[0], n)
+            if owner[1]:
+                inner.add(owner[0], n)
         return t
 
     def enter(name: str) -> Callable[..., None]:
         def hook(_m: Any, args: tuple[Any, ...]) -> None:
             owner[0] = name
-            entered[name] = sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+            policy.entered(name)
+            entered[name] = _arg_bytes(args)
 
         return hook
 
@@ -213,8 +254,9 @@ def saved_activations(
         outputs.add(owner[0], sum(t.numel() * t.element_size() for t in leaves))
 
     hooks = _watch(model, [(n, enter(n)) for n in names], leave, weighted)
+    hooks += _watch_attention(model, names, owner, inner)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), policy:
             loss = run()
     finally:
         for h in hooks:
@@ -228,7 +270,41 @@ def saved_activations(
         run().backward()  # type: ignore[no-untyped-call]
 
     measured = peak_bytes(step) if peak else 0
-    return Saved(saved.blocks, entered, saved.rest, measured, outputs.blocks, outputs.rest)
+    out = Saved(saved.blocks, entered, saved.rest, measured, outputs.blocks, outputs.rest)
+    out.ops = {n: entered[n] + policy.kept.get(n, 0) for n in names}
+    out.ops_redone = {n: policy.redone.get(n, 0.0) for n in names}
+    out.block_flops = {n: policy.flops.get(n, 0.0) for n in names}
+    out.attention = {n: saved.blocks[n] - inner.blocks[n] + inner.entered.get(n, 0) for n in names}
+    out.attention_redone = {n: policy.inner.get(n, 0.0) for n in names}
+    return out
+
+
+def _arg_bytes(args: tuple[Any, ...]) -> int:
+    return sum(a.numel() * a.element_size() for a in args if torch.is_tensor(a))
+
+
+def _watch_attention(
+    model: nn.Module, names: list[str], owner: list[str], inner: _ByBlock
+) -> list[Any]:
+    """Hooks on each block's attention module (where it has one): `owner[1]` names its block
+    while it runs, and `inner.entered` gets what enters it."""
+    hooks: list[Any] = []
+    inner.entered = {}
+    for block in names:
+        found = _attention_name(model, block)
+        if found is None:
+            continue
+
+        def start(_m: Any, args: tuple[Any, ...], b: str = block) -> None:
+            owner[1] = b
+            inner.entered[b] = _arg_bytes(args)
+
+        def stop(*_: Any) -> None:
+            owner[1] = ""
+
+        module = model.get_submodule(found)
+        hooks += [module.register_forward_pre_hook(start), module.register_forward_hook(stop)]
+    return hooks
 
 
 def _watch(
@@ -249,10 +325,12 @@ def _watch(
 
 
 class _ByBlock:
-    """Bytes counted against the block running now (by name), or outside the blocks."""
+    """Bytes counted against the block running now (by name), or outside the blocks; and
+    (`entered`) what entered a module of each block."""
 
     def __init__(self, names: list[str]) -> None:
         self.blocks, self.rest = dict.fromkeys(names, 0), 0
+        self.entered: dict[str, int] = {}
 
     def add(self, owner: str, n: int) -> None:
         if owner:

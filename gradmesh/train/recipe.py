@@ -160,5 +160,7 @@ def _recompute(model: nn.Module, spec: str, name: str) -> dict[str, Any]:
     chosen = checkpoint_blocks(model, spec, name)
     return {
         "recomputed_blocks": len(chosen),
-        "recomputed": "attention modules" if spec == "attention" else "blocks",
+        "recomputed": {"attention": "attention modules", "ops": "blocks, per operation"}.get(
+            spec, "blocks"
+        ),
     }

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.memory import checkpoint_blocks, peak_bytes
+from gradmesh.layout.memory import checkpoint_blocks, peak_bytes, saved_activations
 from gradmesh.models.gpt import GPT, GPTConfig
 
 
@@ -52,6 +52,32 @@ def test_recomputed_blocks_give_the_same_gradients_for_less_memory() -> None:
     assert half_peak < selective_peak < 0.9 * kept
 
 
+def test_recomputation_per_operation_is_exact_and_priced_as_it_saves() -> None:
+    """`ops` (torchtitan's per-operation policy): the same gradients bit for bit, fewer bytes
+    than none and more than whole blocks; and the measured peak's saving is what
+    `saved_activations` says each policy no longer keeps (the memory model's counts), less at
+    most one block's recomputed tensors (live while that block's backward runs)."""
+    want, kept, _ = grads_and_peak("")
+    ops, ops_peak, every = grads_and_peak("ops")
+    _, blocks_peak, _ = grads_and_peak("blocks")
+    _, attention_peak, _ = grads_and_peak("attention")
+    assert every == [f"blocks.{i}" for i in range(4)]
+    for name, g in ops.items():
+        torch.testing.assert_close(g, want[name], rtol=0, atol=0)
+    assert blocks_peak < ops_peak < 0.85 * kept
+    model = gpt()
+    x = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+    counted = saved_activations(
+        model, lambda: F.cross_entropy(model(x).flatten(0, 1), x.flatten()), x, peak=False
+    )
+    for mode, peak in (("ops", ops_peak), ("attention", attention_peak)):
+        table, redone = counted.recomputed(mode)
+        saving = sum(counted.blocks.values()) - sum(table.values())
+        rebuilt = max(counted.blocks[n] - table[n] + counted.inputs[n] for n in table)
+        assert saving - rebuilt <= kept - peak <= saving, mode
+        assert 0 < sum(redone.values()) < sum(counted.block_flops.values())
+
+
 def test_selective_recomputation_finds_a_hugging_face_model_s_attention() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.for_model(
@@ -79,7 +105,7 @@ def test_checkpointing_keeps_names_and_survives_a_copy() -> None:
 @pytest.mark.parametrize(
     ("spec", "model", "message"),
     [
-        ("every:0", gpt, "expected blocks (every block), every:K (every K-th block) or atte"),
+        ("every:0", gpt, "expected blocks (every block), every:K (every K-th block), ops"),
         ("some", gpt, "expected blocks (every block), every:K"),
         ("blocks", lambda: torch.nn.Linear(2, 2), "has no list of blocks to recompute"),
         (
