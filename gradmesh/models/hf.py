@@ -35,6 +35,30 @@ class CausalLM(nn.Module):
             declared = {f"{prefix}.{k}": v for k, v in base.items()}
         return {f"net.{k}": v for k, v in declared.items()}
 
+    @property
+    def sp_plan(self) -> dict[str, str]:
+        """`tp_plan` with sequence parallelism (as `GPT.sp_plan`): the decoder layers hold each
+        tp rank's part of the sequence from the first layer's input on, each norm runs on its
+        part and all-gathers its output for the split layers after it (the final norm for the
+        head), and the rowwise layers reduce-scatter their sums back to the parts. Built from
+        the declared plan and the first layer's modules named as norms."""
+        from gradmesh.models.blocks import block_list
+
+        plan = {k: "rowwise(seq)" if v == "rowwise" else v for k, v in self.tp_plan.items()}
+        blocks = block_list(self)
+        if not blocks:
+            return plan
+        first, prefix = blocks[0], blocks[0].rpartition(".")[0]
+        plan[first] = "sequence(scatter)"
+        for name, _ in self.get_submodule(first).named_modules():
+            if name and name.rpartition(".")[2].endswith("norm"):
+                plan[f"{prefix}.*.{name}"] = "sequence(gather)"
+        outer = prefix.rpartition(".")[0]
+        for name, _ in self.get_submodule(outer).named_children():
+            if name.endswith("norm"):
+                plan[f"{outer}.{name}"] = "sequence(gather)"
+        return plan
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         mask = causal_mask(ids) if ids.is_meta else None
         logits: torch.Tensor = self.net(input_ids=ids, attention_mask=mask, use_cache=False).logits
@@ -45,10 +69,24 @@ def causal_mask(ids: torch.Tensor) -> torch.Tensor:
     """The causal mask of `ids` as the 4-D boolean tensor Hugging Face takes as given: what a
     forward on the meta device (the simulator's count) passes, since building the mask itself
     reads the position ids' values (a check for packed sequences), which meta tensors have
-    none of. The same attention either way; the count sees the mask's bytes read as well."""
+    none of. It stands for Hugging Face's own causal flag, which a GPU's fused attention applies
+    without a mask: made outside the counters that run (`TorchDispatchMode`s: FLOPs, bytes,
+    live memory), so a count of a long sequence does not see S x S bytes no step moves."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
     batch, length = ids.shape
-    rows = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
-    return rows[None, None].expand(batch, 1, length, length)
+    with _disable_current_modes():
+        rows = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril()
+        rows.gradmesh_causal = True  # type: ignore[attr-defined]
+        return rows[None, None].expand(batch, 1, length, length)
+
+
+def is_causal_mask(mask: Any) -> bool:
+    """Whether `mask` is (a view of) one `causal_mask` made: the causal flag in a mask's form."""
+    if not torch.is_tensor(mask):
+        return False
+    base = mask._base if mask._base is not None else mask
+    return bool(getattr(base, "gradmesh_causal", False))
 
 
 def build(kind: str) -> Any:

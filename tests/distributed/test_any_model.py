@@ -34,14 +34,24 @@ MHA = {"vocab": 64, "seq": 16, "dim": 32, "depth": 2, "heads": 4}
 GQA = {**MHA, "kv_heads": 2}
 
 
+LLAMA = {
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2,
+}  # fmt: skip
+
+
 def _model(kind: str, args: dict[str, int]) -> torch.nn.Module:
     torch.manual_seed(0)
+    if kind == "llama":  # a Hugging Face Llama through gradmesh's wrapper (its plans)
+        from gradmesh.models.registry import MODELS
+
+        return MODELS.get("hf:llama")((MHA["seq"],), MHA["vocab"], **args)
     return GPT(GPTConfig(**args)) if kind == "gpt" else ResidualCNN(1, 10, width=8)
 
 
 def _batches(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1)
-    if kind == "gpt":
+    if kind in ("gpt", "llama"):
         data = torch.randint(0, MHA["vocab"], (STEPS, BATCH, MHA["seq"] + 1), generator=g)
         return data[:, :, :-1], data[:, :, 1:]
     return torch.randn(STEPS, BATCH, 1, 8, 8, generator=g), torch.randint(
@@ -57,7 +67,7 @@ def train(kind: str, args: dict[str, int], vocab_loss: bool, sequence: bool = Fa
     model = _model(kind, args).double()
     plan = dict(model.sp_plan if sequence else model.tp_plan)
     if vocab_loss:
-        plan["head"] = "colwise"  # logits stay split by vocabulary
+        plan["head" if kind == "gpt" else "net.lm_head"] = "colwise"  # logits stay split
     model = gradmesh.parallelize(model, plan)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     dp = rt.mesh["dp"].size
@@ -87,6 +97,12 @@ def references() -> dict[str, dict[str, torch.Tensor]]:
     return out
 
 
+@pytest.fixture(scope="module")
+def llama_reference() -> dict[str, torch.Tensor]:
+    pytest.importorskip("transformers", reason="the hf extra is missing")
+    return run_ranks(train, 1, "llama", LLAMA, False)[0][2]  # type: ignore[no-any-return]
+
+
 CASES = {
     # name: (reference, kind, args, vocab-parallel loss, world, tp, sequence parallel)
     "gpt-tp2": ("mha", "gpt", MHA, False, 2, 2, False),
@@ -98,18 +114,41 @@ CASES = {
 }
 
 
+def test_a_hugging_face_llama_in_sequence_parallel_equals_one_process(
+    llama_reference: dict[str, torch.Tensor],
+) -> None:
+    """`CausalLM.sp_plan` (built from Hugging Face's plan and the layers' norms): a Llama at
+    tp 2 with its sequence split between the norms, and its loss on logits split by vocabulary,
+    trains to the one-process weights (the simulator prices this layout's exchanges)."""
+    _tensor_parallel_equals_one_process({"llama": llama_reference}, "llama", LLAMA, True, 2, 2)
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_tensor_parallel_by_name_equals_one_process(
     case: str, references: dict[str, dict[str, torch.Tensor]]
 ) -> None:
     ref, kind, args, vocab_loss, world, tp, sequence = CASES[case]
+    _tensor_parallel_equals_one_process(
+        {kind: references[ref]}, kind, args, vocab_loss, world, tp, sequence
+    )
+
+
+def _tensor_parallel_equals_one_process(
+    refs: dict[str, dict[str, torch.Tensor]],
+    kind: str,
+    args: dict[str, int],
+    vocab_loss: bool,
+    world: int,
+    tp: int,
+    sequence: bool = True,
+) -> None:
     results = run_ranks(
         train, world, kind, args, vocab_loss, sequence, init={"tensor_parallel": tp}
     )
     replica = sorted((r for r in results if r[1] == 0), key=lambda r: r[0])
     specs = replica[0][3]
     assert specs, "nothing was split"
-    want = references[ref]
+    want = refs[kind]
     assert sorted(replica[0][2]) == sorted(want)  # names kept; the tied weight is one parameter
     for name, whole in want.items():
         pieces = [r[2][name] for r in replica]

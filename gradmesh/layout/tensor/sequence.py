@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import gradmesh.layout.tensor.layers as layers
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.tensor.layers import (
     _tp_collective,
@@ -74,16 +75,33 @@ def _sp_reduce_scatter(x: torch.Tensor) -> torch.Tensor:
     return tp_reduce_scatter(x, DIM, "sequence reduce-scatter")
 
 
-@_sp_scatter.register_fake
-@_sp_reduce_scatter.register_fake
-def _part_shape(x: torch.Tensor) -> torch.Tensor:
+# On the meta device (the simulator's count) only these shape functions run: a dry run's
+# exchanges are recorded here, as the real bodies record them (`layers.dry_exchanges`).
+def _dry(x: torch.Tensor, what: str, kind: str) -> None:
+    if layers._DRY is not None and x.is_meta:
+        layers._DRY.made.append((what, x.numel() * x.element_size(), kind))
+
+
+def _part(x: torch.Tensor) -> torch.Tensor:
     shape = list(x.shape)
     shape[DIM] //= tp_place()[0]
     return x.new_empty(shape)
 
 
+@_sp_scatter.register_fake
+def _part_shape(x: torch.Tensor) -> torch.Tensor:
+    return _part(x)
+
+
+@_sp_reduce_scatter.register_fake
+def _reduced_part_shape(x: torch.Tensor) -> torch.Tensor:
+    _dry(x, "sequence reduce-scatter", "reduce_scatter")
+    return _part(x)
+
+
 @_sp_gather.register_fake
 def _whole_shape(x: torch.Tensor) -> torch.Tensor:
+    _dry(x, "sequence gather", "allgather")
     shape = list(x.shape)
     shape[DIM] *= tp_place()[0]
     return x.new_empty(shape)

@@ -68,11 +68,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target = target.reshape(-1)
         top = _tp_collective(flat.max(-1).values.detach().clone(), "loss maximum", "max")
         shifted = flat - top.unsqueeze(-1)
-        exp = shifted.exp()
         mine = (target >= start) & (target < start + vocab)
         local = torch.where(mine, target - start, torch.zeros_like(target))
         picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
-        sums = _tp_collective(torch.stack([exp.sum(-1), picked]), "loss sums")
+        exp = shifted.exp_()  # in place: the shifted logits are not read again (a vocab-sized
+        sums = _tp_collective(torch.stack([exp.sum(-1), picked]), "loss sums")  # copy fewer)
         keep = target != ignore_index
         loss = (sums[0].log() - sums[1]) * keep
         ctx.save_for_backward(exp / sums[0].unsqueeze(-1), local, mine & keep, keep)
