@@ -63,6 +63,8 @@ SHEETS: dict[str, DataSheet] = {
         DataSheet("a100", "A100 SXM4 80GB (every A100 has these peaks)",
                   {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0}, 2039.0, 80.0,
                   r"\bA100\b"),
+        DataSheet("h100-96gb", "H100 96GB HBM2e (the torchtitan benchmark's hosts, 500 W)",
+                  dict(_HOPPER), 2400.0, 96.0, r"\bH100\b.*\b96\s*GB"),
         DataSheet("h100", "H100 SXM5 80GB", dict(_HOPPER), 3350.0, 80.0,
                   r"\bH100\b.*\b(HBM3|SXM)"),
         DataSheet("h100-pcie", "H100 PCIe 80GB",

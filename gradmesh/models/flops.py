@@ -115,6 +115,8 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         """FLOPs issued (`issued`) by owner and kind."""
         self.useful = 0.0
         """The FLOPs of every operation counted, without tile padding."""
+        self.calls: dict[str, int] = {}
+        """Operations by kind: the kernels a GPU launches (each pays a launch and a tail)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
@@ -138,6 +140,7 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
         flops = useful / issued(packet, args, out)
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
         moved = float(sum(t.numel() * t.element_size() for t in tensors))
+        self.calls[kind] = self.calls.get(kind, 0) + 1
         owner = self.costs.setdefault(self.current if self.forward else None, {})
         f, b = owner.get(kind, (0.0, 0.0))
         owner[kind] = (f + flops, b + moved)

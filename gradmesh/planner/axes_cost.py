@@ -97,6 +97,7 @@ def record_axes(
     """The attention calls and mixtures of one forward of `model` on `sample` (`call(model,
     sample)` runs it), per sample."""
     from gradmesh.layout.context.parallel import TORCH_ATTENTION, attention_replaced
+    from gradmesh.models.hf import is_causal_mask
 
     seen: list[tuple[torch.Tensor, torch.Tensor]] = []
     splittable = [True]
@@ -111,7 +112,8 @@ def record_axes(
         **kw: Any,
     ) -> Any:
         seen.append((query, key))
-        splittable[0] = splittable[0] and is_causal and attn_mask is None and not dropout_p
+        causal = (is_causal and attn_mask is None) or is_causal_mask(attn_mask)
+        splittable[0] = splittable[0] and causal and not dropout_p
         return TORCH_ATTENTION(query, key, value, attn_mask, dropout_p, is_causal, **kw)
 
     with torch.no_grad(), attention_replaced(recording):
@@ -166,9 +168,9 @@ def context_s(seqs: Sequences | None, lay: Layout, links: Links, b: int, rate: f
     if c == 1 or seqs is None:
         return 0.0
     ranks = lay.line((CP,))
-    if lay.attention == "alltoall":
-        return seqs.calls * 8 * _all_to_all_s(links, ranks, seqs.q_bytes * b / c)
-    k = seqs.kv_bytes * b / c
+    if lay.attention == "alltoall":  # each tp rank's heads: 1 / tp of the whole model's
+        return seqs.calls * 8 * _all_to_all_s(links, ranks, seqs.q_bytes * b / (c * lay.tp))
+    k = seqs.kv_bytes * b / (c * lay.tp)
     link = links.point_to_point or links.over(ranks[:2], int(k))
     one = link.alpha + k * link.beta
     block = seqs.flops * b / (c * c) / rate if rate > 0 else 0.0
@@ -183,8 +185,8 @@ def context_bytes(seqs: Sequences | None, lay: Layout, b: int) -> float:
     if c == 1 or seqs is None:
         return 0.0
     if lay.attention == "alltoall":
-        return seqs.calls * 8 * seqs.q_bytes * b / c * (c - 1) / c
-    return seqs.calls * (3 * c - 2) * seqs.kv_bytes * b / c
+        return seqs.calls * 8 * seqs.q_bytes * b / (c * lay.tp) * (c - 1) / c
+    return seqs.calls * (3 * c - 2) * seqs.kv_bytes * b / (c * lay.tp)
 
 
 def expert_s(exp: Experts | None, lay: Layout, links: Links, b: int) -> float:

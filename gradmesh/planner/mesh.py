@@ -127,6 +127,20 @@ class Slice:
     """The optimizer's state over the slice's parameters after one step."""
     optimizer_step_bytes: int = 0
     """The most bytes one optimizer step adds beyond the state (its temporaries)."""
+    mixed: bool = False
+    """Parameters in 16 bits with fp32 master copies (`mesh_memory`'s mixed precision)."""
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """What runs beside the compute (a GPU's streams; the CPU's gloo runs none): FSDP2's
+    all-gathers and reduce-scatters (each unit's gathered while the one before computes, its
+    gradient reduced while the one after does: the first gather and the last reduction stay
+    exposed), and async TP's exchanges (split with the products they feed: `async_tp` is the
+    fraction of their time hidden)."""
+
+    fsdp: bool = False
+    async_tp: float = 0.0
 
 
 @dataclass

@@ -15,12 +15,12 @@ from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
 from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.planner.axes_cost import compute_factor, context_s, expert_bytes_held, expert_s
-from gradmesh.planner.mesh import MeshProfile, Workload, profile_mesh, rank_blocks
+from gradmesh.planner.mesh import MeshProfile, Overlap, Workload, profile_mesh, rank_blocks
 from gradmesh.planner.mesh_memory import (
-    RECOMPUTE,
     MemoryPrediction,
     param_bytes,
     predict_memory,
+    recompute_share,
 )
 from gradmesh.planner.profiling import Links
 from gradmesh.runtime.axes import DP, EXPERT_REPLICAS, REPLICAS, divisors
@@ -29,6 +29,7 @@ __all__ = [
     "Calibration",
     "MeshPlan",
     "MeshPrediction",
+    "Overlap",
     "Search",
     "calibration_layouts",
     "exchange_request",
@@ -148,10 +149,12 @@ def predict_mesh(
     links: Links,
     algorithm: str = "native",
     calibration: Calibration | None = None,
+    overlap: Overlap | None = None,
 ) -> MeshPrediction:
     """One layout's predicted step (the module docstring's formulas, plus `calibration`'s
-    terms)."""
+    terms, and what `overlap` hides)."""
     cal = calibration or Calibration()
+    overlap = overlap or Overlap()
     sl = prof.slices[lay.tp]
     m = lay.microbatches
     b = lay.micro(prof.batch)
@@ -172,10 +175,14 @@ def predict_mesh(
     whole = sum(sl.block_param_bytes.values()) + sl.rest_param_bytes
     mine = params / (lay.shards if lay.zero_stage >= 2 else lay.dp if lay.zero_stage else 1)
     update = sl.update_s * mine / whole + cal.step_overhead_s
-    again = 1 + RECOMPUTE * lay.checkpointing
+    again = 1 + recompute_share(sl, lay)
     factor = compute_factor(prof.experts, sum(prof.blocks.values()), lay)
     compute = stretch * share * sl.seconds[b] * again * factor
     tensor = stretch * share * tensor * again
+    tensor *= 1 - overlap.async_tp
+    if overlap.fsdp and lay.zero_stage >= 2 and sync:
+        calls = sum(n for _, n in _unit_collectives(prof, lay))
+        sync = max(2 * sync / calls, sync - compute)
     rate = 3 * sum(prof.blocks.values()) * b / sl.seconds[b] if prof.blocks else 0.0
     context = context_s(prof.sequences, lay, links, b, rate) * again
     experts = expert_s(prof.experts, lay, links, b)

@@ -11,8 +11,14 @@ optimizer state); stages 2 and 3 shard over dp x cp, stage 1 over dp.
 - **State** of the rank's blocks (and of the embeddings, head and final norm on the end stages,
   where a tied weight lives on both): parameters g, gradients g, and the optimizer's state k g,
   k measured (the slice's optimizer state after one step over its parameters: AdamW 2, SGD with
-  momentum 1). Stage 1 divides the optimizer's part by dp, stages 2 and 3 all three.
-- **Activations**: what one micro-batch saves for backward, per block (`saved_activations`:
+  momentum 1). Stage 1 divides the optimizer's part by dp, stages 2 and 3 all three. In mixed
+  precision (`Slice.mixed`: 16-bit parameters, fp32 master copies in the optimizer's state)
+  the gradients are reduced and kept in fp32 (Megatron's main gradients: 2 + 4 + 12 bytes a
+  parameter, and with ZeRO-1 Megatron's distributed optimizer's 6 + 12 / d); under FSDP2 the
+  fp32 shards are themselves the master copy (4 + 4 + 8 bytes a parameter, over the shards),
+  the blocks gathered in 16 bits and each unit's gradient reduced in fp32.
+- **Activations**: what one micro-batch saves for backward, per block (under selective
+  recomputation what the policy keeps: `Saved.recomputed`) (`saved_activations`:
   autograd's saved-tensor hooks during a forward of the slice, each storage counted once, the
   parameters not at all) times b / S, and what the rest saves (embeddings, head, loss) on the end
   stages. The micro-batches in flight are read off the schedule the engine runs
@@ -51,7 +57,7 @@ from gradmesh.layout.pipeline.order import peak_in_flight, schedule_actions
 from gradmesh.planner.axes_cost import expert_bytes_held
 from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
-__all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory"]
+__all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory", "recompute_share"]
 
 RECOMPUTE = 1 / 3
 """The extra compute of checkpointing every block, as a fraction of a step's forward and
@@ -124,8 +130,19 @@ def in_flight(lay: Layout, rank: int, held: list[float], kept: list[float] | Non
 def _saved(sl: Slice, name: str, lay: Layout) -> float:
     """Bytes per sample block `name` keeps from its forward to its backward."""
     assert sl.saved is not None
-    table = sl.saved.inputs if lay.checkpointing else sl.saved.blocks
-    return table[name] / sl.saved_samples
+    return sl.saved.recomputed(lay.recomputation)[0][name] / sl.saved_samples
+
+
+def _state(sl: Slice, g: float, lay: Layout, slots: float) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) of `g` parameter bytes on a rank (module
+    docstring), `slots` the optimizer's state bytes per parameter byte."""
+    dp = lay.shards if lay.zero_stage >= 2 else lay.dp  # FSDP2 over dp x cp, ZeRO-1 over dp
+    if not sl.mixed:
+        shard = g / dp if lay.zero_stage >= 2 else g
+        return shard, shard, slots * (g / dp if lay.zero_stage >= 1 else g)
+    if lay.zero_stage >= 2:  # fp32 shards are the master copy: 4 + 4 + the moments, over dp
+        return 2 * g / dp, 2 * g / dp, (slots - 2) * g / dp
+    return g, 2 * g, slots * (g / dp if lay.zero_stage else g)  # fp32 gradients: 6 + 12 / d
 
 
 def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
@@ -141,7 +158,9 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
     slots = sl.optimizer_bytes / whole if whole else 0.0
     per_sample = saved.rest + sum(saved.blocks.values())
     transient = max(0.0, saved.peak - per_sample) / sl.saved_samples
-    biggest = max((saved.blocks[n] for n in names), default=0) / sl.saved_samples
+    table = saved.recomputed(lay.recomputation)[0]
+    rebuilt = (saved.blocks[n] - table[n] + saved.inputs[n] for n in names)
+    biggest = max(rebuilt, default=0) / sl.saved_samples
     best: MemoryPrediction | None = None
     for rank, chunks in enumerate(rank_blocks(prof, lay)):
         mine = [i for chunk in chunks for i in chunk]
@@ -154,22 +173,36 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
             b * (kept_rest + sum(saved.kept.get(names[i], 0) for i in chunk) / sl.saved_samples)
             for chunk in chunks
         ]
-        if lay.checkpointing:  # the transient, with the rest or one block rebuilt: the larger
+        if lay.recomputation:  # the transient, with the rest or one block rebuilt: the larger
             acts = in_flight(lay, rank, held, kept) + b * (transient + max(rest, biggest))
         else:  # the embeddings' on the first stage, the head's and the loss's on the last
             acts = in_flight(lay, rank, [h + b * rest for h in held], kept) + b * transient
-        dp = lay.shards if lay.zero_stage >= 2 else lay.dp  # FSDP2 over dp x cp, ZeRO-1 dp
-        shard = g / dp if lay.zero_stage >= 2 else g
-        optimizer = slots * (g / dp if lay.zero_stage >= 1 else g)
+        params, grads, optimizer = _state(sl, g, lay, slots)
         gathered = 0.0
         if lay.zero_stage >= 2:
             unit = max((sl.block_param_bytes[n] for n in names), default=0)
-            units = whole - sl.rest_param_bytes if lay.zero_stage == 2 else 2 * unit
-            gathered = sl.rest_param_bytes + units + unit
+            root = sl.rest_param_bytes if ends else 0  # this rank's part of the root unit
+            units = g - root if lay.zero_stage == 2 else 2 * unit  # stage 2: its blocks
+            gathered = root + units + unit * (1 + sl.mixed)  # a unit's gradient, in fp32
+            if lay.zero_stage == 2 and lay.microbatches > 1:  # reduced once a step: the
+                gathered += g - root  # unsharded gradients live across the micro-batches
+        dp = lay.shards if lay.zero_stage >= 2 else lay.dp
         updated = g / dp if lay.zero_stage >= 1 else g
         temporaries = sl.optimizer_step_bytes * updated / whole if whole else 0.0
-        this = MemoryPrediction(shard, shard, optimizer, acts, gathered, temporaries)
+        this = MemoryPrediction(params, grads, optimizer, acts, gathered, temporaries)
         if best is None or this.total_bytes > best.total_bytes:
             best = this
     assert best is not None
     return best
+
+
+def recompute_share(sl: Slice, lay: Layout) -> float:
+    """The step's extra compute for recomputation: `RECOMPUTE` for whole blocks; under a
+    selective policy its blocks' recomputed forward FLOPs over three forwards of the blocks
+    (forward and backward, the head's left out as `RECOMPUTE` leaves it)."""
+    if lay.checkpointing:
+        return RECOMPUTE
+    if not lay.recompute or sl.saved is None or not sl.saved.block_flops:
+        return 0.0
+    redone = sum(sl.saved.recomputed(lay.recompute)[1].values())
+    return float(redone / (3 * sum(sl.saved.block_flops.values())))

@@ -40,7 +40,14 @@ class SimulateConfig:
     gpus_per_node: int = option(8, "GPUs in one node")
     device: str = option("v100", "device name, or cpu (this machine, measured)", name=True)
     dtype: str = option(
-        "", "fp32, tf32, bf16 or fp16 (default: the device's; token models: bf16 or fp16 mixed)"
+        "",
+        "fp32, tf32, bf16, fp16, or fp8 (bf16 with the blocks' linear layers in float8) "
+        "(default: the device's; token models: bf16 or fp16 mixed)",
+    )
+    compile: bool = option(False, "token models: price torch.compile's fusion of each block")
+    async_tp: bool = option(False, "token models: tp exchanges overlapped with their products")
+    loss_parallel: bool = option(
+        False, "token models with tp: the loss on the logits split by vocabulary, not gathered"
     )
     tflops: float | None = option(None, "peak TFLOP/s (overrides the device's)")
     achieved: float | None = option(None, "fraction of peak every compute kernel reaches (0..4]")
@@ -72,6 +79,7 @@ class SimulateConfig:
             "schedule",
             "virtual_stages",
             "activation_checkpointing",
+            "sequence_parallel",
             "context_parallel",
             "context_attention",
             "expert_parallel",
@@ -143,6 +151,10 @@ def _device(args: SimulateConfig, shape: tuple[int, ...] | None) -> Device:
     else:
         device = DEVICES.get(args.device)
         device = device.at(args.dtype or device.precision)
+        if args.compile:
+            if "compile" not in device.achieved:
+                raise GradmeshError(f"--compile: no fitted fusion fraction for {args.device}")
+            device = dataclasses.replace(device, compiled=True)
     if args.tflops is not None:
         if args.tflops <= 0:
             raise GradmeshError(f"--tflops must be positive, got {args.tflops}")

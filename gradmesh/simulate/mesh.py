@@ -24,7 +24,13 @@ other groups whose ranks sit on that node (`shared_links`).
 **The search** (`search`) prices every layout gradmesh can run on the GPUs (`mesh_layouts`:
 tp within a node, pp up to the blocks, micro-batches of 1 to 8 samples, 1F1B and interleaved,
 and `variants`' ZeRO stages and recomputation) and keeps those that fit the device's memory
-(`USABLE` of it), fastest first.
+(all but `CONTEXT_GIB` of it), fastest first.
+
+**Memory as the allocator reports it.** `predict_memory` gives the live bytes at the peak;
+PyTorch's caching allocator reserves more than it holds live (blocks split and cached across
+sizes), and the published figures are its reservations: the device's `fragmentation` (a
+fraction of the live bytes, fitted on a calibration row) is added, up to the device's size,
+since near it the allocator frees its cache and retries before it fails.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from gradmesh.layout.pipeline.zero_bubble import fewest_microbatches
 from gradmesh.planner.axes_cost import Experts, Sequences, context_fits, record_axes
 from gradmesh.planner.links import Links
 from gradmesh.planner.mesh import MeshProfile, Slice, block_outputs
-from gradmesh.planner.mesh_cost import MeshPrediction, predict_mesh, variants
+from gradmesh.planner.mesh_cost import MeshPrediction, Overlap, predict_mesh, variants
 from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.devices import Device
 from gradmesh.simulate.meta_count import (
@@ -56,9 +62,10 @@ from gradmesh.simulate.meta_count import (
 )
 from gradmesh.train.config import STATE_TENSORS
 
-USABLE = 0.9
-"""Of a device's memory, what a layout may fill: the rest is the CUDA context, the
-communication library's buffers and the allocator's fragmentation (assumed)."""
+CONTEXT_GIB = 2.0
+"""Of a device's memory, what the CUDA context and the communication library's buffers take
+before a layout's first tensor (assumed: about 0.5 GiB of context and NCCL's channels' buffers
+on a node of 8 H100s); a layout fits when its live bytes at the peak fit the rest."""
 
 MASTER = 4
 """Mixed precision's fp32 copy of each parameter, bytes."""
@@ -66,16 +73,17 @@ MASTER = 4
 
 class PerSample(dict[int, Any]):
     """A micro-batch's figure at any number of samples, from one sample's: seconds times the
-    samples, or each exchange's bytes times the samples."""
+    samples (plus `fixed`, the micro-batch's kernel launches), or each exchange's bytes times
+    the samples."""
 
-    def __init__(self, one: Any) -> None:
+    def __init__(self, one: Any, fixed: float = 0.0) -> None:
         super().__init__()
-        self.one = one
+        self.one, self.fixed = one, fixed
 
     def __missing__(self, samples: int) -> Any:
         if isinstance(self.one, list):
             return [(n * samples, kind) for n, kind in self.one]
-        return self.one * samples
+        return self.fixed + self.one * samples
 
 
 def _slice(spec: Spec, counted: Counted, device: Device) -> Slice:
@@ -83,8 +91,12 @@ def _slice(spec: Spec, counted: Counted, device: Device) -> Slice:
     whole = sum(counted.block_param_bytes.values()) + counted.rest_param_bytes
     state = counted.parameters * (4 * STATE_TENSORS[spec.optimizer] + MASTER * spec.mixed)  # fp32
     memory_speed = device.bandwidth_gbs * 1e9 * device.achieved["memory"]
+    linear = sum(counted.block_param_bytes.values()) / (2 if spec.mixed else 4)
+    fp8_flops = 6 * spec.sequence * linear  # the blocks' linear layers, forward and backward
     return Slice(
-        seconds=PerSample(device.seconds(counted.kernels)),
+        seconds=PerSample(
+            device.seconds(counted.kernels, fp8_flops), device.launch_seconds(counted.calls)
+        ),
         exchanges=PerSample(counted.exchanges),
         update_s=(3 * whole + 2 * state) / memory_speed,  # read all, write parameters and state
         block_param_bytes=counted.block_param_bytes,
@@ -93,6 +105,7 @@ def _slice(spec: Spec, counted: Counted, device: Device) -> Slice:
         saved_samples=1,
         optimizer_bytes=int(state),
         optimizer_step_bytes=int(counted.parameters * 4),  # a foreach step's fp32 temporary
+        mixed=spec.mixed,
     )
 
 
@@ -267,6 +280,8 @@ class Priced:
     fits: bool
     tokens_per_s: float
     mfu: float
+    reserved_bytes: float = 0.0
+    """What the allocator reserves at the peak (module docstring)."""
 
     def row(self) -> dict[str, Any]:
         return {
@@ -274,6 +289,7 @@ class Priced:
             "fits": self.fits,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
+            "reserved_bytes": self.reserved_bytes,
         }
 
 
@@ -285,20 +301,26 @@ def price(
     per_node: int,
     sequence: int,
     algorithm: str = "ring",
+    async_tp: bool = False,
 ) -> Priced:
-    """One layout's step, memory (fitting `USABLE` of the device or not), tokens a second and
-    model FLOPs utilisation (the model's FLOPs, recomputation not counted, over the GPUs'
-    peak)."""
+    """One layout's step (FSDP2's exchanges overlapped with compute, as on a GPU's streams;
+    with `async_tp` the tp exchanges too), memory (live bytes fitting all but `CONTEXT_GIB`
+    of the device or not; reserved with the fragmentation), tokens a second and model FLOPs
+    utilisation (the model's FLOPs, recomputation not counted, over the GPUs' peak)."""
     links = shared_links(intra, inter, per_node, lay)
-    pred = predict_mesh(meta.profile, lay, links, algorithm)
-    assert pred.memory is not None
     dev = meta.device
-    fits = pred.memory.total_bytes <= USABLE * dev.memory_gib * 2**30
+    overlap = Overlap(fsdp=True, async_tp=dev.achieved.get("async_tp", 0.0) if async_tp else 0.0)
+    pred = predict_mesh(meta.profile, lay, links, algorithm, overlap=overlap)
+    assert pred.memory is not None
+    size = dev.memory_gib * 2**30
+    live = pred.memory.total_bytes
+    fits = live <= size - CONTEXT_GIB * 2**30
+    reserved = min(live * (1 + dev.achieved.get("fragmentation", 0.0)), size)
     batch = meta.profile.batch
     gpus = lay.shape.world
     peak = dev.peak_tflops[dev.precision] * 1e12
     mfu = meta.flops_per_sample * batch / (pred.step_s * gpus * peak)
-    return Priced(pred, fits, batch * sequence / pred.step_s, mfu)
+    return Priced(pred, fits, batch * sequence / pred.step_s, mfu, reserved)
 
 
 def search(
@@ -308,9 +330,11 @@ def search(
     per_node: int,
     sequence: int,
     algorithm: str = "ring",
+    async_tp: bool = False,
 ) -> list[Priced]:
-    """Every layout (`mesh_layouts` and `variants`) priced, those that fit first, fastest first;
-    one line naming the smallest memory a GPU needs when none fits."""
+    """Every layout (`mesh_layouts` and `variants`, and each without checkpointing with the
+    per-operation policy too) priced, those that fit first, fastest first; one line naming the
+    smallest memory a GPU needs when none fits."""
     prof = meta.profile
     tps = sorted(prof.slices)
     cps, eps = _degrees(prof)
@@ -318,18 +342,23 @@ def search(
     cut = blocks if prof.experts is None else 0  # a mixture's routing: no pipeline cuts it
     laid = mesh_layouts(prof.workers, prof.batch, cut, tps, cps, eps)
     found = variants([lay for lay in laid if context_fits(prof.sequences, lay)], blocks)
+    if blocks:
+        found += [dataclasses.replace(v, recompute="ops") for v in found if not v.checkpointing]
     if not found:
         raise GradmeshError(
             f"no layout of {prof.workers} GPUs divides the batch of {prof.batch} samples"
         )
-    priced = [price(meta, lay, intra, inter, per_node, sequence, algorithm) for lay in found]
+    priced = [
+        price(meta, lay, intra, inter, per_node, sequence, algorithm, async_tp) for lay in found
+    ]
     if not any(p.fits for p in priced):
         least = min(priced, key=lambda p: p.prediction.memory.total_bytes)  # type: ignore[union-attr]
         mem = least.prediction.memory
         assert mem is not None
         raise GradmeshError(
-            f"no layout of {prof.workers} GPUs fits {USABLE:.0%} of the device's "
-            f"{meta.device.memory_gib:g} GiB: the smallest, {least.prediction.layout.name}, needs "
+            f"no layout of {prof.workers} GPUs fits the device's {meta.device.memory_gib:g} GiB "
+            f"less {CONTEXT_GIB:g} GiB of context: the smallest, {least.prediction.layout.name}, "
+            "needs "
             f"{mem.total_bytes / 2**30:.1f} GiB a GPU, most of it {mem.dominant}"
         )
     return sorted(priced, key=lambda p: (not p.fits, p.prediction.step_s))

@@ -12,7 +12,7 @@ from typing import Any
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout, LayoutConfig
 from gradmesh.runtime.axes import divisors
-from gradmesh.simulate.mesh import USABLE, MetaProfile, Priced, meta_profile, price
+from gradmesh.simulate.mesh import CONTEXT_GIB, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
 from gradmesh.simulate.meta_count import Spec
 from gradmesh.train.config import STATE_TENSORS
@@ -37,6 +37,8 @@ def _spec(args: Any, device: Any) -> Spec:
         args.vocab,
         device.precision,
         args.optimizer,
+        sequence_parallel=args.layout.sequence_parallel,
+        loss_parallel=args.loss_parallel,
     )
 
 
@@ -45,7 +47,8 @@ def _mixed(args: Any, device: Any) -> Any:
     transformers train, unless `--dtype` names one."""
     if args.dtype:
         return device
-    return device.at("bf16" if "bf16" in device.peak_tflops else "fp16")
+    mixed = device.at("bf16" if "bf16" in device.peak_tflops else "fp16")
+    return dataclasses.replace(mixed, compiled=device.compiled)
 
 
 def _fixed(args: Any, n: int) -> Layout:
@@ -69,8 +72,11 @@ def _fixed(args: Any, n: int) -> Layout:
         )
     if args.zero_stage not in (0, 1, 2, 3):
         raise GradmeshError(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
-    if lay.activation_checkpointing not in ("", "blocks"):
-        raise GradmeshError("--activation-checkpointing: the simulator prices blocks (every one)")
+    if lay.activation_checkpointing not in ("", "blocks", "ops", "attention"):
+        raise GradmeshError(
+            f"--activation-checkpointing {lay.activation_checkpointing}: the simulator prices "
+            "blocks, ops and attention (every block), not every:K"
+        )
     return lay.at(n, args.zero_stage)
 
 
@@ -83,11 +89,12 @@ def _row(p: Priced, n: int) -> dict[str, Any]:
 
 
 def _line(r: dict[str, Any], memory_gib: float) -> str:
-    need = r["memory"]["total_bytes"] / GIB
+    need = r["reserved_bytes"] / GIB
     if r["step_s"] is None:
+        live = r["memory"]["total_bytes"] / GIB
         return (
-            f"| {r['gpus']} | {r['name']} | - | - | - | {need:.1f} | does not fit "
-            f"({USABLE:.0%} of {memory_gib:g} GiB) |"
+            f"| {r['gpus']} | {r['name']} | - | - | - | {live:.1f} live | does not fit "
+            f"({memory_gib:g} GiB less {CONTEXT_GIB:g}) |"
         )
     return (
         f"| {r['gpus']} | {r['name']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
@@ -129,7 +136,7 @@ def run_mesh(
         "device": {"name": args.device, **dataclasses.asdict(device)},
         "gpus_per_node": args.gpus_per_node,
         "links": {"intra": dataclasses.asdict(intra), "inter": dataclasses.asdict(inter)},
-        "usable_memory_fraction": USABLE,
+        "context_gib": CONTEXT_GIB,
         "rows": rows,
         "seconds_to_answer": time.perf_counter() - started,
     }
@@ -161,7 +168,7 @@ def _rows(
     for n in gpus:
         if args.search:
             at = _at(meta, n, args.global_batch)
-            found = search_layouts(at, intra, inter, per_node, sequence, algorithm)
+            found = search_layouts(at, intra, inter, per_node, sequence, algorithm, args.async_tp)
             rows += [_row(p, n) for p in found[: args.top]]
         else:
             lay = fixed[n]
@@ -172,7 +179,8 @@ def _rows(
                     f"--microbatches {lay.microbatches} at {n} GPUs"
                 )
             at = _at(meta, n, batch)
-            rows.append(_row(price(at, lay, intra, inter, per_node, sequence, algorithm), n))
+            priced = price(at, lay, intra, inter, per_node, sequence, algorithm, args.async_tp)
+            rows.append(_row(priced, n))
     return rows
 
 

@@ -1,7 +1,7 @@
 """Published figures the simulator is fitted on and checked against (`published.toml`):
-`predict` prices a row's set-up as its source states it, `fit_devices` fits the devices'
-achieved fractions on the calibration rows alone, and `validate` is `gradmesh simulate
---validate`'s table.
+`predict` prices a row's set-up as its source states it (`predict_gib` its memory),
+`gradmesh.simulate.fit.fit_devices` fits the devices' achieved fractions on the calibration rows
+alone, and `validate` is `gradmesh simulate --validate`'s table.
 
 A row is a convnet's images a second on one GPU, its scaling efficiency at n GPUs against
 `baseline_gpus` (data parallelism: `gradmesh.simulate.strategies`' allreduce, overlap with
@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import tomllib
-from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.simulate.devices import ACHIEVED, COMPUTE_KINDS, LIKE, SPECS, Device, make_device
+from gradmesh.simulate.devices import ACHIEVED, SPECS, Device, make_device
 
 PUBLISHED = Path(__file__).with_name("published.toml")
-METRICS = ("images_per_s", "efficiency", "tflops_per_gpu")
+METRICS = ("images_per_s", "efficiency", "tflops_per_gpu", "tokens_per_s_per_gpu")
 
 
 @dataclass(frozen=True)
@@ -58,15 +56,42 @@ class Row:
     pipeline_parallel: int = 1
     microbatches: int = 1
     checkpointing: bool = True
+    """Every block recomputed (Megatron's rows; `recompute` names a selective policy)."""
+    recompute: str = ""
+    zero_stage: int = 0
+    context_parallel: int = 1
+    schedule: str = ""
+    chunks: int = 1
+    compile: bool = False
+    float8: bool = False
+    async_tp: bool = False
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+    fused_attention: bool = True
+    """False for runs before FlashAttention (Megatron-LM 2021: its softmax kernel, scores
+    kept)."""
+    published_gib: float = 0.0
+    """The peak GiB a GPU the source reports (the allocator's reservation), where it does."""
+    label: str = ""
+    """The set-up in words, for a model whose arguments are too long to print."""
 
     @property
     def transformer(self) -> bool:
-        return self.metric == "tflops_per_gpu"
+        return self.metric in ("tflops_per_gpu", "tokens_per_s_per_gpu")
 
     @property
-    def setup(self) -> tuple[str, str, int]:
-        """What a calibration row and a validation row must not share."""
-        return (self.model + self.model_args, self.device, self.gpus)
+    def setup(self) -> tuple[Any, ...]:
+        """What a calibration row and a validation row must not share: the model, device and
+        GPUs, and what else the run changed (its sequence, layout and options)."""
+        return (
+            self.model + self.model_args,
+            self.device,
+            self.gpus,
+            self.sequence,
+            self.precision,
+            (self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.schedule),
+            (self.compile, self.float8, self.async_tp),
+        )
 
 
 @dataclass(frozen=True)
@@ -147,13 +172,29 @@ def _meta(row: Row) -> Any:
     from gradmesh.simulate.mesh import meta_profile
     from gradmesh.simulate.meta_count import Spec
 
-    spec = Spec(row.model, model_args(row.model_args), row.sequence, row.vocab, _precision(row))
+    spec = Spec(
+        row.model,
+        model_args(row.model_args),
+        row.sequence,
+        row.vocab,
+        _precision(row),
+        sequence_parallel=row.sequence_parallel,
+        loss_parallel=row.loss_parallel,
+        fused_attention=row.fused_attention,
+    )
     device = DEVICES.get(row.device).at(spec.precision)
     return meta_profile(spec, row.gpus, row.batch, [row.tensor_parallel], device)
 
 
 def _precision(row: Row) -> str:
     return row.precision or ("bf16" if row.transformer else SPECS[row.device][3])
+
+
+def _device(row: Row, fractions: dict[str, float]) -> Device:
+    """`row`'s device with these fractions, in its precision, float8 and compiled as it ran."""
+    device = make_device(row.device, fractions).at(_precision(row))
+    device = device.at("fp8") if row.float8 else device
+    return dataclasses.replace(device, compiled=row.compile)
 
 
 def megatron_flops(args: dict[str, Any], batch: int, sequence: int, vocab: int) -> float:
@@ -165,73 +206,48 @@ def megatron_flops(args: dict[str, Any], batch: int, sequence: int, vocab: int) 
     )
 
 
-def _transformer(row: Row, device: Device) -> float:
+def _priced(row: Row, device: Device) -> Any:
     from gradmesh.layout.config import Layout
     from gradmesh.simulate.mesh import price
 
     meta = _meta(row).on(device)
-    tp, pp = row.tensor_parallel, row.pipeline_parallel
-    dp = row.gpus // (tp * pp)
-    m = row.batch // (dp * row.microbatches)
-    lay = Layout(dp, tp, pp, m, "1f1b" if pp > 1 else None, 1, 0, row.checkpointing)
+    tp, pp, cp = row.tensor_parallel, row.pipeline_parallel, row.context_parallel
+    dp = row.gpus // (tp * pp * cp)
+    m = (
+        row.microbatches
+        if row.metric == "tokens_per_s_per_gpu"
+        else row.batch // (dp * row.microbatches)
+    )
+    schedule = (row.schedule or "1f1b") if pp > 1 else None
+    lay = Layout(
+        dp, tp, pp, m, schedule, row.chunks, row.zero_stage, row.checkpointing, cp,
+        recompute=row.recompute,
+    )  # fmt: skip
     intra, inter = _links(row)
-    step = price(meta, lay, intra, inter, row.gpus_per_node, row.sequence).prediction.step_s
+    return price(meta, lay, intra, inter, row.gpus_per_node, row.sequence, async_tp=row.async_tp)
+
+
+def _transformer(row: Row, device: Device) -> float:
+    priced = _priced(row, device)
+    if row.metric == "tokens_per_s_per_gpu":
+        return float(priced.tokens_per_s / row.gpus)
     flops = megatron_flops(model_args(row.model_args), row.batch, row.sequence, row.vocab)
-    return flops / (step * row.gpus) / 1e12
+    return float(flops / (priced.prediction.step_s * row.gpus) / 1e12)
+
+
+def predict_gib(row: Row, achieved: dict[str, dict[str, float]] | None = None) -> float:
+    """The GiB a GPU the simulator's allocator reserves at `row`'s peak (0 for a convnet)."""
+    if not row.transformer:
+        return 0.0
+    device = _device(row, (achieved or ACHIEVED)[row.device])
+    return float(_priced(row, device).reserved_bytes / 2**30)
 
 
 def predict(row: Row, achieved: dict[str, dict[str, float]] | None = None) -> float:
     """The simulator's figure for `row`'s set-up, its device's fractions `achieved` (the
     fitted ones, `ACHIEVED`, unless given)."""
-    fractions = (achieved or ACHIEVED)[row.device]
-    device = make_device(row.device, fractions).at(_precision(row))
+    device = _device(row, (achieved or ACHIEVED)[row.device])
     return _transformer(row, device) if row.transformer else _convnet(row, device)
-
-
-# -- the fit ----------------------------------------------------------------------------------
-
-
-def _solve(figure: Callable[[float], float], target: float) -> float:
-    """x in [0.01, 4] where the increasing `figure(x)` is `target` (bisection in log space)."""
-    lo, hi = math.log(0.01), math.log(4.0)
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if figure(math.exp(mid)) < target else (lo, mid)
-    return math.exp((lo + hi) / 2)
-
-
-def fit_devices(table: Table) -> dict[str, dict[str, float]]:
-    """Each device's achieved fractions by kind, fitted on the calibration rows alone (each
-    fits its `fits`, given the others; three sweeps where a device has several), starting from
-    the device it is `LIKE` (or from 0.5) for the kinds no row of its own fits."""
-    fitted: dict[str, dict[str, float]] = {}
-    for name in SPECS:
-        like = LIKE[name]
-        base = dict(fitted[like]) if like else dict.fromkeys(COMPUTE_KINDS, 0.5)
-        mine = [r for r in table.role("calibration") if r.device == name]
-        for _ in range(3 if len(mine) > 1 else 1):
-            for row in mine:
-                base = _fit_row(row, base)
-        fitted[name] = {k: round(v, 3) for k, v in base.items()}
-    return fitted
-
-
-TIED: dict[str, tuple[str, ...]] = {"conv": ("matmul", "attention"), "matmul": ("attention",)}
-"""Kinds fitted together with a row's own: a convnet's row fits its fully connected layers' and
-any attention's fraction with its convolutions', a transformer's its attention's with its
-matrix products' (no calibration row separates them)."""
-
-
-def _fit_row(row: Row, base: dict[str, float]) -> dict[str, float]:
-    def with_(x: float) -> dict[str, float]:
-        if row.fits == "compute":
-            return {k: v * x for k, v in base.items()}
-        return {**base, row.fits: x, **dict.fromkeys(TIED.get(row.fits, ()), x)}
-
-    if row.fits not in (*COMPUTE_KINDS, "compute"):
-        raise GradmeshError(f"calibration row {row.id}: fits must name a kind of kernel")
-    x = _solve(lambda v: predict(row, {row.device: with_(v)}), row.published)
-    return with_(x)
 
 
 # -- the table --------------------------------------------------------------------------------
@@ -245,42 +261,64 @@ def error(row: Row, predicted: float) -> float:
 
 
 def validate(table: Table) -> tuple[list[dict[str, Any]], bool]:
-    """Every row's prediction beside its published figure, and whether every validation row
-    is within its metric's tolerance."""
+    """Every row's prediction beside its published figure (and its GiB a GPU beside the
+    published one, where given), and whether every validation row is within its metric's
+    tolerance (and the memory's, `tolerance.gib`)."""
     out, good = [], True
     for row in table.rows:
         predicted = predict(row)
         err = error(row, predicted)
         within = abs(err) <= table.tolerance[row.metric] + 1e-9
+        extra: dict[str, Any] = {}
+        if row.published_gib:
+            gib = predict_gib(row)
+            gib_err = gib / row.published_gib - 1
+            within &= abs(gib_err) <= table.tolerance["gib"] + 1e-9
+            extra = {"predicted_gib": gib, "gib_error": gib_err}
         if row.role == "validation":
             good &= within
         out.append(
-            {**dataclasses.asdict(row), "predicted": predicted, "error": err, "within": within}
+            {
+                **dataclasses.asdict(row),
+                "predicted": predicted,
+                "error": err,
+                "within": within,
+                **extra,
+            }
         )
     return out, good
 
 
 def markdown(results: list[dict[str, Any]], table: Table) -> str:
     lines = [
-        "| row | role | source | set-up | published | predicted | error | within |",
-        "|---|---|---|---|---|---|---|---|",
+        "| row | role | source | set-up | published | predicted | error | GiB published | "
+        "GiB predicted | GiB error | within |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         shown = (
             (f"{r['published']:.0%}", f"{r['predicted']:.0%}", f"{r['error'] * 100:+.1f} pt")
             if r["metric"] == "efficiency"
-            else (f"{r['published']:g}", f"{r['predicted']:.1f}", f"{r['error']:+.1%}")
+            else (f"{r['published']:,g}", f"{r['predicted']:,.1f}", f"{r['error']:+.1%}")
         )
-        what = {"images_per_s": "images/s", "tflops_per_gpu": "TFLOP/s a GPU"}.get(
-            r["metric"], f"efficiency against {r['baseline_gpus']}"
-        )
-        setup = f"{r['model']} {r['model_args']} on {r['gpus']} {r['device']}, {what}".replace(
-            "  ", " "
-        )
+        gib = ("", "", "")
+        if r["published_gib"]:
+            gib = (
+                f"{r['published_gib']:g}",
+                f"{r['predicted_gib']:.1f}",
+                f"{r['gib_error']:+.1%}",
+            )
+        what = {
+            "images_per_s": "images/s",
+            "tflops_per_gpu": "TFLOP/s a GPU",
+            "tokens_per_s_per_gpu": "tokens/s a GPU",
+        }.get(r["metric"], f"efficiency against {r['baseline_gpus']}")
+        model = r["label"] or f"{r['model']} {r['model_args']}"
+        setup = f"{model} on {r['gpus']} {r['device']}, {what}".replace("  ", " ")
         mark = "fitted" if r["role"] == "calibration" else ("yes" if r["within"] else "**no**")
         lines.append(
-            f"| {r['id']} | {r['role']} | {r['source']} | {setup} | {shown[0]} | {shown[1]} | "
-            f"{shown[2]} | {mark} |"
+            f"| {r['id']} | {r['role']} | {r['source']} | {setup} | {' | '.join(shown)} | "
+            f"{' | '.join(gib)} | {mark} |"
         )
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -50,8 +51,10 @@ def test_a_deep_model_counted_from_two_depths_is_the_whole_count(
             k: [f, n] for k, f, n in a.kernels
         }
         assert sorted(a.exchanges) == sorted(b.exchanges)
-        assert (a.saved, a.block_param_bytes, a.rest_param_bytes) == (
-            b.saved,
+        assert a.saved.peak == pytest.approx(b.saved.peak, rel=0.02)  # extrapolated, not summed
+        assert a.calls == pytest.approx(b.calls)
+        assert (replace(a.saved, peak=0), a.block_param_bytes, a.rest_param_bytes) == (
+            replace(b.saved, peak=0),
             b.block_param_bytes,
             b.rest_param_bytes,
         )
@@ -71,14 +74,17 @@ def test_tensor_parallel_exchanges_are_counted_on_the_meta_device() -> None:
     assert meta.profile.slices[2].exchanges[3] == [(3 * n, k) for n, k in made]
 
 
-def test_mixed_precision_state_is_16_bytes_a_parameter() -> None:
-    """bf16 parameters and gradients, AdamW's fp32 copy and two moments: 2 + 2 + 12 bytes a
-    parameter on one GPU, the ZeRO-3 shard of it on 8; checkpointing keeps far less."""
+def test_mixed_precision_state_is_megatrons_and_fsdps_bytes_a_parameter() -> None:
+    """bf16 parameters, fp32 gradients, AdamW's fp32 copy and two moments: 2 + 4 + 12 bytes a
+    parameter on one GPU, Megatron's distributed optimizer's 6 + 12 / d with ZeRO-1, FSDP2's
+    (4 + 4 + 8) / d with ZeRO-3; checkpointing keeps far less."""
     meta = meta_profile(SMALL, 8, 16, [1], A100)
     one = price(meta, Layout(1, 1, 1, 16), INTRA, INTER, 8, 256).prediction.memory
     assert one is not None
     params = meta.parameters
-    assert one.param_bytes + one.grad_bytes + one.optimizer_bytes == pytest.approx(16 * params)
+    assert one.param_bytes + one.grad_bytes + one.optimizer_bytes == pytest.approx(18 * params)
+    zero1 = price(meta, Layout(8, 1, 1, 2, None, 1, 1), INTRA, INTER, 8, 256).prediction.memory
+    assert zero1 is not None and zero1.state_bytes == pytest.approx((6 + 12 / 8) * params)
     sharded = price(meta, Layout(8, 1, 1, 2, None, 1, 3), INTRA, INTER, 8, 256).prediction.memory
     assert sharded is not None and sharded.state_bytes == pytest.approx(2 * params)
     kept = price(meta, Layout(8, 1, 1, 2, None, 1, 0, True), INTRA, INTER, 8, 256)
@@ -145,7 +151,7 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
             ["--global-batch", "12", "--microbatches", "2"],
             "a batch of 12 samples does not divide into dp 16 x --microbatches 2 at 16 GPUs",
         ),
-        (["--dtype", "fp8"], "unknown precision 'fp8' for this device (valid: fp32, fp16)"),
+        (["--dtype", "fp8"], "fp8 needs a device with fp8 tensor cores and a fitted fp8 fraction"),
     ],
 )
 def test_bad_transformer_input_is_one_line(
@@ -191,5 +197,6 @@ def test_a_model_no_layout_fits_says_the_smallest_need(cli_line: Callable[..., s
     args = ["simulate", "--model", "gpt", "--model-args", "dim=25600,depth=128,heads=160"]
     args += ["--sequence-length", "2048", "--device", "a100", "--search", "--global-batch", "8"]
     line = cli_line([*args, "--gpus", "8"])
-    assert "no layout of 8 GPUs fits 90% of the device's 80 GiB: the smallest, " in line
+    want = "no layout of 8 GPUs fits the device's 80 GiB less 2 GiB of context: the smallest, "
+    assert want in line
     assert "GiB a GPU, most of it" in line
