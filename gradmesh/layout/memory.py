@@ -261,20 +261,34 @@ def saved_activations(
     finally:
         for h in hooks:
             h.remove()
+    measured = _peak_after(model, loss, run, peak)
+    out = Saved(saved.blocks, entered, saved.rest, measured, outputs.blocks, outputs.rest)
+    return _selective(out, policy, inner)
+
+
+def _peak_after(
+    model: nn.Module, loss: torch.Tensor, run: Callable[[], torch.Tensor], peak: bool
+) -> int:
+    """`loss`'s backward (the gradients allocated, as after the first step: the meta count's
+    `live_peak` relies on it too), then with `peak` the peak of a step of `run`."""
     loss.backward()  # type: ignore[no-untyped-call]
-    for p in model.parameters():  # gradients allocated before the measured step, as after step 1
+    for p in model.parameters():
         if p.grad is not None:
             p.grad.zero_()
 
     def step() -> None:
         run().backward()  # type: ignore[no-untyped-call]
 
-    measured = peak_bytes(step) if peak else 0
-    out = Saved(saved.blocks, entered, saved.rest, measured, outputs.blocks, outputs.rest)
+    return peak_bytes(step) if peak else 0
+
+
+def _selective(out: Saved, policy: selective.PolicyCount, inner: _ByBlock) -> Saved:
+    """`out` with what each block keeps and redoes under the selective recomputations."""
+    names, entered = list(out.blocks), out.inputs
     out.ops = {n: entered[n] + policy.kept.get(n, 0) for n in names}
     out.ops_redone = {n: policy.redone.get(n, 0.0) for n in names}
     out.block_flops = {n: policy.flops.get(n, 0.0) for n in names}
-    out.attention = {n: saved.blocks[n] - inner.blocks[n] + inner.entered.get(n, 0) for n in names}
+    out.attention = {n: out.blocks[n] - inner.blocks[n] + inner.entered.get(n, 0) for n in names}
     out.attention_redone = {n: policy.inner.get(n, 0.0) for n in names}
     return out
 
