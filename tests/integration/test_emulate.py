@@ -14,7 +14,7 @@ import pytest
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE
 from gradmesh.launch import namespaces
-from gradmesh.launch.emulate import EmulatedCluster
+from gradmesh.launch.emulate import EmulatedCluster, HostJob
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
@@ -108,6 +108,26 @@ ALLREDUCE_LOOP = (
     "    allreduce(torch.ones(1 << 18))\n"
     "    time.sleep({pause})\n"
 )
+REDUCING_LOOP = ALLREDUCE_LOOP.replace(
+    "    time.sleep({pause})\n",
+    "    open(f'{marks}/reducing-{{gradmesh.rank()}}', 'w').close()\n    time.sleep({pause})\n",
+)
+"""ALLREDUCE_LOOP that also marks, in folder `marks`, each rank that has finished an allreduce."""
+
+
+def wait_until_reducing(marks: Path, job: HostJob, ranks: int, timeout: float = 120) -> None:
+    """Until every rank has finished an allreduce (its mark in `marks`): a condition, not a
+    fixed sleep that a slow machine could outlast. Fails if a host ends first or it takes
+    longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while len(list(marks.glob("reducing-*"))) < ranks:
+        ended = [i for i, p in enumerate(job.procs) if p.poll() is not None]
+        assert not ended, f"hosts {ended} ended before every rank was reducing"
+        assert time.monotonic() < deadline, (
+            f"only {sorted(m.name for m in marks.glob('reducing-*'))} of {ranks} ranks "
+            f"finished an allreduce within {timeout:.0f} s"
+        )
+        time.sleep(0.05)
 
 
 def test_cluster_api_counts_bytes_and_survives_nothing(tmp_path: Path) -> None:
@@ -125,10 +145,10 @@ def test_cluster_api_counts_bytes_and_survives_nothing(tmp_path: Path) -> None:
 
 def test_a_killed_host_ends_the_job_and_leaves_nothing(tmp_path: Path) -> None:
     script = tmp_path / "job.py"
-    script.write_text(ALLREDUCE_LOOP.format(n=10_000, pause=0.01))
+    script.write_text(REDUCING_LOOP.format(n=10_000, pause=0.01, marks=tmp_path))
     with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
         job = cluster.start(["gradmesh", "run", "--timeout", "5", "--", "python", str(script)])
-        time.sleep(6)  # the workers are up and reducing
+        wait_until_reducing(tmp_path, job, ranks=2)
         cluster.kill_host(1)
         started = time.monotonic()
         code = job.wait(timeout=60)
@@ -143,10 +163,10 @@ def test_an_unplugged_link_fails_within_the_timeout(
     """A link that goes down ends a synchronous job soon after the timeout (not torch's 30
     minutes), naming the rank and the operation."""
     script = tmp_path / "job.py"
-    script.write_text(ALLREDUCE_LOOP.format(n=10_000, pause=0.01))
+    script.write_text(REDUCING_LOOP.format(n=10_000, pause=0.01, marks=tmp_path))
     with EmulatedCluster(hosts=2, bandwidth="1gbit") as cluster:
         job = cluster.start(["gradmesh", "run", "--timeout", "4", "--", "python", str(script)])
-        time.sleep(6)
+        wait_until_reducing(tmp_path, job, ranks=2)
         cluster.set_link(1, up=False)
         unplugged = time.monotonic()
         while all(p.poll() is None for p in job.procs) and time.monotonic() - unplugged < 60:
