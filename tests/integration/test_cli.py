@@ -217,27 +217,29 @@ def bad_checkpoint(folder: Path, kind: str) -> Path:
     ],
 )
 def test_a_checkpoint_of_the_wrong_structure_is_one_line_before_launch(
-    kind: str, message: str, tmp_path: Path
+    kind: str, message: str, tmp_path: Path, cli_line: Callable[..., str]
 ) -> None:
+    """Refused before launch, so `main` in this process is the command's run (exit code 2,
+    one line, nothing on stdout: `cli_line`), without a second interpreter importing torch."""
     path = bad_checkpoint(tmp_path / "ckpt", kind)
-    out = gradmesh("train", "--checkpoint-dir", str(tmp_path / "ckpt"), timeout=60)
-    assert out.returncode == 2 and out.stdout == ""
-    line = one_line_error(out)
+    line = cli_line(["train", "--checkpoint-dir", str(tmp_path / "ckpt")])
     assert line.startswith(f"gradmesh train: error: checkpoint {path} does not fit this run: ")
     assert message in line and line.endswith("no earlier complete checkpoint to fall back to")
 
 
 @pytest.mark.parametrize("flag", ["--json", "--timeline", "--checkpoint-dir", "--tensorboard"])
-def test_unwritable_outputs_are_refused_before_training(flag: str, tmp_path: Path) -> None:
-    """Checked at start-up: a run is never trained only to lose its results at the end."""
+def test_unwritable_outputs_are_refused_before_training(
+    flag: str, tmp_path: Path, cli_line: Callable[..., str]
+) -> None:
+    """Checked at start-up: a run is never trained only to lose its results at the end (exit
+    code 2, one line, no report on stdout: `cli_line`, `main` in this process)."""
     afile = tmp_path / "a-file"
     afile.write_text("")
     folder = flag in ("--checkpoint-dir", "--tensorboard")
     target = afile if folder else tmp_path / "missing" / "out.json"
     started = time.monotonic()
-    out = gradmesh("train", flag, str(target), timeout=60)
-    assert time.monotonic() - started < 30 and out.stdout == ""  # a hang guard; no report
-    line = one_line_error(out)
+    line = cli_line(["train", flag, str(target)])
+    assert time.monotonic() - started < 30  # a hang guard
     assert line.startswith(f"gradmesh train: error: {flag} {target}")
     assert "is not a folder" in line or "does not exist" in line
 
