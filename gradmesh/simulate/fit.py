@@ -48,11 +48,19 @@ any attention's fraction with its convolutions', a transformer's its attention's
 matrix products' (no calibration row separates them)."""
 
 
-FITTED = {"fp8": 1.0, "compile": -1.0, "launch": -1e-5, "async_tp": 1.0, "fragmentation": 1.0}
+FITTED = {
+    "fp8": 1.0,
+    "compile": -1.0,
+    "launch": -1e-5,
+    "async_tp": 1.0,
+    "tp_overlap": 1.0,
+    "fragmentation": 1.0,
+}
 """What a row may fit besides the kinds' fractions, with its unit and sign: float8's fraction of
 the fp8 peak, the fraction of memory-bound work left by torch.compile's fusion (more is slower),
-each kernel's launch and tail in units of 10 us (more is slower), the fraction of async TP's
-exchanges hidden, the allocator's fragmentation (on `published_gib`)."""
+each kernel's launch and tail in units of 10 us (more is slower), the fraction of the tp
+exchanges hidden by async TP and by torch.compile without it, the allocator's fragmentation (on
+`published_gib`)."""
 
 
 def _fit_row(row: Row, base: dict[str, float], own: set[str]) -> dict[str, float]:
@@ -73,7 +81,8 @@ def _fit_one(row: Row, name: str, base: dict[str, float], own: set[str]) -> dict
     def with_(x: float) -> dict[str, float]:
         if name == "compute":
             return {k: v * x if k in COMPUTE_KINDS else v for k, v in base.items()}
-        value = min(x, 1.0) if name == "async_tp" else x * abs(unit)  # a fraction hidden
+        hidden = name in ("async_tp", "tp_overlap")  # fractions of the exchanges' time
+        value = min(x, 1.0) if hidden else x * abs(unit)
         return {**base, name: value, **dict.fromkeys(tied, x)}
 
     memory = name in MEMORY_FITS

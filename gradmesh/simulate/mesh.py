@@ -304,12 +304,16 @@ def price(
     async_tp: bool = False,
 ) -> Priced:
     """One layout's step (FSDP2's exchanges overlapped with compute, as on a GPU's streams;
-    with `async_tp` the tp exchanges too), memory (live bytes fitting all but `CONTEXT_GIB`
-    of the device or not; reserved with the fragmentation), tokens a second and model FLOPs
-    utilisation (the model's FLOPs, recomputation not counted, over the GPUs' peak)."""
+    the tp exchanges partly, compiled (`achieved["tp_overlap"]`: the compiler's collectives
+    wait where their results are read) or with `async_tp` (`achieved["async_tp"]`)), memory
+    (live bytes fitting all but `CONTEXT_GIB` of the device or not; reserved with the
+    fragmentation), tokens a second and model FLOPs utilisation (the model's FLOPs,
+    recomputation not counted, over the GPUs' peak)."""
     links = shared_links(intra, inter, per_node, lay)
     dev = meta.device
-    overlap = Overlap(fsdp=True, async_tp=dev.achieved.get("async_tp", 0.0) if async_tp else 0.0)
+    hidden = dev.achieved.get("async_tp" if async_tp else "tp_overlap", 0.0)
+    hidden = hidden if (async_tp or dev.compiled) else 0.0  # eager tp: every exchange waited
+    overlap = Overlap(fsdp=True, async_tp=hidden)
     pred = predict_mesh(meta.profile, lay, links, algorithm, overlap=overlap)
     assert pred.memory is not None
     size = dev.memory_gib * 2**30
