@@ -97,10 +97,15 @@ def _unit_exchanges_s(
 def _unit_collectives(prof: MeshProfile, lay: Layout) -> list[tuple[int, int]]:
     """FSDP2's units (bytes) and the collectives each makes a step: an all-gather and a
     reduce-scatter, and at stage 3 a second all-gather for backward, but for the root, which
-    FSDP2 keeps gathered from forward to backward."""
+    FSDP2 keeps gathered from forward to backward; each micro-batch of gradient accumulation
+    again (gradmesh's FSDP2 gathers and reduces every micro-batch). In a pipeline (a layout
+    gradmesh refuses, priced as torchtitan runs it) once a step: gathered for the step, the
+    gradients reduced after the last micro-batch."""
     sl = prof.slices[lay.tp]
     calls = 3 if lay.zero_stage == 3 else 2
-    return [(b, calls) for b in sl.block_param_bytes.values()] + [(sl.rest_param_bytes, 2)]
+    again = lay.microbatches if lay.pp == 1 else 1
+    units = [(b, calls * again) for b in sl.block_param_bytes.values()]
+    return [*units, (sl.rest_param_bytes, 2 * again)]
 
 
 def _pipeline_rank(prof: MeshProfile, lay: Layout) -> tuple[float, int, int]:

@@ -184,8 +184,8 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
             root = sl.rest_param_bytes if ends else 0  # this rank's part of the root unit
             units = g - root if lay.zero_stage == 2 else 2 * unit  # stage 2: its blocks
             gathered = root + units + unit * (1 + sl.mixed)  # a unit's gradient, in fp32
-            if lay.zero_stage == 2 and lay.microbatches > 1:  # reduced once a step: the
-                gathered += g - root  # unsharded gradients live across the micro-batches
+            if lay.zero_stage == 2 and lay.pp > 1:  # torchtitan's FSDP in a pipeline reduces
+                gathered += g - root  # once a step: the unsharded gradients live through it
         dp = lay.shards if lay.zero_stage >= 2 else lay.dp
         updated = g / dp if lay.zero_stage >= 1 else g
         temporaries = sl.optimizer_step_bytes * updated / whole if whole else 0.0

@@ -94,8 +94,8 @@ def test_mixed_precision_state_is_megatrons_and_fsdps_bytes_a_parameter() -> Non
 
 def test_search_lays_out_gpt3_on_1024_a100s_within_their_memory(tmp_path: Path, cli: CLI) -> None:
     """A 175-billion-parameter GPT on 1,024 A100 80 GB GPUs, 8 a node on NVSwitch, 8 HDR
-    InfiniBand ports a node: the fastest layout fits 90% of 80 GiB, keeps tensor parallelism
-    within a node and uses every GPU; the alternatives follow slowest last."""
+    InfiniBand ports a node: the fastest layout fits 80 GiB less 2 of context, keeps tensor
+    parallelism within a node and uses every GPU; the alternatives follow slowest last."""
     out = tmp_path / "search.json"
     args = ["simulate", "--model", "gpt", "--model-args", "dim=12288,depth=96,heads=96"]
     args += ["--gpus", "1024", "--sequence-length", "2048", "--device", "a100"]
@@ -108,7 +108,7 @@ def test_search_lays_out_gpt3_on_1024_a100s_within_their_memory(tmp_path: Path, 
     assert payload["parameters"] == pytest.approx(175e9, rel=0.01)
     rows = payload["rows"]
     best = rows[0]
-    assert best["fits"] and best["memory"]["total_bytes"] <= 0.9 * 80 * 2**30
+    assert best["fits"] and best["memory"]["total_bytes"] <= (80 - 2) * 2**30  # less context
     assert best["tp"] <= 8 and best["dp"] * best["tp"] * best["pp"] == 1024
     assert 0.2 < best["mfu"] < 0.8
     steps = [r["step_s"] for r in rows]
