@@ -27,7 +27,7 @@ transformers = pytest.importorskip(
 
 DEPTH = 8
 STEPS = 8
-"""Fewer than `test_script_api`'s 20: each layout's first steps already differ if a schedule
+"""As many as `test_script_api`'s: each layout's first steps already differ if a schedule
 drops, repeats or misorders a B or a W (a wrong gradient moves AdamW's very first update)."""
 LAYOUTS = {  # name: (tp, pp, schedule, micro-batches, stages)
     "pp2-zb-h1": (1, 2, "zb-h1", 4, 2),
