@@ -7,6 +7,7 @@ in is one line on each rank that called it, and the joined rank stays joined."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -159,11 +160,17 @@ def test_join_on_a_process_sets_optimizer_waits_for_no_rank_outside_it() -> None
         assert torch.equal(a, b)
 
 
-def alone_after_join() -> tuple[str, float] | str:
+def alone_after_join(flag: Path) -> tuple[str, float] | str:
     hvd.init()
     assert hvd.join() == 1  # the highest rank of those joining last
     if hvd.rank() == 1:
-        time.sleep(4.0)  # alive, but calling nothing
+        # alive, but calling nothing, until rank 0 has its error (not a fixed sleep that a
+        # slow machine could outlast); within run_ranks' 60 s
+        deadline = time.monotonic() + 45
+        while not flag.exists():
+            if time.monotonic() > deadline:
+                return "rank 0 never had its error"
+            time.sleep(0.05)
         return "idle"
     started = time.monotonic()
     try:
@@ -171,10 +178,15 @@ def alone_after_join() -> tuple[str, float] | str:
         return "no error", 0.0
     except hvd.GradmeshError as exc:
         return str(exc), time.monotonic() - started
+    finally:
+        flag.touch()
 
 
-def test_a_collective_no_other_rank_calls_after_join_names_the_rank_and_the_operation() -> None:
-    (said, waited), idle = run_ranks(alone_after_join, 2, init={"timeout_s": 2.0})
+def test_a_collective_no_other_rank_calls_after_join_names_the_rank_and_the_operation(
+    tmp_path: Path,
+) -> None:
+    flag = tmp_path / "flag"
+    (said, waited), idle = run_ranks(alone_after_join, 2, flag, init={"timeout_s": 2.0})
     assert idle == "idle"
     assert said.startswith("rank 0: allreduce 'allreduce.noname.0' on the global process set: ")
     assert "rank 1 did not take part within 2 s" in said and "\n" not in said
