@@ -6,7 +6,9 @@ cost formulas (`Links.allreduce_s`).
 
 The rates are the standards' (per direction; NVLink and NVSwitch per GPU, summed over its
 links); the latencies, fractions and overheads are typical published figures for each kind of
-transport, assumed, not fitted: TCP pays the kernel's stack on every message, RDMA (RoCE,
+transport, assumed, not fitted (H100's: NCCL's ring reaches about 370 GB/s of NVLink 4's 450 a
+direction, NVLS's in-switch reduction about 480 GB/s of allreduce bus bandwidth, and 400 Gbit/s
+InfiniBand 46-49 GB/s a GPU): TCP pays the kernel's stack on every message, RDMA (RoCE,
 InfiniBand) does not, and GPU-to-GPU links within a node are the fastest and the shortest.
 Options given beside a fabric (`--inter-node-bandwidth`, `--latency`, ...) override its figures.
 """
@@ -46,7 +48,16 @@ for _name, _fabric in {
     "nvlink-p100": Fabric(640, 2 * _US, 0.8, 5 * _US, "NVLink 1: 4 links of 20 GB/s a GPU"),
     "nvlink-v100": Fabric(1200, 2 * _US, 0.8, 5 * _US, "NVLink 2: 6 links of 25 GB/s a GPU"),
     "nvswitch-a100": Fabric(2400, 2 * _US, 0.8, 5 * _US, "NVLink 3 over NVSwitch, 300 GB/s"),
-    "nvswitch-h100": Fabric(3600, 2 * _US, 0.8, 5 * _US, "NVLink 4 over NVSwitch, 450 GB/s"),
+    "nvswitch-h100": Fabric(
+        3600, 2 * _US, 370 / 450, 5 * _US, "NVLink 4 over NVSwitch, 450 GB/s; NCCL's ring 370"
+    ),
+    "nvls-h100": Fabric(
+        3600,
+        2 * _US,
+        480 / 450,
+        5 * _US,
+        "NVLink 4 over NVSwitch with NVLS (the switch reduces): allreduce at 480 GB/s",
+    ),  # fmt: skip
     "pcie3": Fabric(126, 5 * _US, 0.8, 5 * _US, "PCIe 3.0 x16, 15.75 GB/s"),
     "pcie4": Fabric(252, 5 * _US, 0.8, 5 * _US, "PCIe 4.0 x16, 31.5 GB/s"),
     "ethernet-10g": Fabric(10, 25 * _US, 0.8, 15 * _US, "TCP over 10 Gbit/s Ethernet"),
@@ -57,7 +68,9 @@ for _name, _fabric in {
     "roce-100g": Fabric(100, 3 * _US, 0.9, 5 * _US, "RDMA over 100 Gbit/s Converged Ethernet"),
     "infiniband-edr": Fabric(100, 1 * _US, 0.9, 5 * _US, "InfiniBand EDR, 100 Gbit/s a port"),
     "infiniband-hdr": Fabric(200, 1 * _US, 0.9, 5 * _US, "InfiniBand HDR, 200 Gbit/s a port"),
-    "infiniband-ndr": Fabric(400, 1 * _US, 0.9, 5 * _US, "InfiniBand NDR, 400 Gbit/s a port"),
+    "infiniband-ndr": Fabric(
+        400, 1 * _US, 47 / 50, 5 * _US, "InfiniBand NDR, 400 Gbit/s a port, 46-49 GB/s reached"
+    ),
 }.items():
     FABRICS.register(_name)(_fabric)
 
