@@ -152,6 +152,11 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
             "a batch of 12 samples does not divide into dp 16 x --microbatches 2 at 16 GPUs",
         ),
         (["--dtype", "fp8"], "fp8 needs a device with fp8 tensor cores and a fitted fp8 fraction"),
+        (["--compile"], "--compile: no fitted fusion fraction for v100"),
+        (
+            ["--activation-checkpointing", "every:2"],
+            "--activation-checkpointing every:2: the simulator prices blocks, ops and attention",
+        ),
     ],
 )
 def test_bad_transformer_input_is_one_line(
