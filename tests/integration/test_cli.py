@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.harness import CLI
+
 ROOT = Path(__file__).resolve().parents[2]
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
 REPORT_KEYS = {
@@ -396,7 +398,9 @@ def test_train_with_another_allreduce_algorithm(tmp_path: Path) -> None:
     assert report["test_accuracy"] >= 0.9
 
 
-def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
+def test_train_timeline_and_large_batch_rules(
+    tmp_path: Path, cli: CLI, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = gradmesh(
         "train",
         "--epochs",
@@ -457,14 +461,16 @@ def test_train_timeline_and_large_batch_rules(tmp_path: Path) -> None:
     assert [s.value for s in scalars["loss/epoch_mean"]] == pytest.approx(report["loss_history"])
     assert scalars["lr"][0].value < scalars["lr"][-1].value  # the warm-up, step by step
     assert scalars["bytes/sync"][-1].value > 0 and scalars["job/restarts"][0].value == 0
-    shown = gradmesh("report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "run.png"))
-    assert shown.returncode == 0, shown.stderr
-    assert shown.stdout.startswith("gradmesh train: cnn on digits, strategy allreduce")
+    # `gradmesh report` in this process (`cli`): the command's run without a second interpreter
+    capsys.readouterr()
+    assert cli(["report", str(tmp_path / "r.json"), "--plot", str(tmp_path / "run.png")]) == 0
+    shown = capsys.readouterr().out
+    assert shown.startswith("gradmesh train: cnn on digits, strategy allreduce")
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG"
-    shown = gradmesh("report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png"))
-    assert shown.returncode == 0, shown.stderr
+    assert cli(["report", str(tmp_path / "t.json"), "--plot", str(tmp_path / "t.png")]) == 0
+    shown = capsys.readouterr().out
     for rank in (0, 1):  # the trace's own spans, per step
-        line = next(x for x in shown.stdout.splitlines() if x.startswith(f"  rank {rank}: "))
+        line = next(x for x in shown.splitlines() if x.startswith(f"  rank {rank}: "))
         assert line.startswith(f"  rank {rank}: 69 steps; ms per step: backward "), line
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
