@@ -160,7 +160,7 @@ def _recompute(model: nn.Module, spec: str, name: str) -> dict[str, Any]:
     chosen = checkpoint_blocks(model, spec, name)
     return {
         "recomputed_blocks": len(chosen),
-        "recomputed": {"attention": "attention modules", "ops": "blocks, per operation"}.get(
+        "recomputed": {"attention": "attention modules", "ops": "blocks (per operation)"}.get(
             spec, "blocks"
         ),
     }
