@@ -10,7 +10,13 @@ import time
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import Layout, LayoutConfig
+from gradmesh.layout.config import (
+    Layout,
+    LayoutConfig,
+    check_context_layout,
+    check_expert_layout,
+    check_sequence_parallel,
+)
 from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.mesh import CONTEXT_GIB, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
@@ -72,6 +78,14 @@ def _fixed(args: Any, n: int) -> Layout:
         )
     if args.zero_stage not in (0, 1, 2, 3):
         raise GradmeshError(f"--zero-stage must be 0, 1, 2 or 3, got {args.zero_stage}")
+    check_sequence_parallel(lay.sequence_parallel, tp, pp)  # the trainer's own refusals of
+    check_context_layout(lay, pp, args.zero_stage)  # axes that do not compose: the simulator
+    check_expert_layout(lay, pp, args.zero_stage)  # prices what gradmesh can run
+    if args.loss_parallel and tp < 2:
+        raise GradmeshError(
+            "--loss-parallel splits the logits over the tensor-parallel ranks: it needs "
+            "--tensor-parallel 2 or more"
+        )
     if lay.activation_checkpointing not in ("", "blocks", "ops", "attention"):
         raise GradmeshError(
             f"--activation-checkpointing {lay.activation_checkpointing}: the simulator prices "
@@ -126,6 +140,11 @@ def run_mesh(
         t for t in divisors(args.gpus_per_node) if all(n % t == 0 for n in gpus)
     ]
     meta = meta_profile(spec, max(gpus), args.global_batch or args.batch_per_gpu, tps, device)
+    if meta.profile.experts is None and any(lay.ep > 1 for lay in fixed.values()):
+        raise GradmeshError(
+            f"--expert-parallel {args.layout.expert_parallel}: model {spec.model} has no "
+            "mixture of experts to spread"
+        )
     rows = _rows(args, meta, fixed, gpus, intra, inter)
     payload = {
         "model": spec.model,

@@ -153,6 +153,12 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
         ),
         (["--dtype", "fp8"], "fp8 needs a device with fp8 tensor cores and a fitted fp8 fraction"),
         (["--compile"], "--compile: no fitted fusion fraction for v100"),
+        (["--expert-parallel", "2"], "--expert-parallel 2: model gpt has no mixture of experts"),
+        (
+            ["--context-parallel", "2", "--pipeline-parallel", "2"],
+            "--context-parallel 2 with --pipeline-parallel: a pipeline's stages are graphs",
+        ),
+        (["--loss-parallel"], "--loss-parallel splits the logits over the tensor-parallel ranks"),
         (
             ["--activation-checkpointing", "every:2"],
             "--activation-checkpointing every:2: the simulator prices blocks, ops and attention",
