@@ -20,7 +20,7 @@ cannot be classified, and says so in one line.
 backward (gradients allocated before, as after the first step), beyond what was live before:
 each result an operation makes counted from its making until its tensor is freed (a
 `TorchDispatchMode` and a finalizer per tensor; views make nothing). On the CPU it is within
-10 % of the allocator's own figure (`peak_bytes`, which rounds every block up; a test holds
+15 % of the allocator's own figure (`peak_bytes`, which rounds every block up; a test holds
 them together), and on the meta device it is the only figure there is. The loss is the
 trainer's (`cross_entropy` over the logits, upcast to fp32 in mixed precision, as autocast
 does), whose fp32 logits and their gradient are the peak of a large-vocabulary model."""
