@@ -198,9 +198,9 @@ _EFFICIENT = torch.ops.aten._scaled_dot_product_efficient_attention
 def fused_attention() -> Iterator[list[int]]:
     """Within: `F.scaled_dot_product_attention` on meta tensors runs as the FlashAttention
     operation (module docstring); yields a one-element list counting the calls."""
+    from gradmesh.layout.context.parallel import TORCH_ATTENTION, attention_replaced
     from gradmesh.models.hf import is_causal_mask
 
-    original = F.scaled_dot_product_attention
     calls = [0]
 
     def fused(
@@ -214,7 +214,9 @@ def fused_attention() -> Iterator[list[int]]:
         enable_gqa: bool = False,
     ) -> Any:
         if not q.is_meta:
-            return original(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
+            return TORCH_ATTENTION(
+                q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa
+            )
         calls[0] += 1
         if k.shape[-3] != q.shape[-3]:  # grouped queries: the shared heads repeated, as
             rep = q.shape[-3] // k.shape[-3]  # a model that repeats them itself does
@@ -224,11 +226,8 @@ def fused_attention() -> Iterator[list[int]]:
             return _EFFICIENT(q, k, v, bias, True, dropout_p, False, scale=scale)[0]  # kernel
         return _FLASH(q, k, v, dropout_p, is_causal or attn_mask is not None, scale=scale)[0]
 
-    F.scaled_dot_product_attention = fused  # type: ignore[assignment]
-    try:
+    with attention_replaced(fused):
         yield calls
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -254,13 +253,13 @@ class _Scores(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
 
 def _attention_kind(spec: Spec, net: Any, names: list[str], fused: int, scores: int) -> str:
-    from gradmesh.layout.memory import _attention_name
+    from gradmesh.layout.memory import attention_name
 
     if fused:
         return "fused"
     if scores:
         return "unfused"
-    if any(_attention_name(net, n) for n in names):
+    if any(attention_name(net, n) for n in names):
         raise GradmeshError(
             f"model {spec.model}: its blocks have attention modules, but their forward neither "
             "calls F.scaled_dot_product_attention (priced as a GPU's fused attention) nor makes "
