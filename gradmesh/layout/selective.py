@@ -21,7 +21,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-from torch.utils.flop_counter import flop_registry
+
+from gradmesh.models.flops import op_flops
 
 _aten = torch.ops.aten
 MATMULS = frozenset({_aten.mm.default, _aten.addmm.default})
@@ -94,12 +95,7 @@ class PolicyCount(TorchDispatchMode):  # type: ignore[no-untyped-call]
         block = self.owner()
         if not block:
             return out
-        packet = func.overloadpacket
-        flops = (
-            float(flop_registry[packet](*args, **kwargs, out_val=out))
-            if (packet in flop_registry)
-            else 0.0
-        )
+        flops = op_flops(func, args, kwargs, out)
         self._matmuls[block] = self._matmuls.get(block, 0) + (func in MATMULS)
         self.flops[block] = self.flops.get(block, 0.0) + flops
         if self.inside():

@@ -103,6 +103,14 @@ class Layer:
     """Its forward's kernels: (kind, FLOPs, bytes), where counted (`layer_kernels`)."""
 
 
+def op_flops(func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> float:
+    """An aten operation's useful FLOPs by torch's own formulas (0 for one without a formula)."""
+    packet = func.overloadpacket
+    if packet not in flop_registry:
+        return 0.0
+    return float(flop_registry[packet](*args, **kwargs, out_val=out))
+
+
 class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Every operation's kind, FLOPs and bytes (the module docstring), forward ones by the layer
     `current` names, the rest (backward) under None."""
@@ -131,11 +139,7 @@ class KernelCounter(TorchDispatchMode):  # type: ignore[no-untyped-call]
             weight, stride = (args[1], args[3]) if packet is _aten.convolution else args[2:5:2]
             if tuple(weight.shape[-2:]) == (3, 3) and tuple(stride) == (1, 1):
                 kind = "conv3x3"
-        useful = (
-            float(flop_registry[packet](*args, **kwargs, out_val=out))
-            if (packet in flop_registry)
-            else 0.0
-        )
+        useful = op_flops(func, args, kwargs, out)
         self.useful += useful
         flops = useful / issued(packet, args, out)
         tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
