@@ -86,7 +86,7 @@ def checkpoint_blocks(model: nn.Module, spec: str, model_name: str) -> list[str]
 ATTENTION_NAMES = ("attn", "attention", "self_attn")
 
 
-def _attention_name(model: nn.Module, block: str) -> str | None:
+def attention_name(model: nn.Module, block: str) -> str | None:
     """`attention_of`'s name, None where the block has no attention module."""
     for name, module in model.get_submodule(block).named_modules():
         last = name.rpartition(".")[2]
@@ -99,7 +99,7 @@ def attention_of(model: nn.Module, block: str, model_name: str) -> str:
     """The name of `block`'s attention module: its first descendant named as one usually is
     (`ATTENTION_NAMES`: gradmesh's GPT, Hugging Face's Llama, GPT-2 and BERT-like models) or
     whose class name ends in Attention; one line when it has none."""
-    found = _attention_name(model, block)
+    found = attention_name(model, block)
     if found is not None:
         return found
     raise GradmeshError(
@@ -305,7 +305,7 @@ def _watch_attention(
     hooks: list[Any] = []
     inner.entered = {}
     for block in names:
-        found = _attention_name(model, block)
+        found = attention_name(model, block)
         if found is None:
             continue
 

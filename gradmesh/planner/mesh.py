@@ -136,11 +136,11 @@ class Overlap:
     """What runs beside the compute (a GPU's streams; the CPU's gloo runs none): FSDP2's
     all-gathers and reduce-scatters (each unit's gathered while the one before computes, its
     gradient reduced while the one after does: the first gather and the last reduction stay
-    exposed), and async TP's exchanges (split with the products they feed: `async_tp` is the
-    fraction of their time hidden)."""
+    exposed), and the tensor-parallel exchanges' `tp_hidden` fraction of their time (async TP
+    splits them with the products they feed; a compiled step waits where results are read)."""
 
     fsdp: bool = False
-    async_tp: float = 0.0
+    tp_hidden: float = 0.0
 
 
 @dataclass

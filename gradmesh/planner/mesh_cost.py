@@ -184,7 +184,7 @@ def predict_mesh(
     factor = compute_factor(prof.experts, sum(prof.blocks.values()), lay)
     compute = stretch * share * sl.seconds[b] * again * factor
     tensor = stretch * share * tensor * again
-    tensor *= 1 - overlap.async_tp
+    tensor *= 1 - overlap.tp_hidden
     if overlap.fsdp and lay.zero_stage >= 2 and sync:
         calls = sum(n for _, n in _unit_collectives(prof, lay))
         sync = max(2 * sync / calls, sync - compute)

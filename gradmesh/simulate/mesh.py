@@ -313,7 +313,7 @@ def price(
     dev = meta.device
     hidden = dev.achieved.get("async_tp" if async_tp else "tp_overlap", 0.0)
     hidden = hidden if (async_tp or dev.compiled) else 0.0  # eager tp: every exchange waited
-    overlap = Overlap(fsdp=True, async_tp=hidden)
+    overlap = Overlap(fsdp=True, tp_hidden=hidden)
     pred = predict_mesh(meta.profile, lay, links, algorithm, overlap=overlap)
     assert pred.memory is not None
     size = dev.memory_gib * 2**30
