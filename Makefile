@@ -1,13 +1,14 @@
 # Two entry points a fresh machine needs: `make run` (the main job) and `make test` (the suite).
 # `make run` installs only what the main job needs; `make test` adds the test tools and every
-# optional extra (plots, TensorBoard, Ray, Spark, transformers, torchao), so CI exercises them all.
+# optional extra (plots, TensorBoard, Ray, Spark, transformers, torchao, datasets), so CI exercises
+# them all.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 RUN_STAMP := $(VENV)/.installed-run
 TEST_STAMP := $(VENV)/.installed-test
 PIP := $(BIN)/pip install --quiet -c constraints.txt
-EXTRAS := test,plot,tensorboard,ray,spark,hf,fp8
+EXTRAS := test,plot,tensorboard,ray,spark,hf,fp8,datasets
 
 .PHONY: install run test lint clean
 

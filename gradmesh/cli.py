@@ -1,5 +1,5 @@
 """The `gradmesh` command: `train` (the main job), `run` (the launcher), `emulate`, `plan`,
-`simulate`, `report` and `bench NAME`.
+`simulate`, `report`, `export` and `bench NAME`.
 
 Every command's flags are generated from the config dataclass its component owns
 (`gradmesh.options`), so a default lives in one place; every choice list comes from a registry.
@@ -198,6 +198,11 @@ COMMANDS = {
     "report": Command(
         "print a finished run's report (--json) or timeline (--timeline)", ReportConfig, _cmd_report
     ),
+    "export": Command(
+        "write a checkpoint, from any layout, as a model directory (Hugging Face or safetensors)",
+        "gradmesh.train.config:ExportConfig",
+        "gradmesh.train.export:run",
+    ),
 }
 """Command name -> what it is; `bench NAME` comes from `BENCHES`."""
 
@@ -257,6 +262,10 @@ BENCHES = {  # each module has Config (its options) and run(config)
     "scaling": (
         "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's prediction",
         "gradmesh.bench.scaling",
+    ),
+    "loader": (
+        "tokens/s the token-file loader feeds one rank from one core, against the GPT's training",
+        "gradmesh.bench.loader",
     ),
     "plan": (
         "the hybrid planner's plan against data, tensor parallelism and the rule: measured "

@@ -147,7 +147,7 @@ def trainer_side(args: Config, rt: Any) -> tuple[Side, Any]:
     sums = torch.zeros(2, dtype=torch.float64, device=rt.device)
 
     def step() -> None:
-        run.one_step(indices, global_count, sums)
+        run.one_step(job.data.train.rows(indices), global_count, sums)  # the read, as the loop
 
     side = Side(step, _mean_of(sums), kernels(job.optimizer), "set_to_none=False")
     return side, (job, indices)

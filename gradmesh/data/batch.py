@@ -68,6 +68,12 @@ def to(batch: Batch, device: Any) -> Batch:
     return tree_map(lambda t: _pinned(t).to(target, non_blocking=True), batch)
 
 
+def pinned(batch: Batch, device: Any) -> Batch:
+    """The batch in page-locked memory where it will go to a GPU (`to` then copies it without
+    waiting), as it is elsewhere."""
+    return tree_map(_pinned, batch) if torch.device(device).type == "cuda" else batch
+
+
 def _pinned(t: torch.Tensor) -> torch.Tensor:
     return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 

@@ -72,7 +72,7 @@ def load_datasets() -> None:
     `DATASETS`, not at import, so that the options and the CLI's flags need no torch."""
     import importlib
 
-    for name in ("digits", "docstrings", "synthetic", "text"):
+    for name in ("digits", "docstrings", "synthetic", "text", "tokens"):
         importlib.import_module(f"gradmesh.data.{name}")
 
 
@@ -81,3 +81,15 @@ FEATURE_ID_DATASETS: set[str] = set()
 """Datasets whose inputs are int64 feature ids (DataSpec.vocab > 0), known without loading them."""
 TOKEN_DATASETS: set[str] = {"text"}
 """Datasets of token sequences: inputs (time,) int64 ids, labels (time,) the next token each."""
+DATASET_SCHEMES = {"tokens": "token files on disk (gradmesh.data.tokens)"}
+"""Datasets named `scheme:rest` (known without loading them): all of token sequences."""
+
+
+def is_token_dataset(name: str) -> bool:
+    """Whether dataset `name` gives token sequences (a registered one, or a scheme's)."""
+    return name in TOKEN_DATASETS or is_scheme(name)
+
+
+def is_scheme(name: str) -> bool:
+    """Whether `name` is a dataset scheme's (`tokens:GLOB`), not a user's import path."""
+    return ":" in name and name.partition(":")[0] in DATASET_SCHEMES

@@ -85,8 +85,16 @@ class PlainEngine:
         self.microbatches = microbatches
         self.loss_fn = summed(loss_fn)
         self.half = half
-        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.device_type = self.device.type
+
+    @property
+    def device(self) -> torch.device:
+        """Where the module's parameters are now (a pretrained model's are made on its device
+        after the engine: `gradmesh.train.pretrained`)."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
 
     def _forward(self) -> Any:
         return forward_precision(self.half, self.device_type)

@@ -1,5 +1,10 @@
 """Hugging Face `transformers` causal language models, built from a config with random weights
-(no download): `--model hf:llama --model-args hidden_size=64,num_hidden_layers=2,...`.
+(no download): `--model hf:llama --model-args hidden_size=64,num_hidden_layers=2,...`; or from
+a local pretrained model directory (`--model hf:PATH`, as `save_pretrained` writes it: its
+`config.json` and safetensors): the model is then built with its parameters on the meta device
+(`empty_parameters`; buffers are made for real, as a model's own code computes them) and each
+rank reads only its part of the weights once the layout has cut it
+(`gradmesh.train.pretrained`).
 
 The model is wrapped so that its forward returns logits (what gradmesh's engines and losses
 take), on the meta device too (`causal_mask`), and its declared tensor-parallel plan
@@ -10,6 +15,10 @@ gradmesh[hf]`); `make test` installs it.
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -89,25 +98,125 @@ def is_causal_mask(mask: Any) -> bool:
     return bool(getattr(base, "gradmesh_causal", False))
 
 
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
+
+
+def is_directory(kind: str) -> bool:
+    """Whether `hf:<kind>` names a model directory (a path) rather than a model type."""
+    return "/" in kind or Path(kind).is_dir()
+
+
+def weight_files(directory: str | Path) -> dict[str, Path]:
+    """Which safetensors file of a pretrained `directory` holds each tensor (one file, or the
+    shards its index names); one line where it holds none."""
+    root = Path(directory)
+    if (root / INDEX).is_file():
+        try:
+            mapping = json.loads((root / INDEX).read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise GradmeshError(f"model hf:{directory}: {INDEX} is unreadable: {exc}") from None
+        missing = sorted({f for f in mapping.values() if not (root / f).is_file()})
+        if missing:
+            raise GradmeshError(f"model hf:{directory}: {INDEX} names {missing[0]}, not there")
+        return {name: root / file for name, file in mapping.items()}
+    if (root / WEIGHTS).is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(root / WEIGHTS), framework="pt") as f:
+            return dict.fromkeys(f.keys(), root / WEIGHTS)
+    pickled = (root / "pytorch_model.bin").exists()
+    other = "; pytorch_model.bin is not read (pickle)" if pickled else ""
+    raise GradmeshError(f"model hf:{directory}: no {WEIGHTS} or {INDEX} there{other}")
+
+
+@contextlib.contextmanager
+def empty_parameters() -> Iterator[None]:
+    """Modules made inside hold their parameters on the meta device (no memory, no values),
+    their buffers for real: each parameter is made as its module's code makes it, then moved
+    (one tensor at a time: the peak is the largest). What `accelerate.init_empty_weights`
+    does; written here so that loading needs no accelerate."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            made = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            module._parameters[name] = made
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+def _transformers(name: str) -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise GradmeshError(
+            f"model hf:{name} needs the transformers extra: pip install 'gradmesh[hf]'"
+        ) from None
+    return transformers
+
+
+def pretrained_config(directory: str) -> Any:
+    """The Hugging Face config of a model directory; one line where there is none."""
+    transformers = _transformers(directory)
+    if not Path(directory).is_dir():
+        raise GradmeshError(f"model hf:{directory}: no such directory")
+    try:
+        return transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise GradmeshError(f"model hf:{directory}: {str(exc).splitlines()[0]}") from None
+
+
+def _pretrained(directory: str, num_classes: int, args: dict[str, Any]) -> nn.Module:
+    """A pretrained model's skeleton: its config's model with parameters on the meta device,
+    `pretrained` naming where its weights are (read once the layout has cut it)."""
+    config = pretrained_config(directory)
+    weight_files(directory)  # one line now, before launch, where there are none
+    if args:
+        raise GradmeshError(
+            f"model hf:{directory}: --model-args {','.join(args)} cannot change a pretrained "
+            "model (its config.json is its shape)"
+        )
+    if num_classes > config.vocab_size:
+        raise GradmeshError(
+            f"the data holds tokens past the vocabulary of model hf:{directory}: ids up to "
+            f"{num_classes - 1}, and it has {config.vocab_size}"
+        )
+    auto = _transformers(directory).AutoModelForCausalLM
+    with empty_parameters():
+        net = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = CausalLM(net)
+    model.pretrained = directory  # type: ignore[assignment]
+    return model
+
+
+def pretrained_source(model: nn.Module) -> str | None:
+    """The directory whose weights `model` (a pretrained skeleton) is to read; None otherwise."""
+    found = getattr(model, "pretrained", None)
+    return found if isinstance(found, str) else None
+
+
 def build(kind: str) -> Any:
-    """The builder of `hf:<kind>` (a model type Hugging Face knows: llama, mistral, qwen2, ...)."""
+    """The builder of `hf:<kind>` (a model type Hugging Face knows: llama, mistral, qwen2, ...;
+    or a pretrained model's directory)."""
 
     def builder(input_shape: tuple[int, ...], num_classes: int, **args: Any) -> nn.Module:
-        try:
-            import transformers
-        except ImportError:
-            raise GradmeshError(
-                f"model hf:{kind} needs the transformers extra: pip install 'gradmesh[hf]'"
-            ) from None
+        transformers = _transformers(kind)
         if len(input_shape) != 1:
             raise GradmeshError(f"model hf:{kind} needs token sequences, got {input_shape}")
+        if is_directory(kind):
+            return _pretrained(kind, num_classes, args)
         values = {"vocab_size": num_classes, "max_position_embeddings": input_shape[0], **args}
         try:
             config = transformers.AutoConfig.for_model(kind, **values)
         except ValueError as exc:
             raise GradmeshError(f"model hf:{kind}: {str(exc).splitlines()[0]}") from None
         auto = transformers.AutoModelForCausalLM
-        net = auto.from_config(config, attn_implementation="sdpa")  # type: ignore[no-untyped-call]
+        net = auto.from_config(config, attn_implementation="sdpa")
         return CausalLM(net)
 
     return builder

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gradmesh.data.registry import FEATURE_ID_DATASETS, TOKEN_DATASETS, DataSpec
+from gradmesh.data.registry import FEATURE_ID_DATASETS, TOKEN_DATASETS, DataSpec, is_scheme
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 
@@ -52,10 +52,13 @@ def is_token_model(model: str) -> bool:
 def check_pairing(model: str, dataset: str) -> None:
     """A one-line error unless `model` takes the kind of input `dataset` gives (a user's model
     or dataset, an import path, is taken at its word)."""
-    if ":" in dataset or (":" in model and model.partition(":")[0] not in MODELS.schemes):
+    if (":" in dataset and not is_scheme(dataset)) or (
+        ":" in model and model.partition(":")[0] not in MODELS.schemes
+    ):
         return
+    tokens = dataset in TOKEN_DATASETS or is_scheme(dataset)
     if ":" in model:  # a scheme's model (hf:llama) is a token model
-        if dataset not in TOKEN_DATASETS:
+        if not tokens:
             raise GradmeshError(
                 f"model {model} trains on token datasets ({', '.join(sorted(TOKEN_DATASETS))}), "
                 f"not {dataset}"
@@ -72,7 +75,7 @@ def check_pairing(model: str, dataset: str) -> None:
             f"model {model} needs real-valued inputs; dataset {dataset} gives feature ids "
             f"(use model {', '.join(sorted(FEATURE_ID_MODELS))})"
         )
-    if (model in TOKEN_MODELS) != (dataset in TOKEN_DATASETS):
+    if (model in TOKEN_MODELS) != tokens:
         raise GradmeshError(
             f"model {model} and dataset {dataset} do not fit: token models "
             f"({', '.join(sorted(TOKEN_MODELS))}) train on token datasets "

@@ -59,6 +59,9 @@ class JobConfig:
 
     workers: int = option(2, "number of worker processes on this host")
     epochs: int = option(12, "passes over the training set")
+    max_steps: int = option(
+        0, "stop after this many steps in all, mid-epoch too (0: at the last epoch's end)"
+    )
     seed: int = option(0, "seed for model initialisation and data order")
     timeout_s: float = option(60.0, "seconds before a rendezvous or collective is declared failed")
     emulate_compute_ms: float = option(
@@ -177,7 +180,9 @@ class CheckpointConfig:
 
 IDENTITY = (
     "model",
+    "model_args",
     "dataset",
+    "sequence_length",
     "batch_size",
     "seed",
     "strategy",
@@ -284,3 +289,22 @@ class TrainConfig:
 
     def check_choices(self) -> None:
         check_choices(self)
+
+
+EXPORT_FORMATS = ("auto", "hf", "safetensors")
+
+
+@dataclass
+class ExportConfig:
+    """gradmesh export: a checkpoint, from any layout, as a model directory."""
+
+    checkpoint: str = option(
+        "", "the run's --checkpoint-dir (its newest checkpoint)", positional=True
+    )
+    to: str = option("", "the model directory to write (new, or empty)")
+    format: str = option(
+        "auto",
+        "hf (Hugging Face's save_pretrained) or safetensors; auto: hf for hf: models",
+        choices=EXPORT_FORMATS,
+    )
+    max_shard_size: str = option("5GB", "hf: files above this size are split, with an index")

@@ -19,7 +19,8 @@ from gradmesh.runtime.world import Runtime
 def has_classes(data: Split) -> bool:
     """Whether the targets are class ids (one integer tensor), so accuracy applies (the same
     answer on every rank: it reads only the data)."""
-    return isinstance(data.y, torch.Tensor) and not data.y.is_floating_point()
+    targets = data.rows(slice(0, 1)).y if len(data) else data.y  # one read of a lazy split
+    return isinstance(targets, torch.Tensor) and not targets.is_floating_point()
 
 
 def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float | None:

@@ -6,11 +6,15 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from itertools import islice
 
 import torch
 from tqdm import tqdm
 
+import gradmesh.data.batch as batch
 from gradmesh.collectives import allreduce
+from gradmesh.data import Split
+from gradmesh.data.prefetch import prefetched
 from gradmesh.observe.timeline import span
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 from gradmesh.runtime.world import Runtime
@@ -47,10 +51,16 @@ WARMUP_STEPS = 5
 """Steps a run takes before its steady rate is timed (`Clock.steady_s`)."""
 
 
+def last_step(config: TrainConfig, steps: int) -> int:
+    """The step the run ends after: the last epoch's last, or `--max-steps`."""
+    last = config.job.epochs * steps
+    return min(last, config.job.max_steps) if config.job.max_steps else last
+
+
 def _progress(config: TrainConfig, steps: int, rt: Runtime) -> tqdm | None:
     if rt.rank != 0 or not sys.stderr.isatty():
         return None
-    return tqdm(total=config.job.epochs * steps, unit="step", dynamic_ncols=True, leave=False)
+    return tqdm(total=last_step(config, steps), unit="step", dynamic_ncols=True, leave=False)
 
 
 def _reduce_losses(pending: list[torch.Tensor], clock: Clock) -> None:
@@ -156,8 +166,9 @@ class _Run:
     steady_from: tuple[float, int] | None = None
     """When the steady rate's clock started, and the samples trained by then."""
 
-    def one_step(self, indices: torch.Tensor, global_count: int, sums: torch.Tensor) -> None:
-        """Forward, backward and the update of one global batch's slice; adds this replica's
+    def one_step(self, part: Split, global_count: int, sums: torch.Tensor) -> None:
+        """Forward, backward and the update of one global batch's slice (`part`, read by
+        `fetch`); adds this replica's
         (loss sum, count) to `sums` (zeros on ranks that do not hold the replica's loss), on
         the device: nothing in the step waits for the GPU."""
         job, rt, clock = self.job, self.job.rt, self.clock
@@ -165,7 +176,7 @@ class _Run:
             rt.timeline.new_step()
         kinds_before = dict(rt.comm.by_kind) if job.metrics is not None else {}
         comm_before, step_started = rt.comm.comm_s, time.perf_counter()
-        part = job.data.train.rows(indices).to(rt.device)
+        part = part.to(rt.device)
         x, y = part.x, part.y
         job.optimizer.zero_grad(set_to_none=False)
         scaled = job.loss_scale.scale if job.loss_scale else 1.0
@@ -179,10 +190,10 @@ class _Run:
         clock.compute_s += wall - comm
         clock.steps += 1
         self.step += 1
-        self.after_step(wall, comm, kinds_before, loss, len(indices))
+        self.after_step(wall, comm, kinds_before, loss, len(part))
         if job.split.owns_output:
             sums[0] += loss
-            sums[1] += len(indices)
+            sums[1] += len(part)
 
     def after_step(
         self, wall: float, comm: float, kinds: dict[str, int], loss: torch.Tensor, count: int
@@ -238,7 +249,7 @@ def loop(job: Job) -> tuple[Clock, int, float]:
     config, sharder = job.config, job.sharder
     assert sharder is not None, "attach(job) first"
     steps = sharder.steps_per_epoch()
-    last = config.job.epochs * steps
+    last = last_step(config, steps)
     run = _Run(
         job,
         Clock(losses=job.losses),
@@ -250,14 +261,22 @@ def loop(job: Job) -> tuple[Clock, int, float]:
         run.bar.update(min(job.start_step, last))
     first_epoch, skip = divmod(job.start_step, steps)
     device = job.rt.device
+    train = job.data.train
+
+    def fetch(item: tuple[int, tuple[torch.Tensor, int]]) -> Split:
+        part: Split = batch.pinned(train.rows(item[1][0]), device)
+        return part
+
+    lazy = bool(getattr(train, "lazy", False))  # read from disk: the next batch in background
     for epoch in range(first_epoch, config.job.epochs):
         fresh = torch.zeros(2, dtype=torch.float64, device=device)
         loss_sum = job.loss_sum.to(device) if skip and job.loss_sum is not None else fresh
-        for k, (indices, global_count) in enumerate(sharder.batches(epoch)):
-            if k < skip:  # done before the checkpoint this run resumed from
-                continue
-            run.one_step(indices, global_count, loss_sum)
-            end_of_epoch = k == steps - 1
+        batches = islice(enumerate(sharder.batches(epoch)), skip, None)  # skip: done before
+        for (k, (_, global_count)), part in prefetched(batches, fetch, lazy):
+            if run.step >= last:  # --max-steps
+                break
+            run.one_step(part, global_count, loss_sum)
+            end_of_epoch = k == steps - 1 or run.step == last  # a cut epoch reports its part
             if end_of_epoch:
                 run.end_epoch(epoch, loss_sum)
                 loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
@@ -265,6 +284,8 @@ def loop(job: Job) -> tuple[Clock, int, float]:
                 with span("checkpoint", "io", step=run.step):
                     _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
         skip = 0
+        if run.step >= last:
+            break
     return run.close()
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradmesh.data.registry import TOKEN_DATASETS
+from gradmesh.data.registry import is_token_dataset
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.pipeline.order import bubble_formula
 from gradmesh.models.devices import UNKNOWN
@@ -124,6 +124,8 @@ class RunReport:
     emulated_compute_ms: float = 0.0
     """EMULATED compute (`--emulate-compute-ms`): the sleep each step's forward and backward
     took on top of the real arithmetic; 0 for a run that only computed."""
+    max_steps: int = 0
+    """--max-steps: the run stopped after this many steps (0: after its epochs)."""
 
     @classmethod
     def build(cls, config: TrainConfig, run: RunFacts) -> RunReport:
@@ -151,6 +153,7 @@ class RunReport:
             workers=workers,
             strategy=config.sync.strategy,
             epochs=config.job.epochs,
+            max_steps=config.job.max_steps,
             seed=config.job.seed,
             model=config.data.model,
             dataset=config.data.dataset,
@@ -168,7 +171,7 @@ class RunReport:
             emulated_compute_ms=config.job.emulate_compute_ms,
             cpu_idle=run.cpu_idle,
             tokens_per_sample=(
-                config.data.sequence_length if config.data.dataset in TOKEN_DATASETS else 0
+                config.data.sequence_length if is_token_dataset(config.data.dataset) else 0
             ),
             flops_per_sample=flops_per_sample,
             peak_flops=peak,
@@ -208,7 +211,7 @@ class RunReport:
         return "\n".join(
             [
                 f"gradmesh train: {self.model} on {self.dataset}, strategy {self.strategy} {info}, "
-                f"{self.workers} workers, {self.epochs} epochs, global batch {self.batch_size}",
+                f"{self.workers} workers, {self._length()}, global batch {self.batch_size}",
                 f"  test accuracy {self._accuracy()}   final loss {loss}",
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
@@ -225,6 +228,9 @@ class RunReport:
                 *self._straggler_line(),
             ]
         )
+
+    def _length(self) -> str:
+        return f"{self.max_steps} steps" if self.max_steps else f"{self.epochs} epochs"
 
     def _accuracy(self) -> str:
         if self.test_accuracy is None:

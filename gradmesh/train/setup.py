@@ -18,18 +18,20 @@ from torch.optim.lr_scheduler import LRScheduler
 import gradmesh.data.batch as batch
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
 from gradmesh.data.batch import Batch
-from gradmesh.data.registry import TOKEN_DATASETS
+from gradmesh.data.registry import is_scheme, is_token_dataset
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.engine import Split as ModelSplit
 from gradmesh.layout.loss import Summed, summed
 from gradmesh.layout.memory import checkpoint_blocks
 from gradmesh.models.devices import device_peak
 from gradmesh.models.flops import flops_per_sample, measured_peak_flops
+from gradmesh.models.hf import pretrained_source
 from gradmesh.models.registry import build_model
 from gradmesh.observe.metrics import Metrics
 from gradmesh.observe.timeline import start_timeline
 from gradmesh.options import with_value
 from gradmesh.registry import import_path, parse_kwargs
+from gradmesh.runtime.axes import TP
 from gradmesh.runtime.process import MAX_WORLD_ENV, restarts
 from gradmesh.runtime.world import Runtime
 from gradmesh.sync.sharded.optimizer import shard_optimizer
@@ -40,6 +42,7 @@ from gradmesh.train.emulated import emulate_compute
 from gradmesh.train.evaluation import Evaluator, has_classes
 from gradmesh.train.loss_scale import DynamicLossScale
 from gradmesh.train.optimizers import build_optimizer
+from gradmesh.train.pretrained import needs_whole, read_pretrained, read_whole
 from gradmesh.train.recipe import parallelize
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
 from gradmesh.units import parse_shape
@@ -53,7 +56,7 @@ def load_data(config: TrainConfig) -> DataSpec:
         sequence=config.data.sequence_length,
     )
     name = config.data.dataset
-    if ":" in name:  # the user's factory
+    if ":" in name and not is_scheme(name):  # the user's factory
         factory = cast(Callable[[], object], DATASETS.get(name))  # takes no options
         return user_data(name, factory())
     return DATASETS.get(name)(options)
@@ -122,13 +125,14 @@ def check_layout(config: TrainConfig) -> None:
 
     data = load_data(config)
     model = model_of(config, data)
+    place = "meta" if pretrained_source(model) else "cpu"  # a skeleton runs on the meta device
     if config.layout.activation_checkpointing:
         checkpoint_blocks(model, config.layout.activation_checkpointing, config.data.model)
     if config.data.loss:  # the user's loss must give a scalar: tried on two samples
         with torch.no_grad():
-            two = data.train.rows(slice(0, 2))
+            two = data.train.rows(slice(0, 2)).to(place)
             loss_of(config)(batch.call(model, two.x), two.y)
-    check(model, config.data.model, config.layout, data.train.rows(slice(0, 1)).x)
+    check(model, config.data.model, config.layout, data.train.rows(slice(0, 1)).to(place).x)
 
 
 def _start_timeline(config: TrainConfig, rt: Runtime) -> None:
@@ -202,7 +206,12 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     if config.output.timeline:
         _start_timeline(config, rt)
     data = load_data(config)
-    whole = model_of(config, data).to(rt.device)  # the same on every rank (the seed)
+    whole = model_of(config, data)  # the same on every rank (the seed)
+    source = pretrained_source(whole)  # a pretrained model's skeleton: weights read once cut
+    if source is None or needs_whole(whole, config.layout.pipeline_parallel):
+        read_whole(whole, rt.device)
+        source = None
+        whole = whole.to(rt.device)
     if config.job.emulate_compute_ms:  # labelled emulation (benchmarks): the model is whole here
         per_pass = config.job.emulate_compute_ms / config.layout.microbatches
         emulate_compute(whole, first_input(data), per_pass)
@@ -215,6 +224,9 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
         name=config.data.model,
         rt=rt,
     )
+    if source is not None:  # this rank's part of the pretrained weights, as the layout cut it
+        tp = rt.mesh[TP]
+        read_pretrained(split.module, source, rt.device, (tp.size, tp.index))
     lr = scaled_lr(  # an elastic job's rate is that of its full membership: the same steps
         config.optimizer.lr,
         config.optimizer.lr_scaling,
@@ -230,7 +242,7 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     job = Job(config, rt, data, split, optimizer, strategy, lr)
     if config.layout.precision == "fp16":
         job.loss_scale = DynamicLossScale()
-    if config.data.dataset in TOKEN_DATASETS:
+    if is_token_dataset(config.data.dataset):
         _count_model_flops(job)
     return job
 

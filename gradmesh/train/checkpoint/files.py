@@ -57,7 +57,7 @@ _STEP = re.compile(r"^step-(\d{8})$")
 _OLD = re.compile(r"^epoch-\d+\.pt$")
 
 
-IDENTITY_DEFAULTS = {"zero_stage": 0}
+IDENTITY_DEFAULTS = {"zero_stage": 0, "model_args": "", "sequence_length": 64}
 """What a checkpoint written before an identity setting existed had it at."""
 
 

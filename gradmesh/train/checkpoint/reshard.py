@@ -26,6 +26,7 @@ models whose state fits a host's memory; layouts with pipeline stages are refuse
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,9 @@ __all__ = [
     "load_whole",
     "optimizer_state",
     "part_for",
+    "rank_part",
     "saved_layout",
+    "whole_model",
     "whole_state",
 ]
 
@@ -131,12 +134,7 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     replicas = workers // tp if sharded or parted else 1  # files read: every replica's, or one
     files = [first] + [read_rank(meta.checkpoint, r) for r in range(1, replicas * tp)]
 
-    def join(name: str, pieces: list[Any]) -> Any:
-        """The whole tensor from its pieces in rank order (replica-major, tp inner)."""
-        if name in sharded:  # each tp slice is its replicas' shards, in order
-            pieces = [torch.cat(pieces[t::tp]) for t in range(tp)]
-        cut = _cut(specs, name)
-        return pieces[0] if cut is None or tp == 1 else unshard(list(pieces[:tp]), *cut)
+    join = _joiner(specs, sharded, tp)
 
     def local_like(name: str, value: Any) -> bool:
         held = first["model"].get(name)
@@ -166,6 +164,55 @@ def whole_state(meta: Meta) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     return model, {"state": state, "param_groups": groups}
 
 
+def _joiner(
+    specs: dict[str, Any], sharded: dict[str, Any], tp: int
+) -> Callable[[str, list[Any]], Any]:
+    """A function that puts a tensor back together from its pieces in rank order
+    (replica-major, tp inner), as the layout `specs` and `sharded` record cut it."""
+
+    def join(name: str, pieces: list[Any]) -> Any:
+        if name in sharded:  # each tp slice is its replicas' shards, in order
+            pieces = [torch.cat(pieces[t::tp]) for t in range(tp)]
+        cut = _cut(specs, name)
+        return pieces[0] if cut is None or tp == 1 else unshard(list(pieces[:tp]), *cut)
+
+    return join
+
+
+def whole_model(meta: Meta) -> dict[str, torch.Tensor]:
+    """The whole model's state dict that `meta`'s checkpoint holds in parts, in any layout:
+    each pipeline stage's tensors put together from its tp slices (and its replicas' shards
+    where they are sharded), the stages' together (a weight two stages share: once). What an
+    export writes; one line naming the file when it cannot."""
+    workers, tp, pp, _ = saved_layout(meta)
+    replicas = workers // (tp * pp)
+    model: dict[str, torch.Tensor] = {}
+    for stage in range(pp):
+        first = read_rank(meta.checkpoint, stage * tp)
+        record = first.get("layout")
+        if not isinstance(record, dict) or "specs" not in record:
+            raise GradmeshError(
+                f"checkpoint {rank_file(meta.checkpoint, stage * tp)} records no layout "
+                "(written by an older gradmesh)"
+            )
+        sharded = record.get("dp_shards", {})
+        files = [
+            read_rank(meta.checkpoint, (r * pp + stage) * tp + t) if (r, t) != (0, 0) else first
+            for r in range(replicas if sharded else 1)
+            for t in range(tp)
+        ]
+        join = _joiner(record["specs"], sharded, tp)
+        try:
+            for name in first["model"]:
+                if name not in model:
+                    model[name] = join(name, [f["model"][name] for f in files])
+        except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as exc:
+            raise GradmeshError(
+                f"checkpoint {meta.checkpoint} cannot be put back together: {first_line(exc)}"
+            ) from None
+    return model
+
+
 def _holders(files: list[Any], tp: int, parted: bool) -> dict[Any, list[Any]]:
     """The files that hold each optimizer entry (by its index), in tp order: every file, or at
     stage 1 the tp slices of the replica whose part of the state it is."""
@@ -176,6 +223,24 @@ def _holders(files: list[Any], tp: int, parted: bool) -> dict[Any, list[Any]]:
         for index in files[r * tp]["optimizer"]["state"]:
             found.setdefault(index, files[r * tp : (r + 1) * tp])
     return found
+
+
+def rank_part(
+    module: nn.Module, parts: int, index: int
+) -> Callable[[str, torch.Tensor], torch.Tensor]:
+    """A function that cuts a whole tensor of `module`'s state (by its state-dict name) to
+    this rank's part, as `module` is cut: tp slice `index` of `parts` where the plan splits it,
+    then its own rows where FSDP2 shards it."""
+    specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
+    sharded = dp_shards(module)
+
+    def cut(name: str, value: torch.Tensor) -> torch.Tensor:
+        spec = _cut(specs, name)
+        if spec is not None and parts > 1:
+            value = shard(value, spec[0], parts, index, spec[1])
+        return rows(value, *sharded[name]) if name in sharded else value
+
+    return cut
 
 
 def part_for(
@@ -189,18 +254,14 @@ def part_for(
     (tp slice `index` of `parts`, then its own rows where FSDP2 shards it) is cut from the whole
     model: plain tensors, the shards of a sharded model's DTensors."""
     model, saved = whole
-    specs = {n: [dim, list(chunks)] for n, (dim, chunks) in shard_specs(module).items()}
-    sharded = dp_shards(module)
+    part = rank_part(module, parts, index)
 
     def cut(name: str, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or (
             name in model and value.shape != model[name].shape
         ):
             return value  # not shaped like its parameter (a step count): every rank's
-        spec = _cut(specs, name)
-        if spec is not None and parts > 1:
-            value = shard(value, spec[0], parts, index, spec[1])
-        return rows(value, *sharded[name]) if name in sharded else value
+        return part(name, value)
 
     names = optimizer_names(module, optimizer)
     position = {name: i for i, name in enumerate(names)}
