@@ -93,6 +93,18 @@ def _cmd_report(args: ReportConfig, _command: list[str]) -> int:
     return 0
 
 
+def _cmd_plan(config: Any, command: list[str]) -> int:
+    """`gradmesh plan`, or with `--memory` each rank's predicted bytes: the simulator's meta
+    count (`gradmesh.simulate.memory`), which the planner's package does not import."""
+    if config.memory:
+        from gradmesh.simulate.memory import run as memory
+
+        return memory(config)
+    from gradmesh.plan.command import run
+
+    return int(run(config, command))
+
+
 def _interrupt(signum: int, _frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
@@ -185,9 +197,9 @@ COMMANDS = {
         True,
     ),
     "plan": Command(
-        "choose data or tensor parallelism per layer from measured costs",
+        "choose data or tensor parallelism per layer from measured costs (--memory: the bytes)",
         "gradmesh.plan.command:PlanConfig",
-        "gradmesh.plan.command:run",
+        _cmd_plan,
         interruptible=True,
     ),
     "simulate": Command(

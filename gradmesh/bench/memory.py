@@ -57,7 +57,8 @@ class Config:
 
 
 def _run_ranks(args: Config) -> int:
-    from gradmesh.bench.memory_ranks import limited_line, line, parse_layout, run_ranks
+    from gradmesh.bench.memory_ranks import limited_line, line, run_ranks
+    from gradmesh.planner.mesh_memory import parse_layout
 
     names = [n for n in args.layouts.split(",") if n]
     for n in names:

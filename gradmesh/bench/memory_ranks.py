@@ -23,35 +23,11 @@ the units FSDP2 gathers).
 from __future__ import annotations
 
 import itertools
-import re
 from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, medians
+from gradmesh.planner.mesh_memory import parse_layout
 from gradmesh.units import parse_size
-
-_LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(?:xcp(\d+))?(\+ac)?$")
-
-
-def parse_layout(name: str, world: int) -> dict[str, Any]:
-    """`dp`, `zero1`..`zero3`, with `xtpT` (tensor parallelism T, dp the rest) and `+ac`
-    (activation checkpointing of every block): (stage, tp, checkpointing)."""
-    from gradmesh.errors import GradmeshError
-
-    match = _LAYOUT.match(name)
-    if not match:
-        raise GradmeshError(
-            f"unknown memory layout {name!r} (like dp, zero1, zero2, zero3, zero3+ac, dpxtp2, "
-            "zero3xtp2)"
-        )
-    kind, tp, cp = match.group(1), int(match.group(2) or 1), int(match.group(3) or 1)
-    if tp < 1 or cp < 1 or world % (tp * cp):
-        raise GradmeshError(f"layout {name}: tp {tp} x cp {cp} does not divide --world {world}")
-    return {
-        "stage": 0 if kind == "dp" else int(kind[-1]),
-        "tp": tp,
-        "cp": cp,
-        "checkpointing": bool(match.group(4)),
-    }
 
 
 def predicted(

@@ -58,6 +58,20 @@ class PlanConfig:
     top: int = option(12, "a mesh plan (any other model): the fastest layouts to print")
     allreduce: AllreduceConfig = component(AllreduceConfig, only=("algorithm", "fusion_mb"))
     json: str | None = option(None, "write the plan file here (gradmesh train --plan FILE)")
+    memory: bool = option(
+        False,
+        "print each rank's predicted bytes (parameters, gradients, optimizer state, activations, "
+        "gathered parameters) for each of --layouts and whether it fits --device, from the meta "
+        "device in seconds; plans and launches nothing",
+    )
+    layouts: str = option(
+        "dp,zero3,dpxtp2",
+        "with --memory: dp or zero1-3, with xtpT (tensor parallel) and +ac (checkpointing), "
+        "as gradmesh bench memory names them",
+    )
+    device: str = option(
+        "cpu", "with --memory: cpu (this host's memory, shared by the ranks) or a simulator GPU"
+    )
 
 
 def links_for(args: PlanConfig, workers: int) -> tuple[Any, int]:

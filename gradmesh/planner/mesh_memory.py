@@ -49,15 +49,25 @@ one (docs/memory.md).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
+from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
 from gradmesh.layout.pipeline.order import peak_in_flight, schedule_actions
 from gradmesh.planner.axes_cost import expert_bytes_held
 from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
-__all__ = ["MemoryPrediction", "in_flight", "param_bytes", "predict_memory", "recompute_share"]
+__all__ = [
+    "MemoryPrediction",
+    "in_flight",
+    "param_bytes",
+    "parse_layout",
+    "predict_memory",
+    "recompute_share",
+]
 
 RECOMPUTE = 1 / 3
 """The extra compute of checkpointing every block, as a fraction of a step's forward and
@@ -206,3 +216,26 @@ def recompute_share(sl: Slice, lay: Layout) -> float:
         return 0.0
     redone = sum(sl.saved.recomputed(lay.recompute)[1].values())
     return float(redone / (3 * sum(sl.saved.block_flops.values())))
+
+
+_LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(?:xcp(\d+))?(\+ac)?$")
+
+
+def parse_layout(name: str, world: int) -> dict[str, Any]:
+    """`dp`, `zero1`..`zero3`, with `xtpT` (tensor parallelism T, dp the rest) and `+ac`
+    (activation checkpointing of every block): (stage, tp, checkpointing)."""
+    match = _LAYOUT.match(name)
+    if not match:
+        raise GradmeshError(
+            f"unknown memory layout {name!r} (like dp, zero1, zero2, zero3, zero3+ac, dpxtp2, "
+            "zero3xtp2)"
+        )
+    kind, tp, cp = match.group(1), int(match.group(2) or 1), int(match.group(3) or 1)
+    if tp < 1 or cp < 1 or world % (tp * cp):
+        raise GradmeshError(f"layout {name}: tp {tp} x cp {cp} does not divide --world {world}")
+    return {
+        "stage": 0 if kind == "dp" else int(kind[-1]),
+        "tp": tp,
+        "cp": cp,
+        "checkpointing": bool(match.group(4)),
+    }

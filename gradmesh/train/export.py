@@ -34,6 +34,7 @@ from gradmesh.errors import GradmeshError, first_line
 from gradmesh.train.checkpoint.files import complete, read_meta
 from gradmesh.train.checkpoint.reshard import whole_model
 from gradmesh.train.config import ExportConfig
+from gradmesh.train.pretrained import retie, tied_names
 
 
 def run(config: ExportConfig, _command: list[str]) -> int:
@@ -66,8 +67,10 @@ def export(directory: str, out: str, fmt: str = "auto", max_shard_size: str = "5
     state = whole_model(meta)
     own = {n for n, _ in model.named_buffers()} - set(model.state_dict())  # not persistent
     state = {k: v for k, v in state.items() if k not in own}  # a pipeline stage saves them
+    tied = tied_names(model)
     try:
         model.load_state_dict(state, assign=True)
+        retie(model, tied)  # assign=True gave each name its own tensor
     except RuntimeError as exc:
         raise GradmeshError(
             f"checkpoint {meta.checkpoint} does not fit model {name}: {first_line(exc)} "
@@ -114,8 +117,6 @@ def _save_hf(model: nn.Module, folder: Path, max_shard_size: str) -> None:
 
     logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     net: Any = model.net  # gradmesh.models.hf.CausalLM's Hugging Face model
-    if getattr(net.config, "tie_word_embeddings", False):
-        net.tie_weights()
     net.save_pretrained(str(folder), max_shard_size=max_shard_size)
 
 

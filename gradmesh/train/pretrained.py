@@ -44,6 +44,14 @@ def tied_names(module: nn.Module) -> dict[str, str]:
     return {k: v for k, v in tied.items() if k != v}
 
 
+def retie(module: nn.Module, tied: dict[str, str]) -> None:
+    """Point each name of `tied` (`tied_names`) back at the parameter it shares: what loading
+    a state dict with `assign=True` undoes."""
+    for name, first in tied.items():
+        parent, _, leaf = name.rpartition(".")
+        setattr(module.get_submodule(parent), leaf, module.get_parameter(first))
+
+
 def read_pretrained(module: nn.Module, directory: str, device: Any, tp: tuple[int, int]) -> int:
     """Make `module`'s meta parameters for real on `device` and fill them, and its other
     state, from `directory`'s safetensors, each cut to this rank's part (`tp` = (parts,

@@ -308,28 +308,44 @@ def test_bench_layout_measures_a_gpt_in_tokens_beside_the_planners_predictions(
 def test_bench_memory_per_rank_state_under_sharding_beside_its_prediction(
     tmp_path: Path,
 ) -> None:
-    """`gradmesh bench memory --world 2`: what a rank holds at rest under plain data
-    parallelism and stage 3, each beside the formula (bytes: no machine in the thresholds)."""
+    """`gradmesh bench memory --world 4`: what a rank holds at rest under plain data
+    parallelism, stage 3 and dp 2 x tp 2, each beside the formula, and `gradmesh plan --memory`
+    (the meta device's count, before launch) beside each rank's measured peak (bytes: no
+    machine in the thresholds). The GPT of docs/memory.md: at widths under 128 the buffers of
+    collectives in flight are a fifth of a rank's peak, which no model of tensors predicts."""
     path = tmp_path / "memory.json"
+    shape = ("--model-args", "dim=128,depth=8,heads=4", "--batch", "16", "--sequence-length", "128")
     out = gradmesh(
-        *("bench", "memory", "--world", "2", "--layouts", "dp,zero3"),
-        *("--model-args", "dim=32,depth=2,heads=4", "--batch", "4", "--sequence-length", "16"),
+        *("bench", "memory", "--world", "4", "--layouts", "dp,zero3,dpxtp2", *shape),
         *("--steps", "1", "--warmup", "1", "--rounds", "1", "--json", str(path)),
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
     layouts = json.loads(path.read_text())["layouts"]
     for name, r in layouts.items():
-        assert abs(r["prediction_error"]) < 0.1, (name, r)  # measured within 2.4%
+        assert abs(r["prediction_error"]) < 0.1, (name, r)  # measured within 1.4%
         assert r["peak_bytes"] > 0 and r["step_s"] > 0
-    # AdamW: parameters, gradients and two slots; stage 3 keeps half of each on 2 ranks
+    # AdamW: parameters, gradients and two slots; stage 3 keeps a quarter of each on 4 ranks
     assert layouts["dp"]["optimizer_bytes"] == 2 * layouts["dp"]["param_bytes"]
-    assert layouts["zero3"]["state_vs_dp"] <= 0.55
+    assert layouts["zero3"]["state_vs_dp"] <= 0.3
     # what a step adds (activations; under FSDP2 the gathered units too), predicted from one
     # process's profile beside what the profiler saw on rank 0 of the job
     assert abs(layouts["dp"]["step_peak_error"]) < 0.1  # -0.004% measured
     gathered = {n: r["predicted"]["gathered_bytes"] for n, r in layouts.items()}
     assert gathered["zero3"] > 0 == gathered["dp"]
+    # `gradmesh plan --memory`: the same layouts counted on the meta device, in seconds, each
+    # rank's peak (state + step) within 10 % of what the job measured (+1.3 %, +4.0 %, -4.3 %)
+    planned = tmp_path / "planned.json"
+    said = gradmesh(
+        *("plan", "--memory", "--model", "gpt", "--workers", "4", "--layouts", "dp,zero3,dpxtp2"),
+        *shape, *("--optimizer", "adamw", "--json", str(planned)),
+        timeout=120,
+    )  # fmt: skip
+    assert said.returncode == 0, said.stderr
+    for name, predicted in json.loads(planned.read_text()).items():
+        measured = layouts[name]["state_bytes"] + layouts[name]["peak_bytes"]
+        assert abs(predicted["peak"] / measured - 1) < 0.1, (name, predicted, measured)
+        assert predicted["fits"] is True
 
 
 def test_bench_tp_styles_runs_gradmesh_and_dtensor_on_the_same_model(tmp_path: Path) -> None:

@@ -4,6 +4,8 @@ checkpointing take away, and the memory limit the plan obeys."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -233,3 +235,18 @@ def test_the_planner_takes_a_zero_bubble_schedule_where_it_fits_and_1f1b_where_m
     assert sorted(roomy, key=preference)[0].layout.schedule == "zb-h1"
     tight = fitting(list(preds.values()), need["1f1b"], 4)
     assert [p.layout.schedule for p in tight] == ["1f1b"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--model", "cnn"], "plan --memory counts token models on the meta device"),
+        (["--model", "gpt", "--layouts", "dp,zero9"], "unknown memory layout 'zero9'"),
+        (["--model", "gpt", "--workers", "3", "--layouts", "dpxtp2"], "does not divide --world 3"),
+    ],
+)
+def test_plan_memory_refuses_in_one_line(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    line = cli_line(["plan", "--memory", *flags])
+    assert line.startswith("gradmesh plan: error: ") and message in line
