@@ -1,9 +1,10 @@
 """A pretrained Hugging Face model in, a Hugging Face model directory out (issue 61).
 
-A tiny Llama saved by `save_pretrained` is read by the trainer (`--model hf:DIR`) into each
-rank's part at dp 2, tp 2 and pp 2, trained 20 AdamW steps on a token file through the trainer's
-own loop (with checkpoints), exported by `gradmesh export`, and loaded back by
-`AutoModelForCausalLM.from_pretrained`: before training the layout's logits are the original
+A tiny Llama (grouped-query attention, its head tied to its embedding) saved by
+`save_pretrained` in sharded safetensors is read by the trainer (`--model hf:DIR`) into each
+rank's part at dp 2, tp 2, pp 2 and ZeRO-3 (FSDP2's shards), trained 20 AdamW steps on a token
+file through the trainer's own loop (with checkpoints), exported by `gradmesh export`, and loaded
+back by `AutoModelForCausalLM.from_pretrained`: before training the layout's logits are the original
 model's, after it the reloaded model's are the layout's, each to 1e-5."""
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ LAYOUTS = {
     "dp2": {},
     "tp2": {"tensor_parallel": 2},
     "pp2": {"pipeline_parallel": 2},
+    "zero3": {"zero_stage": 3},
 }
 
 
@@ -46,7 +48,9 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     transformers.utils.logging.disable_progress_bar()  # no tqdm monitor thread left behind
     torch.manual_seed(0)
     config = transformers.LlamaConfig(**LLAMA, tie_word_embeddings=True)
-    transformers.LlamaForCausalLM(config).save_pretrained(root / "llama")
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(root / "llama", max_shard_size="40KB")  # shards, and their index
+    assert len(list((root / "llama").glob("model-*.safetensors"))) > 1
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=40_000)
     return root / "llama", write_tokens(root / "tokens.bin", tokens)
 
