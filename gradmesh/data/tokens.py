@@ -21,7 +21,8 @@ sharder's seeded order (`gradmesh.data.sharding`): each data-parallel rank reads
 windows, and a resumed job, skipping the steps its checkpoint holds, reads the exact next ones.
 
 The vocabulary is the sidecar's `vocab`, or the largest token + 1 (one pass over the memory map
-at start, about 10 ms for 10M tokens); a token past a stated vocabulary is one line.
+at start: 7 ms for 50M uint16 tokens in the page cache); a token past a stated vocabulary is one
+line.
 """
 
 from __future__ import annotations
