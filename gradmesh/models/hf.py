@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -191,7 +192,32 @@ def _pretrained(directory: str, num_classes: int, args: dict[str, Any]) -> nn.Mo
         net = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = CausalLM(net)
     model.pretrained = directory  # type: ignore[assignment]
+    model.file_names = file_names(net, weight_files(directory))  # type: ignore[assignment]
     return model
+
+
+def file_names(net: nn.Module, keys: Iterable[str]) -> dict[str, str]:
+    """Each tensor of the files under the name the model holds it by: Hugging Face renames
+    some when it loads (`get_model_conversion_mapping`'s renamings: GPT-NeoX's `embed_out`
+    is the model's `lm_head`), and `save_pretrained` renames them back."""
+    import transformers.modeling_utils as hf_modeling
+
+    mapping = getattr(hf_modeling, "get_model_conversion_mapping", None)
+    if mapping is None:  # a transformers without renamings: the names are the model's
+        return {key: key for key in keys}
+    renames = [
+        (re.compile(source), target)
+        for weight in mapping(net)
+        if type(weight).__name__ == "WeightRenaming"
+        for source, target in zip(weight.source_patterns, weight.target_patterns, strict=False)
+    ]
+    found = {}
+    for key in keys:
+        name = key
+        for pattern, target in renames:
+            name = pattern.sub(target, name)
+        found[name] = key
+    return found
 
 
 def pretrained_source(model: nn.Module) -> str | None:

@@ -2,7 +2,8 @@
 
 A tiny Llama (grouped-query attention, its head tied to its embedding) saved by
 `save_pretrained` in sharded safetensors is read by the trainer (`--model hf:DIR`) into each
-rank's part at dp 2, tp 2, pp 2 and ZeRO-3 (FSDP2's shards), trained 20 AdamW steps on a token
+rank's part at dp 2, tp 2, pp 2 and ZeRO-3 (FSDP2's shards), and a GPT-NeoX (one fused q/k/v
+projection, its head renamed in its files) at tp 2; each is trained 20 AdamW steps on a token
 file through the trainer's own loop (with checkpoints), exported by `gradmesh export`, and loaded
 back by `AutoModelForCausalLM.from_pretrained`: before training the layout's logits are the original
 model's, after it the reloaded model's are the layout's, each to 1e-5."""
@@ -27,11 +28,16 @@ LLAMA = {
     "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 32,
 }  # fmt: skip
+NEOX = {  # one fused query_key_value projection; its head is `embed_out` in the files
+    "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "max_position_embeddings": 32,
+}  # fmt: skip
 LAYOUTS = {
-    "dp2": {},
-    "tp2": {"tensor_parallel": 2},
-    "pp2": {"pipeline_parallel": 2},
-    "zero3": {"zero_stage": 3},
+    "llama-dp2": {},
+    "llama-tp2": {"tensor_parallel": 2},
+    "llama-pp2": {"pipeline_parallel": 2},
+    "llama-zero3": {"zero_stage": 3},
+    "neox-tp2": {"tensor_parallel": 2},
 }
 
 
@@ -41,7 +47,7 @@ def probe() -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """The saved Llama (tied head: its lm_head is stored once) and a token file for it."""
+    """The saved models (the Llama's head tied: stored once) and a token file for them."""
     from gradmesh.data.tokens import write_tokens
 
     root = tmp_path_factory.mktemp("pretrained")
@@ -51,8 +57,11 @@ def pretrained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(root / "llama", max_shard_size="40KB")  # shards, and their index
     assert len(list((root / "llama").glob("model-*.safetensors"))) > 1
+    transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(**NEOX)).save_pretrained(
+        root / "neox"
+    )
     tokens = np.random.default_rng(0).integers(0, VOCAB, size=40_000)
-    return root / "llama", write_tokens(root / "tokens.bin", tokens)
+    return root, write_tokens(root / "tokens.bin", tokens)
 
 
 def train_and_probe(directory: str, tokens: str, checkpoints: str, layout: dict[str, int]) -> Any:
@@ -85,8 +94,8 @@ def train_and_probe(directory: str, tokens: str, checkpoints: str, layout: dict[
 def test_pretrained_in_trained_exported_reloaded(
     name: str, pretrained: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    directory, tokens = pretrained
-    layout = LAYOUTS[name]
+    root, tokens = pretrained
+    directory, layout = root / name.partition("-")[0], LAYOUTS[name]
     mesh = {"tp": layout.get("tensor_parallel", 1), "pp": layout.get("pipeline_parallel", 1)}
     (tmp_path / "ck").mkdir()  # as `gradmesh train` makes it before launch
     results = run_ranks(
