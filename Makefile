@@ -34,7 +34,7 @@ run: $(RUN_STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/ruff check gradmesh tests examples scripts
 	$(BIN)/mypy
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check gradmesh tests examples scripts
