@@ -6,7 +6,7 @@ the step (`gradmesh bench loader` measures it), and no more memory than one batc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
@@ -16,7 +16,7 @@ R = TypeVar("R")
 
 def prefetched(
     items: Iterable[T], fetch: Callable[[T], R], background: bool = True
-) -> Iterator[tuple[T, R]]:
+) -> Generator[tuple[T, R], None, None]:
     """(item, fetch(item)) for each item, the next one fetched on a thread while the caller
     works on this one (in the caller's thread without `background`)."""
     if not background:
@@ -26,8 +26,9 @@ def prefetched(
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradmesh-prefetch") as pool:
         ahead: tuple[T, Future[R]] | None = None
         for item in items:
+            future = pool.submit(fetch, item)  # the next is read while the caller has this one
             if ahead is not None:
                 yield ahead[0], ahead[1].result()
-            ahead = (item, pool.submit(fetch, item))
+            ahead = (item, future)
         if ahead is not None:
             yield ahead[0], ahead[1].result()

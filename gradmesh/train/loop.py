@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -167,10 +168,10 @@ class _Run:
     """When the steady rate's clock started, and the samples trained by then."""
 
     def one_step(self, part: Split, global_count: int, sums: torch.Tensor) -> None:
-        """Forward, backward and the update of one global batch's slice (`part`, read by
-        `fetch`); adds this replica's
-        (loss sum, count) to `sums` (zeros on ranks that do not hold the replica's loss), on
-        the device: nothing in the step waits for the GPU."""
+        """Forward, backward and the update of one global batch's slice (`part`, this
+        replica's samples as read); adds this replica's (loss sum, count) to `sums` (zeros on
+        ranks that do not hold the replica's loss), on the device: nothing in the step waits
+        for the GPU."""
         job, rt, clock = self.job, self.job.rt, self.clock
         if rt.timeline is not None:
             rt.timeline.new_step()
@@ -272,17 +273,18 @@ def loop(job: Job) -> tuple[Clock, int, float]:
         fresh = torch.zeros(2, dtype=torch.float64, device=device)
         loss_sum = job.loss_sum.to(device) if skip and job.loss_sum is not None else fresh
         batches = islice(enumerate(sharder.batches(epoch)), skip, None)  # skip: done before
-        for (k, (_, global_count)), part in prefetched(batches, fetch, lazy):
-            if run.step >= last:  # --max-steps
-                break
-            run.one_step(part, global_count, loss_sum)
-            end_of_epoch = k == steps - 1 or run.step == last  # a cut epoch reports its part
-            if end_of_epoch:
-                run.end_epoch(epoch, loss_sum)
-                loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
-            if _due(config, run.step, end_of_epoch, last):
-                with span("checkpoint", "io", step=run.step):
-                    _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
+        with closing(prefetched(batches, fetch, lazy)) as parts:  # the reader ends with the loop
+            for (k, (_, global_count)), part in parts:
+                if run.step >= last:  # --max-steps
+                    break
+                run.one_step(part, global_count, loss_sum)
+                end_of_epoch = k == steps - 1 or run.step == last  # a cut epoch reports its part
+                if end_of_epoch:
+                    run.end_epoch(epoch, loss_sum)
+                    loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+                if _due(config, run.step, end_of_epoch, last):
+                    with span("checkpoint", "io", step=run.step):
+                        _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
         skip = 0
         if run.step >= last:
             break

@@ -148,3 +148,29 @@ def test_the_loader_benchmark_reports_both_rates_and_their_ratio(tmp_path: Path)
         "cpu",
         "not cpu",
     )
+
+
+def test_the_next_batch_is_read_on_a_thread_while_this_one_is_used() -> None:
+    import threading
+
+    from gradmesh.data.prefetch import prefetched
+
+    started = {i: threading.Event() for i in range(4)}
+    where = {}
+
+    def fetch(i: int) -> int:
+        where[i] = threading.current_thread().name
+        started[i].set()
+        return i * i
+
+    parts = prefetched(range(4), fetch)
+    got = []
+    for i, value in parts:
+        if i < 3:  # the next one is being read before this one is done with
+            assert started[i + 1].wait(10), f"batch {i + 1} was not read ahead"
+        got.append((i, value))
+    assert got == [(i, i * i) for i in range(4)]
+    assert all(name.startswith("gradmesh-prefetch") for name in where.values())
+    early = prefetched(range(10), fetch)
+    next(early)
+    early.close()  # a loop that stops early ends the reader's thread (the leak check sees it)
