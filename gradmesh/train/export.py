@@ -27,7 +27,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError, first_line
@@ -82,7 +81,7 @@ def export(directory: str, out: str, fmt: str = "auto", max_shard_size: str = "5
         if fmt == "hf":
             _save_hf(model, staging, max_shard_size)
         else:
-            _save_safetensors(model, staging, name, config)
+            _save_safetensors(model, staging, config)
         if target.exists():
             target.rmdir()
         staging.rename(target)
@@ -120,17 +119,15 @@ def _save_hf(model: nn.Module, folder: Path, max_shard_size: str) -> None:
     net.save_pretrained(str(folder), max_shard_size=max_shard_size)
 
 
-def _save_safetensors(model: nn.Module, folder: Path, name: str, config: dict[str, Any]) -> None:
+def _save_safetensors(model: nn.Module, folder: Path, config: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    stored: dict[int, str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    tied = []
-    for key, value in model.state_dict(keep_vars=False).items():
-        first = stored.setdefault(id(value.untyped_storage()), key)
-        if first != key:
-            tied.append(f"{key}={first}")
-            continue
-        tensors[key] = value.detach().contiguous().cpu()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"tied": ",".join(tied)})
+    tied = tied_names(model)  # a parameter another name shares: stored once, under the first
+    tensors = {
+        key: value.detach().contiguous().cpu()
+        for key, value in model.state_dict().items()
+        if key not in tied
+    }
+    listed = ",".join(f"{key}={first}" for key, first in tied.items())
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"tied": listed})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
