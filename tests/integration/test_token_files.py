@@ -23,7 +23,7 @@ RUN = [
 
 def test_a_4_rank_run_on_50m_tokens_resumes_at_the_exact_next_window(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
-    data = write_tokens(tmp_path / "corpus.bin", rng.integers(0, 512, TOKENS, dtype=np.int64))
+    data = write_tokens(tmp_path / "corpus.bin", rng.integers(0, 512, TOKENS, dtype=np.uint16))
     flags = [*RUN, "--dataset", f"tokens:{data}"]
     clean = train(
         *flags, "--checkpoint-dir", str(tmp_path / "a"), "--json", str(tmp_path / "a.json")
