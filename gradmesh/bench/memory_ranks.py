@@ -26,7 +26,7 @@ import itertools
 from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, medians
-from gradmesh.planner.mesh_memory import parse_layout
+from gradmesh.planner.mesh_memory import named_layout, parse_layout
 from gradmesh.units import parse_size
 
 
@@ -46,7 +46,6 @@ def predicted(
 
 def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
     """Every layout's figures at `args.world` ranks, beside the predicted state."""
-    from gradmesh.layout.config import Layout
     from gradmesh.plan.calibrate import layout_job
     from gradmesh.plan.mesh import workload
 
@@ -60,17 +59,7 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
         "adamw",
     )
     layouts = {n: parse_layout(n, args.world) for n in names}
-    grids = {
-        name: Layout(
-            args.world // (lay["tp"] * lay["cp"]),
-            lay["tp"],
-            1,
-            zero_stage=lay["stage"],
-            checkpointing=lay["checkpointing"],
-            cp=lay["cp"],
-        )
-        for name, lay in layouts.items()
-    }
+    grids = {name: named_layout(name, args.world) for name in layouts}
     options = {**work.options, "model": work.name}
     configs = [
         layout_job(options, args.world, grid, args.steps, args.warmup, True)

@@ -176,7 +176,7 @@ def _pretrained(directory: str, num_classes: int, args: dict[str, Any]) -> nn.Mo
     """A pretrained model's skeleton: its config's model with parameters on the meta device,
     `pretrained` naming where its weights are (read once the layout has cut it)."""
     config = pretrained_config(directory)
-    weight_files(directory)  # one line now, before launch, where there are none
+    files = weight_files(directory)  # one line now, before launch, where there are none
     if args:
         raise GradmeshError(
             f"model hf:{directory}: --model-args {','.join(args)} cannot change a pretrained "
@@ -192,7 +192,7 @@ def _pretrained(directory: str, num_classes: int, args: dict[str, Any]) -> nn.Mo
         net = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = CausalLM(net)
     model.pretrained = directory  # type: ignore[assignment]
-    model.file_names = file_names(net, weight_files(directory))  # type: ignore[assignment]
+    model.file_names = file_names(net, files)  # type: ignore[assignment]
     return model
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from gradmesh.data.registry import FEATURE_ID_DATASETS, TOKEN_DATASETS, DataSpec, is_scheme
+from gradmesh.data.registry import (
+    FEATURE_ID_DATASETS,
+    TOKEN_DATASETS,
+    DataSpec,
+    is_scheme,
+    is_token_dataset,
+)
 from gradmesh.errors import GradmeshError
 from gradmesh.registry import Registry
 
@@ -56,7 +62,7 @@ def check_pairing(model: str, dataset: str) -> None:
         ":" in model and model.partition(":")[0] not in MODELS.schemes
     ):
         return
-    tokens = dataset in TOKEN_DATASETS or is_scheme(dataset)
+    tokens = is_token_dataset(dataset)
     if ":" in model:  # a scheme's model (hf:llama) is a token model
         if not tokens:
             raise GradmeshError(

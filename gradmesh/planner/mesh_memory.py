@@ -64,6 +64,7 @@ __all__ = [
     "MemoryPrediction",
     "in_flight",
     "param_bytes",
+    "named_layout",
     "parse_layout",
     "predict_memory",
     "recompute_share",
@@ -239,3 +240,17 @@ def parse_layout(name: str, world: int) -> dict[str, Any]:
         "cp": cp,
         "checkpointing": bool(match.group(4)),
     }
+
+
+def named_layout(name: str, world: int) -> Layout:
+    """The `Layout` a memory layout's name (`parse_layout`) gives at `world` ranks: tp x cp
+    ranks a replica, dp the rest, one pipeline stage."""
+    lay = parse_layout(name, world)
+    return Layout(
+        world // (lay["tp"] * lay["cp"]),
+        lay["tp"],
+        1,
+        zero_stage=lay["stage"],
+        checkpointing=lay["checkpointing"],
+        cp=lay["cp"],
+    )

@@ -19,8 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from gradmesh.errors import GradmeshError
-from gradmesh.layout.config import Layout
-from gradmesh.planner.mesh_memory import MemoryPrediction, parse_layout, predict_memory
+from gradmesh.planner.mesh_memory import MemoryPrediction, named_layout, predict_memory
 from gradmesh.simulate.devices import DEVICES, Device
 from gradmesh.simulate.mesh import CONTEXT_GIB, meta_profile
 from gradmesh.simulate.meta_count import Spec
@@ -55,14 +54,7 @@ def rank_memory(config: Any) -> dict[str, MemoryPrediction]:
     vocab = DATASETS.get(dataset)(DataOptions(sequence=config.sequence_length)).num_classes
     model_args = parse_kwargs(config.model_args, "--model-args")
     spec = Spec(config.model, model_args, config.sequence_length, vocab, "fp32", config.optimizer)
-    layouts = {name: parse_layout(name, config.workers) for name in config.layouts.split(",")}
-    grids = {
-        name: Layout(
-            config.workers // (lay["tp"] * lay["cp"]), lay["tp"], 1,
-            zero_stage=lay["stage"], checkpointing=lay["checkpointing"], cp=lay["cp"],
-        )
-        for name, lay in layouts.items()
-    }  # fmt: skip
+    grids = {name: named_layout(name, config.workers) for name in config.layouts.split(",")}
     device = _device(config.device)
     tps = sorted({g.tp for g in grids.values()})
     meta = meta_profile(spec, config.workers, config.batch, tps, device)

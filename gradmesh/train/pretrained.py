@@ -72,16 +72,20 @@ def read_pretrained(module: nn.Module, directory: str, device: Any, tp: tuple[in
                 buffer.copy_(kept[name])
     cut = rank_part(module, *tp)
     tied = tied_names(module)
-    renamed = getattr(module, "file_names", None) or {}  # model name -> name in the files
+    renamed: dict[str, str] = getattr(module, "file_names", None) or {}  # model -> files
+
+    def in_files(name: str) -> str:
+        return renamed.get(file_name(name), file_name(name))
+
     read = 0
     with ExitStack() as files:
         opened: dict[Any, Any] = {}
         for name, target in module.state_dict().items():
             if name in kept:
                 continue  # a buffer the model's own code made (rotary frequencies)
-            key = renamed.get(file_name(name), file_name(name))
+            key = in_files(name)
             if key not in where and name in tied:
-                key = renamed.get(file_name(tied[name]), file_name(tied[name]))
+                key = in_files(tied[name])
             if key not in where:
                 raise GradmeshError(f"model hf:{directory}: its weights have no tensor {key}")
             path = where[key]
