@@ -23,9 +23,10 @@ from tests.integration.test_cli import (
 
 @pytest.mark.parametrize("mode", ["async", "ssp"])
 def test_async_and_ssp_learn_digits_at_the_defaults(mode: str, tmp_path: Path) -> None:
-    """Default hyperparameters (a gradient's step is lr / W: docs/parameter_server.md); this
-    seed measured 0.978 (async) and 0.986 (ssp), three seeds 0.978-0.986; asynchronous order
-    varies from run to run, and one fresh-clone CI run gave ssp 0.947 (chance is 0.1)."""
+    """Default hyperparameters (a gradient's step is lr / W: docs/parameter_server.md); ssp at
+    this seed measured 0.961-0.983 over 10 runs (4 beside two busy cores), but asynchronous order
+    is not seeded and fresh-clone CI runs, beside another test worker, gave 0.947 and 0.925; 0.85
+    keeps 7.5 points below the lowest seen (chance is 0.1)."""
     out = gradmesh(
         "train",
         "--strategy=ps",
@@ -41,7 +42,7 @@ def test_async_and_ssp_learn_digits_at_the_defaults(mode: str, tmp_path: Path) -
     assert out.returncode == 0, out.stderr
     got = json.loads((tmp_path / "r.json").read_text())
     info = got["strategy_info"]
-    assert got["test_accuracy"] >= 0.93
+    assert got["test_accuracy"] >= 0.85
     assert info["mode"] == mode and info["lost_workers"] == []
     assert len(info["server_stats"]) == 2
     for server in info["server_stats"]:
@@ -146,7 +147,8 @@ def test_the_script_example_serves_and_trains_through_gradmesh_run() -> None:
     )
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if "test accuracy" in x)
-    # asynchronous (ssp): 0.967-0.981 over 5 runs; 0.93 keeps 3.7 points below the lowest
-    assert float(line.split("test accuracy ")[1].split()[0]) >= 0.93
+    # asynchronous (ssp): 0.967-0.981 over 5 runs, but the default job's ssp has dipped to 0.925
+    # on CI beside another test worker; 0.85 keeps the same margin as test_async_and_ssp_...
+    assert float(line.split("test accuracy ")[1].split()[0]) >= 0.85
     staleness = line.split("staleness ")[1]
     assert "'3'" not in staleness  # ssp with K = 2
