@@ -14,7 +14,7 @@ MODES = ("sync", "async", "ssp")
 SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "adarevision")
 """The updates a parameter server applies to its shard."""
 ON_NONFINITE = ("error", "skip")
-SPLIT_LAYOUTS = ("allreduce", "local-sgd")
+SPLIT_LAYOUTS = ("allreduce", "local-sgd", "diloco")
 """The strategies that carry a model split by tensor or pipeline parallelism (the others need
 the whole model on every worker)."""
 
@@ -45,17 +45,29 @@ class AllreduceConfig:
 
 @dataclass
 class LocalSGDConfig:
-    """Local SGD: K local steps between parameter averages."""
+    """Local SGD: K local steps between parameter averages; DiLoCo: the same, the average moved
+    by an outer Nesterov SGD."""
 
     sync_every: int = option(8, "local-sgd: local steps between parameter averages (K)")
     averaging_algorithm: str = option(
         "native", "local-sgd: allreduce algorithm for averaging", name=True
     )
     warmup_sync_steps: int = option(0, "local-sgd: synchronous steps before going local (T)")
+    outer_lr: float = option(
+        0.7,
+        "diloco: the outer Nesterov SGD's learning rate (DiLoCo's 0.7; 1 with momentum 0 is "
+        "local SGD)",
+    )
+    outer_momentum: float = option(0.9, "diloco: the outer SGD's Nesterov momentum")
 
     def check(self) -> None:
         if self.sync_every < 1 or self.warmup_sync_steps < 0:
             raise GradmeshError("--sync-every must be >= 1 and --warmup-sync-steps >= 0")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise GradmeshError(
+                f"--outer-lr must be > 0 and --outer-momentum in [0, 1), got {self.outer_lr} "
+                f"and {self.outer_momentum}"
+            )
 
 
 @dataclass

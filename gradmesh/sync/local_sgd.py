@@ -7,6 +7,14 @@ Only parameters are averaged; optimizer state (momentum) stays local, as in the 
 With a compressor, what travels is the change since the last average (the same on every rank),
 so a lossy message loses part of a step, never part of the model; error feedback keeps the rest
 for the next round.
+
+DiLoCo (Douillard et al. 2023) is the same loop with an outer optimizer: the averaged change
+(start minus end parameters, the "outer gradient") is not simply added but given to an outer SGD
+with Nesterov momentum, which moves the last average; every replica then starts its next H inner
+steps from the result. With outer lr 1 and momentum 0 it is local SGD. The outer optimizer is
+torch's own `SGD(nesterov=True)` over the anchors (one flat tensor per fusion buffer), so its
+update and its state_dict are PyTorch's. The streaming variant (fragments synchronised in turn)
+is not built.
 """
 
 from __future__ import annotations
@@ -54,7 +62,31 @@ class Averager:
     states: dict[tuple[str, int], State] = field(default_factory=dict)
     """A compressor state per (what is averaged, flat buffer)."""
     anchors: list[torch.Tensor] = field(default_factory=list)
-    """With compression: the parameters as last averaged (the same on every rank)."""
+    """With compression or an outer optimizer: the parameters as last averaged (the same on
+    every rank)."""
+    outer_lr: float | None = None
+    """DiLoCo: the outer Nesterov SGD's learning rate (None: plain local SGD)."""
+    outer_momentum: float = 0.0
+    outer: torch.optim.SGD | None = None
+    """DiLoCo's outer optimizer over `anchors`, made with them."""
+
+    @property
+    def diloco(self) -> bool:
+        return self.outer_lr is not None
+
+    def _anchor(self) -> None:
+        """The starting parameters, the same on every rank: the first change is from them."""
+        self.anchors = [
+            flat.detach().clone() for flat, _ in flat_buffers([p.detach() for p in self.params])
+        ]
+        if self.diloco:
+            assert self.outer_lr is not None
+            self.outer = torch.optim.SGD(
+                self.anchors,
+                lr=self.outer_lr,
+                momentum=self.outer_momentum,
+                nesterov=self.outer_momentum > 0,
+            )
 
     def _average(self, tensors: list[torch.Tensor], what: str) -> None:
         replicas = get_runtime().dp  # the ranks holding the same part of the model
@@ -62,21 +94,32 @@ class Averager:
             return
         link = Link(replicas.group, self.algorithm)
         compress = not isinstance(self.compressor, NoCompression)
+        change = what == "parameters" and (compress or self.diloco)
         with torch.no_grad():
             for i, (flat, members) in enumerate(flat_buffers(tensors)):
-                if not compress:
-                    allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
-                    unpack(flat, members)
-                    continue
-                state = self._state(what, i, flat, members)
-                if what == "parameters":  # the change since the last average travels
+                if change:  # the change since the last average travels
                     flat.sub_(self.anchors[i])
-                reduce(flat, self.compressor, state, link)
-                flat.div_(link.size)
-                if what == "parameters":
-                    flat.add_(self.anchors[i])
-                    self.anchors[i].copy_(flat)
+                if compress:
+                    reduce(flat, self.compressor, self._state(what, i, flat, members), link)
+                    flat.div_(link.size)
+                else:
+                    allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
+                if change:
+                    self._apply(i, flat)
                 unpack(flat, members)
+
+    def _apply(self, i: int, mean_change: torch.Tensor) -> None:
+        """Move anchor `i` by the replicas' mean change (the negated outer gradient) and leave
+        the new parameters in `mean_change`: added as it is (local SGD), or through the outer
+        Nesterov SGD (DiLoCo)."""
+        anchor = self.anchors[i]
+        if self.outer is None:
+            anchor.add_(mean_change)
+        else:
+            anchor.grad = mean_change.neg_()  # start minus end: the outer gradient
+            self.outer.step()
+            anchor.grad = None
+        mean_change.copy_(anchor)
 
     def _state(self, what: str, i: int, flat: torch.Tensor, members: list[torch.Tensor]) -> State:
         """The compressor state of flat buffer `i` of `what`, made when first needed."""
@@ -93,6 +136,7 @@ class Averager:
             "averaging_rounds": self.averaging_rounds,
             "anchors": [a.clone() for a in self.anchors],
             "compressor": save_states({f"{w}/{i}": s for (w, i), s in self.states.items()}),
+            "outer": self.outer.state_dict() if self.outer is not None else {},
         }
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
@@ -102,7 +146,14 @@ class Averager:
             anchors and [tuple(a.shape) for a in anchors] != [tuple(f.shape) for f, _ in buffers]
         ):
             raise GradmeshError("local SGD's saved anchors do not match this model's parameters")
-        self.anchors = [a.clone() for a in anchors]
+        if self.diloco and not anchors:
+            raise GradmeshError("DiLoCo's checkpoint holds no anchors: it was not a diloco run")
+        if anchors:
+            self._anchor()
+            for mine, saved_anchor in zip(self.anchors, anchors, strict=True):
+                mine.copy_(saved_anchor)
+        if self.outer is not None and saved.get("outer"):
+            self.outer.load_state_dict(saved["outer"])
         names = saved["compressor"] if isinstance(saved["compressor"], dict) else {}
         for name in names:
             what, _, index = name.partition("/")
@@ -116,11 +167,8 @@ class Averager:
 
     def before_step(self) -> None:
         """During the synchronous warm-up, average gradients (missing ones count as zero)."""
-        if not self.anchors and not isinstance(self.compressor, NoCompression):
-            # the starting parameters, the same on every rank: the first change is from them
-            self.anchors = [
-                flat.detach().clone() for flat, _ in flat_buffers([p.detach() for p in self.params])
-            ]
+        if not self.anchors and (self.diloco or not isinstance(self.compressor, NoCompression)):
+            self._anchor()
         if self.steps < self.warmup_sync_steps:
             for p in self.params:
                 if p.grad is None:
@@ -131,6 +179,8 @@ class Averager:
         """Every `sync_every` local steps after the warm-up, average the parameters."""
         self.steps += 1
         local = self.steps - self.warmup_sync_steps
+        if self.diloco and local == 0:  # the outer optimizer starts where the warm-up ended
+            self._anchor()
         if local > 0 and local % self.sync_every == 0:
             self._average([p.data for p in self.params], "parameters")
             self.averaging_rounds += 1

@@ -175,6 +175,9 @@ class AllreduceStrategy(_Defaults):
 class LocalSGDStrategy(_Defaults):
     """K local steps, then parameter averaging; synchronous for the first T steps if asked."""
 
+    outer = False
+    """Whether the average goes through DiLoCo's outer optimizer."""
+
     def __init__(self, config: SyncConfig, microbatches: int, timeout_s: float) -> None:
         self.config = config
         self.microbatches = microbatches
@@ -184,12 +187,15 @@ class LocalSGDStrategy(_Defaults):
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
         broadcast_replica(model, rt)
         params = [p for p in model.parameters() if p.requires_grad]
+        local = self.config.local_sgd
         self.averager = Averager(
             params,
-            self.config.local_sgd.sync_every,
-            self.config.local_sgd.warmup_sync_steps,
-            self.config.local_sgd.averaging_algorithm,
+            local.sync_every,
+            local.warmup_sync_steps,
+            local.averaging_algorithm,
             compressor=compressor(self.config.compression),
+            outer_lr=local.outer_lr if self.outer else None,
+            outer_momentum=local.outer_momentum,
         )
         return LocalSGDOptimizer(optimizer, self.averager)
 
@@ -209,7 +215,24 @@ class LocalSGDStrategy(_Defaults):
             "averaging_algorithm": self.config.local_sgd.averaging_algorithm,
             "averaging_rounds": rounds,
             "compression": compressor(self.config.compression).describe(),
+            **self._outer_report(),
         }
+
+    def _outer_report(self) -> dict[str, Any]:
+        return {}
+
+
+@STRATEGIES.register("diloco")
+class DiLoCoStrategy(LocalSGDStrategy):
+    """DiLoCo: H inner steps (`--sync-every`) with the run's optimizer, then the replicas' mean
+    outer gradient (start minus end parameters, compressed by `--compression`) applied by an
+    outer Nesterov SGD (`--outer-lr`, `--outer-momentum`)."""
+
+    outer = True
+
+    def _outer_report(self) -> dict[str, Any]:
+        local = self.config.local_sgd
+        return {"outer_lr": local.outer_lr, "outer_momentum": local.outer_momentum}
 
 
 @STRATEGIES.register("hogwild")
