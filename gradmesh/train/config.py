@@ -62,6 +62,11 @@ class JobConfig:
     max_steps: int = option(
         0, "stop after this many steps in all, mid-epoch too (0: at the last epoch's end)"
     )
+    eval_every: int = option(
+        0,
+        "score the test split every N steps (its loss and accuracy against the training seconds "
+        "so far: the report's eval_history; 0: only at the end)",
+    )
     seed: int = option(0, "seed for model initialisation and data order")
     timeout_s: float = option(60.0, "seconds before a rendezvous or collective is declared failed")
     emulate_compute_ms: float = option(

@@ -1,11 +1,13 @@
-"""Test accuracy: through the step engine, each replica scoring its own slice (`evaluate`), and
-after each epoch off the training path (`Evaluator`, for TensorBoard)."""
+"""Test accuracy and loss: through the step engine, each replica scoring its own slice
+(`evaluate`), and after each epoch off the training path (`Evaluator`, for TensorBoard)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import gradmesh.data.batch as batch
 from gradmesh.collectives import allreduce
@@ -23,10 +25,18 @@ def has_classes(data: Split) -> bool:
     return isinstance(targets, torch.Tensor) and not targets.is_floating_point()
 
 
-def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float | None:
-    """Accuracy over the whole split, each replica scoring its own slice through the engine;
-    only the rank that holds a replica's logits counts them. None where the targets are not
-    class ids (a tuple or dict of targets, real values): accuracy does not apply."""
+class Score(NamedTuple):
+    """The test split's accuracy and cross-entropy (per target: per token for a language
+    model), every position counted."""
+
+    accuracy: float
+    loss: float
+
+
+def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> Score | None:
+    """Accuracy and cross-entropy over the whole split, each replica scoring its own slice
+    through the engine; only the rank that holds a replica's logits counts them. None where the
+    targets are not class ids (a tuple or dict of targets, real values): neither applies."""
     if not has_classes(data):
         return None
     mine = torch.tensor_split(torch.arange(len(data), device="cpu"), rt.batch.size)[rt.batch.index]
@@ -34,14 +44,15 @@ def evaluate(split: ModelSplit, data: Split, rt: Runtime) -> float | None:
     split.module.eval()
     logits = split.engine.predict(batch.to(part.x, rt.device))
     split.module.train()
-    counts = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    counts = torch.zeros(3, dtype=torch.float64, device=rt.device)
     if split.owns_output and logits is not None:
-        correct = (logits.argmax(dim=-1).cpu() == part.y).sum()  # every position
-        counts += torch.tensor(
-            [float(correct), float(part.y.numel())], dtype=torch.float64, device=rt.device
-        )
+        y = part.y.to(logits.device)
+        counts[0] += (logits.argmax(dim=-1) == y).sum()  # every position
+        counts[1] += y.numel()
+        flat = logits.reshape(-1, logits.shape[-1])
+        counts[2] += F.cross_entropy(flat, y.reshape(-1).long(), reduction="sum").double()
     allreduce(counts, kind="metrics")
-    return float(counts[0] / counts[1])
+    return Score(float(counts[0] / counts[1]), float(counts[2] / counts[1]))
 
 
 class Evaluator:

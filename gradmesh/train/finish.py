@@ -73,12 +73,12 @@ def gpu_peak_memory(device: torch.device) -> float:
 def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunReport, bool]:
     """Bring the final model here (asynchronous strategies), evaluate, build the report."""
     job.strategy.finish(samples, wall_s)
-    accuracy = evaluate(job.split, job.data.test, job.rt)
+    score = evaluate(job.split, job.data.test, job.rt)
     stats = gather_rank_stats(job.rt, clock.compute_s, layout_figures(job, clock.steps))
     facts = RunFacts(  # worker processes (replicas for ps, one per worker)
         job.replicas * job.rt.size // job.rt.batch.size,
         job.strategy.report(),
-        accuracy,
+        score.accuracy if score is not None else None,
         clock.losses,
         wall_s,
         clock.samples,
@@ -90,6 +90,8 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
         job.model_flops[0],
         job.peak_source,
         clock.steady_samples / clock.steady_s if clock.steady_s > 0 else 0.0,
+        test_loss=score.loss if score is not None else None,
+        evals=clock.evals,
     )
     report = RunReport.build(job.config, facts)
     if job.evaluator is not None:

@@ -46,6 +46,9 @@ class Clock:
     run that short): the rate without start-up (allocator, autotuning, compilation)."""
     steady_samples: int = 0
     """Samples every replica together trained on in those seconds."""
+    evals: list[dict[str, float]] = field(default_factory=list)
+    """--eval-every: per scoring, the step, the training seconds before it (scoring excluded),
+    the test loss and accuracy."""
 
 
 WARMUP_STEPS = 5
@@ -166,6 +169,25 @@ class _Run:
     cpu_before: tuple[int, int] = field(default_factory=cpu_jiffies)
     steady_from: tuple[float, int] | None = None
     """When the steady rate's clock started, and the samples trained by then."""
+    scoring_s: float = 0.0
+    """Seconds spent scoring the test split (--eval-every), left out of `Clock.evals`' times."""
+
+    def score(self) -> None:
+        """--eval-every: the test split's loss and accuracy now (a collective: every rank)."""
+        job = self.job
+        started = time.perf_counter()
+        with span("evaluate", "compute", step=self.step):
+            score = evaluate(job.split, job.data.test, job.rt)
+        if score is not None:
+            self.clock.evals.append(
+                {
+                    "step": self.step,
+                    "seconds": started - self.started - self.scoring_s,
+                    "test_loss": score.loss,
+                    "test_accuracy": score.accuracy,
+                }
+            )
+        self.scoring_s += time.perf_counter() - started
 
     def one_step(self, part: Split, global_count: int, sums: torch.Tensor) -> None:
         """Forward, backward and the update of one global batch's slice (`part`, this
@@ -282,6 +304,8 @@ def loop(job: Job) -> tuple[Clock, int, float]:
                 if end_of_epoch:
                     run.end_epoch(epoch, loss_sum)
                     loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+                if config.job.eval_every and run.step % config.job.eval_every == 0:
+                    run.score()
                 if _due(config, run.step, end_of_epoch, last):
                     with span("checkpoint", "io", step=run.step):
                         _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
@@ -297,9 +321,9 @@ def _epoch_accuracy(job: Job, step: int) -> None:
     the model is split."""
     shape = job.rt.mesh.shape
     if shape.tp * shape.pp > 1:
-        accuracy = evaluate(job.split, job.data.test, job.rt)
-        if job.metrics is not None and accuracy is not None:
-            job.metrics.scalars(step, {"accuracy/test": accuracy})
+        score = evaluate(job.split, job.data.test, job.rt)
+        if job.metrics is not None and score is not None:
+            job.metrics.scalars(step, {"accuracy/test": score.accuracy})
     elif job.metrics is not None:
         if job.evaluator is None:
             config, data = job.config, job.data

@@ -55,6 +55,8 @@ class RunFacts:
     flops_per_sample: float = 0.0
     peak_source: str = ""
     steady_rate: float = 0.0
+    test_loss: float | None = None
+    evals: list[dict[str, float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,13 @@ class RunReport:
     took on top of the real arithmetic; 0 for a run that only computed."""
     max_steps: int = 0
     """--max-steps: the run stopped after this many steps (0: after its epochs)."""
+    test_loss: float | None = None
+    """The final model's cross-entropy on the test split, per target (per token for a language
+    model); None where `test_accuracy` is."""
+    eval_history: list[dict[str, float]] = field(default_factory=list)
+    """--eval-every N: per scoring, `step`, `seconds` (of training before it, scoring left out),
+    `test_loss` and `test_accuracy`. With local SGD or DiLoCo each replica scores its slice
+    with its own model: at multiples of --sync-every they are one model."""
 
     @classmethod
     def build(cls, config: TrainConfig, run: RunFacts) -> RunReport:
@@ -144,6 +153,8 @@ class RunReport:
         compression = compression_figures(figures)
         return cls(
             test_accuracy=run.accuracy,
+            test_loss=run.test_loss,
+            eval_history=run.evals,
             final_loss=losses[-1] if losses else None,
             wall_s=wall_s,
             samples_per_s=rate,
@@ -204,7 +215,7 @@ class RunReport:
         """A few human lines for the end of a run."""
         loss = f"{self.final_loss:.4f}" if self.final_loss is not None else "n/a"
         info = " ".join(  # tables (histograms, per-server stats) are in the JSON report only
-            f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}"
+            f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
             for k, v in self.strategy_info.items()
             if not isinstance(v, dict | list) or k == "lost_workers"
         )
@@ -212,7 +223,9 @@ class RunReport:
             [
                 f"gradmesh train: {self.model} on {self.dataset}, strategy {self.strategy} {info}, "
                 f"{self.workers} workers, {self._length()}, global batch {self.batch_size}",
-                f"  test accuracy {self._accuracy()}   final loss {loss}",
+                f"  test accuracy {self._accuracy()}"
+                + (f"   test loss {self.test_loss:.4f}" if self.test_loss is not None else "")
+                + f"   final loss {loss}",
                 f"  wall {self.wall_s:.2f} s   {self.samples_per_s:.0f} samples/s   "
                 f"comm {self.comm_s:.2f} s   compute {self.compute_s:.2f} s (per worker)",
                 f"  bytes sent per worker {self.bytes_sent / 1e6:.2f} MB" + self._compressed(),
