@@ -36,25 +36,24 @@ def check_train(config: TrainConfig) -> None:
 
 
 def _check_names(config: TrainConfig) -> None:
-    from gradmesh.collectives import ALGORITHMS
-    from gradmesh.compression.registry import COMPRESSORS
-    from gradmesh.data import DATASETS
-    from gradmesh.models.registry import MODELS, check_pairing
-    from gradmesh.sync.strategies import STRATEGIES
+    """Every name a flag gives, checked without importing torch where it is a built-in one
+    (`gradmesh.names`): the launcher's parent process runs this before its workers start."""
+    from gradmesh.models.registry import check_pairing
+    from gradmesh.names import check
 
     sync, data = config.sync, config.data
-    STRATEGIES.get(sync.strategy)
+    check("strategy", sync.strategy)
     if config.job.engine == "ray" and sync.strategy == "ps":
         raise GradmeshError(
             "--engine ray cannot run --strategy ps: Ray runs each rank on a thread of its "
             "worker, where a ps worker's supervisor cannot take its signals (use --engine "
             "local or spark)"
         )
-    ALGORITHMS.get(sync.allreduce.algorithm)
-    ALGORITHMS.get(sync.local_sgd.averaging_algorithm)
-    COMPRESSORS.get(sync.compression.method)
-    MODELS.get(data.model)
-    DATASETS.get(data.dataset)
+    check("allreduce algorithm", sync.allreduce.algorithm)
+    check("allreduce algorithm", sync.local_sgd.averaging_algorithm)
+    check("compressor", sync.compression.method)
+    check("model", data.model)
+    check("dataset", data.dataset)
     check_pairing(data.model, data.dataset)
     parse_shape(data.synthetic_shape)
 
@@ -74,6 +73,15 @@ def _check_counts(config: TrainConfig) -> None:
         raise GradmeshError("--warmup-epochs and --reference-batch must be >= 0")
     if opt.lr <= 0 or job.timeout_s <= 0:
         raise GradmeshError("--lr and --timeout-s must be > 0")
+    if job.eval_every < 0 or job.max_steps < 0:
+        raise GradmeshError(
+            f"--eval-every and --max-steps must be >= 0, got {job.eval_every} and {job.max_steps}"
+        )
+    if job.eval_every and config.sync.strategy in ("ps", "hogwild"):
+        raise GradmeshError(
+            f"--eval-every needs the replicas to score together; --strategy "
+            f"{config.sync.strategy}'s workers do not (its test accuracy is scored at the end)"
+        )
     if job.emulate_compute_ms < 0:
         raise GradmeshError(f"--emulate-compute-ms must be >= 0, got {job.emulate_compute_ms}")
     if config.output.peak_tflops < 0:

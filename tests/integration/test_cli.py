@@ -90,7 +90,7 @@ def test_default_train_reaches_accuracy_and_is_reproducible(
     [
         (
             ["train", "--strategy", "nope"],
-            "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd, ps)",
+            "unknown strategy 'nope' (valid: allreduce, diloco, hogwild, local-sgd, ps)",
         ),
         (
             ["train", "--model", "vgg"],

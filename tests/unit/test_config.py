@@ -31,7 +31,7 @@ def test_registry_lists_valid_names_on_unknown() -> None:
     [
         (
             {"strategy": "nope"},
-            "unknown strategy 'nope' (valid: allreduce, hogwild, local-sgd, ps)",
+            "unknown strategy 'nope' (valid: allreduce, diloco, hogwild, local-sgd, ps)",
         ),
         (
             {"model": "resnet"},
