@@ -275,6 +275,11 @@ BENCHES = {  # each module has Config (its options) and run(config)
         "each strategy at 1, 2, 4 emulated hosts: efficiency, overhead, the simulator's prediction",
         "gradmesh.bench.scaling",
     ),
+    "diloco": (
+        "DiLoCo against synchronous data parallelism on emulated hosts behind slow links: bytes "
+        "a step, wall-clock to the same loss, the loss after the same tokens",
+        "gradmesh.bench.diloco",
+    ),
     "loader": (
         "tokens/s the token-file loader feeds one rank from one core, against the GPT's training",
         "gradmesh.bench.loader",

@@ -19,8 +19,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.jobs import run_workers, write_json
 from gradmesh.runtime.process import cpu_jiffies
@@ -77,6 +79,24 @@ def compare_jobs(
     for _, i in interleaved(range(len(configs)), rounds):
         results[i].append(run_workers(module, world, configs[i], 300.0, cluster))
     return results
+
+
+def emulated_train(
+    flags: list[str], hosts: int, bandwidth: str, out: Path, what: str
+) -> dict[str, Any]:
+    """One `gradmesh train` job with `flags`, one worker on each of `hosts` emulated hosts
+    behind `bandwidth` links; its JSON report (written to `out`), or one line naming `what`
+    failed."""
+    import json
+
+    with EmulatedCluster(hosts=hosts, bandwidth=bandwidth) as cluster:
+        code = cluster.run(
+            ["gradmesh", "train", *flags, "--json", str(out)], procs_per_host=1, timeout=1800
+        )
+    if code != 0 or not out.exists():
+        raise GradmeshError(f"the {what} job on {hosts} hosts failed with code {code}")
+    report: dict[str, Any] = json.loads(out.read_text())
+    return report
 
 
 class Turn(NamedTuple):

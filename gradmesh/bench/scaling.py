@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved, medians, report
+from gradmesh.bench.harness import CPU_BOUND_IDLE, emulated_train, interleaved, medians, report
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list
@@ -60,25 +60,17 @@ class Config:
 def _train(strategy: str, hosts: int, args: Config, tmp: Path) -> dict[str, Any]:
     """One `gradmesh train` job of `hosts` workers, one per emulated host; its report and the
     machine's idle CPU fraction while it ran."""
-    import json
-
-    from gradmesh.launch.emulate import EmulatedCluster
-
-    out = tmp / f"{strategy}-{hosts}.json"
     flags = ["--strategy", "allreduce" if strategy == BASELINE else strategy]
     flags += ["--workers", str(hosts), "--batch-size", str(args.batch_per_worker * hosts)]
-    flags += ["--model", args.model, "--epochs", str(args.epochs), "--json", str(out)]
+    flags += ["--model", args.model, "--epochs", str(args.epochs)]
     if args.emulate_compute:
         flags += ["--emulate-compute-ms", str(args.emulate_compute)]
     machines = hosts
     if strategy == "ps":
         flags += ["--servers", "1"]
         machines += 1
-    with EmulatedCluster(hosts=machines, bandwidth=args.bandwidth) as cluster:
-        code = cluster.run(["gradmesh", "train", *flags], procs_per_host=1, timeout=600)
-    if code != 0 or not out.exists():
-        raise GradmeshError(f"the {strategy} job on {hosts} hosts failed with code {code}")
-    report = json.loads(out.read_text())
+    out = tmp / f"{strategy}-{hosts}.json"
+    report = emulated_train(flags, machines, args.bandwidth, out, strategy)
     return {"report": report, "cpu_idle": report["cpu_idle"]}
 
 
