@@ -52,6 +52,7 @@ from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, syn
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer as _DistributedOptimizer
 from gradmesh.sync.data_parallel.optimizer import broadcast_parameters
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Max, Min, Product, Sum
+from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.sync.wrapping import wrap_optimizer
 
 HorovodInternalError = PeerFailure
@@ -72,6 +73,7 @@ __all__ = [
     "cuda_built",
     "ddl_built",
     "DistributedOptimizer",
+    "DiLoCoOptimizer",
     "gloo_built",
     "gloo_enabled",
     "init",
@@ -173,6 +175,35 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     if found is not None:  # its steps are announced, for `join`
         _register(found, wrapped)
     return wrapped
+
+
+def DiLoCoOptimizer(  # noqa: N802 - reads like DistributedOptimizer
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Any = None,
+    sync_every: int = 500,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
+    compression: Any = Compression.none,
+) -> torch.optim.Optimizer:
+    """DiLoCo in a Horovod script (Horovod has none; gradmesh's own, docs/local_sgd.md):
+    `optimizer` steps on this rank's own gradients; every `sync_every` steps (H) the ranks' mean
+    outer gradient (start minus end parameters), compressed by `compression` (any of
+    `hvd.Compression`'s), moves the last average through an outer Nesterov SGD, and every rank
+    starts its next H steps there. Broadcast the parameters first (`hvd.broadcast_parameters`),
+    as with `DistributedOptimizer`; the ranks of the whole job are the replicas."""
+    params = (
+        [p for _, p in named_parameters]
+        if named_parameters is not None
+        else [p for g in optimizer.param_groups for p in g["params"]]
+    )
+    averager = Averager(
+        [p for p in params if p.requires_grad],
+        sync_every,
+        compressor=compression,
+        outer_lr=outer_lr,
+        outer_momentum=outer_momentum,
+    )
+    return LocalSGDOptimizer(optimizer, averager)
 
 
 class _OutsideSet:

@@ -127,3 +127,27 @@ def on_unit_outer_rank() -> list[torch.Tensor]:
     avg = Averager(list(model.parameters()), H, outer_lr=1.0, outer_momentum=0.0)
     opt = LocalSGDOptimizer(inner(model), avg)
     return run_steps(model, opt, SAMPLES, gradmesh.rank(), gradmesh.size(), STEPS)
+
+
+def on_horovod_rank() -> list[torch.Tensor]:
+    """The same run through the Horovod-style API: hvd.init, broadcast, hvd.DiLoCoOptimizer."""
+    import gradmesh.horovod as hvd
+
+    hvd.init()
+    model = cnn()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DiLoCoOptimizer(
+        inner(model),
+        named_parameters=model.named_parameters(),
+        sync_every=H,
+        outer_lr=OUTER_LR,
+        outer_momentum=OUTER_MOMENTUM,
+    )
+    return run_steps(model, opt, SAMPLES, hvd.rank(), hvd.size(), STEPS)
+
+
+def test_horovod_scripts_express_diloco() -> None:
+    want = reference(2)
+    for params in run_ranks(on_horovod_rank, 2):
+        for got, expected in zip(params, want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
