@@ -45,7 +45,9 @@ def final_state(folder: Path) -> list[dict[str, torch.Tensor]]:
     "case",
     [
         ["--compression", "int8", "--checkpoint-async"],
-        ["--strategy", "local-sgd", "--sync-every", "3", "--compression", "topk"],
+        # local SGD's Averager with DiLoCo's outer momentum on top: anchors, top-k residuals
+        # and the outer SGD's state all come back
+        ["--strategy", "diloco", "--sync-every", "3", "--compression", "topk"],
         ["--workers", "4", "--tensor-parallel", "2", "--pipeline-parallel", "2", "--model", "mlp"]
         + ["--microbatches", "2"],
         ["--strategy", "ps", "--mode", "sync"],
@@ -55,7 +57,7 @@ def final_state(folder: Path) -> list[dict[str, torch.Tensor]]:
     ],
     ids=[
         "allreduce-int8-async",
-        "local-sgd-topk",
+        "diloco-topk",
         "tensor-and-pipeline-parallel",
         "ps-sync",
         "zero-1-pipeline",
