@@ -210,6 +210,12 @@ COMMANDS = {
     "report": Command(
         "print a finished run's report (--json) or timeline (--timeline)", ReportConfig, _cmd_report
     ),
+    "lighthouse": Command(
+        "decide each step's quorum of replica groups (gradmesh train --replica-group)",
+        "gradmesh.sync.replicas.lighthouse:LighthouseConfig",
+        "gradmesh.sync.replicas.lighthouse:run",
+        interruptible=True,
+    ),
     "export": Command(
         "write a checkpoint, from any layout, as a model directory (Hugging Face or safetensors)",
         "gradmesh.train.config:ExportConfig",

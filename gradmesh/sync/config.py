@@ -105,6 +105,48 @@ class ParameterServerConfig:
             raise GradmeshError(f"--lost-after-s must be > 0, got {self.lost_after_s}")
 
 
+ON_LOST_REPLICA = ("keep", "rescale")
+
+
+@dataclass
+class ReplicaConfig:
+    """Replica groups: this job is one of R groups whose gradients are averaged over the groups
+    alive each step (`gradmesh lighthouse` decides which)."""
+
+    replica_group: int = option(-1, "this job's replica group, 0..R-1 (-1: not in replica groups)")
+    replica_groups: int = option(1, "replica groups in the whole job (R)")
+    lighthouse: str = option("", "host:port of the lighthouse that decides each step's quorum")
+    on_lost_replica: str = option(
+        "keep",
+        "a step with fewer groups: keep the global batch (split over the groups alive) or "
+        "rescale (each group keeps its slice; the batch shrinks)",
+        choices=ON_LOST_REPLICA,
+    )
+    quorum_timeout_s: float = option(
+        10.0, "seconds a collective across groups waits before the step is taken again"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.replica_group >= 0
+
+    def check(self) -> None:
+        if not self.enabled:
+            return
+        if not self.replica_group < self.replica_groups:
+            raise GradmeshError(
+                f"--replica-group must be in 0..{self.replica_groups - 1} (--replica-groups "
+                f"{self.replica_groups}), got {self.replica_group}"
+            )
+        host, _, port = self.lighthouse.rpartition(":")
+        if not host or not port.isdigit():
+            raise GradmeshError(
+                f"--replica-group needs --lighthouse HOST:PORT, got {self.lighthouse!r}"
+            )
+        if self.quorum_timeout_s <= 0:
+            raise GradmeshError(f"--quorum-timeout-s must be > 0, got {self.quorum_timeout_s}")
+
+
 @dataclass
 class SyncConfig:
     """Strategy: how the replicas agree."""
@@ -115,9 +157,11 @@ class SyncConfig:
     hogwild: HogwildConfig = component(HogwildConfig)
     ps: ParameterServerConfig = component(ParameterServerConfig)
     compression: CompressionConfig = component(CompressionConfig)
+    replicas: ReplicaConfig = component(ReplicaConfig)
 
     def check(self) -> None:
         """One line for values no strategy can use (names are the registries' to check)."""
+        self.replicas.check()
         self.allreduce.check()
         self.local_sgd.check()
         self.ps.check()

@@ -32,7 +32,36 @@ def check_train(config: TrainConfig) -> None:
     _check_counts(config)
     _check_layout(config)
     _check_checkpoints(config)
+    _check_replicas(config)
     _check_names(config)
+
+
+def _check_replicas(config: TrainConfig) -> None:
+    """Replica groups run data parallelism inside each group for now: one line for the rest."""
+    if not config.sync.replicas.enabled:
+        return
+    layout, sync = config.layout, config.sync
+    shape = (layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel)
+    refused = [
+        (sync.strategy != "allreduce", f"--strategy {sync.strategy}"),
+        (shape + (layout.expert_parallel,) != (1, 1, 1, 1), "a split model (tp, pp, cp, ep)"),
+        (sync.allreduce.zero_stage > 0, "--zero-stage"),
+        (layout.precision == "fp16", "--precision fp16"),
+        (bool(config.checkpoint.dir), "--checkpoint-dir (a group recovers from a peer)"),
+        (sync.compression.method != "none", "--compression"),
+    ]
+    for bad, what in refused:
+        if bad:
+            raise GradmeshError(
+                f"--replica-group runs data parallelism inside each group with --strategy "
+                f"allreduce; not with {what} (yet)"
+            )
+    groups = sync.replicas.replica_groups
+    if config.data.batch_size < groups * config.job.workers:
+        raise GradmeshError(
+            f"global batch {config.data.batch_size} is smaller than the {groups} groups x "
+            f"{config.job.workers} workers"
+        )
 
 
 def _check_names(config: TrainConfig) -> None:

@@ -77,7 +77,7 @@ def finish(job: Job, clock: Clock, samples: int, wall_s: float) -> tuple[RunRepo
     stats = gather_rank_stats(job.rt, clock.compute_s, layout_figures(job, clock.steps))
     facts = RunFacts(  # worker processes (replicas for ps, one per worker)
         job.replicas * job.rt.size // job.rt.batch.size,
-        job.strategy.report(),
+        {**job.strategy.report(), **job.replica_info},
         score.accuracy if score is not None else None,
         clock.losses,
         wall_s,

@@ -9,7 +9,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
@@ -190,6 +190,9 @@ class Job:
     model_flops: tuple[float, float] = (0.0, 0.0)
     """A language model's forward + backward FLOPs per sample (torch's FLOP counter) and this
     worker's peak FLOP/s (`gradmesh.models.devices.device_peak`): what its MFU is made of."""
+    replica_info: dict[str, Any] = field(default_factory=dict)
+    """A replica group's figures (`gradmesh.train.replicated`): its quorum changes, the
+    recoveries and aborted steps, for the report's strategy_info."""
     peak_source: str = ""
     """Where that peak came from: the device table's entry, --peak-tflops, measured on this CPU,
     or why it is unknown."""

@@ -28,5 +28,10 @@ def train(config: TrainConfig, rt: Runtime) -> tuple[RunReport, bool]:
     job = setup(config, rt)
     attach(job)
     resume(job)
-    clock, samples, wall_s = loop(job)
+    if config.sync.replicas.enabled:
+        from gradmesh.train.replicated import replicated_loop
+
+        clock, samples, wall_s, job.replica_info = replicated_loop(job)
+    else:
+        clock, samples, wall_s = loop(job)
     return finish(job, clock, samples, wall_s)

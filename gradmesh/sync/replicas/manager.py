@@ -1,0 +1,309 @@
+"""A replica group's side of the per-step quorum (`gradmesh.sync.replicas.lighthouse`).
+
+Each rank of a group holds a `ReplicaManager`. At the start of every step the group's leader
+(its rank 0) asks the lighthouse for the step's quorum and the group's ranks learn it from the
+leader (a broadcast inside the group). A new quorum id means a new Gloo process group across the
+groups: rank r of every member group joins the group of local rank r (so a group split by any
+layout pairs each part with the same part elsewhere), meeting at the lighthouse's store under
+the quorum's prefix. A group behind the quorum's highest step (restarted, or new) receives the
+source group's state (`state()`: parameters, optimizer and strategy state, the step) over that
+process group (`torch.save` bytes, read back with `weights_only=True`) and loads it before the
+step; the others receive the same bytes and drop them.
+
+After the backward, `ReplicaOptimizer.step` averages the gradients over the quorum, then the
+group votes (every rank of it finished the allreduce) and the leader asks the lighthouse whether
+every member group did: only then does the optimizer step. Otherwise the step raises
+`StepAborted`, the trainer takes the same step again with the next quorum (whose process group
+is new), and nothing was applied anywhere, so the groups cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch.optim import Optimizer
+
+from gradmesh.collectives import broadcast_object
+from gradmesh.collectives.flat import flat_buffers, unpack
+from gradmesh.errors import GradmeshError
+from gradmesh.runtime.world import Runtime
+from gradmesh.sync.wrapping import wrap_optimizer
+
+
+class StepAborted(Exception):
+    """The step's cross-group allreduce did not finish on every member group: nothing was
+    applied; take the step again with the next quorum."""
+
+
+def ask(address: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """One request to the lighthouse at `address` (host:port) and its reply; one line naming
+    the lighthouse when it cannot be reached or answers an error."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+            conn.sendall(json.dumps(request).encode() + b"\n")
+            reply = json.loads(conn.makefile("rb").readline())
+    except (OSError, ValueError) as exc:
+        raise GradmeshError(
+            f"replica group {request.get('group')} at step {request.get('step')}: the "
+            f"lighthouse at {address} did not answer {request.get('op')} ({exc})"
+        ) from None
+    if "error" in reply:
+        raise GradmeshError(f"the lighthouse at {address}: {reply['error']}")
+    return cast(dict[str, Any], reply)
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """One step's quorum as this group sees it."""
+
+    quorum_id: int
+    members: tuple[int, ...]
+    index: int
+    """This group's position among the members (its slice of the global batch)."""
+    max_step: int
+    source: int
+    behind: bool
+    """Whether this group must recover the source's state before the step."""
+    recovering: bool
+    """Whether any member is behind: every member takes part in the copy."""
+
+
+@dataclass
+class ReplicaManager:
+    """One rank's view of the replica groups (see the module docstring)."""
+
+    group: int
+    groups: int
+    address: str
+    identity: str
+    rt: Runtime
+    timeout_s: float = 60.0
+    quorum: Quorum | None = None
+    process_group: Any = None
+    store: Any = None
+    reconfigure: bool = False
+    recoveries: int = 0
+    aborted: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """Per quorum change: the step, the members (for the report)."""
+    step_seconds: dict[int, float] = field(default_factory=dict)
+    """Per committed step: seconds from its first quorum request to its commit (a step taken
+    again counts all its tries)."""
+
+    def start_step(self, step: int) -> Quorum:
+        """This step's quorum (blocks until the lighthouse decides); a new process group when
+        its id changed, asked for again until every member connected to it."""
+        while True:
+            quorum, store = self._ask_quorum(step)
+            fresh = self.quorum is None or quorum.quorum_id != self.quorum.quorum_id
+            self.quorum, self.reconfigure = quorum, False
+            if not fresh:
+                return quorum
+            if self._agree(self._connect(quorum, store)):
+                self.history.append(
+                    {"step": step, "members": list(quorum.members), "unix_time": time.time()}
+                )
+                return quorum
+            self.quorum, self.reconfigure = None, True
+
+    def _ask_quorum(self, step: int) -> tuple[Quorum, str]:
+        decision = None
+        if self.rt.rank == 0:
+            decision = ask(
+                self.address,
+                {
+                    "op": "quorum",
+                    "group": self.group,
+                    "step": step,
+                    "identity": self.identity,
+                    "reconfigure": self.reconfigure,
+                },
+                self.timeout_s * 3,
+            )
+        decision = self._share(decision)
+        members = tuple(int(g) for g in decision["members"])
+        steps = [int(s) for s in decision["steps"].values()]
+        top = int(decision["max_step"])
+        quorum = Quorum(
+            int(decision["quorum_id"]),
+            members,
+            members.index(self.group),
+            top,
+            int(decision["source"]),
+            int(decision["steps"][str(self.group)]) < top,
+            min(steps) < top,
+        )
+        return quorum, str(decision["store"])
+
+    def _share(self, value: Any) -> Any:
+        """The leader's value on every rank of this group."""
+        return broadcast_object(value, root_rank=0) if self.rt.size > 1 else value
+
+    def _agree(self, ok: bool) -> bool:
+        """True only where every rank of this group says True."""
+        if self.rt.size > 1:
+            vote = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            dist.all_reduce(vote, op=dist.ReduceOp.MIN)
+            ok = bool(vote[0])
+        return ok
+
+    def _connect(self, quorum: Quorum, store: str) -> bool:
+        """Join the quorum's process group (this local rank's), False where a member did not
+        come within the timeout."""
+        host, _, port = store.rpartition(":")
+        self.process_group = None
+        try:
+            if self.store is None:
+                self.store = dist.TCPStore(  # type: ignore[attr-defined]
+                    host, int(port), is_master=False, timeout=timedelta(seconds=self.timeout_s)
+                )
+            prefix = dist.PrefixStore(  # type: ignore[attr-defined]
+                f"q{quorum.quorum_id}/r{self.rt.rank}", self.store
+            )
+            self.process_group = dist.ProcessGroupGloo(
+                prefix, quorum.index, len(quorum.members), timedelta(seconds=self.timeout_s)
+            )
+        except RuntimeError:
+            return False
+        return True
+
+    def recover(
+        self, state: Callable[[], dict[str, Any]], load: Callable[[dict[str, Any]], None]
+    ) -> bool:
+        """The source group's state on every member that is behind (a collective of the
+        quorum); False where the copy failed (a peer or the link lost mid-copy)."""
+        quorum = self.quorum
+        assert quorum is not None
+        source = quorum.members.index(quorum.source)
+        try:
+            payload = torch.zeros(0, dtype=torch.uint8)
+            if quorum.index == source:
+                buffer = io.BytesIO()
+                torch.save(state(), buffer)
+                payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            length = torch.tensor([payload.numel()], dtype=torch.int64)
+            options = dist.BroadcastOptions()
+            options.rootRank = source
+            self._wait(self.process_group.broadcast([length], options))
+            if quorum.index != source:
+                payload = torch.empty(int(length[0]), dtype=torch.uint8)
+            self._wait(self.process_group.broadcast([payload], options))
+        except RuntimeError:
+            payload = None
+        if not self._agree(payload is not None):
+            self.reconfigure = True
+            return False
+        if quorum.behind:
+            assert payload is not None
+            load(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
+            self.recoveries += 1
+        return True
+
+    def _wait(self, work: Any) -> None:
+        work.wait()
+
+    def average(self, tensors: list[torch.Tensor]) -> bool:
+        """Average `tensors` (this rank's gradients) over the quorum's groups, in place; False
+        where the allreduce failed (a member group lost)."""
+        quorum = self.quorum
+        assert quorum is not None
+        if len(quorum.members) == 1:
+            return True
+        size, started, nbytes = len(quorum.members), time.perf_counter(), 0
+        try:
+            with torch.no_grad():
+                for flat, members in flat_buffers(tensors):
+                    self._wait(self.process_group.allreduce([flat]))
+                    flat.div_(size)
+                    unpack(flat, members)
+                    nbytes += flat.numel() * flat.element_size()
+        except RuntimeError:
+            return False
+        finally:  # a ring's bytes (Gloo's allreduce), the seconds measured
+            self.rt.comm.add(2 * (size - 1) * nbytes // size, time.perf_counter() - started)
+        return True
+
+    def commit(self, step: int, ok: bool) -> bool:
+        """Whether every member group finished `step` (the group's ranks vote, the leader asks
+        the lighthouse); False also schedules a new process group."""
+        ok = self._agree(ok)
+        verdict = None
+        if self.rt.rank == 0:
+            assert self.quorum is not None
+            verdict = ask(
+                self.address,
+                {
+                    "op": "commit",
+                    "group": self.group,
+                    "quorum_id": self.quorum.quorum_id,
+                    "step": step,
+                    "ok": ok,
+                },
+                self.timeout_s * 3,
+            )["commit"]
+        committed = bool(self._share(verdict))
+        if not committed:
+            self.reconfigure = True
+            self.aborted += 1
+        return committed
+
+    def report(self) -> dict[str, Any]:
+        """The group's figures: its quorum changes (step, members, unix time), the copies it
+        received, the steps taken again, the step times (median and longest, with its step)."""
+        ordered = sorted(self.step_seconds.values())
+        longest = max(self.step_seconds, key=self.step_seconds.__getitem__, default=-1)
+        return {
+            "step_s_median": ordered[len(ordered) // 2] if ordered else 0.0,
+            "step_s_longest": self.step_seconds.get(longest, 0.0),
+            "longest_step": longest,
+            "replica_group": self.group,
+            "replica_groups": self.groups,
+            "quorum_changes": self.history,
+            "recoveries": self.recoveries,
+            "aborted_steps": self.aborted,
+        }
+
+
+class _ReplicaMixin:
+    _manager: ReplicaManager
+    _params: list[torch.nn.Parameter]
+    _step_of: Callable[[], int]
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        sync = getattr(self, "synchronize", None)
+        if sync is not None:  # the in-group allreduce first (a DistributedOptimizer)
+            sync()
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
+        for p, g in zip(self._params, grads, strict=True):
+            p.grad = g
+        ok = self._manager.average(grads)
+        if not self._manager.commit(self._step_of(), ok):
+            raise StepAborted
+        skip = getattr(self, "skip_synchronize", None)
+        if skip is None:
+            return super().step(closure)  # type: ignore[misc]
+        with skip():
+            return super().step(closure)  # type: ignore[misc]
+
+
+def ReplicaOptimizer(  # noqa: N802 - reads like the optimizer it wraps
+    optimizer: Optimizer,
+    manager: ReplicaManager,
+    params: list[torch.nn.Parameter],
+    step_of: Callable[[], int],
+) -> Optimizer:
+    """`optimizer` whose step first averages the gradients over the step's quorum of replica
+    groups and commits (or raises `StepAborted`); `step_of()` is the step being taken."""
+    return wrap_optimizer(
+        optimizer, _ReplicaMixin, _manager=manager, _params=params, _step_of=step_of
+    )

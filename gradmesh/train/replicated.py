@@ -1,0 +1,146 @@
+"""The training loop of one replica group (`--replica-group G --lighthouse HOST:PORT`).
+
+The job is R groups, each a `gradmesh train` job of its own (with data parallelism inside);
+`gradmesh.sync.replicas` holds the quorum protocol. Per step this loop:
+1. asks for the step's quorum (`ReplicaManager.start_step`); where a member is behind (a group
+   restarted by its launcher, or a new one), every member takes part in the copy of the source
+   group's state, and the group that was behind continues at the quorum's step;
+2. takes its slice of the step's global batch: `keep` splits the whole global batch over the
+   groups alive (the step is the one R groups would take), `rescale` keeps each group's own
+   slice of R (the batch, and the loss's count, shrink with the groups);
+3. runs the step through the same `_Run.one_step` as every other job; the optimizer's wrapper
+   averages the gradients over the quorum and commits, or raises `StepAborted`, and the same
+   step is taken again with the next quorum.
+The step's data depend only on the step, so a group that recovers at step S reads what the
+others read at S.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+import torch
+
+import gradmesh.data.batch as batch
+from gradmesh.data import GlobalBatchSharder, Split
+from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
+from gradmesh.train.faults import injected_fault
+from gradmesh.train.loop import Clock, _progress, _Run, last_step
+from gradmesh.train.setup import Job
+
+
+def run_identity(job: Job) -> str:
+    """What every group must share: the run's identity (model and its arguments, data, batch,
+    seed, optimizer, workers, layout), readable in part and hashed in whole."""
+    identity = job.config.identity()
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
+    return (
+        f"model {identity.get('model')} {identity.get('model_args') or ''}, "
+        f"{identity.get('workers')} workers, batch {identity.get('batch_size')}, "
+        f"{digest.hexdigest()[:12]}"
+    )
+
+
+def _slice(
+    idx: torch.Tensor, quorum: Quorum, groups: int, group: int, keep: bool, dp: tuple[int, int]
+) -> tuple[torch.Tensor, int, int]:
+    """This rank's indices of the global batch `idx`, the samples the quorum trains on in all,
+    and the replicas they are split over."""
+    index, size = dp
+    if keep:
+        part = torch.tensor_split(idx, len(quorum.members))[quorum.index]
+        live = len(idx)
+    else:
+        parts = torch.tensor_split(idx, groups)
+        part = parts[group]
+        live = sum(len(parts[g]) for g in quorum.members)
+    return torch.tensor_split(part, size)[index], live, len(quorum.members) * size
+
+
+def _state(job: Job, step: int) -> dict[str, Any]:
+    return {
+        "model": job.split.module.state_dict(),
+        "optimizer": job.optimizer.state_dict(),
+        "strategy": job.strategy.state_dict(),
+        "step": step,
+        "losses": list(job.losses),
+    }
+
+
+def _load(job: Job, state: dict[str, Any]) -> None:
+    job.split.module.load_state_dict(state["model"])
+    job.optimizer.load_state_dict(state["optimizer"])
+    job.strategy.load_state_dict(state["strategy"])
+    job.losses[:] = state["losses"]
+
+
+def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
+    """Train to the last step as one of the replica groups; the clock, this replica's
+    samples, the wall time, and the groups' figures for the report."""
+    config, rt = job.config, job.rt
+    replicas = config.sync.replicas
+    dp = job.strategy.shard(rt)
+    whole = GlobalBatchSharder(len(job.data.train), config.data.batch_size, 0, 1, config.job.seed)
+    steps = whole.steps_per_epoch()
+    last = last_step(config, steps)
+    run = _Run(job, Clock(losses=job.losses), _progress(config, steps, rt), injected_fault(), 0)
+    manager = ReplicaManager(
+        replicas.replica_group,
+        replicas.replica_groups,
+        replicas.lighthouse,
+        run_identity(job),
+        rt,
+        replicas.quorum_timeout_s,
+    )
+    params = [p for p in job.split.module.parameters() if p.requires_grad]
+    job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
+    train = job.data.train
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    orders: dict[int, torch.Tensor] = {}
+    began: float | None = None  # the first try of the step under way
+    while run.step < last:
+        began = time.perf_counter() if began is None else began
+        quorum = manager.start_step(run.step)
+        if quorum.recovering:
+            if not manager.recover(lambda: _state(job, run.step), lambda s: _load(job, s)):
+                continue
+            if quorum.behind:
+                run.step = quorum.max_step
+                loss_sum.zero_()
+                if run.step >= last:
+                    break
+        epoch, k = divmod(run.step, steps)
+        order = orders.setdefault(epoch, whole.order(epoch))
+        idx = order[k * config.data.batch_size : (k + 1) * config.data.batch_size]
+        mine, live, job.replicas = _slice(
+            idx,
+            quorum,
+            replicas.replica_groups,
+            replicas.replica_group,
+            replicas.on_lost_replica == "keep",
+            dp,
+        )
+        part: Split = batch.pinned(train.rows(mine), rt.device)
+        try:
+            run.one_step(part, live, loss_sum)
+        except StepAborted:
+            continue
+        manager.step_seconds[run.step - 1] = time.perf_counter() - began
+        began = None
+        if k == steps - 1 or run.step == last:
+            run.end_epoch(epoch, loss_sum)
+            loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
+            orders.pop(epoch, None)
+    clock, samples, wall = run.close()
+    return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params)}
+
+
+def _digest(params: list[torch.nn.Parameter]) -> str:
+    """This rank's parameters' bytes, hashed: groups holding bit-equal models print the same."""
+    digest = hashlib.sha256()
+    for p in params:
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()

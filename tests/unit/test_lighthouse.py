@@ -1,0 +1,146 @@
+"""The lighthouse's quorum rounds and commit votes, driven by threads (and once over TCP)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from gradmesh.errors import GradmeshError
+from gradmesh.sync.replicas.lighthouse import MAX_LINE, Lighthouse, Rounds
+from gradmesh.sync.replicas.manager import ask
+
+JOB = "model gpt, 1 workers, batch 24, abc"
+
+
+def rounds(groups: int = 3, min_groups: int = 2, join: float = 0.3, quorum: float = 2.0) -> Rounds:
+    return Rounds(groups, min_groups, join, quorum, commit_timeout_s=2.0)
+
+
+def asking(r: Rounds, asks: list[tuple[int, int]], identity: str = JOB) -> dict[int, Any]:
+    """Each (group, step) asks at once on its own thread; their answers by group."""
+    answers: dict[int, Any] = {}
+
+    def one(group: int, step: int) -> None:
+        answers[group] = r.quorum(group, step, identity, False)
+
+    threads = [threading.Thread(target=one, args=a) for a in asks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    return answers
+
+
+def test_the_first_round_waits_for_every_group_and_answers_all_alike() -> None:
+    r = rounds()
+    answers = asking(r, [(0, 0), (1, 0), (2, 0)])
+    assert len({str(a) for a in answers.values()}) == 1
+    decision = answers[0]
+    assert decision["members"] == [0, 1, 2] and decision["max_step"] == 0
+    again = asking(r, [(0, 1), (1, 1), (2, 1)])[0]
+    assert again["quorum_id"] == decision["quorum_id"]  # the same members: the same group
+    # a member whose step failed asks for a new process group
+    fresh: dict[int, Any] = {}
+    threads = [
+        threading.Thread(target=lambda g=g: fresh.setdefault(g, r.quorum(g, 2, JOB, g == 1)))
+        for g in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert fresh[0]["quorum_id"] == decision["quorum_id"] + 1
+
+
+def test_a_lost_member_is_dropped_after_the_join_timeout() -> None:
+    r = rounds(join=1.5)
+    asking(r, [(0, 0), (1, 0), (2, 0)])
+    started = time.monotonic()
+    answers = asking(r, [(0, 5), (1, 5)])  # group 2 is gone
+    waited = time.monotonic() - started
+    assert answers[0]["members"] == [0, 1] and answers[1] == answers[0]
+    assert waited >= 1.5  # not before the timeout
+    started = time.monotonic()
+    asking(r, [(0, 6), (1, 6)])  # the new quorum's members are all here: no wait
+    assert time.monotonic() - started < 1.5
+
+
+def test_a_group_behind_recovers_from_the_lowest_group_at_the_highest_step() -> None:
+    r = rounds()
+    asking(r, [(0, 0), (1, 0), (2, 0)])
+    answers = asking(r, [(0, 9), (1, 9), (2, 0)])  # group 2 restarted
+    assert answers[2]["max_step"] == 9 and answers[2]["source"] == 0
+    assert answers[2]["steps"] == {"0": 9, "1": 9, "2": 0}
+
+
+def test_no_quorum_below_the_minimum_is_one_line_naming_the_step_and_groups() -> None:
+    r = rounds(min_groups=2, join=0.1, quorum=0.5)
+    answers = asking(r, [(1, 7)])
+    assert answers[1] == {
+        "error": "no quorum at step 7: groups [1] asked within 0.5 s, at least 2 of 3 needed"
+    }
+
+
+def test_a_group_of_another_job_is_refused_and_the_others_go_on() -> None:
+    r = rounds()
+    asking(r, [(0, 0), (1, 0), (2, 0)])
+    other = r.quorum(2, 0, "model cnn, 1 workers, batch 24, def", False)
+    assert other["error"].startswith("group 2 at step 0 runs another job (model cnn")
+    assert asking(r, [(0, 1), (1, 1)])[0]["members"] == [0, 1]
+
+
+def test_a_step_commits_only_when_every_member_finished_it() -> None:
+    r = rounds()
+    qid = asking(r, [(0, 0), (1, 0), (2, 0)])[0]["quorum_id"]
+    votes: dict[int, Any] = {}
+
+    def vote(group: int, ok: bool) -> None:
+        votes[group] = r.commit(group, qid, 0, ok)
+
+    def ballot(oks: dict[int, bool]) -> float:
+        votes.clear()
+        started = time.monotonic()
+        threads = [threading.Thread(target=vote, args=item) for item in oks.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+        return time.monotonic() - started
+
+    ballot({0: True, 1: True, 2: True})
+    assert all(v == {"commit": True} for v in votes.values())
+    r.verdicts.clear()
+    r.votes.clear()
+    r.vote_opened.clear()
+    assert ballot({0: False, 1: True}) < 2.0  # one failure decides at once, not at the timeout
+    assert all(v == {"commit": False} for v in votes.values())
+    r.verdicts.clear()
+    r.votes.clear()
+    r.vote_opened.clear()
+    assert ballot({0: True, 1: True}) >= 2.0  # a member that never votes: after the timeout
+    assert all(v == {"commit": False} for v in votes.values())
+    assert r.commit(5, qid, 0, True) == {"error": f"group 5 is not in quorum {qid}"}
+
+
+def test_over_tcp_requests_are_json_lines_and_bad_ones_one_line() -> None:
+    lighthouse = Lighthouse(rounds(groups=1, min_groups=1))
+    try:
+        decision = ask(
+            lighthouse.address,
+            {"op": "quorum", "group": 0, "step": 3, "identity": JOB},
+            timeout_s=5,
+        )
+        assert decision["members"] == [0] and decision["store"].startswith("127.0.0.1:")
+        with pytest.raises(GradmeshError, match="lighthouse at .*: bad request: unknown op"):
+            ask(lighthouse.address, {"op": "pickle", "group": 0}, timeout_s=5)
+        with socket.create_connection(("127.0.0.1", lighthouse.port), timeout=5) as conn:
+            conn.sendall(b"x" * (MAX_LINE + 10) + b"\n")
+            assert b"longer than" in conn.makefile("rb").readline()
+    finally:
+        lighthouse.close()
+    with pytest.raises(GradmeshError, match="group 0 at step 3: the lighthouse at .* did not"):
+        ask(lighthouse.address, {"op": "quorum", "group": 0, "step": 3}, timeout_s=2)
