@@ -309,34 +309,65 @@ class EmulatedCluster:
             if command[0] == "gradmesh"
             else [*gradmesh, "run", "--", *command]
         )
-        procs, threads = [], []
+        procs: list[subprocess.Popen[str]] = []
+        threads: list[threading.Thread] = []
         for host in range(self.hosts):
             placed = (
                 self.host_env(host, procs_per_host, min_hosts)
                 if host_env is None
                 else host_env(host)
             )
-            env = {**os.environ, **placed}
-            if self.tmpdir is not None:
-                env["TMPDIR"] = self.tmpdir
-            # every emulated host shares this machine's cores: do not let each think it has all
-            omp = max(1, (os.cpu_count() or 1) // (self.hosts * procs_per_host))
-            env.setdefault("OMP_NUM_THREADS", str(omp))
-            proc = subprocess.Popen(
-                ["ip", "netns", "exec", self.namespace(host), *argv],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=env,
-                start_new_session=True,
-            )
-            procs.append(proc)
-            for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
-                assert stream is not None
-                t = threading.Thread(target=_pump, args=(stream, f"[h{host}] ", sink), daemon=True)
-                t.start()
-                threads.append(t)
+            procs.append(self._spawn(host, argv, placed, procs_per_host, threads))
         return HostJob(procs, threads, elastic=min_hosts is not None)
+
+    def start_on(
+        self, host: int, command: list[str], procs: int = 1, env: dict[str, str] | None = None
+    ) -> HostJob:
+        """Start a gradmesh command (`["gradmesh", ...]`) on one host only, as a job of its own
+        placed there (one node, its master on that host): a replica group, or the lighthouse."""
+        if not command or command[0] != "gradmesh":
+            raise GradmeshError("start_on runs a gradmesh command, like: gradmesh train ...")
+        self.jobs += 1
+        placed = {
+            **self.host_env(host, procs),
+            CLUSTER_ENV["nnodes"]: "1",
+            CLUSTER_ENV["node_rank"]: "0",
+            CLUSTER_ENV["master"]: f"{self.address(host)}:{MASTER_PORT + self.jobs}",
+            **(env or {}),
+        }
+        threads: list[threading.Thread] = []
+        argv = [sys.executable, "-m", "gradmesh.cli", *command[1:]]
+        return HostJob([self._spawn(host, argv, placed, procs, threads)], threads)
+
+    def _spawn(
+        self,
+        host: int,
+        argv: list[str],
+        placed: dict[str, str],
+        procs_per_host: int,
+        threads: list[threading.Thread],
+    ) -> subprocess.Popen[str]:
+        """`argv` in host's namespace, its output streamed with the host's prefix."""
+        env = {**os.environ, **placed}
+        if self.tmpdir is not None:
+            env["TMPDIR"] = self.tmpdir
+        # every emulated host shares this machine's cores: do not let each think it has all
+        omp = max(1, (os.cpu_count() or 1) // (self.hosts * procs_per_host))
+        env.setdefault("OMP_NUM_THREADS", str(omp))
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.namespace(host), *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
+            assert stream is not None
+            t = threading.Thread(target=_pump, args=(stream, f"[h{host}] ", sink), daemon=True)
+            t.start()
+            threads.append(t)
+        return proc
 
     def run(
         self,

@@ -144,3 +144,23 @@ def test_over_tcp_requests_are_json_lines_and_bad_ones_one_line() -> None:
         lighthouse.close()
     with pytest.raises(GradmeshError, match="group 0 at step 3: the lighthouse at .* did not"):
         ask(lighthouse.address, {"op": "quorum", "group": 0, "step": 3}, timeout_s=2)
+
+
+def test_a_group_restarted_under_its_number_gets_a_new_process_group() -> None:
+    """Its old process's connections are dead: the same members, a new quorum id."""
+    r = rounds()
+    first: dict[int, Any] = {}
+
+    def one(group: int, step: int, incarnation: str, into: dict[int, Any]) -> None:
+        into[group] = r.quorum(group, step, JOB, False, incarnation)
+
+    for step, incarnations, into in ((0, "aab", first), (5, "aac", {})):
+        threads = [
+            threading.Thread(target=one, args=(g, step if g < 2 else 0, inc, into))
+            for g, inc in enumerate(incarnations)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=10)
+    assert r.quorum_id == first[0]["quorum_id"] + 1

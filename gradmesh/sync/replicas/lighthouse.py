@@ -46,6 +46,9 @@ class _Ask:
     group: int
     step: int
     identity: str
+    incarnation: str
+    """The asking process's own token: a group restarted under the same number is a new member
+    (the old process's connections are dead), so its quorum gets a new id and process group."""
     decision: dict[str, Any] | None = None
 
 
@@ -67,6 +70,7 @@ class Rounds:
     started: float = 0.0
     """When the round's first group asked (the quorum timeout's clock)."""
     members: tuple[int, ...] = ()
+    incarnations: tuple[str, ...] = ()
     quorum_id: int = 0
     fresh: bool = False
     """A member asked for a new process group (its last step failed): the next quorum gets a new
@@ -77,7 +81,9 @@ class Rounds:
     verdicts: dict[tuple[int, int], bool] = field(default_factory=dict)
     vote_opened: dict[tuple[int, int], float] = field(default_factory=dict)
 
-    def quorum(self, group: int, step: int, identity: str, reconfigure: bool) -> dict[str, Any]:
+    def quorum(
+        self, group: int, step: int, identity: str, reconfigure: bool, incarnation: str = ""
+    ) -> dict[str, Any]:
         """Block until this round is decided; its decision (or an error for this group)."""
         if not 0 <= group < self.groups:
             return {"error": f"group {group} is not one of the job's {self.groups} groups"}
@@ -92,7 +98,7 @@ class Rounds:
                 # to join does not make the members' next round short
                 self.opened = self.opened or time.monotonic()
             self.started = self.started or time.monotonic()
-            ask = self.asks[group] = _Ask(group, step, identity)
+            ask = self.asks[group] = _Ask(group, step, identity, incarnation)
             self.fresh |= reconfigure
             self.cond.notify_all()
             while ask.decision is None:
@@ -127,9 +133,10 @@ class Rounds:
 
     def _decide(self) -> None:
         members = tuple(sorted(self.asks))
-        if members != self.members or self.fresh:
+        incarnations = tuple(self.asks[g].incarnation for g in members)
+        if (members, incarnations) != (self.members, self.incarnations) or self.fresh:
             self.quorum_id += 1
-        self.members, self.fresh = members, False
+        self.members, self.incarnations, self.fresh = members, incarnations, False
         steps = {g: a.step for g, a in self.asks.items()}
         top = max(steps.values())
         if self.identity is None:
@@ -202,6 +209,7 @@ class _Server(socketserver.ThreadingTCPServer):
                 int(request["step"]),
                 str(request["identity"]),
                 bool(request.get("reconfigure", False)),
+                str(request.get("incarnation", "")),
             )
         if op == "commit":
             return self.rounds.commit(

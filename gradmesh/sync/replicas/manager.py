@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import json
+import secrets
 import socket
 import time
 from collections.abc import Callable
@@ -35,8 +36,14 @@ from torch.optim import Optimizer
 from gradmesh.collectives import broadcast_object
 from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.errors import GradmeshError
-from gradmesh.runtime.world import Runtime
+from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.wrapping import wrap_optimizer
+
+
+ANSWER_S = 600.0
+"""How long a leader waits for the lighthouse's answer: it answers within its own quorum and
+commit timeouts (120 s and 10 s by default); a lighthouse that died resets the connection at
+once, so this bounds only a lighthouse that hangs or a link that went silent."""
 
 
 class StepAborted(Exception):
@@ -91,7 +98,11 @@ class ReplicaManager:
     quorum: Quorum | None = None
     process_group: Any = None
     store: Any = None
+    retired: list[Any] = field(default_factory=list)
+    """The process groups of earlier quorums (see `_connect`)."""
     reconfigure: bool = False
+    incarnation: str = field(default_factory=lambda: secrets.token_hex(8))
+    """This process's token (the lighthouse gives a restarted group a new process group)."""
     recoveries: int = 0
     aborted: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
@@ -110,8 +121,12 @@ class ReplicaManager:
             if not fresh:
                 return quorum
             if self._agree(self._connect(quorum, store)):
-                self.history.append(
-                    {"step": step, "members": list(quorum.members), "unix_time": time.time()}
+                self.history.append(  # the quorum's step (a group that recovers jumps to it)
+                    {
+                        "step": quorum.max_step,
+                        "members": list(quorum.members),
+                        "unix_time": time.time(),
+                    }
                 )
                 return quorum
             self.quorum, self.reconfigure = None, True
@@ -127,8 +142,9 @@ class ReplicaManager:
                     "step": step,
                     "identity": self.identity,
                     "reconfigure": self.reconfigure,
+                    "incarnation": self.incarnation,
                 },
-                self.timeout_s * 3,
+                ANSWER_S,
             )
         decision = self._share(decision)
         members = tuple(int(g) for g in decision["members"])
@@ -152,7 +168,7 @@ class ReplicaManager:
     def _agree(self, ok: bool) -> bool:
         """True only where every rank of this group says True."""
         if self.rt.size > 1:
-            vote = torch.tensor([1 if ok else 0], dtype=torch.int64)
+            vote = torch.tensor([1 if ok else 0], dtype=torch.int64, device=collective_device())
             dist.all_reduce(vote, op=dist.ReduceOp.MIN)
             ok = bool(vote[0])
         return ok
@@ -161,7 +177,11 @@ class ReplicaManager:
         """Join the quorum's process group (this local rank's), False where a member did not
         come within the timeout."""
         host, _, port = store.rpartition(":")
-        self.process_group = None
+        if self.process_group is not None:
+            # never destroyed: Gloo's destructor joins its work threads, and one blocked on a
+            # peer that died can hold it for ever; the process leaves by os._exit
+            self.retired.append(self.process_group)
+            self.process_group = None
         try:
             if self.store is None:
                 self.store = dist.TCPStore(  # type: ignore[attr-defined]
@@ -186,17 +206,17 @@ class ReplicaManager:
         assert quorum is not None
         source = quorum.members.index(quorum.source)
         try:
-            payload = torch.zeros(0, dtype=torch.uint8)
+            payload = torch.zeros(0, dtype=torch.uint8, device="cpu")  # Gloo's
             if quorum.index == source:
                 buffer = io.BytesIO()
                 torch.save(state(), buffer)
                 payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-            length = torch.tensor([payload.numel()], dtype=torch.int64)
+            length = torch.tensor([payload.numel()], dtype=torch.int64, device="cpu")
             options = dist.BroadcastOptions()
             options.rootRank = source
             self._wait(self.process_group.broadcast([length], options))
             if quorum.index != source:
-                payload = torch.empty(int(length[0]), dtype=torch.uint8)
+                payload = torch.empty(int(length[0]), dtype=torch.uint8, device="cpu")
             self._wait(self.process_group.broadcast([payload], options))
         except RuntimeError:
             payload = None
@@ -249,7 +269,7 @@ class ReplicaManager:
                     "step": step,
                     "ok": ok,
                 },
-                self.timeout_s * 3,
+                ANSWER_S,
             )["commit"]
         committed = bool(self._share(verdict))
         if not committed:

@@ -1,0 +1,231 @@
+"""Replica groups without restarts (`gradmesh lighthouse`, `gradmesh train --replica-group`):
+a group killed mid-run drops out of the quorum, the others go on, its launcher restarts it and
+it copies its state from a peer; every group ends with bit-equal parameters."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from gradmesh.launch import namespaces
+from gradmesh.launch.emulate import EmulatedCluster
+from gradmesh.launch.run import free_port
+from tests.integration.test_cli import ROOT, gradmesh
+
+GROUPS, STEPS, BATCH = 3, 150, 24
+GPT = ["--model", "gpt", "--dataset", "text", "--optimizer", "adamw", "--lr", "0.002"]
+
+
+def group_flags(group: int, lighthouse: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "train",
+        "--workers",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        "--replica-group",
+        str(group),
+        "--replica-groups",
+        str(GROUPS),
+        "--lighthouse",
+        lighthouse,
+        "--quorum-timeout-s",
+        "5",
+        "--json",
+        str(out / f"group{group}.json"),
+        *extra,
+    ]
+
+
+def lighthouse_flags(bind: str, port: int, min_groups: int = 2) -> list[str]:
+    return [
+        "lighthouse",
+        "--groups",
+        str(GROUPS),
+        "--min-groups",
+        str(min_groups),
+        "--bind",
+        bind,
+        "--port",
+        str(port),
+        "--join-timeout-s",
+        "1",
+        "--quorum-timeout-s",
+        "60",
+    ]
+
+
+def reports(out: Path) -> list[dict[str, Any]]:
+    return [json.loads((out / f"group{g}.json").read_text()) for g in range(GROUPS)]
+
+
+@pytest.mark.skipif(namespaces.missing_capability() is not None, reason="no network namespaces")
+def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lighthouse on emulated host 0, groups on hosts 1-3 (1 Gbit/s links); group 2's worker
+    is killed (SIGKILL) after a random step and restarted by its launcher, which takes longer
+    than the lighthouse's 1 s join timeout (a new process imports torch), so the others go on
+    without it first."""
+    killed_after = random.randrange(10, STEPS - 40)
+    with EmulatedCluster(hosts=GROUPS + 1, bandwidth="1gbit") as cluster:
+        address = f"{cluster.address(0)}:29600"
+        lighthouse = cluster.start_on(0, ["gradmesh", *lighthouse_flags(cluster.address(0), 29600)])
+        jobs = [
+            cluster.start_on(
+                g + 1,
+                ["gradmesh", *group_flags(g, address, tmp_path, *GPT)]
+                + ["--max-steps", str(STEPS), "--max-restarts", "2"],
+                env={"GRADMESH_FAULT": f"kill:0:{killed_after}"} if g == 2 else {},
+            )
+            for g in range(GROUPS)
+        ]
+        codes = [job.wait(timeout=300) for job in jobs]
+        lighthouse.procs[0].send_signal(signal.SIGINT)
+        lighthouse.wait(timeout=30)
+    said = capsys.readouterr()
+    assert codes == [0, 0, 0], said.err[-3000:]
+    kill = re.search(r"killed after step (\d+) at unix time ([\d.]+)", said.err)
+    assert kill is not None and int(kill.group(1)) == killed_after
+    killed_at = float(kill.group(2))
+    got = reports(tmp_path)
+    infos = [r["strategy_info"] for r in got]
+    # every group holds the same model at the end
+    assert len({i["parameters_sha256"] for i in infos}) == 1
+    assert len({r["test_loss"] for r in got}) == 1
+    # the other two went on without group 2 and without a restart of their own
+    for info in infos[:2]:
+        without = [c for c in info["quorum_changes"] if c["members"] == [0, 1]]
+        assert without and without[0]["step"] <= killed_after + 1
+        assert info["aborted_steps"] <= 2  # the step under way when it died (and the rejoin's)
+        # the hiccup: the join timeout (1 s) and a step, at most the 5 s collective timeout more
+        assert info["step_s_longest"] < 1 + 5 + 5
+    for info in infos[:2]:  # never restarted: each one's own history starts with the job
+        assert info["quorum_changes"][0]["step"] == 0
+        assert info["quorum_changes"][0]["members"] == [0, 1, 2]
+    # group 2 came back by its launcher, copied its state from a peer within 10 s of its death
+    victim = infos[2]
+    assert victim["recoveries"] >= 1
+    rejoined = victim["quorum_changes"][0]
+    assert rejoined["step"] > killed_after and 2 in rejoined["members"]
+    assert rejoined["unix_time"] - killed_at < 10
+    # the final loss is the undisturbed one's: one worker with the whole global batch
+    reference = gradmesh(
+        "train",
+        "--workers",
+        "1",
+        "--batch-size",
+        str(BATCH),
+        *GPT,
+        "--max-steps",
+        str(STEPS),
+        "--json",
+        str(tmp_path / "reference.json"),
+    )
+    assert reference.returncode == 0, reference.stderr
+    undisturbed = json.loads((tmp_path / "reference.json").read_text())["test_loss"]
+    assert abs(got[0]["test_loss"] - undisturbed) <= 0.02 * undisturbed
+    print(
+        f"killed after step {killed_after}; survivors' longest step "
+        f"{max(i['step_s_longest'] for i in infos[:2]):.2f} s (median "
+        f"{infos[0]['step_s_median']:.3f} s), steps taken again "
+        f"{[i['aborted_steps'] for i in infos[:2]]}; group 2 rejoined "
+        f"{rejoined['unix_time'] - killed_at:.2f} s after its death; test loss "
+        f"{got[0]['test_loss']:.4f} against {undisturbed:.4f} undisturbed",
+        file=sys.stderr,
+    )
+
+
+def _job_processes(launchers: list[subprocess.Popen[bytes]], seen: set[int]) -> None:
+    """Add the launchers' worker processes alive now to `seen`."""
+    for launcher in launchers:
+        try:
+            seen.update(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+
+
+def _alive(pids: set[int]) -> list[int]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None:
+    """Three groups of the default CNN (each step made >= 30 ms long, so the run outlasts the
+    kills on any machine); every 0.8-2 s a random group's worker is killed with SIGKILL, 20
+    times; the launchers restart them. The job ends within a bounded time, every group with
+    the same parameters, and no process of the job is left."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
+    env = {**os.environ, "GRADMESH_FAULT": "slow:0:30"}
+    launchers = [
+        subprocess.Popen(
+            [sys.executable, "-m", "gradmesh.cli"]
+            + group_flags(g, f"127.0.0.1:{port}", tmp_path, "--max-steps", "1400")
+            + ["--max-restarts", "30"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+        for g in range(GROUPS)
+    ]
+    kills, started, seen = 0, time.monotonic(), set()
+    try:
+        while kills < 20 and time.monotonic() - started < 150:
+            time.sleep(random.uniform(0.8, 2.0))
+            _job_processes(launchers, seen)
+            group = random.randrange(GROUPS)
+            try:
+                workers = psutil.Process(launchers[group].pid).children(recursive=True)
+                victims = [w for w in workers if "gradmesh.train.worker" in " ".join(w.cmdline())]
+            except psutil.NoSuchProcess:
+                continue
+            if victims:
+                os.kill(victims[0].pid, signal.SIGKILL)
+                kills += 1
+        while any(launcher.poll() is None for launcher in launchers):
+            _job_processes(launchers, seen)
+            assert time.monotonic() - started < 300, "the job hung"
+            time.sleep(0.5)
+        seconds = time.monotonic() - started
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+        lighthouse.kill()
+        lighthouse.wait(timeout=30)
+    errors = [launcher.stderr.read().decode()[-2000:] for launcher in launchers if launcher.stderr]
+    assert kills == 20
+    assert [launcher.returncode for launcher in launchers] == [0, 0, 0], errors
+    time.sleep(1)
+    assert _alive(seen) == []  # no orphans: every worker ended with its launcher
+    got = reports(tmp_path)
+    assert len({r["strategy_info"]["parameters_sha256"] for r in got}) == 1
+    recovered = sum(r["strategy_info"]["recoveries"] for r in got)
+    print(
+        f"{kills} kills in {seconds:.0f} s; the groups' last processes recovered {recovered} "
+        "times from a peer (0 where every group was down at once and all began again)",
+        file=sys.stderr,
+    )
