@@ -229,3 +229,50 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
         "times from a peer (0 where every group was down at once and all began again)",
         file=sys.stderr,
     )
+
+
+def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) -> None:
+    """A group alone where two are needed stops after the lighthouse's quorum timeout, naming
+    the step and the groups; a group whose model differs is refused, naming it and its step,
+    while the other trains on to its end."""
+    port = free_port()
+    flags = lighthouse_flags("127.0.0.1", port, 2)
+    flags[flags.index("--quorum-timeout-s") + 1] = "3"
+    lighthouse = subprocess.Popen([sys.executable, "-m", "gradmesh.cli", *flags], cwd=ROOT)
+    try:
+        alone = gradmesh(*group_flags(0, f"127.0.0.1:{port}", tmp_path), "--max-steps", "5")
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(timeout=30)
+    assert alone.returncode != 0
+    assert (
+        "no quorum at step 0: groups [0] asked within 3 s, at least 2 of 3 needed" in alone.stderr
+    )
+    assert "Traceback" not in alone.stderr
+
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1)], cwd=ROOT
+    )
+    try:
+        first = subprocess.Popen(
+            [sys.executable, "-m", "gradmesh.cli"]
+            + group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "300"),
+            cwd=ROOT,
+            env={**os.environ, "GRADMESH_FAULT": "slow:0:20"},  # it runs >= 6 s
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        other = gradmesh(
+            *group_flags(1, f"127.0.0.1:{port}", tmp_path, "--model", "mlp"), "--max-steps", "5"
+        )
+        out, err = first.communicate(timeout=240)
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(timeout=30)
+    assert other.returncode != 0
+    refused = r"group 1 at step 0 runs another job \(model mlp .*it is not admitted"
+    assert re.search(refused, other.stderr), other.stderr[-2000:]
+    assert first.returncode == 0, err[-2000:]
+    assert json.loads((tmp_path / "group0.json").read_text())["steps"] == 300

@@ -91,6 +91,19 @@ def test_a_group_of_another_job_is_refused_and_the_others_go_on() -> None:
     other = r.quorum(2, 0, "model cnn, 1 workers, batch 24, def", False)
     assert other["error"].startswith("group 2 at step 0 runs another job (model cnn")
     assert asking(r, [(0, 1), (1, 1)])[0]["members"] == [0, 1]
+    first = rounds(groups=2, min_groups=1)  # in the first round too: group 0's run is the job's
+    answers: dict[int, Any] = {}
+    threads = [
+        threading.Thread(
+            target=lambda g=g, i=i: answers.setdefault(g, first.quorum(g, 0, i, False))
+        )
+        for g, i in ((0, JOB), (1, "model mlp, 1 workers, batch 24, def"))
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert answers[0]["members"] == [0] and "not admitted" in answers[1]["error"]
 
 
 def test_a_step_commits_only_when_every_member_finished_it() -> None:

@@ -132,6 +132,15 @@ class Rounds:
             self.cond.notify_all()
 
     def _decide(self) -> None:
+        if self.identity is None:  # the first round: the lowest group's run is the job's
+            self.identity = self.asks[min(self.asks)].identity
+        for group, other in list(self.asks.items()):
+            if other.identity != self.identity:
+                other.decision = {
+                    "error": f"group {group} at step {other.step} runs another job "
+                    f"({other.identity}); the quorum runs {self.identity}: it is not admitted"
+                }
+                del self.asks[group]
         members = tuple(sorted(self.asks))
         incarnations = tuple(self.asks[g].incarnation for g in members)
         if (members, incarnations) != (self.members, self.incarnations) or self.fresh:
@@ -139,8 +148,6 @@ class Rounds:
         self.members, self.incarnations, self.fresh = members, incarnations, False
         steps = {g: a.step for g, a in self.asks.items()}
         top = max(steps.values())
-        if self.identity is None:
-            self.identity = next(iter(self.asks.values())).identity
         decision = {
             "quorum_id": self.quorum_id,
             "members": list(members),

@@ -39,7 +39,6 @@ from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.wrapping import wrap_optimizer
 
-
 ANSWER_S = 600.0
 """How long a leader waits for the lighthouse's answer: it answers within its own quorum and
 commit timeouts (120 s and 10 s by default); a lighthouse that died resets the connection at
