@@ -43,6 +43,25 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             "unknown dataset 'imagenet' (valid: digits, docstrings, synthetic, text)",
         ),
         ({"allreduce": "magic"}, "unknown allreduce algorithm 'magic'"),
+        (
+            {"replica_group": 3, "replica_groups": 3, "lighthouse": "h:1"},
+            "--replica-group must be in 0..2 (--replica-groups 3), got 3",
+        ),
+        (
+            {"replica_group": 0, "replica_groups": 2, "lighthouse": "nowhere"},
+            "--replica-group needs --lighthouse HOST:PORT, got 'nowhere'",
+        ),
+        (
+            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "tensor_parallel": 2},
+            "--replica-group runs data parallelism inside each group with --strategy allreduce; "
+            "not with a split model (tp, pp, cp, ep) (yet)",
+        ),
+        (
+            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "strategy": "diloco"},
+            "not with --strategy diloco (yet)",
+        ),
+        ({"eval_every": 5, "strategy": "hogwild"}, "--eval-every needs the replicas to score"),
+        ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum in [0, 1)"),
         ({"workers": 0}, "--workers must be >= 1, got 0"),
         ({"workers": 4, "batch_size": 3}, "global batch 3 is smaller than the number of workers 4"),
         ({"lr": 0.0}, "--lr and --timeout-s must be > 0"),
