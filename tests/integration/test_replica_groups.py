@@ -23,7 +23,7 @@ from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.run import free_port
 from tests.integration.test_cli import ROOT, gradmesh
 
-GROUPS, STEPS, BATCH = 3, 150, 24
+GROUPS, STEPS, BATCH = 3, 300, 24
 GPT = ["--model", "gpt", "--dataset", "text", "--optimizer", "adamw", "--lr", "0.002"]
 
 
@@ -78,7 +78,7 @@ def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
     is killed (SIGKILL) after a random step and restarted by its launcher, which takes longer
     than the lighthouse's 1 s join timeout (a new process imports torch), so the others go on
     without it first."""
-    killed_after = random.randrange(10, STEPS - 40)
+    killed_after = random.randrange(10, 60)  # >= 240 steps left: it is back before the end
     with EmulatedCluster(hosts=GROUPS + 1, bandwidth="1gbit") as cluster:
         address = f"{cluster.address(0)}:29600"
         lighthouse = cluster.start_on(0, ["gradmesh", *lighthouse_flags(cluster.address(0), 29600)])
@@ -119,7 +119,7 @@ def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
     assert victim["recoveries"] >= 1
     rejoined = victim["quorum_changes"][0]
     assert rejoined["step"] > killed_after and 2 in rejoined["members"]
-    assert rejoined["unix_time"] - killed_at < 10
+    assert rejoined["unix_time"] - killed_at < 15  # 3.7-6.9 s measured (docs/testing.md)
     # the final loss is the undisturbed one's: one worker with the whole global batch
     reference = gradmesh(
         "train",
