@@ -273,3 +273,30 @@ def test_the_host_whose_rank_failed_is_named(tmp_path: Path) -> None:
     lines = out.stderr.strip().splitlines()
     assert "[h1] gradmesh run: rank 1 exited with code 5; the job was stopped" in lines
     assert lines[-1] == "gradmesh emulate: host 1 failed (exit code 5)"
+
+
+def test_bench_diloco_compares_bytes_loss_and_time_to_a_loss(tmp_path: Path) -> None:
+    """Two emulated hosts, 40 steps, H = 10 with int8: both runs score the test split every 10
+    steps; DiLoCo's bytes a step are a small fraction of synchronous training's."""
+    bad = gradmesh("bench", "diloco", "--sync-every", "10", "--eval-every", "15")
+    assert bad.returncode != 0
+    assert "--eval-every 15 must be a multiple of --sync-every 10" in bad.stderr
+    out = tmp_path / "diloco.json"
+    done = gradmesh(
+        "bench", "diloco", "--hosts", "2", "--steps", "40", "--sync-every", "10",
+        "--bandwidth", "100mbit", "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())
+    for name in ("allreduce", "diloco"):
+        run = got["strategies"][name]
+        assert [e["step"] for e in run["eval_history"]] == [10, 20, 30, 40]
+        seconds = [e["seconds"] for e in run["eval_history"]]
+        assert seconds == sorted(seconds) and seconds[0] > 0
+        assert run["eval_history"][-1]["test_loss"] == pytest.approx(run["test_loss"])
+        assert run["limit"] in ("cpu", "link", "compute")
+    # int8 of the change once every 10 steps, the first broadcast included: about 26x fewer
+    assert got["comparison"]["bytes_ratio"] > 10
+    assert got["comparison"]["target_loss"] == max(
+        got["strategies"][s]["test_loss"] for s in ("allreduce", "diloco")
+    )
