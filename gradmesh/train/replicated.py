@@ -67,6 +67,7 @@ def _state(job: Job, step: int) -> dict[str, Any]:
         "strategy": job.strategy.state_dict(),
         "step": step,
         "losses": list(job.losses),
+        "warmup": job.warmup.state_dict() if job.warmup is not None else {},
     }
 
 
@@ -75,6 +76,8 @@ def _load(job: Job, state: dict[str, Any]) -> None:
     job.optimizer.load_state_dict(state["optimizer"])
     job.strategy.load_state_dict(state["strategy"])
     job.losses[:] = state["losses"]
+    if job.warmup is not None:  # the learning rate where the source's warm-up stands
+        job.warmup.load_state_dict(state["warmup"])
 
 
 def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
