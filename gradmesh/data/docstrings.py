@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from gradmesh.data.digits import split_indices
-from gradmesh.data.registry import DATASETS, FEATURE_ID_DATASETS, DataOptions, DataSpec, Split
+from gradmesh.data.registry import DATASETS, DataOptions, DataSpec, Split
 from gradmesh.errors import GradmeshError
 
 PACKAGES = (
@@ -132,7 +132,6 @@ def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor(labels, dtype=torch.int64, device="cpu")
 
 
-FEATURE_ID_DATASETS.add("docstrings")
 
 
 @DATASETS.register("docstrings")

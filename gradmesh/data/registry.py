@@ -77,7 +77,7 @@ def load_datasets() -> None:
 
 
 DATASETS: Registry[DatasetFn] = Registry("dataset", loader=load_datasets)
-FEATURE_ID_DATASETS: set[str] = set()
+FEATURE_ID_DATASETS: set[str] = {"docstrings"}
 """Datasets whose inputs are int64 feature ids (DataSpec.vocab > 0), known without loading them."""
 TOKEN_DATASETS: set[str] = {"text"}
 """Datasets of token sequences: inputs (time,) int64 ids, labels (time,) the next token each."""

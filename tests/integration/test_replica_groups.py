@@ -169,7 +169,7 @@ def _alive(pids: set[int]) -> list[int]:
 
 def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None:
     """Three groups of the default CNN (each step made >= 30 ms long, so the run outlasts the
-    kills on any machine); every 0.8-2 s a random group's worker is killed with SIGKILL, 20
+    kills on any machine); every 0.4-1 s a random group's worker is killed with SIGKILL, 20
     times; the launchers restart them. The job ends within a bounded time, every group with
     the same parameters, and no process of the job is left."""
     port = free_port()
@@ -182,7 +182,7 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     launchers = [
         subprocess.Popen(
             [sys.executable, "-m", "gradmesh.cli"]
-            + group_flags(g, f"127.0.0.1:{port}", tmp_path, "--max-steps", "1400")
+            + group_flags(g, f"127.0.0.1:{port}", tmp_path, "--max-steps", "700")
             + ["--max-restarts", "30"],
             cwd=ROOT,
             env=env,
@@ -194,7 +194,7 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     kills, started, seen = 0, time.monotonic(), set()
     try:
         while kills < 20 and time.monotonic() - started < 150:
-            time.sleep(random.uniform(0.8, 2.0))
+            time.sleep(random.uniform(0.4, 1.0))
             _job_processes(launchers, seen)
             group = random.randrange(GROUPS)
             try:
@@ -257,9 +257,8 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
     try:
         first = subprocess.Popen(
             [sys.executable, "-m", "gradmesh.cli"]
-            + group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "300"),
+            + group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "60"),
             cwd=ROOT,
-            env={**os.environ, "GRADMESH_FAULT": "slow:0:20"},  # it runs >= 6 s
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -275,4 +274,4 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
     refused = r"group 1 at step 0 runs another job \(model mlp .*it is not admitted"
     assert re.search(refused, other.stderr), other.stderr[-2000:]
     assert first.returncode == 0, err[-2000:]
-    assert json.loads((tmp_path / "group0.json").read_text())["steps"] == 300
+    assert json.loads((tmp_path / "group0.json").read_text())["steps"] == 60

@@ -255,7 +255,7 @@ def test_a_command_line_builds_only_its_own_command_s_options() -> None:
     from gradmesh.cli import build_parser
 
     listed = build_parser(["train"]).format_help()
-    assert "{run,train,emulate,plan,simulate,report,export,bench}" in listed
+    assert "{run,train,emulate,plan,simulate,report,lighthouse,export,bench}" in listed
 
 
 def test_the_options_and_the_priced_layout_convert_both_ways() -> None:

@@ -30,7 +30,9 @@ def test_checking_a_run_s_flags_imports_no_torch() -> None:
         "import sys; from gradmesh.train.config import TrainConfig; "
         "from gradmesh.train.checks import check_train; "
         "check_train(TrainConfig.of(strategy='diloco', model='gpt', dataset='text', "
-        "compression='int8', allreduce='ring')); print('torch' in sys.modules)"
+        "compression='int8', allreduce='ring')); "
+        "check_train(TrainConfig.of(model='bag', dataset='docstrings')); "
+        "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stderr
