@@ -177,3 +177,19 @@ def test_a_group_restarted_under_its_number_gets_a_new_process_group() -> None:
         for t in threads:
             t.join(timeout=10)
     assert r.quorum_id == first[0]["quorum_id"] + 1
+
+
+def test_a_step_s_slice_keeps_the_global_batch_or_each_group_s_own_slice() -> None:
+    """keep: the groups alive split the whole global batch; rescale: each keeps its slice of R
+    and the loss counts only the slices of the groups alive."""
+    import torch
+
+    from gradmesh.sync.replicas.manager import Quorum
+    from gradmesh.train.replicated import _slice
+
+    idx = torch.arange(24, device="cpu")
+    quorum = Quorum(4, (0, 2), 1, 9, 0, False, False)  # group 2, with group 0; group 1 lost
+    mine, live, replicas = _slice(idx, quorum, 3, 2, True, (1, 2))  # its second in-group rank
+    assert mine.tolist() == list(range(18, 24)) and (live, replicas) == (24, 4)
+    mine, live, replicas = _slice(idx, quorum, 3, 2, False, (0, 1))
+    assert mine.tolist() == list(range(16, 24)) and (live, replicas) == (16, 2)
