@@ -132,8 +132,6 @@ def _corpus() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor(labels, dtype=torch.int64, device="cpu")
 
 
-
-
 @DATASETS.register("docstrings")
 def make_docstrings(_options: DataOptions) -> DataSpec:
     x, y = _corpus()

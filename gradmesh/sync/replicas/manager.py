@@ -213,10 +213,10 @@ class ReplicaManager:
             length = torch.tensor([payload.numel()], dtype=torch.int64, device="cpu")
             options = dist.BroadcastOptions()
             options.rootRank = source
-            self._wait(self.process_group.broadcast([length], options))
+            self.process_group.broadcast([length], options).wait()
             if quorum.index != source:
                 payload = torch.empty(int(length[0]), dtype=torch.uint8, device="cpu")
-            self._wait(self.process_group.broadcast([payload], options))
+            self.process_group.broadcast([payload], options).wait()
         except RuntimeError:
             payload = None
         if not self._agree(payload is not None):
@@ -227,9 +227,6 @@ class ReplicaManager:
             load(torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True))
             self.recoveries += 1
         return True
-
-    def _wait(self, work: Any) -> None:
-        work.wait()
 
     def average(self, tensors: list[torch.Tensor]) -> bool:
         """Average `tensors` (this rank's gradients) over the quorum's groups, in place; False
@@ -242,7 +239,7 @@ class ReplicaManager:
         try:
             with torch.no_grad():
                 for flat, members in flat_buffers(tensors):
-                    self._wait(self.process_group.allreduce([flat]))
+                    self.process_group.allreduce([flat]).wait()
                     flat.div_(size)
                     unpack(flat, members)
                     nbytes += flat.numel() * flat.element_size()
