@@ -23,7 +23,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,11 +50,10 @@ class Row:
     name: str
     args: list[str]
     kind: str = "train"
-    """train (a report), bench (gradmesh bench overhead's JSON) or pytest."""
+    """train (a report), bench (gradmesh bench overhead's JSON), pytest, or script (a file of
+    scripts/ whose last line is the row's words)."""
     precision: str = "fp32"
     timeout_s: int = 120
-    background: bool = False
-    """Run beside the GPU rows from the start (the CPU-bound unit tests on the host's cores)."""
     env: dict[str, str] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
 
@@ -66,9 +64,7 @@ def rows() -> list[Row]:
     bench += ["adamw", "--model-args", MODEL_ARGS, "--sequence-length", str(GPT["sequence"])]
     bench += ["--batch", "32", "--rounds", "3", "--steps", "10"]
     return [  # the issue's must-shows first: a run cut short by its device time keeps them
-        Row("gpt bf16", [*gpt, "--precision", "bf16"], precision="bf16"),
         Row("trainer vs plain loop, bf16 eager", bench, kind="bench", precision="bf16"),
-        Row("gpt bf16 --compile", [*gpt, "--precision", "bf16", "--compile"], precision="bf16"),
         Row(
             "trainer vs plain loop, bf16 compiled",
             [*bench, "--compile"],
@@ -76,6 +72,10 @@ def rows() -> list[Row]:
             precision="bf16",
             timeout_s=240,
         ),
+        Row("host syncs in the steady step", ["scripts/gpu_syncs.py"], kind="script"),
+        Row("gpt bf16", [*gpt, "--precision", "bf16"], precision="bf16"),
+        Row("gpt bf16 --compile", [*gpt, "--precision", "bf16", "--compile"], precision="bf16"),
+        Row("gpt fp8 --compile", [*gpt, "--precision", "fp8", "--compile"], precision="fp8"),
         Row("gpt fp8", [*gpt, "--precision", "fp8"], precision="fp8"),
         Row("default job (cnn on digits)", ["train", "--workers", "1"], timeout_s=90),
         *(Row(f"gpt {p}", [*gpt, "--precision", p], precision=p) for p in ("fp32", "fp16")),
@@ -92,10 +92,9 @@ def rows() -> list[Row]:
         Row("fp16 tests", ["tests/distributed/test_fp16.py"], kind="pytest", timeout_s=120),
         Row(  # import-linter is a development tool, not on a GPU image: CI runs that one
             "unit tests",
-            ["tests/unit", "-x", "--deselect", f"{LINTER_TEST}"],
+            ["tests/unit", "--deselect", f"{LINTER_TEST}"],
             kind="pytest",
             timeout_s=300,
-            background=True,
         ),
     ]
 
@@ -103,6 +102,8 @@ def rows() -> list[Row]:
 def gradmesh_command(row: Row, report: Path) -> list[str]:
     if row.kind == "pytest":
         return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *row.args]
+    if row.kind == "script":
+        return [sys.executable, *row.args]
     return [sys.executable, "-m", "gradmesh.cli", *row.args, "--json", str(report)]
 
 
@@ -132,8 +133,8 @@ def run(row: Row, env: dict[str, str], deadline: float) -> None:
         )
         code, out, err = done.returncode, done.stdout, done.stderr
         tail = (err or out).strip().splitlines()[-3:]
-        if row.kind == "pytest":
-            tail = out.strip().splitlines()[-1:]
+        if row.kind in ("pytest", "script"):
+            tail = (out.strip() or err.strip()).splitlines()[-1:]
     except subprocess.TimeoutExpired as late:
         code, tail = 124, [f"over its {limit} s limit"]
         out, err = (
@@ -183,7 +184,7 @@ def predicted_gib(row: Row) -> float | None:
 def cells(row: Row, n: int) -> list[str]:
     """tokens/s, MFU (report), MFU (formula), GPU memory, vs plain loop."""
     r = row.result.get("report")
-    if row.kind == "pytest" or not r:
+    if row.kind in ("pytest", "script") or not r:
         return ["", "", "", "", ""]
     if row.kind == "bench":
         ratio = r.get("ratio") or r.get("trainer_over_plain")
@@ -214,7 +215,11 @@ def table(all_rows: list[Row], n: int, header: str) -> str:
     ]
     for row in all_rows:
         ran = "yes" if row.result.get("ok") else f"NO ({row.result.get('code')})"
-        words = "" if row.result.get("ok") and row.kind != "pytest" else row.result["said"]
+        words = (
+            ""
+            if row.result.get("ok") and row.kind not in ("pytest", "script")
+            else row.result["said"]
+        )
         lines.append(
             f"| {row.name} | {ran} | {row.result['seconds']:.0f} | "
             + " | ".join(cells(row, n))
@@ -249,25 +254,14 @@ def main() -> int:
         f"{time.strftime('%Y-%m-%d')}, python {sys.version.split()[0]}"
     )
     n = parameters()
-    behind = [
-        threading.Thread(target=run, args=(r, env, deadline)) for r in all_rows if r.background
-    ]
-    for thread in behind:
-        thread.start()
-    for row in all_rows:
-        if row.background:
-            continue
+    for i, row in enumerate(all_rows):
         run(row, env, deadline)
         print(f"gpu_check: {row.name}: {'ok' if row.result['ok'] else 'FAILED'} "
               f"({row.result['seconds']:.0f} s)", flush=True)  # fmt: skip
         if row.name.startswith("gpt") and row.result["ok"]:
             row.result["predicted_gib"] = predicted_gib(row)
-        done = [r for r in all_rows if r.result]  # after every row: a cut-short run keeps it
-        (OUT / "table.md").write_text(table(done, n, header) + "\n")
-    for thread in behind:
-        thread.join()
-    text = table(all_rows, n, header)
-    (OUT / "table.md").write_text(text + "\n")
+        text = table(all_rows[: i + 1], n, header)  # after every row: a cut-short run keeps it
+        (OUT / "table.md").write_text(text + "\n")
     print(text)
     return 0 if all(r.result["ok"] for r in all_rows) else 1
 

@@ -112,6 +112,8 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": "lo",
+            # these are Gloo tests: on a machine with one GPU, two ranks would be refused
+            "GRADMESH_BACKEND": os.environ.get("GRADMESH_BACKEND", "gloo"),
             "GRADMESH_TIMEOUT_S": str(min(timeout, 30.0)),
             "OMP_NUM_THREADS": "1",
             # carry the leak-check tag: forked ranks inherit the forkserver's environment, not ours

@@ -70,11 +70,20 @@ def to(batch: Batch, device: Any) -> Batch:
 
 def pinned(batch: Batch, device: Any) -> Batch:
     """The batch in page-locked memory where it will go to a GPU (`to` then copies it without
-    waiting), as it is elsewhere."""
-    return tree_map(_pinned, batch) if torch.device(device).type == "cuda" else batch
+    waiting), as it is elsewhere. The batch is walked on every device, so a CPU run meets a
+    leaf that is not a tensor where a GPU run would (b7a9be6's crash at every GPU step)."""
+    pin = torch.device(device).type == "cuda"
+    return tree_map(lambda t: _pinned(t) if pin else _tensor(t), batch)
+
+
+def _tensor(t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"a batch holds tensors (or tuples, lists, dicts of them), not {type(t)}")
+    return t
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
+    t = _tensor(t)
     return t if t.device.type != "cpu" or t.is_pinned() else t.pin_memory()
 
 

@@ -37,6 +37,12 @@ class Split:
 
         return Split(batch.to(self.x, device), batch.to(self.y, device))
 
+    def pinned(self, device: Any) -> Split:
+        """Inputs and targets in page-locked memory where they will go to a GPU."""
+        import gradmesh.data.batch as batch
+
+        return Split(batch.pinned(self.x, device), batch.pinned(self.y, device))
+
 
 @dataclass(frozen=True)
 class DataSpec:

@@ -26,7 +26,8 @@ from gradmesh.units import parse_shape
 
 def check_train(config: TrainConfig) -> None:
     """Raise a one-line `GradmeshError` for values no run can use: the counts and the layout
-    first, which need no torch, then the names, which the registries (torch's modules) hold."""
+    first, which need no torch, then the names, which the registries (torch's modules) hold,
+    then this machine's GPUs."""
     config.check_choices()
     config.sync.check()
     _check_counts(config)
@@ -34,6 +35,15 @@ def check_train(config: TrainConfig) -> None:
     _check_checkpoints(config)
     _check_replicas(config)
     _check_names(config)
+    _check_machine(config)
+
+
+def _check_machine(config: TrainConfig) -> None:
+    """What this host can run, after every value is known good: a flag's mistake is said the
+    same on every machine, before any machine's limit."""
+    problem = gpu_share_problem(config.job.workers, visible_gpus(), os.environ.get(BACKEND_ENV, ""))
+    if problem:
+        raise GradmeshError(problem)
 
 
 def _check_replicas(config: TrainConfig) -> None:
@@ -115,9 +125,6 @@ def _check_counts(config: TrainConfig) -> None:
         raise GradmeshError(f"--emulate-compute-ms must be >= 0, got {job.emulate_compute_ms}")
     if config.output.peak_tflops < 0:
         raise GradmeshError(f"--peak-tflops must be >= 0, got {config.output.peak_tflops}")
-    problem = gpu_share_problem(job.workers, visible_gpus(), os.environ.get(BACKEND_ENV, ""))
-    if problem:
-        raise GradmeshError(problem)
     shards = job.workers // max(1, config.layout.context_parallel)  # cp ranks share samples
     if data.batch_size < shards:
         raise GradmeshError(

@@ -12,7 +12,6 @@ from itertools import islice
 import torch
 from tqdm import tqdm
 
-import gradmesh.data.batch as batch
 from gradmesh.collectives import allreduce
 from gradmesh.data import Split
 from gradmesh.data.prefetch import prefetched
@@ -287,7 +286,7 @@ def loop(job: Job) -> tuple[Clock, int, float]:
     train = job.data.train
 
     def fetch(item: tuple[int, tuple[torch.Tensor, int]]) -> Split:
-        part: Split = batch.pinned(train.rows(item[1][0]), device)
+        part: Split = train.rows(item[1][0]).pinned(device)
         return part
 
     lazy = bool(getattr(train, "lazy", False))  # read from disk: the next batch in background

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-import gradmesh.data.batch as batch
 from gradmesh.data import GlobalBatchSharder, Split
 from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
 from gradmesh.train.faults import injected_fault
@@ -126,7 +125,7 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             replicas.on_lost_replica == "keep",
             dp,
         )
-        part: Split = batch.pinned(train.rows(mine), rt.device)
+        part: Split = train.rows(mine).pinned(rt.device)
         try:
             run.one_step(part, live, loss_sum)
         except StepAborted:

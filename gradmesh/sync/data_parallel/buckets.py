@@ -85,7 +85,7 @@ class Bucket:
             if not self._viewing(grads):  # one call instead of one per parameter
                 torch._foreach_copy_(self.views, grads)
             if self.has_flag:
-                self.buffer[-1] = 1.0
+                self.buffer[-1:].fill_(1.0)  # a kernel: a Python scalar set by index waits on a GPU
             return
         for j, ((_, p), (a, b)) in enumerate(zip(self.params, self.offsets, strict=True)):
             if p.grad is None or j in self.skip:
@@ -94,12 +94,13 @@ class Bucket:
                 grad = p.grad.to_dense() if p.grad.is_sparse else p.grad
                 self.buffer[a:b].copy_(grad.reshape(-1))
         if self.has_flag:
-            self.buffer[-1] = 1.0
+            self.buffer[-1:].fill_(1.0)  # a kernel: a Python scalar set by index waits on a GPU
 
-    def unpack(self, divisor: float) -> None:
-        """Write the reduced gradients back (divided by `divisor` when averaging)."""
+    def unpack(self, divisor: float | torch.Tensor) -> None:
+        """Write the reduced gradients back (divided by `divisor` when averaging: a number, or
+        a count still on the device)."""
         grads = self.buffer[: self.grad_numel]
-        if divisor != 1.0:
+        if isinstance(divisor, torch.Tensor) or divisor != 1.0:
             grads.div_(divisor)
         if (dense := self._dense_grads()) is not None:
             if not self._viewing(dense):  # from now on backward accumulates into the bucket

@@ -317,29 +317,34 @@ class GradientReducer:
         for bucket in self.buckets:
             bucket.ready.update(range(len(bucket.params)))
         self._launch_ready(active=False)
-        return self._wait_all()
+        return float(self._wait_all())  # a joined rank's loop reads it: when every rank joined
 
-    def _wait_all(self) -> float:
-        """Wait for every bucket of the step; returns the count of ranks still training."""
+    def _wait_all(self) -> torch.Tensor:
+        """Wait for every bucket of the step; returns the count of ranks still training, left
+        on the device (the steady step divides by it there, never reading it)."""
         for future in self.futures:
             assert future is not None
             future.result()
-        return float(self.buckets[-1].buffer[-1])
+        return self.buckets[-1].buffer[-1]
 
-    def unpack_all(self, active: float, mine: bool = True) -> None:
+    def unpack_all(self, active: float | torch.Tensor, mine: bool = True) -> None:
         """Write the reduced gradients back (`mine` False on a rank that has joined); sparse
         ones kept sparse are reduced now, after the buckets."""
         group = self.group if self.replicas > 1 else None
         found = self.sparse is not None and not self.sparse.decided and self.sparse.settle()
         if self.average_all:
             active = float(self.replicas)
-        average = max(active, 1.0) if self.op == "average" else 1.0
+        average: float | torch.Tensor = 1.0
+        if self.op == "average":
+            average = (
+                active.clamp(min=1.0) if isinstance(active, torch.Tensor) else max(active, 1.0)
+            )
         for bucket in self.buckets:
             with span("unpack", "comm", bucket=bucket.index):
                 bucket.unpack(average / self.predivide if self.op == "average" else 1.0)
         if self.sparse is not None and group is not None:
             with span("sparse", "comm"):
-                self.sparse.reduce(mine, average, group)
+                self.sparse.reduce(mine, float(average), group)  # sparse ones: on the host
         if found:  # from the next step on, the sparse parameters leave the buckets
             assert self.sparse is not None
             self._plan(self.sparse.dense)
