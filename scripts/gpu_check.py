@@ -72,7 +72,7 @@ def rows() -> list[Row]:
             precision="bf16",
             timeout_s=240,
         ),
-        Row("host syncs in the steady step", ["scripts/gpu_syncs.py"], kind="script"),
+        Row("host syncs in the steady step", ["scripts/gpu_step.py"], kind="script"),
         Row("gpt bf16", [*gpt, "--precision", "bf16"], precision="bf16"),
         Row("gpt bf16 --compile", [*gpt, "--precision", "bf16", "--compile"], precision="bf16"),
         Row("gpt fp8 --compile", [*gpt, "--precision", "fp8", "--compile"], precision="fp8"),
@@ -95,6 +95,12 @@ def rows() -> list[Row]:
             ["tests/unit", "--deselect", f"{LINTER_TEST}"],
             kind="pytest",
             timeout_s=300,
+        ),
+        Row(  # what the trainer's compiled step adds to the plain loop's: the ops, in the log
+            "profile of the compiled step",
+            ["scripts/gpu_step.py", "--profile", "--compile"],
+            kind="script",
+            timeout_s=180,
         ),
     ]
 

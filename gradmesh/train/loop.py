@@ -42,7 +42,9 @@ class Clock:
     """The machine's idle CPU share over this rank's training loop."""
     steady_s: float = 0.0
     """Seconds from the end of the first `WARMUP_STEPS` steps to the end of the loop (0 for a
-    run that short): the rate without start-up (allocator, autotuning, compilation)."""
+    run that short), less the steps of a batch size not seen before (an epoch's short last
+    batch: compiled and autotuned again, once): the rate without start-up (allocator,
+    autotuning, compilation)."""
     steady_samples: int = 0
     """Samples every replica together trained on in those seconds."""
     evals: list[dict[str, float]] = field(default_factory=list)
@@ -168,6 +170,11 @@ class _Run:
     cpu_before: tuple[int, int] = field(default_factory=cpu_jiffies)
     steady_from: tuple[float, int] | None = None
     """When the steady rate's clock started, and the samples trained by then."""
+    sizes_seen: set[int] = field(default_factory=set)
+    """Batch sizes this run has stepped on (a new one is compiled and autotuned afresh)."""
+    unsteady: tuple[float, int] = (0.0, 0)
+    """Seconds and samples of the steps after `steady_from` on a batch size not seen before:
+    left out of the steady rate (`Clock.steady_s`)."""
     scoring_s: float = 0.0
     """Seconds spent scoring the test split (--eval-every), left out of `Clock.evals`' times."""
 
@@ -197,7 +204,11 @@ class _Run:
         if rt.timeline is not None:
             rt.timeline.new_step()
         kinds_before = dict(rt.comm.by_kind) if job.metrics is not None else {}
+        fresh = self.steady_from is not None and len(part) not in self.sizes_seen
+        if fresh:  # timed alone, to leave out of the steady rate (once per batch size)
+            rt.synchronize()
         comm_before, step_started = rt.comm.comm_s, time.perf_counter()
+        self.sizes_seen.add(len(part))
         part = part.to(rt.device)
         x, y = part.x, part.y
         job.optimizer.zero_grad(set_to_none=False)
@@ -216,6 +227,10 @@ class _Run:
         if job.split.owns_output:
             sums[0] += loss
             sums[1] += len(part)
+        if fresh:
+            rt.synchronize()
+            seconds, samples = self.unsteady
+            self.unsteady = (seconds + time.perf_counter() - step_started, samples + len(part))
 
     def after_step(
         self, wall: float, comm: float, kinds: dict[str, int], loss: torch.Tensor, count: int
@@ -252,8 +267,11 @@ class _Run:
             job.split.info["loss_scale"] = {"scale": scale.scale, "skipped_steps": scale.skipped}
         if self.steady_from is not None:
             job.rt.synchronize()
-            self.clock.steady_s = time.perf_counter() - self.steady_from[0]
-            self.clock.steady_samples = (self.samples - self.steady_from[1]) * job.replicas
+            seconds, samples = self.unsteady
+            self.clock.steady_s = time.perf_counter() - self.steady_from[0] - seconds
+            self.clock.steady_samples = (
+                self.samples - self.steady_from[1] - samples
+            ) * job.replicas
         _reduce_losses(self.pending, self.clock)
         if job.checkpointer is not None:
             job.checkpointer.close()  # the last write, if it was asynchronous
