@@ -16,8 +16,10 @@ from gradmesh.sync.replicas.manager import ask
 JOB = "model gpt, 1 workers, batch 24, abc"
 
 
-def rounds(groups: int = 3, min_groups: int = 2, join: float = 0.3, quorum: float = 2.0) -> Rounds:
-    return Rounds(groups, min_groups, join, quorum, commit_timeout_s=2.0)
+def rounds(
+    groups: int = 3, min_groups: int = 2, join: float = 0.3, quorum: float = 2.0, start: float = 0.3
+) -> Rounds:
+    return Rounds(groups, min_groups, join, quorum, commit_timeout_s=2.0, start_timeout_s=start)
 
 
 def asking(r: Rounds, asks: list[tuple[int, int]], identity: str = JOB) -> dict[int, Any]:
@@ -54,6 +56,27 @@ def test_the_first_round_waits_for_every_group_and_answers_all_alike() -> None:
     for t in threads:
         t.join(timeout=10)
     assert fresh[0]["quorum_id"] == decision["quorum_id"] + 1
+
+
+def test_the_first_round_waits_for_a_late_group_up_to_the_start_timeout() -> None:
+    """Groups start seconds apart (each imports torch): a group later than the join timeout is
+    still in the first quorum; past the start timeout the minimum goes on without it."""
+    r = rounds(join=0.2, start=3.0)
+    late: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda g=g: late.setdefault(g, r.quorum(g, 0, JOB, False)))
+               for g in (0, 1)]  # fmt: skip
+    for t in threads:
+        t.start()
+    time.sleep(0.6)  # three join timeouts
+    assert not late  # still waiting for group 2
+    third = r.quorum(2, 0, JOB, False)
+    for t in threads:
+        t.join(timeout=10)
+    assert third["members"] == late[0]["members"] == [0, 1, 2]
+    quick = rounds(join=0.2, start=0.5)
+    started = time.monotonic()
+    answers = asking(quick, [(0, 0), (1, 0)])
+    assert answers[0]["members"] == [0, 1] and time.monotonic() - started >= 0.5
 
 
 def test_a_lost_member_is_dropped_after_the_join_timeout() -> None:

@@ -12,9 +12,12 @@ the others with different models.
 
 A round closes as soon as every member of the last quorum has asked (new groups that asked by
 then join); a member missing for `join_timeout_s` is dropped; the first round waits for all R
-groups, or for `min_groups` after `join_timeout_s`. A round that cannot gather `min_groups`
-within `quorum_timeout_s` fails in one line naming the step and the groups present; a group whose
-run identity (model, layout, batch) differs from the quorum's is refused in one line naming it.
+groups, or for `min_groups` after `start_timeout_s` (groups start seconds apart: each imports
+torch and builds its model, slower on a busy host; one that misses the first round joins later
+and copies the state, which costs a copy the job need not make). A round that cannot gather
+`min_groups` within `quorum_timeout_s` fails in one line naming the step and the groups present;
+a group whose run identity (model, layout, batch) differs from the quorum's is refused in one
+line naming it.
 
 Why our own and not torchft's: torchft's lighthouse and manager are a Rust extension with a
 gRPC transport (`torchft` on PyPI builds it per platform and pins torch versions of its own),
@@ -63,6 +66,8 @@ class Rounds:
     commit_timeout_s: float
     store: str = ""
     """host:port of the TCPStore the quorums' process groups meet at."""
+    start_timeout_s: float = 30.0
+    """How long the first round waits for every group before going on with `min_groups`."""
     cond: threading.Condition = field(default_factory=threading.Condition)
     asks: dict[int, _Ask] = field(default_factory=dict)
     opened: float = 0.0
@@ -114,9 +119,11 @@ class Rounds:
             ready = set(self.members) <= present or (
                 waited >= self.join_timeout_s and len(present) >= self.min_groups
             )
-        else:  # the first round: every group, or the minimum after the join timeout
+        else:  # the first round: every group, or the minimum after the start timeout
+            late = min(waited, now - self.started) >= self.start_timeout_s
             ready = len(present) == self.groups or (
-                waited >= self.join_timeout_s and len(present) >= self.min_groups
+                len(present) >= self.min_groups
+                and (late or now - self.started >= self.quorum_timeout_s)
             )
         if ready:
             self._decide()
@@ -271,6 +278,9 @@ class LighthouseConfig:
     port: int = option(29600, "port of the quorum service")
     store_port: int = option(0, "port of the process groups' store (0: any free one)")
     join_timeout_s: float = option(5.0, "seconds a step waits for a group of the last quorum")
+    start_timeout_s: float = option(
+        30.0, "seconds the first step waits for every group before going on with --min-groups"
+    )
     quorum_timeout_s: float = option(120.0, "seconds a step waits for --min-groups at all")
     commit_timeout_s: float = option(10.0, "seconds a commit waits for every member's vote")
     exit_after_s: float = option(0.0, "stop after this many seconds (0: when killed)")
@@ -281,7 +291,8 @@ def run(config: LighthouseConfig, _command: list[str] | None = None) -> int:
         raise GradmeshError(
             f"--min-groups must be in 1..--groups ({config.groups}), got {config.min_groups}"
         )
-    if min(config.join_timeout_s, config.quorum_timeout_s, config.commit_timeout_s) <= 0:
+    timeouts = (config.join_timeout_s, config.start_timeout_s, config.quorum_timeout_s)
+    if min(*timeouts, config.commit_timeout_s) <= 0:
         raise GradmeshError("the lighthouse's timeouts must be > 0")
     rounds = Rounds(
         config.groups,
@@ -289,6 +300,7 @@ def run(config: LighthouseConfig, _command: list[str] | None = None) -> int:
         config.join_timeout_s,
         config.quorum_timeout_s,
         config.commit_timeout_s,
+        start_timeout_s=config.start_timeout_s,
     )
     lighthouse = Lighthouse(rounds, config.bind, config.port, config.store_port)
     print(f"gradmesh lighthouse: {lighthouse.address}, store {rounds.store}", flush=True)
