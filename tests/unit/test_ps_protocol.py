@@ -109,9 +109,9 @@ fields = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=10_000, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3_000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(fields=fields, body=st.binary(max_size=64), cut=st.integers(0, HEADER_BYTES + 8))
-def test_the_decoder_survives_10000_fuzzed_messages(
+def test_the_decoder_survives_3000_fuzzed_messages(
     fields: dict[str, int | bytes], body: bytes, cut: int
 ) -> None:
     raw = header(**fields)
