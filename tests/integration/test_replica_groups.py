@@ -48,9 +48,11 @@ def group_flags(group: int, lighthouse: str, out: Path, *extra: str) -> list[str
     ]
 
 
-def lighthouse_flags(bind: str, port: int, min_groups: int = 2) -> list[str]:
+def lighthouse_flags(bind: str, port: int, min_groups: int = 2, start_s: float = 30.0) -> list[str]:
     return [
         "lighthouse",
+        "--start-timeout-s",
+        str(start_s),
         "--groups",
         str(GROUPS),
         "--min-groups",
@@ -174,7 +176,9 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     the same parameters, and no process of the job is left."""
     port = free_port()
     lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1)],
+        # the first step goes on with whichever group asks first, as every later one does:
+        # kills land from the start, and a group killed before its first step joins later
+        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, 1.0)],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
     )
@@ -251,8 +255,9 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
     assert "Traceback" not in alone.stderr
 
     port = free_port()
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1)], cwd=ROOT
+    lighthouse = subprocess.Popen(  # group 0 starts alone (1 of 3) after a 1 s start timeout
+        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, 1.0)],
+        cwd=ROOT,
     )
     try:
         first = subprocess.Popen(
