@@ -71,7 +71,7 @@ def to(batch: Batch, device: Any) -> Batch:
 def pinned(batch: Batch, device: Any) -> Batch:
     """The batch in page-locked memory where it will go to a GPU (`to` then copies it without
     waiting), as it is elsewhere. The batch is walked on every device, so a CPU run meets a
-    leaf that is not a tensor where a GPU run would (b7a9be6's crash at every GPU step)."""
+    leaf that is not a tensor where a GPU run would (7a9be6e crashed so at every H100 step)."""
     pin = torch.device(device).type == "cuda"
     return tree_map(lambda t: _pinned(t) if pin else _tensor(t), batch)
 

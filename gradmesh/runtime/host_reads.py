@@ -7,7 +7,7 @@ issue 57's H100 run found one such line in the bucket's pack (`buffer[-1] = 1.0`
 step of an 85.6M GPT, 8 % of it. On the CPU they cost nothing and no timing shows them, so the
 rule is checked where it is written: inside `refused()`, a torch function mode raises on those
 calls when they come straight from gradmesh's code, naming the file and line. The tests run the
-trainer's steady steps inside it (tests/integration/test_host_reads.py).
+trainer's steady steps inside it (tests/distributed/test_host_reads.py).
 
 torch's own `torch.cuda.set_sync_debug_mode` is the GPU's version of the same check (the GPU
 check's profile uses it); it needs CUDA, which CI does not have.

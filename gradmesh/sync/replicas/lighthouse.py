@@ -120,10 +120,10 @@ class Rounds:
                 waited >= self.join_timeout_s and len(present) >= self.min_groups
             )
         else:  # the first round: every group, or the minimum after the start timeout
-            late = min(waited, now - self.started) >= self.start_timeout_s
+            since = now - self.started  # the first ask opened the round (and its clocks)
             ready = len(present) == self.groups or (
                 len(present) >= self.min_groups
-                and (late or now - self.started >= self.quorum_timeout_s)
+                and since >= min(self.start_timeout_s, self.quorum_timeout_s)
             )
         if ready:
             self._decide()
