@@ -58,15 +58,23 @@ class DeviceGuard(TorchFunctionMode):
         if torch.compiler.is_compiling():
             return func(*args, **kwargs)
         if func in self.factories and kwargs.get("device") is None and not _from_tensor(args):
-            caller = sys._getframe(1)
-            where = caller.f_code.co_filename
-            if where.startswith(PACKAGE):
+            where = gradmesh_caller()
+            if where is not None:
                 raise GradmeshError(
-                    f"{os.path.relpath(where, PACKAGE)}:{caller.f_lineno}: torch."
-                    f"{getattr(func, '__name__', func)} without device= (it would land on the "
-                    "CPU beside data on a GPU; name the device of the data it meets)"
+                    f"{where}: torch.{getattr(func, '__name__', func)} without device= (it would "
+                    "land on the CPU beside data on a GPU; name the device of the data it meets)"
                 )
         return func(*args, **kwargs)
+
+
+def gradmesh_caller() -> str | None:
+    """`file:line` (relative to the package) of the code that called torch, when it is
+    gradmesh's: the frame above a torch function mode's `__torch_function__`."""
+    caller = sys._getframe(2)
+    where = caller.f_code.co_filename
+    if not where.startswith(PACKAGE):
+        return None
+    return f"{os.path.relpath(where, PACKAGE)}:{caller.f_lineno}"
 
 
 def _from_tensor(args: tuple[Any, ...]) -> bool:

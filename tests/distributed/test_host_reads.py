@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import gradmesh
-from gradmesh.runtime.host_reads import refused
+from gradmesh.runtime.host_reads import HostReads
 from gradmesh.train.config import TrainConfig
 from tests.harness import run_ranks
 
@@ -50,7 +50,7 @@ def steady_steps(config: TrainConfig, steps: int) -> str:
             run.one_step(job.data.train.rows(indices).pinned(job.rt.device), count, sums)
             continue
         try:
-            with refused():
+            with HostReads():
                 run.one_step(job.data.train.rows(indices).pinned(job.rt.device), count, sums)
         except GradmeshError as e:
             return str(e)
@@ -83,10 +83,10 @@ def test_the_guard_names_the_line_of_a_host_read() -> None:
 
     code = compile("buffer[-1] = 1.0\n", f"{PACKAGE}sync/data_parallel/buckets.py", "exec")
     buffer = torch.zeros(4, device="cpu")
-    with refused(), pytest.raises(GradmeshError, match=r"buckets.py:1: a Python number set"):
+    with HostReads(), pytest.raises(GradmeshError, match=r"buckets.py:1: a Python number set"):
         exec(code, {"buffer": buffer})
-    with refused(), pytest.raises(GradmeshError, match=r"Tensor.item in the step"):
+    with HostReads(), pytest.raises(GradmeshError, match=r"Tensor.item in the step"):
         exec(compile("buffer.sum().item()\n", f"{PACKAGE}x.py", "exec"), {"buffer": buffer})
-    with refused():  # the kernel the pack now uses, and anything from outside the package
+    with HostReads():  # the kernel the pack now uses, and anything from outside the package
         exec(compile("buffer[-1:].fill_(1.0)\n", f"{PACKAGE}x.py", "exec"), {"buffer": buffer})
         buffer.sum().item()
