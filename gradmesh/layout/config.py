@@ -198,7 +198,7 @@ class Layout:
 
     def line(self, axes: tuple[str, ...]) -> list[int]:
         """The ranks of rank 0's line along `axes` on this layout's mesh."""
-        return self.shape.lines(axes)[0]
+        return self.shape.first_line(axes)
 
     @property
     def name(self) -> str:

@@ -49,6 +49,7 @@ one (docs/memory.md).
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ from typing import Any
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
 from gradmesh.layout.pipeline.order import peak_in_flight, schedule_actions
+from gradmesh.layout.pipeline.zero_bubble import Action
 from gradmesh.planner.axes_cost import expert_bytes_held
 from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
@@ -134,8 +136,14 @@ def in_flight(lay: Layout, rank: int, held: list[float], kept: list[float] | Non
     (`kept[c]`: what a zero-bubble schedule keeps from its B to its W)."""
     if lay.pp == 1:
         return held[0]
-    actions = schedule_actions(lay.schedule or "1f1b", rank, lay.pp, lay.microbatches, lay.chunks)
+    actions = _actions(lay.schedule or "1f1b", rank, lay.pp, lay.microbatches, lay.chunks)
     return peak_in_flight(actions, held, kept)
+
+
+@functools.lru_cache(maxsize=1024)
+def _actions(kind: str, rank: int, stages: int, m: int, chunks: int) -> tuple[Action, ...]:
+    """`schedule_actions`, kept: a mesh search prices the same schedule for many layouts."""
+    return tuple(schedule_actions(kind, rank, stages, m, chunks))
 
 
 def _saved(sl: Slice, name: str, lay: Layout) -> float:

@@ -7,6 +7,8 @@ schedule's bubble). `gradmesh.layout.pipeline.schedules` says what each schedule
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import SCHEDULES, V_SHAPED, chunks_of
 from gradmesh.layout.pipeline.zero_bubble import (
@@ -152,7 +154,7 @@ def _after(t: float | None, transfer: float) -> float | None:
 
 
 def peak_in_flight(
-    actions: list[Action], held: list[float], kept: list[float] | None = None
+    actions: Sequence[Action], held: list[float], kept: list[float] | None = None
 ) -> float:
     """The most bytes `actions` keep at once, `held[c]` one micro-batch's activations of chunk
     c, each kept from its F to its B, or to its W where the schedule has W's, which also keep
