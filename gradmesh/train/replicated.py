@@ -12,7 +12,8 @@ The job is R groups, each a `gradmesh train` job of its own (with data paralleli
    averages the gradients over the quorum and commits, or raises `StepAborted`, and the same
    step is taken again with the next quorum.
 The step's data depend only on the step, so a group that recovers at step S reads what the
-others read at S.
+others read at S. At the last step the leader tells the lighthouse (`ReplicaManager.finish`); a
+group that asks for a quorum after that (restarted too late to rejoin) ends at once, in a line.
 """
 
 from __future__ import annotations
@@ -25,7 +26,12 @@ from typing import Any
 import torch
 
 from gradmesh.data import GlobalBatchSharder, Split
-from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
+from gradmesh.sync.replicas.manager import (
+    Quorum,
+    ReplicaManager,
+    ReplicaOptimizer,
+    StepAborted,
+)
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.loop import Clock, _progress, _Run, last_step
 from gradmesh.train.setup import Job
@@ -89,13 +95,9 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     steps = whole.steps_per_epoch()
     last = last_step(config, steps)
     run = _Run(job, Clock(losses=job.losses), _progress(config, steps, rt), injected_fault(), 0)
+    group, groups = replicas.replica_group, replicas.replica_groups
     manager = ReplicaManager(
-        replicas.replica_group,
-        replicas.replica_groups,
-        replicas.lighthouse,
-        run_identity(job),
-        rt,
-        replicas.quorum_timeout_s,
+        group, groups, replicas.lighthouse, run_identity(job), rt, replicas.quorum_timeout_s
     )
     params = [p for p in job.split.module.parameters() if p.requires_grad]
     job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
@@ -106,6 +108,8 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     while run.step < last:
         began = time.perf_counter() if began is None else began
         quorum = manager.start_step(run.step)
+        if quorum is None:  # the run ended before this group could join (said in a line)
+            break
         if quorum.recovering:
             if not manager.recover(lambda: _state(job, run.step), lambda s: _load(job, s)):
                 continue
@@ -117,14 +121,8 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
         epoch, k = divmod(run.step, steps)
         order = orders.setdefault(epoch, whole.order(epoch))
         idx = order[k * config.data.batch_size : (k + 1) * config.data.batch_size]
-        mine, live, job.replicas = _slice(
-            idx,
-            quorum,
-            replicas.replica_groups,
-            replicas.replica_group,
-            replicas.on_lost_replica == "keep",
-            dp,
-        )
+        keep = replicas.on_lost_replica == "keep"
+        mine, live, job.replicas = _slice(idx, quorum, groups, group, keep, dp)
         part: Split = train.rows(mine).pinned(rt.device)
         try:
             run.one_step(part, live, loss_sum)
@@ -136,6 +134,7 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             run.end_epoch(epoch, loss_sum)
             loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
             orders.pop(epoch, None)
+    manager.finish(run.step)
     clock, samples, wall = run.close()
     return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params)}
 

@@ -235,7 +235,10 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     time.sleep(1)
     assert _alive(seen) == []  # no orphans: every worker ended with its launcher
     got = reports(tmp_path)
-    assert len({r["strategy_info"]["parameters_sha256"] for r in got}) == 1
+    # every group that took the last step holds the same model (one restarted after the end
+    # is told so by the lighthouse and trains nothing)
+    ended = [r for r in got if not r["strategy_info"]["after_the_end"]]
+    assert ended and len({r["strategy_info"]["parameters_sha256"] for r in ended}) == 1
     recovered = sum(r["strategy_info"]["recoveries"] for r in got)
     print(
         f"{kills} kills in {killing:.0f} s, the job's end {seconds:.0f} s after its start; the groups' last processes recovered {recovered} "
@@ -247,7 +250,7 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
 def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) -> None:
     """A group alone where two are needed stops after the lighthouse's quorum timeout, naming
     the step and the groups; a group whose model differs is refused, naming it and its step,
-    while the other trains on to its end."""
+    while the other trains on to its end; a group that asks after that end ends at once."""
     port = free_port()
     flags = lighthouse_flags("127.0.0.1", port, 2)
     flags[flags.index("--quorum-timeout-s") + 1] = "3"
@@ -281,9 +284,18 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
             *group_flags(1, f"127.0.0.1:{port}", tmp_path, "--model", "mlp"), "--max-steps", "5"
         )
         out, err = first.communicate(timeout=240)
+        # a group that comes after the run's end (as one restarted too late would): told at
+        # once, where it waited the 60 s quorum timeout and failed
+        late = gradmesh(*group_flags(2, f"127.0.0.1:{port}", tmp_path), "--max-steps", "60")
     finally:
         lighthouse.kill()
         lighthouse.wait(timeout=30)
+    assert late.returncode == 0, late.stderr[-2000:]
+    assert (
+        "replica group 2: the run finished at step 60 (groups [0]) before group 2 asked for "
+        "step 0; it ends without training" in late.stderr
+    ), late.stderr[-2000:]
+    assert json.loads((tmp_path / "group2.json").read_text())["strategy_info"]["after_the_end"]
     assert other.returncode != 0
     refused = r"group 1 at step 0 runs another job \(model mlp .*it is not admitted"
     assert re.search(refused, other.stderr), other.stderr[-2000:]

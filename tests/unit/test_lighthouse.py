@@ -216,3 +216,38 @@ def test_a_step_s_slice_keeps_the_global_batch_or_each_group_s_own_slice() -> No
     assert mine.tolist() == list(range(18, 24)) and (live, replicas) == (24, 4)
     mine, live, replicas = _slice(idx, quorum, 3, 2, False, (0, 1))
     assert mine.tolist() == list(range(16, 24)) and (live, replicas) == (16, 2)
+
+
+def test_a_group_that_asks_after_the_run_finished_is_told_at_once(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Groups 0 and 1 took the last step and said so; group 2, restarted too late to rejoin,
+    asks for a quorum: it hears that the run is over at once (not after the 30 s quorum
+    timeout, waiting for groups that will never ask again), over TCP, and its manager ends."""
+    from types import SimpleNamespace
+
+    from gradmesh.sync.replicas.manager import ReplicaManager
+
+    r = rounds(quorum=30.0)
+    assert asking(r, [(0, 0), (1, 0)])[0]["members"] == [0, 1]
+    lighthouse = Lighthouse(r)
+    try:
+        finished = [
+            ReplicaManager(g, 3, lighthouse.address, JOB, SimpleNamespace(rank=0, size=1))  # type: ignore[arg-type]
+            for g in (0, 1)
+        ]
+        for manager in finished:
+            manager.finish(300)
+        assert r.finished == {0: 300, 1: 300}
+        late = ReplicaManager(2, 3, lighthouse.address, JOB, SimpleNamespace(rank=0, size=1))  # type: ignore[arg-type]
+        started = time.monotonic()
+        assert late.start_step(0) is None
+        said = capsys.readouterr().err
+        assert "replica group 2: the run finished at step 300 (groups [0, 1]) before" in said
+        assert time.monotonic() - started < 5.0
+        assert late.report()["after_the_end"] is True
+        late.finish(0)  # a late group reports nothing
+        assert r.finished == {0: 300, 1: 300}
+        assert r.finish(7, 1) == {"error": "group 7 is not one of the job's 3 groups"}
+    finally:
+        lighthouse.close()

@@ -17,7 +17,11 @@ torch and builds its model, slower on a busy host; one that misses the first rou
 and copies the state, which costs a copy the job need not make). A round that cannot gather
 `min_groups` within `quorum_timeout_s` fails in one line naming the step and the groups present;
 a group whose run identity (model, layout, batch) differs from the quorum's is refused in one
-line naming it.
+line naming it. Each leader reports (`finish`) when its group took the last step; the members of
+a quorum take every step together, so once one group finished the run is over, and a group that
+asks afterwards (one restarted after its death, too late to rejoin) is told so at once (it ends
+without training: the model is the finished groups'), not kept waiting `quorum_timeout_s` for
+groups that will never ask again.
 
 Why our own and not torchft's: torchft's lighthouse and manager are a Rust extension with a
 gRPC transport (`torchft` on PyPI builds it per platform and pins torch versions of its own),
@@ -85,6 +89,8 @@ class Rounds:
     votes: dict[tuple[int, int], dict[int, bool]] = field(default_factory=dict)
     verdicts: dict[tuple[int, int], bool] = field(default_factory=dict)
     vote_opened: dict[tuple[int, int], float] = field(default_factory=dict)
+    finished: dict[int, int] = field(default_factory=dict)
+    """The groups that took the run's last step, and that step."""
 
     def quorum(
         self, group: int, step: int, identity: str, reconfigure: bool, incarnation: str = ""
@@ -93,6 +99,14 @@ class Rounds:
         if not 0 <= group < self.groups:
             return {"error": f"group {group} is not one of the job's {self.groups} groups"}
         with self.cond:
+            if self.finished:
+                done = sorted(self.finished)
+                return {
+                    "finished": max(self.finished.values()),
+                    "groups": done,
+                    "note": f"the run finished at step {max(self.finished.values())} "
+                    f"(groups {done}) before group {group} asked for step {step}",
+                }
             if self.identity is not None and identity != self.identity:
                 return {
                     "error": f"group {group} at step {step} runs another job ({identity}); the "
@@ -169,6 +183,15 @@ class Rounds:
         self.asks, self.opened, self.started = {}, 0.0, 0.0
         self.cond.notify_all()
 
+    def finish(self, group: int, step: int) -> dict[str, Any]:
+        """`group` took the run's last step, `step`."""
+        if not 0 <= group < self.groups:
+            return {"error": f"group {group} is not one of the job's {self.groups} groups"}
+        with self.cond:
+            self.finished[group] = step
+            self.cond.notify_all()
+        return {"ok": True}
+
     def commit(self, group: int, quorum_id: int, step: int, ok: bool) -> dict[str, Any]:
         """Block until every member of the quorum voted on `step` (or the commit timeout);
         True only if all of them finished it."""
@@ -232,6 +255,8 @@ class _Server(socketserver.ThreadingTCPServer):
                 int(request["step"]),
                 bool(request["ok"]),
             )
+        if op == "finish":
+            return self.rounds.finish(int(request["group"]), int(request["step"]))
         raise ValueError(f"unknown op {op!r}")
 
 

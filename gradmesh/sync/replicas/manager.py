@@ -19,10 +19,12 @@ is new), and nothing was applied anywhere, so the groups cannot drift apart.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import secrets
 import socket
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -109,12 +111,19 @@ class ReplicaManager:
     step_seconds: dict[int, float] = field(default_factory=dict)
     """Per committed step: seconds from its first quorum request to its commit (a step taken
     again counts all its tries)."""
+    after_the_end: bool = False
+    """This group asked to join after another had taken the run's last step."""
 
-    def start_step(self, step: int) -> Quorum:
+    def start_step(self, step: int) -> Quorum | None:
         """This step's quorum (blocks until the lighthouse decides); a new process group when
-        its id changed, asked for again until every member connected to it."""
+        its id changed, asked for again until every member connected to it. None where the run
+        is over: another group took its last step before this one (restarted too late) could
+        join; it has nothing left to train, and says so in a line."""
         while True:
-            quorum, store = self._ask_quorum(step)
+            asked = self._ask_quorum(step)
+            if asked is None:
+                return None
+            quorum, store = asked
             fresh = self.quorum is None or quorum.quorum_id != self.quorum.quorum_id
             self.quorum, self.reconfigure = quorum, False
             if not fresh:
@@ -130,7 +139,7 @@ class ReplicaManager:
                 return quorum
             self.quorum, self.reconfigure = None, True
 
-    def _ask_quorum(self, step: int) -> tuple[Quorum, str]:
+    def _ask_quorum(self, step: int) -> tuple[Quorum, str] | None:
         decision = None
         if self.rt.rank == 0:
             decision = ask(
@@ -146,6 +155,16 @@ class ReplicaManager:
                 ANSWER_S,
             )
         decision = self._share(decision)
+        if "finished" in decision:
+            self.after_the_end = True
+            if self.rt.rank == 0:
+                print(
+                    f"gradmesh train: replica group {self.group}: {decision['note']}; it ends "
+                    "without training (the finished groups hold the model)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return None
         members = tuple(int(g) for g in decision["members"])
         steps = [int(s) for s in decision["steps"].values()]
         top = int(decision["max_step"])
@@ -273,6 +292,14 @@ class ReplicaManager:
             self.aborted += 1
         return committed
 
+    def finish(self, step: int) -> None:
+        """Tell the lighthouse this group took the run's last step (the leader; a group that
+        came after the end has nothing to report). Best effort: the group's training is done
+        whether or not the lighthouse hears of it (it only spares a late group its wait)."""
+        if self.rt.rank == 0 and not self.after_the_end:
+            with contextlib.suppress(GradmeshError):
+                ask(self.address, {"op": "finish", "group": self.group, "step": step}, 5.0)
+
     def report(self) -> dict[str, Any]:
         """The group's figures: its quorum changes (step, members, unix time), the copies it
         received, the steps taken again, the step times (median and longest, with its step)."""
@@ -287,6 +314,7 @@ class ReplicaManager:
             "quorum_changes": self.history,
             "recoveries": self.recoveries,
             "aborted_steps": self.aborted,
+            "after_the_end": self.after_the_end,
         }
 
 
