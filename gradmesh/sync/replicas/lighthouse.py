@@ -19,9 +19,9 @@ and copies the state, which costs a copy the job need not make). A round that ca
 a group whose run identity (model, layout, batch) differs from the quorum's is refused in one
 line naming it. Each leader reports (`finish`) when its group took the last step; the members of
 a quorum take every step together, so once one group finished the run is over, and a group that
-asks afterwards (one restarted after its death, too late to rejoin) is told so at once (it ends
-without training: the model is the finished groups'), not kept waiting `quorum_timeout_s` for
-groups that will never ask again.
+asks afterwards (one restarted after its death, too late to rejoin; or one given more steps, since
+the step count is not part of a run's identity) is told so at once and ends (the model is the
+finished groups'), not kept waiting `quorum_timeout_s` for groups that will never ask again.
 
 Why our own and not torchft's: torchft's lighthouse and manager are a Rust extension with a
 gRPC transport (`torchft` on PyPI builds it per platform and pins torch versions of its own),

@@ -160,7 +160,7 @@ class ReplicaManager:
             if self.rt.rank == 0:
                 print(
                     f"gradmesh train: replica group {self.group}: {decision['note']}; it ends "
-                    "without training (the finished groups hold the model)",
+                    "here (the finished groups hold the model)",
                     file=sys.stderr,
                     flush=True,
                 )
