@@ -241,8 +241,9 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     assert ended and len({r["strategy_info"]["parameters_sha256"] for r in ended}) == 1
     recovered = sum(r["strategy_info"]["recoveries"] for r in got)
     print(
-        f"{kills} kills in {killing:.0f} s, the job's end {seconds:.0f} s after its start; the groups' last processes recovered {recovered} "
-        "times from a peer (0 where every group was down at once and all began again)",
+        f"{kills} kills in {killing:.0f} s, the job's end {seconds:.0f} s after its start; the "
+        f"groups' last processes recovered {recovered} times from a peer (0 where every group "
+        "was down at once and all began again)",
         file=sys.stderr,
     )
 
