@@ -26,12 +26,7 @@ from typing import Any
 import torch
 
 from gradmesh.data import GlobalBatchSharder, Split
-from gradmesh.sync.replicas.manager import (
-    Quorum,
-    ReplicaManager,
-    ReplicaOptimizer,
-    StepAborted,
-)
+from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.loop import Clock, _progress, _Run, last_step
 from gradmesh.train.setup import Job

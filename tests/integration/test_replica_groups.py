@@ -4,6 +4,7 @@ it copies its state from a peer; every group ends with bit-equal parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -149,23 +150,28 @@ def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
     )
 
 
+def _children(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
+    """The launcher's processes alive now (none once it ended)."""
+    try:
+        return list(psutil.Process(launcher.pid).children(recursive=True))
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _job_processes(launchers: list[subprocess.Popen[bytes]], seen: set[int]) -> None:
     """Add the launchers' worker processes alive now to `seen`."""
-    for launcher in launchers:
-        try:
-            seen.update(p.pid for p in psutil.Process(launcher.pid).children(recursive=True))
-        except psutil.NoSuchProcess:
-            continue
+    seen.update(p.pid for launcher in launchers for p in _children(launcher))
 
 
 def _workers_of(launcher: subprocess.Popen[bytes]) -> list[int]:
     """The PID of the launcher's training worker, if one is up (at most one: a group is one
     worker)."""
-    try:
-        children = psutil.Process(launcher.pid).children(recursive=True)
-        return [c.pid for c in children if "gradmesh.train.worker" in " ".join(c.cmdline())]
-    except psutil.NoSuchProcess:
-        return []
+    workers = []
+    for child in _children(launcher):
+        with contextlib.suppress(psutil.NoSuchProcess):  # it may end while we look
+            if "gradmesh.train.worker" in " ".join(child.cmdline()):
+                workers.append(child.pid)
+    return workers
 
 
 def _alive(pids: set[int]) -> list[int]:
@@ -183,8 +189,8 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     """Three groups of the default CNN (each step made >= 60 ms long: the 300 steps last 18 s
     or more, the kills at most 12 s and as long as the restarts take); every 0.2-0.6 s the
     worker of a random group that has one up is killed with SIGKILL, 20 times; the launchers
-    restart them. The job ends within a bounded time, every group with
-    the same parameters, and no process of the job is left."""
+    restart them. The job ends within a bounded time, every group with the same parameters,
+    and no process of the job is left."""
     port = free_port()
     lighthouse = subprocess.Popen(
         # the first step goes on with whichever group asks first, as every later one does:

@@ -97,15 +97,15 @@ class Rounds:
     ) -> dict[str, Any]:
         """Block until this round is decided; its decision (or an error for this group)."""
         if not 0 <= group < self.groups:
-            return {"error": f"group {group} is not one of the job's {self.groups} groups"}
+            return self._unknown(group)
         with self.cond:
             if self.finished:
-                done = sorted(self.finished)
+                last, done = max(self.finished.values()), sorted(self.finished)
                 return {
-                    "finished": max(self.finished.values()),
+                    "finished": last,
                     "groups": done,
-                    "note": f"the run finished at step {max(self.finished.values())} "
-                    f"(groups {done}) before group {group} asked for step {step}",
+                    "note": f"the run finished at step {last} (groups {done}) before group "
+                    f"{group} asked for step {step}",
                 }
             if self.identity is not None and identity != self.identity:
                 return {
@@ -125,6 +125,9 @@ class Rounds:
                 if ask.decision is None:
                     self.cond.wait(timeout=0.05)
             return ask.decision
+
+    def _unknown(self, group: int) -> dict[str, Any]:
+        return {"error": f"group {group} is not one of the job's {self.groups} groups"}
 
     def _close(self, now: float) -> None:
         present = set(self.asks)
@@ -186,7 +189,7 @@ class Rounds:
     def finish(self, group: int, step: int) -> dict[str, Any]:
         """`group` took the run's last step, `step`."""
         if not 0 <= group < self.groups:
-            return {"error": f"group {group} is not one of the job's {self.groups} groups"}
+            return self._unknown(group)
         with self.cond:
             self.finished[group] = step
             self.cond.notify_all()
