@@ -32,6 +32,7 @@ from gradmesh.runtime.mesh import Axis, Mesh, build_mesh, group_of_lines
 from gradmesh.runtime.process import _env_int, bind_to_launcher
 from gradmesh.runtime.process import timeout_s as timeout_s_of
 from gradmesh.runtime.stats import CommStats
+from gradmesh.runtime.stop_grace import finish_reports_on_stop
 
 
 @dataclass
@@ -193,6 +194,8 @@ def init(
     timeout = timedelta(seconds=timeout_s_of(timeout_s))
     shape = MeshShape.for_world(size, **sizes)
     bind_to_launcher(rank)
+    if size > 1:  # a peer's failure is reported from this side before a launcher's SIGTERM
+        finish_reports_on_stop()
     chosen, device = pick_backend(_env_int("LOCAL_WORLD_SIZE", size), backend)
     adopted = connect(chosen, rank, size, timeout)
     if not getattr(sys.excepthook, "gradmesh", False):  # once per process, however many inits

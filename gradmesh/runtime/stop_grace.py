@@ -1,0 +1,82 @@
+"""A worker stopped by its launcher gets a moment to report the failure that stopped the job.
+
+When one rank dies, torch's elastic agent sends SIGTERM to the others within a tenth of a second.
+The survivors are usually about to raise the failure from their own side, naming the operation
+and the peer ("pipeline stage 0 forward/backward (step 3): receive from rank 1 failed"): the line
+that says what the job was doing. On a busy machine SIGTERM's default action killed them before
+they printed it. With `finish_reports_on_stop()` installed, SIGTERM gives a worker up to
+`STOP_GRACE_S` to end by itself (report, exit with its own code); then it ends by SIGTERM. A
+watcher thread learns of the signal through `signal.set_wakeup_fd`, which Python's C-level
+handler writes to even while the main thread is blocked in a native call (a collective waiting
+on a peer), where no Python handler could run.
+
+Ending "by SIGTERM" restores the default action through libc and re-sends the signal, so the
+launcher still sees the exit status of a signalled process (-15) and ranks it after the rank that
+failed first. Torch-free: the standard library does all of it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+STOP_GRACE_S = 2.0
+"""The longest a worker lingers after SIGTERM; more than `world.PEER_GRACE_S`, the pause a rank
+that stopped on a peer's failure takes before it exits."""
+
+
+def _end_by_sigterm() -> None:
+    """Die of SIGTERM's default action, from any thread (`signal.signal` is main-thread only,
+    libc's `signal` is not)."""
+    sys.stderr.flush()
+    ctypes.CDLL(None).signal(signal.SIGTERM, 0)  # 0 is SIG_DFL
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)  # the signal is delivered before this returns
+    os._exit(128 + signal.SIGTERM)
+
+
+def _on_sigterm(_signum: int, _frame: Any) -> None:
+    """Nothing: the watcher thread ends the process once the grace period is over."""
+
+
+def _watch(fd: int, grace_s: float) -> None:
+    while True:
+        try:
+            got = os.read(fd, 64)
+        except OSError:
+            return
+        if not got:
+            return
+        if int(signal.SIGTERM) in got:
+            time.sleep(grace_s)
+            _end_by_sigterm()
+
+
+def finish_reports_on_stop(grace_s: float = STOP_GRACE_S) -> bool:
+    """Install the SIGTERM handling above; True where it was installed. Nothing is changed off
+    the main thread, where SIGTERM already has a handler, or where another wakeup fd (an asyncio
+    loop's) is set."""
+    if not sys.platform.startswith("linux") or threading.current_thread() is not (
+        threading.main_thread()
+    ):
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    previous = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if previous != -1:
+        signal.set_wakeup_fd(previous)
+        os.close(read)
+        os.close(write)
+        return False
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    threading.Thread(
+        target=_watch, args=(read, grace_s), name="gradmesh-stop-grace", daemon=True
+    ).start()
+    return True

@@ -1,0 +1,65 @@
+"""SIGTERM from a launcher gives a worker a grace period to report a failure and exit with its
+own code, then ends it by SIGTERM even when it is stuck: real processes, real signals."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+PRELUDE = """
+import sys, time
+from gradmesh.runtime.stop_grace import finish_reports_on_stop
+assert finish_reports_on_stop(grace_s=GRACE)
+"""
+
+BUSY = "print('ready', flush=True)\nwhile True: sum(range(1000))\n"
+REPORTS = """
+print("ready", flush=True)
+try:
+    time.sleep(REPORT)  # on its way to the collective that fails
+    raise RuntimeError("receive from rank 1 failed")
+except RuntimeError as e:
+    print(f"reported: {e}", file=sys.stderr, flush=True)
+    sys.exit(75)
+"""
+
+
+def _stop(body: str, grace_s: float, report_s: float = 0.0) -> tuple[int, str, float]:
+    """Start `body`, SIGTERM it once it says ready; its exit code, stderr and seconds to end."""
+    code = PRELUDE.replace("GRACE", str(grace_s)) + body.replace("REPORT", str(report_s))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err, time.monotonic() - started
+
+
+def test_a_rank_reports_its_failure_and_exits_with_its_own_code_within_the_grace() -> None:
+    code, err, took = _stop(REPORTS, grace_s=30.0, report_s=0.5)
+    assert "reported: receive from rank 1 failed" in err
+    assert code == 75
+    assert took < 15
+
+
+@pytest.mark.parametrize("body", [BUSY, REPORTS], ids=["busy", "stuck-before-its-report"])
+def test_a_rank_that_does_not_end_by_itself_ends_by_sigterm_after_the_grace(body: str) -> None:
+    code, err, took = _stop(body, grace_s=1.0, report_s=60.0)
+    assert code == -signal.SIGTERM
+    assert "reported" not in err
+    assert 0.9 < took < 30
+
+
+def test_it_stays_out_of_a_process_that_handles_sigterm_itself() -> None:
+    code = (
+        "import signal\nfrom gradmesh.runtime.stop_grace import finish_reports_on_stop\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+        "assert not finish_reports_on_stop()\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
