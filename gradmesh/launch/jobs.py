@@ -65,7 +65,7 @@ def worker_main(measure: Callable[[dict[str, Any]], tuple[int, Any]]) -> NoRetur
     and have rank 0 write the result to --out for `run_workers` to read."""
     import argparse
 
-    from gradmesh.runtime.world import exit_process
+    from gradmesh.runtime.ending import exit_process
 
     parser = argparse.ArgumentParser(prog="gradmesh-bench-worker")
     parser.add_argument("--config", required=True)

@@ -12,14 +12,12 @@ passed explicitly.
 from __future__ import annotations
 
 import atexit
-import os
 import sys
-import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,11 +26,11 @@ from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, PeerFailure, first_
 from gradmesh.runtime import device_guard
 from gradmesh.runtime.axes import PP, TP, MeshShape
 from gradmesh.runtime.connect import connect, host_groups, pick_backend
+from gradmesh.runtime.ending import exit_process, finish_reports_on_stop
 from gradmesh.runtime.mesh import Axis, Mesh, build_mesh, group_of_lines
 from gradmesh.runtime.process import _env_int, bind_to_launcher
 from gradmesh.runtime.process import timeout_s as timeout_s_of
 from gradmesh.runtime.stats import CommStats
-from gradmesh.runtime.stop_grace import finish_reports_on_stop
 
 
 @dataclass
@@ -385,19 +383,3 @@ def _leave_at_exit() -> None:
     shutdown()
     if code is not None:
         exit_process(code)
-
-
-PEER_GRACE_S = 1.0
-"""How long a rank that stopped on a peer's failure lingers before exiting, so that the launcher
-sees the rank that caused it end first and names that one."""
-
-
-def exit_process(code: int) -> NoReturn:
-    """End a worker process of gradmesh's own entry points after `shutdown()`: flush output and
-    leave without running C++ static destructors, one of which (in a c10d/Gloo thread) aborted
-    now and then at interpreter exit ("terminate called without an active exception")."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if code == PEER_FAILED_EXIT:
-        time.sleep(PEER_GRACE_S)
-    os._exit(code)

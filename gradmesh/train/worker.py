@@ -10,7 +10,8 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh.errors import GradmeshError, on_rank, torch_collective_failure
-from gradmesh.runtime.world import exit_process, init, mark_failed, shutdown
+from gradmesh.runtime.ending import exit_process
+from gradmesh.runtime.world import init, mark_failed, shutdown
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.trainer import train
 

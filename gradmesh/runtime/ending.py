@@ -1,4 +1,5 @@
-"""A worker stopped by its launcher gets a moment to report the failure that stopped the job.
+"""How a worker process ends: after `shutdown()`, by `exit_process`; when its launcher stops it,
+with a moment to report the failure that stopped the job.
 
 When one rank dies, torch's elastic agent sends SIGTERM to the others within a tenth of a second.
 The survivors are usually about to raise the failure from their own side, naming the operation
@@ -23,11 +24,28 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, NoReturn
+
+from gradmesh.errors import PEER_FAILED_EXIT
+
+PEER_GRACE_S = 1.0
+"""How long a rank that stopped on a peer's failure lingers before exiting, so that the launcher
+sees the rank that caused it end first and names that one."""
+
+
+def exit_process(code: int) -> NoReturn:
+    """End a worker process of gradmesh's own entry points after `shutdown()`: flush output and
+    leave without running C++ static destructors, one of which (in a c10d/Gloo thread) aborted
+    now and then at interpreter exit ("terminate called without an active exception")."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == PEER_FAILED_EXIT:
+        time.sleep(PEER_GRACE_S)
+    os._exit(code)
+
 
 STOP_GRACE_S = 2.0
-"""The longest a worker lingers after SIGTERM; more than `world.PEER_GRACE_S`, the pause a rank
-that stopped on a peer's failure takes before it exits."""
+"""The longest a worker lingers after SIGTERM; more than `PEER_GRACE_S`."""
 
 
 def _end_by_sigterm() -> None:

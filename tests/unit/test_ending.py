@@ -12,7 +12,7 @@ import pytest
 
 PRELUDE = """
 import sys, time
-from gradmesh.runtime.stop_grace import finish_reports_on_stop
+from gradmesh.runtime.ending import finish_reports_on_stop
 assert finish_reports_on_stop(grace_s=GRACE)
 """
 
@@ -58,7 +58,7 @@ def test_a_rank_that_does_not_end_by_itself_ends_by_sigterm_after_the_grace(body
 
 def test_it_stays_out_of_a_process_that_handles_sigterm_itself() -> None:
     code = (
-        "import signal\nfrom gradmesh.runtime.stop_grace import finish_reports_on_stop\n"
+        "import signal\nfrom gradmesh.runtime.ending import finish_reports_on_stop\n"
         "signal.signal(signal.SIGTERM, lambda *a: None)\n"
         "assert not finish_reports_on_stop()\n"
     )
