@@ -286,6 +286,11 @@ BENCHES = {  # each module has Config (its options) and run(config)
         "a step, wall-clock to the same loss, the loss after the same tokens",
         "gradmesh.bench.diloco",
     ),
+    "replicas": (
+        "replica groups whose average across groups goes through each compressor, on emulated "
+        "hosts: bytes a step, step time, the loss after the same steps",
+        "gradmesh.bench.replicas",
+    ),
     "loader": (
         "tokens/s the token-file loader feeds one rank from one core, against the GPT's training",
         "gradmesh.bench.loader",

@@ -58,7 +58,7 @@ def _check_replicas(config: TrainConfig) -> None:
         (sync.allreduce.zero_stage > 0, "--zero-stage"),
         (layout.precision == "fp16", "--precision fp16"),
         (bool(config.checkpoint.dir), "--checkpoint-dir (a group recovers from a peer)"),
-        (sync.compression.method != "none", "--compression"),
+        (sync.compression.method == "powersgd", "--compression powersgd"),
     ]
     for bad, what in refused:
         if bad:

@@ -9,7 +9,8 @@ The job is R groups, each a `gradmesh train` job of its own (with data paralleli
    groups alive (the step is the one R groups would take), `rescale` keeps each group's own
    slice of R (the batch, and the loss's count, shrink with the groups);
 3. runs the step through the same `_Run.one_step` as every other job; the optimizer's wrapper
-   averages the gradients over the quorum and commits, or raises `StepAborted`, and the same
+   averages the gradients over the quorum (compressed by `--compression`; the group's own
+   data-parallel allreduce is not) and commits, or raises `StepAborted`, and the same
    step is taken again with the next quorum.
 The step's data depend only on the step, so a group that recovers at step S reads what the
 others read at S. At the last step the leader tells the lighthouse (`ReplicaManager.finish`); a
@@ -26,7 +27,9 @@ from typing import Any
 import torch
 
 from gradmesh.data import GlobalBatchSharder, Split
+from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
+from gradmesh.sync.strategies import compressor
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.loop import Clock, _progress, _Run, last_step
 from gradmesh.train.setup import Job
@@ -94,6 +97,7 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     manager = ReplicaManager(
         group, groups, replicas.lighthouse, run_identity(job), rt, replicas.quorum_timeout_s
     )
+    manager.averaging = CrossGroupAverage(compressor(config.sync.compression))
     params = [p for p in job.split.module.parameters() if p.requires_grad]
     job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
     train = job.data.train

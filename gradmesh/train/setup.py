@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 import torch
@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 import gradmesh.data.batch as batch
+from gradmesh.compression.config import CompressionConfig
 from gradmesh.data import DATASETS, DataOptions, DataSpec, GlobalBatchSharder, Split
 from gradmesh.data.batch import Batch
 from gradmesh.data.registry import is_scheme, is_token_dataset
@@ -239,8 +240,11 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     )
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
     optimizer = shard_optimizer(optimizer, config.sync.allreduce.zero_stage, rt)  # ZeRO 1
-    strategy = STRATEGIES.get(config.sync.strategy)(
-        config.sync, split.engine.backward_passes, config.job.timeout_s
+    sync = config.sync
+    if sync.replicas.enabled:  # --compression is for the slow link, across the groups
+        sync = replace(sync, compression=CompressionConfig())
+    strategy = STRATEGIES.get(sync.strategy)(
+        sync, split.engine.backward_passes, config.job.timeout_s
     )
     job = Job(config, rt, data, split, optimizer, strategy, lr)
     if config.layout.precision == "fp16":

@@ -279,6 +279,24 @@ def test_the_host_whose_rank_failed_is_named(tmp_path: Path) -> None:
     assert lines[-1] == "gradmesh emulate: host 1 failed (exit code 5)"
 
 
+def test_bench_replicas_compresses_the_average_across_groups(tmp_path: Path) -> None:
+    """Two replica groups on emulated hosts, 20 steps: int8 across the groups sends about a
+    quarter of the bytes, the groups stay bit-equal, each figure is labelled by its limit."""
+    bad = gradmesh("bench", "replicas", "--methods", "int8")
+    assert bad.returncode != 0 and "--methods must start with none" in bad.stderr
+    out = tmp_path / "replicas.json"
+    done = gradmesh(
+        "bench", "replicas", "--groups", "2", "--steps", "20", "--methods", "none,int8",
+        "--json", str(out),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(out.read_text())["methods"]
+    assert got["none"]["bytes_ratio"] == 1 and 3.5 < got["int8"]["bytes_ratio"] < 4.1
+    for run in got.values():
+        assert run["bit_equal"] and run["limit"] in ("cpu", "link", "compute")
+    assert abs(got["int8"]["loss_gap"]) < 0.02
+
+
 def test_bench_diloco_compares_bytes_loss_and_time_to_a_loss(tmp_path: Path) -> None:
     """Two emulated hosts, 40 steps, H = 10 with int8: both runs score the test split every 10
     steps; DiLoCo's bytes a step are a small fraction of synchronous training's."""

@@ -60,6 +60,11 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "strategy": "diloco"},
             "not with --strategy diloco (yet)",
         ),
+        (
+            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1"}
+            | {"compression": "powersgd"},
+            "not with --compression powersgd (yet)",
+        ),
         ({"eval_every": 5, "strategy": "hogwild"}, "--eval-every needs the replicas to score"),
         ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum in [0, 1)"),
         ({"workers": 0}, "--workers must be >= 1, got 0"),

@@ -10,7 +10,8 @@ source group's state (`state()`: parameters, optimizer and strategy state, the s
 process group (`torch.save` bytes, read back with `weights_only=True`) and loads it before the
 step; the others receive the same bytes and drop them.
 
-After the backward, `ReplicaOptimizer.step` averages the gradients over the quorum, then the
+After the backward, `ReplicaOptimizer.step` averages the gradients over the quorum (through the
+job's `--compression`: `averaging.py`), then the
 group votes (every rank of it finished the allreduce) and the leader asks the lighthouse whether
 every member group did: only then does the optimizer step. Otherwise the step raises
 `StepAborted`, the trainer takes the same step again with the next quorum (whose process group
@@ -36,9 +37,9 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from gradmesh.collectives import broadcast_object
-from gradmesh.collectives.flat import flat_buffers, unpack
 from gradmesh.errors import GradmeshError
 from gradmesh.runtime.world import Runtime, collective_device
+from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from gradmesh.sync.wrapping import wrap_optimizer
 
 ANSWER_S = 600.0
@@ -113,6 +114,8 @@ class ReplicaManager:
     again counts all its tries)."""
     after_the_end: bool = False
     """This group asked to join after another had taken the run's last step."""
+    averaging: CrossGroupAverage = field(default_factory=CrossGroupAverage)
+    """The average across groups and its compressor (`--compression`)."""
 
     def start_step(self, step: int) -> Quorum | None:
         """This step's quorum (blocks until the lighthouse decides); a new process group when
@@ -248,24 +251,19 @@ class ReplicaManager:
         return True
 
     def average(self, tensors: list[torch.Tensor]) -> bool:
-        """Average `tensors` (this rank's gradients) over the quorum's groups, in place; False
-        where the allreduce failed (a member group lost)."""
+        """Average `tensors` (this rank's gradients) over the quorum's groups, in place, through
+        the job's compressor (`averaging`); False where the allreduce failed (a member lost)."""
         quorum = self.quorum
         assert quorum is not None
         if len(quorum.members) == 1:
             return True
-        size, started, nbytes = len(quorum.members), time.perf_counter(), 0
+        started, sent = time.perf_counter(), 0
         try:
-            with torch.no_grad():
-                for flat, members in flat_buffers(tensors):
-                    self.process_group.allreduce([flat]).wait()
-                    flat.div_(size)
-                    unpack(flat, members)
-                    nbytes += flat.numel() * flat.element_size()
+            sent = self.averaging(self.process_group, tensors)
         except RuntimeError:
             return False
-        finally:  # a ring's bytes (Gloo's allreduce), the seconds measured
-            self.rt.comm.add(2 * (size - 1) * nbytes // size, time.perf_counter() - started)
+        finally:
+            self.rt.comm.add(sent, time.perf_counter() - started)
         return True
 
     def commit(self, step: int, ok: bool) -> bool:
@@ -288,6 +286,7 @@ class ReplicaManager:
             )["commit"]
         committed = bool(self._share(verdict))
         if not committed:
+            self.averaging.undo()
             self.reconfigure = True
             self.aborted += 1
         return committed
