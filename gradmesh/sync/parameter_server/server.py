@@ -17,7 +17,8 @@ Staleness of a gradient = the clock gap of the read it was computed from: how ma
 reading worker was ahead of the slowest live worker (SSP's own measure, at most K in `ssp`, 0 in
 `sync`). With `staleness_lr` a gradient's step is divided by max(1, staleness) (Zhang et al.).
 A worker silent for `lost_after_s` with no request waiting (or, before its first message, for
-`timeout_s`) is declared lost and no longer waited for; its last gradients stay applied.
+`timeout_s`) is declared lost and no longer waited for; its last gradients stay applied. One
+that speaks again is readmitted (`membership`).
 
 The path of a request allocates nothing per message after warm-up: a push is read into a buffer
 its connection reuses (`transport`), SGD updates the shard in place, a sync step copies each
@@ -43,6 +44,7 @@ from torch import nn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.observe.timeline import Timeline
+from gradmesh.sync.parameter_server.membership import Membership
 from gradmesh.sync.parameter_server.optimizers import make_optimizer
 from gradmesh.sync.parameter_server.protocol import Kind, Message, WireError, decode, encode
 from gradmesh.sync.parameter_server.serving import (
@@ -95,10 +97,10 @@ class Server:
         self.version = 0
         self.clocks = [0] * config.workers
         self.read_gap = [0] * config.workers
-        self.last_seen = [time.monotonic()] * config.workers
-        self.heard: set[int] = set()
+        self.members = Membership(
+            config.workers, config.ps.lost_after_s, config.timeout_s, config.ps.mode == "sync"
+        )
         self.finished: dict[int, dict[str, Any]] = {}
-        self.lost: set[int] = set()
         self.pending_pulls: list[tuple[Peer, Message]] = []
         self.pending_done: list[tuple[Peer, int]] = []
         self.round: dict[int, torch.Tensor] = {}
@@ -140,7 +142,7 @@ class Server:
             self.close()
             if self.progress is not None:
                 self.progress.close()
-        return self.stats.as_dict(self.cfg.index, sorted(self.lost))
+        return self.stats.as_dict(self.cfg.index, sorted(self.members.lost))
 
     def close(self) -> None:
         """Close the listening socket and every connection."""
@@ -217,8 +219,9 @@ class Server:
         self.stats.cpu_last = time.process_time()
         self.stats.cpu_first = self.stats.cpu_first or self.stats.cpu_last
         self.stats.requests.update(REQUESTS[msg.kind])
-        self.last_seen[msg.worker] = now
-        self.heard.add(msg.worker)
+        msg, back = self.members.heard_from(msg, self.version, now)
+        if back is not None:
+            self._say(f"worker {msg.worker} is back after {back:.0f} s silent; waited for again")
         if msg.kind is Kind.INIT:
             if not self.initialized:
                 with torch.no_grad():
@@ -262,7 +265,8 @@ class Server:
         return self.timeline.span(name, "serve", **args) if self.timeline else nullcontext()
 
     def _live(self) -> list[int]:
-        return [w for w in range(self.cfg.workers) if w not in self.lost and w not in self.finished]
+        lost, done = self.members.lost, self.finished
+        return [w for w in range(self.cfg.workers) if w not in lost and w not in done]
 
     def _push(self, msg: Message) -> None:
         grad = msg.payload
@@ -367,20 +371,15 @@ class Server:
                 self._send(peer, frames, volatile=True)  # the shard changes with the next push
         self.pending_pulls = waiting
 
+    def _say(self, what: str) -> None:
+        print(f"gradmesh ps: server {self.cfg.index}: {what}", flush=True)
+
     def _find_lost(self, now: float) -> None:
         waiting = {msg.worker for _, msg in self.pending_pulls}
-        for w in self._live():
-            # a worker still starting up (never heard from) gets the whole timeout
-            patience = self.cfg.ps.lost_after_s if w in self.heard else self.cfg.timeout_s
-            if w not in waiting and now - self.last_seen[w] > patience:
-                self.lost.add(w)
-                print(
-                    f"gradmesh ps: server {self.cfg.index}: worker {w} lost "
-                    f"(silent for {now - self.last_seen[w]:.0f} s)",
-                    flush=True,
-                )
-                if self.cfg.ps.mode == "sync":
-                    self._close_round()
+        for w, silent in self.members.find_lost(self._live(), waiting, now):
+            self._say(f"worker {w} lost (silent for {silent:.0f} s)")
+            if self.cfg.ps.mode == "sync":
+                self._close_round()
 
     def _maybe_done(self) -> None:
         if self.done_at is not None or self._live() or not self.pending_done:
@@ -388,9 +387,10 @@ class Server:
         reporter = min(w for _, w in self.pending_done)
         summary = {
             "reporter": reporter,
-            "lost_workers": sorted(self.lost),
+            "lost_workers": sorted(self.members.lost),
+            "readmitted_workers": self.members.readmitted,
             "workers": {str(w): s for w, s in sorted(self.finished.items())},
-            "server": self.stats.as_dict(self.cfg.index, sorted(self.lost)),
+            "server": self.stats.as_dict(self.cfg.index, sorted(self.members.lost)),
         }
         data = json.dumps(summary).encode()
         for peer, w in self.pending_done:

@@ -149,11 +149,13 @@ class PSWorker:
         workers = first.get("workers", {})
         walls = [w["wall_s"] for w in workers.values()] or [1.0]
         lost = sorted({w for s in self.summaries for w in s["lost_workers"]})
+        back = sorted({w for s in self.summaries for w in s.get("readmitted_workers", [])})
         return {
             "servers": self.servers,
             "workers": self.role.workers,
             "parameter_bytes": self.flat.numel() * 4,
             "lost_workers": lost,
+            "readmitted_workers": back,
             "job_samples_per_s": sum(w["samples"] for w in workers.values()) / max(walls),
             "staleness_histogram": first.get("server", {}).get("staleness", {}),
             "server_stats": [s["server"] for s in self.summaries],

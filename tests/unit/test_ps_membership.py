@@ -1,0 +1,75 @@
+"""A sync parameter server declares a silent worker lost, goes on without it, and readmits it
+when it speaks again: its gradient joins the round under way and its read waits for that round,
+as the other worker's does (a real server, real clients over TCP)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from gradmesh.sync.parameter_server.client import Client
+from gradmesh.sync.parameter_server.server import Server
+from gradmesh.sync.parameter_server.serving import ServerConfig
+
+TOKEN = bytes(range(16))
+NUMEL = 8
+LR = 0.05  # the server's SGD
+
+
+def in_thread(work: Any) -> threading.Thread:
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_worker_declared_lost_is_readmitted_into_the_round_under_way(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    config = ServerConfig.of(0, 2, NUMEL, timeout_s=20, mode="sync", lost_after_s=3.0, lr=LR)
+    server = Server(config, TOKEN, "127.0.0.1")
+    stats: list[dict[str, Any]] = []
+    serving = in_thread(lambda: stats.append(server.serve()))
+    try:
+        fast, slow = (Client([server.endpoint], TOKEN, w, NUMEL, timeout_s=20) for w in (0, 1))
+        values = torch.zeros(NUMEL)
+        fast.init(values)
+        slow.init(values)
+        out = [torch.zeros(NUMEL), torch.zeros(NUMEL)]
+        ones = torch.ones(NUMEL)
+        # step 1 with both
+        both = in_thread(lambda: slow.pull(out[1], push=ones))
+        fast.pull(out[0], push=ones)
+        both.join(timeout=20)
+        assert server.version == 1
+        # the slow worker goes quiet: step 2's round closes without it once it is lost, then step 3
+        fast.pull(out[0], push=ones)
+        fast.pull(out[0], push=ones)
+        assert server.version == 3
+        assert "worker 1 lost" in capsys.readouterr().out
+        # it speaks again with its step 2: readmitted, its gradient joins round 4 and its read waits
+        back = in_thread(lambda: slow.pull(out[1], push=2 * ones))
+        time.sleep(0.5)  # the other worker stays within its 3 s
+        assert back.is_alive(), "its read was answered before the round it joined had closed"
+        fast.pull(out[0], push=ones)  # step 4 of the other worker closes that round
+        back.join(timeout=20)
+        assert not back.is_alive() and server.version == 4
+        # rounds 1 and 4 averaged both (1 and 1.5), rounds 2 and 3 the fast worker's alone (1 each)
+        assert torch.allclose(out[0], torch.full((NUMEL,), -LR * 4.5))
+        assert torch.equal(out[0], out[1])
+        assert "worker 1 is back after" in capsys.readouterr().out
+        # both finish: the server waits for the readmitted worker and reports no one lost
+        done = in_thread(lambda: slow.finish({"samples": 1, "wall_s": 1.0}))
+        summary = fast.finish({"samples": 1, "wall_s": 1.0})
+        done.join(timeout=20)
+        assert summary[0]["lost_workers"] == [] and summary[0]["readmitted_workers"] == [1]
+        fast.close_servers()
+        for client in (fast, slow):
+            client.close()
+    finally:
+        server.closed = True  # ends the loop at its next poll whatever happened above
+        serving.join(timeout=20)
+    assert not serving.is_alive() and stats
