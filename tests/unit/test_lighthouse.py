@@ -251,3 +251,45 @@ def test_a_group_that_asks_after_the_run_finished_is_told_at_once(
         assert r.finish(7, 1) == {"error": "group 7 is not one of the job's 3 groups"}
     finally:
         lighthouse.close()
+
+
+def test_a_copy_that_fails_mid_way_loads_nothing_and_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Group 1 restarted (step 0) joins group 0 (step 5): both take part in the copy of group
+    0's state over the quorum's own Gloo group. The source fails before it sends (as a link that
+    drops would leave it): the group behind waits out the copy's timeout, loads nothing, and each
+    group says in one line which copy at which step failed; both will take the step again."""
+    from types import SimpleNamespace
+
+    from gradmesh.sync.replicas.manager import ReplicaManager
+
+    r = rounds(groups=2, min_groups=2, quorum=10.0, start=5.0)
+    lighthouse = Lighthouse(r)
+    loaded: list[Any] = []
+    outcome: dict[int, Any] = {}
+
+    def broken() -> dict[str, Any]:
+        raise RuntimeError("Connection reset by peer\nwhat follows is noise")
+
+    def group(g: int, step: int) -> None:
+        rt = SimpleNamespace(rank=0, size=1)
+        manager = ReplicaManager(g, 2, lighthouse.address, JOB, rt, timeout_s=2.0)  # type: ignore[arg-type]
+        quorum = manager.start_step(step)
+        assert quorum is not None and quorum.recovering and quorum.behind == (g == 1)
+        outcome[g] = (manager.recover(broken, loaded.append), manager.reconfigure)
+
+    try:
+        threads = [threading.Thread(target=group, args=a) for a in ((0, 5), (1, 0))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=30)
+    finally:
+        lighthouse.close()
+    assert outcome == {0: (False, True), 1: (False, True)} and loaded == []
+    said = capsys.readouterr().err
+    for g in (0, 1):
+        assert f"replica group {g}: the copy of group 0's state at step 5 failed (" in said
+    assert "Connection reset by peer)" in said and "noise" not in said
+    assert said.count("nothing was loaded, the step is taken again with the next quorum") == 2

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.optim import Optimizer
 
 from gradmesh.collectives import broadcast_object
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, first_line
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from gradmesh.sync.wrapping import wrap_optimizer
@@ -226,6 +226,7 @@ class ReplicaManager:
         quorum = self.quorum
         assert quorum is not None
         source = quorum.members.index(quorum.source)
+        failure = "on another rank of this group"
         try:
             payload = torch.zeros(0, dtype=torch.uint8, device="cpu")  # Gloo's
             if quorum.index == source:
@@ -239,9 +240,17 @@ class ReplicaManager:
             if quorum.index != source:
                 payload = torch.empty(int(length[0]), dtype=torch.uint8, device="cpu")
             self.process_group.broadcast([payload], options).wait()
-        except RuntimeError:
-            payload = None
+        except RuntimeError as exc:
+            payload, failure = None, first_line(exc)
         if not self._agree(payload is not None):
+            if self.rt.rank == 0:
+                print(
+                    f"replica group {self.group}: the copy of group {quorum.source}'s state at "
+                    f"step {quorum.max_step} failed ({failure})"
+                    "; nothing was loaded, the step is taken again with the next quorum",
+                    file=sys.stderr,
+                    flush=True,
+                )
             self.reconfigure = True
             return False
         if quorum.behind:
