@@ -31,6 +31,8 @@ from gradmesh.errors import PEER_FAILED_EXIT
 PEER_GRACE_S = 1.0
 """How long a rank that stopped on a peer's failure lingers before exiting, so that the launcher
 sees the rank that caused it end first and names that one."""
+_leaving: list[int] = []
+"""The exit code of a rank in that pause (empty before it)."""
 
 
 def exit_process(code: int) -> NoReturn:
@@ -40,6 +42,7 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     if code == PEER_FAILED_EXIT:
+        _leaving.append(code)  # SIGTERM ends the pause: the launcher has seen the failure
         time.sleep(PEER_GRACE_S)
     os._exit(code)
 
@@ -59,7 +62,11 @@ def _end_by_sigterm() -> None:
 
 
 def _on_sigterm(_signum: int, _frame: Any) -> None:
-    """Nothing: the watcher thread ends the process once the grace period is over."""
+    """A rank pausing after its report (`exit_process`) leaves now with its code, as it did
+    when SIGTERM killed it (a job's restart waits for it); any other goes on, and the watcher
+    thread ends it once the grace period is over."""
+    if _leaving:
+        os._exit(_leaving[0])
 
 
 def _watch(fd: int, grace_s: float) -> None:

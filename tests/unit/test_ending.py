@@ -63,3 +63,26 @@ def test_it_stays_out_of_a_process_that_handles_sigterm_itself() -> None:
         "assert not finish_reports_on_stop()\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_a_rank_pausing_after_its_report_leaves_at_once_on_sigterm() -> None:
+    """`exit_process(75)` pauses so that the launcher sees the rank that failed first end first;
+    the launcher's SIGTERM says it has, and the pause ends with the rank's own code (a restart
+    waits for it). The pause is made 30 s here, so ending by it could not pass."""
+    body = (
+        "import gradmesh.runtime.ending as ending\n"
+        "ending.PEER_GRACE_S = 30.0\n"
+        "print('ready', flush=True)\n"
+        "ending.exit_process(75)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", PRELUDE.replace("GRACE", "30.0") + body],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)  # inside the pause by now (two lines after the print)
+    started = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 75
+    assert time.monotonic() - started < 15
