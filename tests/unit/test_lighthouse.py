@@ -293,3 +293,15 @@ def test_a_copy_that_fails_mid_way_loads_nothing_and_says_so(
         assert f"replica group {g}: the copy of group 0's state at step 5 failed (" in said
     assert "Connection reset by peer)" in said and "noise" not in said
     assert said.count("nothing was loaded, the step is taken again with the next quorum") == 2
+
+
+def test_a_group_of_another_job_is_refused_even_after_the_run_finished() -> None:
+    """Which answer a group of another job gets does not depend on when it starts: before or
+    after the run's end it is not admitted (a CI run saw it arrive after the end and be told the
+    run was over, exit 0)."""
+    r = rounds()
+    assert asking(r, [(0, 0), (1, 0)])[0]["members"] == [0, 1]
+    r.finish(0, 60)
+    other = r.quorum(1, 0, "model mlp, 1 workers, batch 24, def", False)
+    assert "runs another job" in other["error"] and "not admitted" in other["error"]
+    assert r.quorum(2, 0, JOB, False)["finished"] == 60  # one of this job: told the run is over

@@ -99,6 +99,12 @@ class Rounds:
         if not 0 <= group < self.groups:
             return self._unknown(group)
         with self.cond:
+            # another job is refused whenever it comes: before the run's end or after it
+            if self.identity is not None and identity != self.identity:
+                return {
+                    "error": f"group {group} at step {step} runs another job ({identity}); the "
+                    f"quorum runs {self.identity}: it is not admitted"
+                }
             if self.finished:
                 last, done = max(self.finished.values()), sorted(self.finished)
                 return {
@@ -106,11 +112,6 @@ class Rounds:
                     "groups": done,
                     "note": f"the run finished at step {last} (groups {done}) before group "
                     f"{group} asked for step {step}",
-                }
-            if self.identity is not None and identity != self.identity:
-                return {
-                    "error": f"group {group} at step {step} runs another job ({identity}); the "
-                    f"quorum runs {self.identity}: it is not admitted"
                 }
             if group in self.members or not self.members:
                 # the clock starts with the first member of the last quorum: a group waiting
