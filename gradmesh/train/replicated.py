@@ -95,9 +95,14 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     run = _Run(job, Clock(losses=job.losses), _progress(config, steps, rt), injected_fault(), 0)
     group, groups = replicas.replica_group, replicas.replica_groups
     manager = ReplicaManager(
-        group, groups, replicas.lighthouse, run_identity(job), rt, replicas.quorum_timeout_s
+        group,
+        groups,
+        replicas.lighthouse,
+        run_identity(job),
+        rt,
+        replicas.quorum_timeout_s,
+        averaging=CrossGroupAverage(compressor(config.sync.compression)),
     )
-    manager.averaging = CrossGroupAverage(compressor(config.sync.compression))
     params = [p for p in job.split.module.parameters() if p.requires_grad]
     job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
     train = job.data.train

@@ -160,13 +160,7 @@ class ReplicaManager:
         decision = self._share(decision)
         if "finished" in decision:
             self.after_the_end = True
-            if self.rt.rank == 0:
-                print(
-                    f"gradmesh train: replica group {self.group}: {decision['note']}; it ends "
-                    "here (the finished groups hold the model)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            self._say(f"{decision['note']}; it ends here (the finished groups hold the model)")
             return None
         members = tuple(int(g) for g in decision["members"])
         steps = [int(s) for s in decision["steps"].values()]
@@ -181,6 +175,13 @@ class ReplicaManager:
             min(steps) < top,
         )
         return quorum, str(decision["store"])
+
+    def _say(self, what: str) -> None:
+        """One line about this group, from its leader."""
+        if self.rt.rank == 0:
+            print(
+                f"gradmesh train: replica group {self.group}: {what}", file=sys.stderr, flush=True
+            )
 
     def _share(self, value: Any) -> Any:
         """The leader's value on every rank of this group."""
@@ -243,14 +244,10 @@ class ReplicaManager:
         except RuntimeError as exc:
             payload, failure = None, first_line(exc)
         if not self._agree(payload is not None):
-            if self.rt.rank == 0:
-                print(
-                    f"replica group {self.group}: the copy of group {quorum.source}'s state at "
-                    f"step {quorum.max_step} failed ({failure})"
-                    "; nothing was loaded, the step is taken again with the next quorum",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            self._say(
+                f"the copy of group {quorum.source}'s state at step {quorum.max_step} failed "
+                f"({failure}); nothing was loaded, the step is taken again with the next quorum"
+            )
             self.reconfigure = True
             return False
         if quorum.behind:
