@@ -39,6 +39,7 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
 
     check_engine(config.job.engine)
     check_train(config)
+    config.place_group_checkpoints()
     where = cluster_defaults()
     if where.get("min_nodes") is not None:
         config.check_elastic()

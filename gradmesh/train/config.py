@@ -276,6 +276,15 @@ class TrainConfig:
         if self.checkpoint.dir:
             check_writable(self.checkpoint.dir, "--checkpoint-dir", directory=True)
 
+    def place_group_checkpoints(self) -> None:
+        """With --replica-group G, the group's checkpoints go to `group-G` under
+        --checkpoint-dir: each group saves and resumes as a job of its own (its disk may be its
+        host's), and groups that resume at different steps meet in the first quorum, where the
+        ones behind copy the newest state from a peer. Called once, where the command starts."""
+        group = self.sync.replicas.replica_group
+        if self.checkpoint.dir and group >= 0:
+            self.checkpoint.dir = str(Path(self.checkpoint.dir) / f"group-{group}")
+
     def identity(self) -> dict[str, Any]:
         """The settings a checkpoint must share with the run that resumes from it, by flag."""
         keys = (

@@ -13,8 +13,11 @@ The job is R groups, each a `gradmesh train` job of its own (with data paralleli
    data-parallel allreduce is not) and commits, or raises `StepAborted`, and the same
    step is taken again with the next quorum.
 The step's data depend only on the step, so a group that recovers at step S reads what the
-others read at S. At the last step the leader tells the lighthouse (`ReplicaManager.finish`); a
-group that asks for a quorum after that (restarted too late to rejoin) ends at once, in a line.
+others read at S. With --checkpoint-dir each group saves after committed steps into its own
+folder (`TrainConfig.place_group_checkpoints`) and resumes from it; groups that resume at
+different steps meet in the first quorum, where those behind copy the newest state.
+At the last step the leader tells the lighthouse (`ReplicaManager.finish`); a group that asks
+for a quorum after that (restarted too late to rejoin) ends at once, in a line.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
 from gradmesh.sync.strategies import compressor
 from gradmesh.train.faults import injected_fault
-from gradmesh.train.loop import Clock, _progress, _Run, last_step
+from gradmesh.train.loop import Clock, _checkpoint, _due, _progress, _Run, last_step
 from gradmesh.train.setup import Job
 
 
@@ -92,7 +95,13 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     whole = GlobalBatchSharder(len(job.data.train), config.data.batch_size, 0, 1, config.job.seed)
     steps = whole.steps_per_epoch()
     last = last_step(config, steps)
-    run = _Run(job, Clock(losses=job.losses), _progress(config, steps, rt), injected_fault(), 0)
+    run = _Run(
+        job,
+        Clock(losses=job.losses),
+        _progress(config, steps, rt),
+        injected_fault(),
+        job.start_step,
+    )
     group, groups = replicas.replica_group, replicas.replica_groups
     manager = ReplicaManager(
         group,
@@ -107,6 +116,8 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
     train = job.data.train
     loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    if job.loss_sum is not None and job.start_step % steps:  # resumed mid-epoch
+        loss_sum = job.loss_sum.to(rt.device)
     orders: dict[int, torch.Tensor] = {}
     began: float | None = None  # the first try of the step under way
     while run.step < last:
@@ -118,6 +129,8 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             if not manager.recover(lambda: _state(job, run.step), lambda s: _load(job, s)):
                 continue
             if quorum.behind:
+                if job.progress is not None:  # the steps copied are not trained again
+                    job.redone = job.progress.skipped(quorum.max_step - run.step)
                 run.step = quorum.max_step
                 loss_sum.zero_()
                 if run.step >= last:
@@ -134,10 +147,13 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             continue
         manager.step_seconds[run.step - 1] = time.perf_counter() - began
         began = None
-        if k == steps - 1 or run.step == last:
+        end_of_epoch = k == steps - 1 or run.step == last
+        if end_of_epoch:
             run.end_epoch(epoch, loss_sum)
             loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
             orders.pop(epoch, None)
+        if _due(config, run.step, end_of_epoch, last):  # after the commit: every group's state
+            _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
     manager.finish(run.step)
     clock, samples, wall = run.close()
     return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params)}

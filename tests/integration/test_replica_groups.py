@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -28,7 +29,9 @@ GROUPS, STEPS, BATCH = 3, 300, 24
 GPT = ["--model", "gpt", "--dataset", "text", "--optimizer", "adamw", "--lr", "0.002"]
 
 
-def group_flags(group: int, lighthouse: str, out: Path, *extra: str) -> list[str]:
+def group_flags(
+    group: int, lighthouse: str, out: Path, *extra: str, groups: int = GROUPS
+) -> list[str]:
     return [
         "train",
         "--workers",
@@ -38,7 +41,7 @@ def group_flags(group: int, lighthouse: str, out: Path, *extra: str) -> list[str
         "--replica-group",
         str(group),
         "--replica-groups",
-        str(GROUPS),
+        str(groups),
         "--lighthouse",
         lighthouse,
         "--quorum-timeout-s",
@@ -49,13 +52,15 @@ def group_flags(group: int, lighthouse: str, out: Path, *extra: str) -> list[str
     ]
 
 
-def lighthouse_flags(bind: str, port: int, min_groups: int = 2, start_s: float = 30.0) -> list[str]:
+def lighthouse_flags(
+    bind: str, port: int, min_groups: int = 2, start_s: float = 30.0, groups: int = GROUPS
+) -> list[str]:
     return [
         "lighthouse",
         "--start-timeout-s",
         str(start_s),
         "--groups",
-        str(GROUPS),
+        str(groups),
         "--min-groups",
         str(min_groups),
         "--bind",
@@ -309,3 +314,60 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
     assert re.search(refused, other.stderr), other.stderr[-2000:]
     assert first.returncode == 0, err[-2000:]
     assert json.loads((tmp_path / "group0.json").read_text())["steps"] == 60
+
+
+def _run_groups(out: Path, groups: int, *extra: str) -> list[dict[str, Any]]:
+    """`groups` replica groups of the text GPT, one worker each, to the end on a fresh
+    lighthouse on the loopback; their reports."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "gradmesh.cli"]
+        + lighthouse_flags("127.0.0.1", port, groups, groups=groups),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
+    try:
+        jobs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "gradmesh.cli"]
+                + group_flags(g, f"127.0.0.1:{port}", out, *GPT, *extra, groups=groups),
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for g in range(groups)
+        ]
+        errors = [job.communicate(timeout=240)[1] for job in jobs]
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(timeout=30)
+    assert [job.returncode for job in jobs] == [0] * groups, [e[-2000:] for e in errors]
+    return [json.loads((out / f"group{g}.json").read_text()) for g in range(groups)]
+
+
+def test_groups_checkpoint_and_resume_at_different_steps_bit_equal(tmp_path: Path) -> None:
+    """Two groups save every 6 steps into folders of their own (group-0, group-1) to step 18.
+    With their newest checkpoints taken away, group 0 resumes at step 6 and group 1 at 12: the
+    first quorum has group 0 copy group 1's state, and both train to 18 again, ending with the
+    bits the uninterrupted run ended with (AdamW's state and the data position restored)."""
+    ckpt = tmp_path / "ckpt"
+    flags = ("--max-steps", "18", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "6")
+    first = _run_groups(tmp_path, 2, *flags)
+    digest = {r["strategy_info"]["parameters_sha256"] for r in first}
+    assert len(digest) == 1
+    for g in range(2):
+        assert sorted(p.name for p in (ckpt / f"group-{g}").glob("step-*")) == [
+            f"step-{s:08d}" for s in (6, 12, 18)
+        ]
+    for gone in ("group-0/step-00000018", "group-0/step-00000012", "group-1/step-00000018"):
+        shutil.rmtree(ckpt / gone)
+    again = _run_groups(tmp_path, 2, *flags)
+    assert [r["faults"]["resumed_from_step"] for r in again] == [6, 12]
+    # group 0 trains 12..18 again, not 6..12 (copied); group 1 12..18
+    assert [r["faults"]["steps_redone"] for r in again] == [6, 6]
+    assert [r["strategy_info"]["recoveries"] for r in again] == [1, 0]
+    assert [r["steps"] for r in again] == [6, 6]  # steps 12..18, group 0's copy skipped 6..12
+    assert {r["strategy_info"]["parameters_sha256"] for r in again} == digest
+    for g in range(2):  # each saved step 18 again where it resumed
+        assert (ckpt / f"group-{g}" / "step-00000018").is_dir()

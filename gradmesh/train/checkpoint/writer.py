@@ -254,6 +254,8 @@ class Progress:
     def __init__(self, directory: str) -> None:
         self.path = Path(directory) / "progress"
         self.furthest, self.redone = 0, 0
+        self.counted = 0
+        """The steps this run's resume counted as redone."""
         try:
             raw = self.path.read_bytes()
             if len(raw) == self._FORMAT.size:
@@ -265,8 +267,17 @@ class Progress:
     def resumed_at(self, step: int) -> int:
         """Count the steps between `step` (where this run resumes) and the furthest reached;
         returns the run's total so far."""
-        self.redone += max(0, self.furthest - step)
+        self.counted = max(0, self.furthest - step)
+        self.redone += self.counted
         self.furthest = step
+        return self.redone
+
+    def skipped(self, steps: int) -> int:
+        """A replica group that resumed behind its peers copied their state, `steps` ahead:
+        those steps were counted as redone and are not; returns the run's total."""
+        taken = min(self.counted, steps)
+        self.counted -= taken
+        self.redone -= taken
         return self.redone
 
     def reached(self, step: int) -> None:
