@@ -130,6 +130,12 @@ class HostJob:
         return 0
 
 
+def _tbf(bps: int) -> list[str]:
+    """tc's token bucket at `bps` bits a second, its burst one millisecond of traffic."""
+    burst = max(16 * 1024, bps // 8 // 1000)
+    return f"tbf rate {bps}bit burst {burst} latency 50ms".split()
+
+
 def _pump(stream: IO[str], prefix: str, sink: IO[str]) -> None:
     for line in stream:
         sink.write(f"{prefix}{line}")
@@ -201,10 +207,9 @@ class EmulatedCluster:
                 *f"ip netns exec {namespace} ethtool -K {dev} tso off gso off gro off".split(),
                 check=False,
             )
-        burst = max(16 * 1024, self.bandwidth_bps // 8 // 1000)  # one millisecond of traffic
         _sh(
-            *f"tc -n {namespace} qdisc add dev {dev} root handle 1: tbf rate "
-            f"{self.bandwidth_bps}bit burst {burst} latency 50ms".split()
+            *f"tc -n {namespace} qdisc add dev {dev} root handle 1:".split(),
+            *_tbf(self.bandwidth_bps),
         )
         if self.latency_s:
             delay = f"{self.latency_s / 2 * 1e6:.0f}us"  # half each way: the round trip adds up
@@ -237,22 +242,8 @@ class EmulatedCluster:
         for host in range(self.hosts):
             ns, port = self.namespace(host), f"p{host}"
             self._add_namespace(ns)
-            _sh(
-                "ip",
-                "link",
-                "add",
-                "name",
-                IFACE,
-                "netns",
-                ns,
-                "type",
-                "veth",
-                "peer",
-                "name",
-                port,
-                "netns",
-                self.switch,
-            )
+            veth = f"ip link add name {IFACE} netns {ns} type veth peer name {port} netns"
+            _sh(*veth.split(), self.switch)
             _sh("ip", "-n", self.switch, "link", "set", port, "master", "br0")
             _sh("ip", "-n", self.switch, "link", "set", port, "up")
             _sh("ip", "-n", ns, "addr", "add", f"{self.address(host)}/24", "dev", IFACE)
@@ -383,6 +374,14 @@ class EmulatedCluster:
     def set_link(self, host: int, up: bool) -> None:
         """Unplug (up=False) or replug a host's link."""
         _sh("ip", "-n", self.namespace(host), "link", "set", IFACE, "up" if up else "down")
+
+    def set_bandwidth(self, host: int, rate: str) -> None:
+        """Shape a host's link to `rate` (like 1gbit) from now on, both ways."""
+        for ns, dev in ((self.namespace(host), IFACE), (self.switch, f"p{host}")):
+            _sh(
+                *f"tc -n {ns} qdisc change dev {dev} root handle 1:".split(),
+                *_tbf(parse_rate(rate)),
+            )
 
     def kill_host(self, host: int) -> None:
         """Kill every process on one host at once, as a power failure would."""

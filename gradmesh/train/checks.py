@@ -57,7 +57,6 @@ def _check_replicas(config: TrainConfig) -> None:
         (shape + (layout.expert_parallel,) != (1, 1, 1, 1), "a split model (tp, pp, cp, ep)"),
         (sync.allreduce.zero_stage > 0, "--zero-stage"),
         (layout.precision == "fp16", "--precision fp16"),
-        (sync.compression.method == "powersgd", "--compression powersgd"),
     ]
     for bad, what in refused:
         if bad:

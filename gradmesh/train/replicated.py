@@ -66,8 +66,9 @@ def _slice(
     return torch.tensor_split(part, size)[index], live, len(quorum.members) * size
 
 
-def _state(job: Job, step: int) -> dict[str, Any]:
+def _state(job: Job, step: int, averaging: CrossGroupAverage) -> dict[str, Any]:
     return {
+        "averaging": averaging.shared(),
         "model": job.split.module.state_dict(),
         "optimizer": job.optimizer.state_dict(),
         "strategy": job.strategy.state_dict(),
@@ -77,7 +78,8 @@ def _state(job: Job, step: int) -> dict[str, Any]:
     }
 
 
-def _load(job: Job, state: dict[str, Any]) -> None:
+def _load(job: Job, state: dict[str, Any], averaging: CrossGroupAverage) -> None:
+    averaging.load_shared(state["averaging"])
     job.split.module.load_state_dict(state["model"])
     job.optimizer.load_state_dict(state["optimizer"])
     job.strategy.load_state_dict(state["strategy"])
@@ -95,23 +97,10 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     whole = GlobalBatchSharder(len(job.data.train), config.data.batch_size, 0, 1, config.job.seed)
     steps = whole.steps_per_epoch()
     last = last_step(config, steps)
-    run = _Run(
-        job,
-        Clock(losses=job.losses),
-        _progress(config, steps, rt),
-        injected_fault(),
-        job.start_step,
-    )
+    run = _Run(job, Clock(losses=job.losses), _progress(config, steps, rt), injected_fault(), 0)
+    run.step = job.start_step
     group, groups = replicas.replica_group, replicas.replica_groups
-    manager = ReplicaManager(
-        group,
-        groups,
-        replicas.lighthouse,
-        run_identity(job),
-        rt,
-        replicas.quorum_timeout_s,
-        averaging=CrossGroupAverage(compressor(config.sync.compression)),
-    )
+    manager = _manager(job)
     params = [p for p in job.split.module.parameters() if p.requires_grad]
     job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
     train = job.data.train
@@ -126,12 +115,9 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
         if quorum is None:  # the run ended before this group could join (said in a line)
             break
         if quorum.recovering:
-            if not manager.recover(lambda: _state(job, run.step), lambda s: _load(job, s)):
+            if not _catch_up(job, manager, run):
                 continue
             if quorum.behind:
-                if job.progress is not None:  # the steps copied are not trained again
-                    job.redone = job.progress.skipped(quorum.max_step - run.step)
-                run.step = quorum.max_step
                 loss_sum.zero_()
                 if run.step >= last:
                     break
@@ -157,6 +143,35 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     manager.finish(run.step)
     clock, samples, wall = run.close()
     return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params)}
+
+
+def _manager(job: Job) -> ReplicaManager:
+    replicas = job.config.sync.replicas
+    return ReplicaManager(
+        replicas.replica_group,
+        replicas.replica_groups,
+        replicas.lighthouse,
+        run_identity(job),
+        job.rt,
+        replicas.quorum_timeout_s,
+        averaging=CrossGroupAverage(compressor(job.config.sync.compression)),
+    )
+
+
+def _catch_up(job: Job, manager: ReplicaManager, run: _Run) -> bool:
+    """Take part in the quorum's copy of the newest state (False where it failed: the step is
+    asked for again); a group that was behind goes on at the quorum's step."""
+    quorum, averaging = manager.quorum, manager.averaging
+    assert quorum is not None
+    if not manager.recover(
+        lambda: _state(job, run.step, averaging), lambda s: _load(job, s, averaging)
+    ):
+        return False
+    if quorum.behind:
+        if job.progress is not None:  # the steps copied are not trained again
+            job.redone = job.progress.skipped(quorum.max_step - run.step)
+        run.step = quorum.max_step
+    return True
 
 
 def _digest(params: list[torch.nn.Parameter]) -> str:

@@ -70,3 +70,53 @@ def test_every_group_applies_the_same_compressed_average(
             assert torch.allclose(mine, want, atol=1e-6)
     assert got[0]["sent"] < ratio * none[0]["sent"]
     assert got[0]["undo_restores"] == (method == "int8")  # int8 keeps an error-feedback residual
+
+
+def _rejoin(port: int) -> dict[str, Any]:
+    """PowerSGD across 3 groups: a step together; then group 2 "rejoins" with a fresh average,
+    once taking the others' shared state (`load_shared`, as a copy from a peer does) and once
+    not; each time every member's result of the next step."""
+    rank = gradmesh.rank()
+    store = dist.TCPStore(  # type: ignore[attr-defined]
+        "127.0.0.1", port, GROUPS, rank == 0, timeout=timedelta(seconds=30)
+    )
+    pg = dist.ProcessGroupGloo(
+        dist.PrefixStore("q1/r0", store),  # type: ignore[attr-defined]
+        rank,
+        GROUPS,
+        timedelta(seconds=30),
+    )
+    average = CrossGroupAverage(make("powersgd"))
+    average(pg, gradients(rank, 0))
+    shared = average.shared()  # the same on every member after a step
+    out: dict[str, Any] = {"residual_kept": "residual" in str(shared)}
+    for load in (True, False):
+        mine = average
+        if rank == 2:
+            mine = CrossGroupAverage(make("powersgd"))
+            if load:
+                mine.load_shared(shared)
+                states = list(mine.states.values())
+                out["residual_zero"] = all(not s.tensors["residual"].any() for s in states)
+                out["q"] = [s.tensors["q"].clone() for s in states]
+        elif load:
+            out["q"] = [s.tensors["q"].clone() for s in average.states.values()]
+        result = gradients(rank, 1)
+        mine(pg, result)
+        average.undo()  # the next try starts where this one did (a no-op on the joiner)
+        out[f"loaded={load}"] = result
+    return out
+
+
+def test_powersgd_across_groups_stays_bit_equal_and_a_joiner_takes_the_warm_q() -> None:
+    """PowerSGD's P and Q are both summed over the members each step, so every member decodes
+    the same average whatever Q a joining group starts from; it takes the others' Q (their warm
+    start) with the copied state, and not their residual (each group's own)."""
+    got = run_ranks(_rejoin, GROUPS, free_port())
+    assert not got[0]["residual_kept"] and got[2]["residual_zero"]
+    for q, others in zip(got[2]["q"], got[0]["q"], strict=True):
+        assert torch.equal(q, others)
+    for load in (True, False):
+        for rank in range(GROUPS):
+            mine, first = got[rank][f"loaded={load}"], got[0][f"loaded={load}"]
+            assert all(torch.equal(a, b) for a, b in zip(mine, first, strict=True))

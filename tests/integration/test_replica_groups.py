@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -371,3 +372,99 @@ def test_groups_checkpoint_and_resume_at_different_steps_bit_equal(tmp_path: Pat
     assert {r["strategy_info"]["parameters_sha256"] for r in again} == digest
     for g in range(2):  # each saved step 18 again where it resumed
         assert (ckpt / f"group-{g}" / "step-00000018").is_dir()
+
+
+def _until(
+    what: Callable[[], bool], seconds: float, jobs: list[Any], said: list[str], why: str
+) -> None:
+    """Poll `what` every 50 ms (the jobs' output gathered into `said`) until it holds; fail
+    naming `why` after `seconds` or when a job ended first."""
+    deadline = time.monotonic() + seconds
+    while not what():
+        assert time.monotonic() < deadline, f"{why}: not within {seconds:.0f} s"
+        assert all(p.poll() is None for job in jobs for p in job.procs), f"{why}: a job ended"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(namespaces.missing_capability() is not None, reason="no network namespaces")
+def test_a_link_unplugged_mid_copy_fails_the_copy_in_a_line_and_the_other_goes_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The lighthouse on emulated host 0, group 0 on host 1 training alone, group 1 started on
+    host 2 later, so it joins by copying group 0's state over 10 Mbit/s links. Once group 0's
+    link carries the copy, group 1's link is unplugged (`ip link set eth0 down`): the copy fails
+    on the 5 s collective timeout, group 1 says so in one line naming the source and the step,
+    group 0 goes on alone, and with the link back group 1 asks again and rejoins (or, had
+    group 0 finished first, is told the run is over; the links are then made 1 Gbit/s so that
+    the steps left are quick); nothing half-copied is loaded: groups
+    that both took the last step hold the same bits."""
+    said: list[str] = []
+
+    def heard(text: str) -> bool:
+        said.append(capsys.readouterr().err)
+        return text in "".join(said)
+
+    flags = [*GPT, "--max-steps", str(STEPS), "--compression", "int8"]
+    with EmulatedCluster(hosts=3, bandwidth="10mbit") as cluster:
+        address = f"{cluster.address(0)}:29600"
+        lighthouse = cluster.start_on(
+            0, ["gradmesh", *lighthouse_flags(cluster.address(0), 29600, 1, 1.0, groups=2)]
+        )
+        slow = {"GRADMESH_FAULT": "slow:0:80"}  # >= 80 ms a step: the run outlasts the fault
+        first = cluster.start_on(
+            1, ["gradmesh", *group_flags(0, address, tmp_path, *flags, groups=2)], env=slow
+        )
+        jobs = [lighthouse, first]
+        # group 0 trains alone once its requests to the lighthouse add up (~1 kB a step)
+        _until(lambda: cluster.bytes_sent(1) > 50_000, 120, jobs, said, "group 0 training")
+        second = cluster.start_on(
+            2, ["gradmesh", *group_flags(1, address, tmp_path, *flags, groups=2)]
+        )
+        jobs.append(second)
+        # the copy: group 0's link sends > 50 kB in 0.1 s (alone it sends ~25 kB a second)
+        sent = [cluster.bytes_sent(1)]
+
+        def copying() -> bool:
+            sent.append(cluster.bytes_sent(1))
+            time.sleep(0.05)
+            return sent[-1] - sent[-2] > 50_000
+
+        _until(copying, 120, jobs, said, "the copy to group 1")
+        cluster.set_link(2, up=False)
+        unplugged = time.monotonic()
+        failed = "replica group 1: the copy of group 0's state at step "
+        _until(lambda: heard(failed), 60, jobs, said, "the failed copy's line")
+        seconds = time.monotonic() - unplugged
+        time.sleep(2)  # group 0 trains alone meanwhile
+        for host in (1, 2):  # the link back, faster: the steps left take seconds, not minutes
+            cluster.set_bandwidth(host, "1gbit")
+        cluster.set_link(2, up=True)
+        codes = [job.wait(timeout=240) for job in (first, second)]
+        lighthouse.procs[0].terminate()  # SIGTERM: a background shell leaves SIGINT ignored
+        lighthouse.wait(timeout=30)
+    heard("")
+    err = "".join(said)
+    assert codes == [0, 0], err[-3000:]
+    line = re.search(
+        failed + r"(\d+) failed \(.*\); nothing was loaded, the step is taken again", err
+    )
+    assert line is not None, err[-3000:]
+    assert "Traceback" not in err
+    step = int(line.group(1))
+    assert seconds < 5 + 10  # the collective timeout, and the line
+    got = [json.loads((tmp_path / f"group{g}.json").read_text()) for g in range(2)]
+    zero, one = (r["strategy_info"] for r in got)
+    assert got[0]["steps"] == STEPS  # group 0 went on to the end, alone after the failed copy
+    alone = [c for c in zero["quorum_changes"] if c["members"] == [0] and c["step"] >= step]
+    assert alone, zero["quorum_changes"]
+    if one["after_the_end"]:  # group 0 finished before the link came back
+        assert one["recoveries"] == 0
+    else:  # the copy taken again over the link plugged back in: the same bits on both
+        assert one["recoveries"] == 1 and got[1]["steps"] < STEPS - step
+        assert one["parameters_sha256"] == zero["parameters_sha256"]
+    print(
+        f"the copy at step {step} failed {seconds:.1f} s after the unplug; group 1 "
+        + ("came after the end" if one["after_the_end"] else "rejoined")
+        + f", group 0's longest step {zero['step_s_longest']:.2f} s",
+        file=sys.stderr,
+    )

@@ -61,9 +61,8 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             "not with --strategy diloco (yet)",
         ),
         (
-            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1"}
-            | {"compression": "powersgd"},
-            "not with --compression powersgd (yet)",
+            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1"} | {"zero_stage": 1},
+            "not with --zero-stage (yet)",
         ),
         ({"eval_every": 5, "strategy": "hogwild"}, "--eval-every needs the replicas to score"),
         ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum in [0, 1)"),

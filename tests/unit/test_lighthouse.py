@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.run import free_port
 from gradmesh.sync.replicas.lighthouse import MAX_LINE, Lighthouse, Rounds
 from gradmesh.sync.replicas.manager import ask
 
@@ -178,8 +179,31 @@ def test_over_tcp_requests_are_json_lines_and_bad_ones_one_line() -> None:
             assert b"longer than" in conn.makefile("rb").readline()
     finally:
         lighthouse.close()
+    started = time.monotonic()
     with pytest.raises(GradmeshError, match="group 0 at step 3: the lighthouse at .* did not"):
-        ask(lighthouse.address, {"op": "quorum", "group": 0, "step": 3}, timeout_s=2)
+        ask(lighthouse.address, {"op": "quorum", "group": 0, "step": 3}, timeout_s=2, reach_s=1)
+    assert 1 <= time.monotonic() - started < 30  # tried again for reach_s, then one line
+
+
+def test_a_lighthouse_that_comes_up_late_is_reached() -> None:
+    """A leader that cannot connect (nothing listens yet, as on a link that is down) tries
+    again until it can, within its reach, and nothing is sent twice."""
+    port = free_port()
+    asked: dict[str, Any] = {}
+
+    def leader() -> None:
+        request = {"op": "quorum", "group": 0, "step": 3, "identity": JOB}
+        asked["reply"] = ask(f"127.0.0.1:{port}", request, timeout_s=5, reach_s=30)
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    time.sleep(1.5)  # three refused connections
+    lighthouse = Lighthouse(rounds(groups=1, min_groups=1), port=port)
+    try:
+        thread.join(timeout=30)
+        assert asked["reply"]["members"] == [0]
+    finally:
+        lighthouse.close()
 
 
 def test_a_group_restarted_under_its_number_gets_a_new_process_group() -> None:

@@ -10,8 +10,10 @@ Every member group decodes the same messages in the same order, so all of them a
 average and stay bit-equal. What a compressor keeps between steps (error feedback's residual) is
 this group's own: a group that rejoins starts with none. A step that is not committed leaves it
 as it was before the step (`undo`), so the step taken again sends what the first try would
-have. PowerSGD is refused with replica groups: its Q must be the same in every member, and a
-group that rejoins would bring another.
+have. What a compressor keeps that is the same in every member (PowerSGD's Q, summed over the
+members each step) is part of the state a joining group copies (`shared`, `load_shared`): its
+first P then starts from the others' warm Q, not the seeded one of step 0. (The members decode
+the same average either way, since P and Q are both summed.)
 """
 
 from __future__ import annotations
@@ -90,6 +92,25 @@ class CrossGroupAverage:
                 flat.div_(link.size)
                 unpack(flat, members)
         return link.sent
+
+    def shared(self) -> dict[str, Any]:
+        """The compressor state every member holds alike: all of it but error feedback's
+        residual (PowerSGD's Q; nothing for the others), for a group that joins."""
+        return {
+            name: {
+                **{k: v for k, v in state.state_dict().items() if k != "tensors"},
+                "tensors": {k: v.clone() for k, v in state.tensors.items() if k != "residual"},
+            }
+            for name, state in self.states.items()
+        }
+
+    def load_shared(self, saved: dict[str, Any]) -> None:
+        """Take `shared()` of the group copied from; this group's own residual starts afresh."""
+        self.states = {}
+        for name, entry in saved.items():
+            self.states[name] = self.compressor.new_state(int(entry["numel"]))
+            self.states[name].load_state_dict(entry)
+        self._before = None
 
     def undo(self) -> None:
         """Put the compressor's state back where it stood before the last average."""

@@ -53,19 +53,45 @@ class StepAborted(Exception):
     applied; take the step again with the next quorum."""
 
 
-def ask(address: str, request: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+REACH_S = 60.0
+"""How long a leader keeps trying to connect to a lighthouse it cannot reach (its link down for
+a while, the network unreachable, a refused connection) before the group ends in one line."""
+
+CONNECT_S = 5.0
+"""One connection attempt's limit (a host that drops the SYNs): then it is tried again."""
+
+
+def ask(
+    address: str, request: dict[str, Any], timeout_s: float, reach_s: float = REACH_S
+) -> dict[str, Any]:
     """One request to the lighthouse at `address` (host:port) and its reply; one line naming
-    the lighthouse when it cannot be reached or answers an error."""
+    the lighthouse when it cannot be reached within `reach_s` (connections tried again every
+    half second: nothing was sent) or answers an error, or its answer does not come within
+    `timeout_s` (never sent again: the request may have counted)."""
     host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + reach_s
+
+    def failed(exc: Exception) -> GradmeshError:
+        return GradmeshError(
+            f"replica group {request.get('group')} at step {request.get('step')}: the "
+            f"lighthouse at {address} did not answer {request.get('op')} ({exc})"
+        )
+
+    while True:
+        try:
+            conn = socket.create_connection((host, int(port)), timeout=CONNECT_S)
+            break
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise failed(exc) from None
+            time.sleep(0.5)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
+        with conn:
+            conn.settimeout(timeout_s)
             conn.sendall(json.dumps(request).encode() + b"\n")
             reply = json.loads(conn.makefile("rb").readline())
     except (OSError, ValueError) as exc:
-        raise GradmeshError(
-            f"replica group {request.get('group')} at step {request.get('step')}: the "
-            f"lighthouse at {address} did not answer {request.get('op')} ({exc})"
-        ) from None
+        raise failed(exc) from None
     if "error" in reply:
         raise GradmeshError(f"the lighthouse at {address}: {reply['error']}")
     return cast(dict[str, Any], reply)
@@ -303,7 +329,8 @@ class ReplicaManager:
         whether or not the lighthouse hears of it (it only spares a late group its wait)."""
         if self.rt.rank == 0 and not self.after_the_end:
             with contextlib.suppress(GradmeshError):
-                ask(self.address, {"op": "finish", "group": self.group, "step": step}, 5.0)
+                request = {"op": "finish", "group": self.group, "step": step}
+                ask(self.address, request, 5.0, reach_s=5.0)
 
     def report(self) -> dict[str, Any]:
         """The group's figures: its quorum changes (step, members, unix time), the copies it
