@@ -47,22 +47,20 @@ def _check_machine(config: TrainConfig) -> None:
 
 
 def _check_replicas(config: TrainConfig) -> None:
-    """Replica groups run data parallelism inside each group for now: one line for the rest."""
+    """Replica groups run synchronous data parallelism inside each group, at any layout (tp,
+    pp, cp, ep, ZeRO: rank r of every group holds the same part); one line for the rest."""
     if not config.sync.replicas.enabled:
         return
     layout, sync = config.layout, config.sync
-    shape = (layout.tensor_parallel, layout.pipeline_parallel, layout.context_parallel)
     refused = [
         (sync.strategy != "allreduce", f"--strategy {sync.strategy}"),
-        (shape + (layout.expert_parallel,) != (1, 1, 1, 1), "a split model (tp, pp, cp, ep)"),
-        (sync.allreduce.zero_stage > 0, "--zero-stage"),
         (layout.precision == "fp16", "--precision fp16"),
     ]
     for bad, what in refused:
         if bad:
             raise GradmeshError(
-                f"--replica-group runs data parallelism inside each group with --strategy "
-                f"allreduce; not with {what} (yet)"
+                f"--replica-group runs synchronous data parallelism (any layout) inside each "
+                f"group with --strategy allreduce; not with {what} (yet)"
             )
     groups = sync.replicas.replica_groups
     if config.data.batch_size < groups * config.job.workers:

@@ -28,10 +28,13 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradmesh.data import GlobalBatchSharder, Split
+from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
+from gradmesh.sync.sharded.model import local
 from gradmesh.sync.strategies import compressor
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.loop import Clock, _checkpoint, _due, _progress, _Run, last_step
@@ -142,7 +145,7 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
     manager.finish(run.step)
     clock, samples, wall = run.close()
-    return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params)}
+    return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params, rt)}
 
 
 def _manager(job: Job) -> ReplicaManager:
@@ -174,9 +177,15 @@ def _catch_up(job: Job, manager: ReplicaManager, run: _Run) -> bool:
     return True
 
 
-def _digest(params: list[torch.nn.Parameter]) -> str:
-    """This rank's parameters' bytes, hashed: groups holding bit-equal models print the same."""
+def _digest(params: list[torch.nn.Parameter], rt: Runtime) -> str:
+    """The group's parameters' bytes, hashed: every rank's part (a shard of a split or sharded
+    layout) in rank order, so groups holding bit-equal models print the same."""
     digest = hashlib.sha256()
     for p in params:
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+        digest.update(local(p).detach().cpu().contiguous().numpy().tobytes())
+    mine = torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)
+    if rt.size == 1:
+        return digest.hexdigest()
+    parts = [torch.empty_like(mine, device=collective_device()) for _ in range(rt.size)]
+    dist.all_gather(parts, mine.to(collective_device()))
+    return hashlib.sha256(b"".join(bytes(part.cpu().tolist()) for part in parts)).hexdigest()

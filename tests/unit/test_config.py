@@ -52,17 +52,9 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             "--replica-group needs --lighthouse HOST:PORT, got 'nowhere'",
         ),
         (
-            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "tensor_parallel": 2},
-            "--replica-group runs data parallelism inside each group with --strategy allreduce; "
-            "not with a split model (tp, pp, cp, ep) (yet)",
-        ),
-        (
             {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "strategy": "diloco"},
-            "not with --strategy diloco (yet)",
-        ),
-        (
-            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1"} | {"zero_stage": 1},
-            "not with --zero-stage (yet)",
+            "--replica-group runs synchronous data parallelism (any layout) inside each group "
+            "with --strategy allreduce; not with --strategy diloco (yet)",
         ),
         ({"eval_every": 5, "strategy": "hogwild"}, "--eval-every needs the replicas to score"),
         ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum in [0, 1)"),

@@ -40,6 +40,7 @@ from gradmesh.collectives import broadcast_object
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
+from gradmesh.sync.sharded.model import local
 from gradmesh.sync.wrapping import wrap_optimizer
 
 ANSWER_S = 600.0
@@ -362,7 +363,7 @@ class _ReplicaMixin:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
         for p, g in zip(self._params, grads, strict=True):
             p.grad = g
-        ok = self._manager.average(grads)
+        ok = self._manager.average([local(g) for g in grads])  # a DTensor: this rank's shard
         if not self._manager.commit(self._step_of(), ok):
             raise StepAborted
         skip = getattr(self, "skip_synchronize", None)
