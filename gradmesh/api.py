@@ -30,6 +30,7 @@ from gradmesh.sync.data_parallel.api import broadcast_optimizer_state, poll, syn
 from gradmesh.sync.data_parallel.ddp_hook import ddp_comm_hook
 from gradmesh.sync.data_parallel.optimizer import DistributedOptimizer, broadcast_parameters
 from gradmesh.sync.data_parallel.reducer import Adasum, Average, Sum
+from gradmesh.sync.replicas.script import ReplicaGroup
 from gradmesh.sync.sharded.model import shard
 from gradmesh.train.recipe import parallelize
 

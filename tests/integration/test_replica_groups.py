@@ -504,3 +504,46 @@ def test_a_link_unplugged_mid_copy_fails_the_copy_in_a_line_and_the_other_goes_o
         + f", group 0's longest step {zero['step_s_longest']:.2f} s",
         file=sys.stderr,
     )
+
+
+def test_a_script_s_replica_groups_go_on_without_a_killed_one_and_take_it_back(
+    tmp_path: Path,
+) -> None:
+    """examples/replica_groups.py (`gradmesh.ReplicaGroup` around a user's model, optimizer
+    and loop) as two groups under `gradmesh run --max-restarts 1`: group 1's process is killed
+    after step 20; group 0 goes on alone, group 1 is restarted, copies the state from it, and
+    both end with the same bits and the digits learnt."""
+    port = free_port()
+    lighthouse = subprocess.Popen(
+        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, groups=2)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+    )
+    script = [sys.executable, str(ROOT / "examples" / "replica_groups.py")]
+    try:
+        jobs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "gradmesh.cli", "run", "-np", "1", "--max-restarts", "1"]
+                + ["--", *script, "--group", str(g), "--groups", "2", "--steps", "400"]
+                + ["--step-ms", "25"]  # the 380 steps after the kill outlast the restart
+                + ["--lighthouse", f"127.0.0.1:{port}", "--json", str(tmp_path / f"{g}.json")]
+                + (["--kill-after", "20"] if g == 1 else []),
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=(tmp_path / f"{g}.err").open("w"),
+            )
+            for g in range(2)
+        ]
+        codes = [job.wait(timeout=240) for job in jobs]
+    finally:
+        lighthouse.kill()
+        lighthouse.wait(timeout=30)
+    errors = [(tmp_path / f"{g}.err").read_text()[-2000:] for g in range(2)]
+    assert codes == [0, 0], errors
+    zero, one = (json.loads((tmp_path / f"{g}.json").read_text()) for g in range(2))
+    assert zero["steps"] == one["steps"] == 400
+    alone = [c for c in zero["quorum_changes"] if c["members"] == [0]]
+    assert alone and alone[0]["step"] <= 21  # group 0 went on without it
+    assert one["recoveries"] == 1 and one["quorum_changes"][0]["step"] > 20
+    assert one["parameters_sha256"] == zero["parameters_sha256"]
+    assert zero["accuracy"] > 0.9
