@@ -34,6 +34,9 @@ run: $(RUN_STAMP)
 test: $(TEST_STAMP)
 	$(BIN)/ruff check gradmesh tests examples scripts
 	$(BIN)/mypy
+	@# the suite starts ~1,000 Python processes: compiled once here, not in each of them
+	@# (with PYTHONDONTWRITEBYTECODE set, imports never write their .pyc)
+	$(BIN)/python -m compileall -q gradmesh tests examples > /dev/null
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=25
 
 lint: $(TEST_STAMP)

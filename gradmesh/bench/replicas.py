@@ -2,7 +2,9 @@
 compressor, on emulated hosts: the lighthouse on host 0, one group (one worker) on each of hosts
 1..G behind `--bandwidth` links, the same model, data, optimizer and steps for every method.
 
-Per method (interleaved rounds, medians): the groups' median step, the bytes each group sent a
+A method is a compressor of the per-step average, or `diloco:H:C`: DiLoCo across the groups
+(`--strategy diloco --sync-every H --compression C`: a round every H steps). Per method
+(interleaved rounds, medians): the groups' median step, the bytes each group sent a
 step (all of it crosses groups: a group has one worker), the test loss after the steps, whether
 every group ended with the same parameters, and the machine's idle CPU with its label (`cpu`
 when the cores were the limit, the hosts sharing this machine's: that step time is not a link
@@ -35,7 +37,11 @@ class Config:
 
     groups: int = option(3, "replica groups, one emulated host (one worker) each")
     bandwidth: str = option("100mbit", "link rate per host")
-    methods: str = option("none,fp16,int8,topk", "compressors, comma-separated (none first)")
+    methods: str = option(
+        "none,fp16,int8,topk",
+        "compressors, comma-separated (none first); diloco:H:C is DiLoCo across the groups, "
+        "a round every H steps with compressor C",
+    )
     model: str = option("gpt", "model", name=True)
     dataset: str = option("text", "dataset", name=True)
     batch_size: int = option(24, "the global batch, split over the groups")
@@ -46,10 +52,21 @@ class Config:
     json: str | None = option(None, "write the result here")
 
 
+def _method(method: str) -> list[str]:
+    """A method's flags: a compressor's name, or diloco:H:C (DiLoCo's rounds every H steps)."""
+    kind, _, rest = method.partition(":")
+    if kind != "diloco":
+        return ["--compression", method]
+    every, _, compression = rest.partition(":")
+    if not every.isdigit() or not compression:
+        raise GradmeshError(f"{method!r}: expected diloco:H:COMPRESSOR, like diloco:10:int8")
+    return ["--strategy", "diloco", "--sync-every", every, "--compression", compression]
+
+
 def _group(args: Config, g: int, lighthouse: str, method: str, out: Path) -> list[str]:
     return ["gradmesh", "train", "--workers", "1", "--batch-size", str(args.batch_size)] + [
         *("--model", args.model, "--dataset", args.dataset, "--optimizer", args.optimizer),
-        *("--lr", str(args.lr), "--max-steps", str(args.steps), "--compression", method),
+        *("--lr", str(args.lr), "--max-steps", str(args.steps), *_method(method)),
         *("--replica-group", str(g), "--replica-groups", str(args.groups)),
         *("--lighthouse", lighthouse, "--json", str(out / f"group{g}.json")),
     ]
@@ -89,6 +106,8 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or methods[0] != "none":
         raise GradmeshError(f"--methods must start with none (the reference), got {args.methods!r}")
+    for m in methods:
+        _method(m)  # a malformed diloco method: one line before any run
     if min(args.groups - 1, args.steps, args.rounds) < 1:
         raise GradmeshError("--groups must be >= 2, --steps and --rounds >= 1")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
@@ -116,7 +135,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         "methods": figures,
     }
     lines = [f"{payload['network']}; {payload['setting']}"] + [
-        f"{m:6}: {f['bytes_per_group_step'] / 1e3:7.1f} kB/group/step ({f['bytes_ratio']:.1f}x "
+        f"{m:14}: {f['bytes_per_group_step'] / 1e3:7.1f} kB/group/step ({f['bytes_ratio']:.1f}x "
         f"fewer), {f['step_s'] * 1e3:6.1f} ms/step ({f['step_speedup']:.2f}x), test loss "
         f"{f['test_loss']:.4f} ({f['loss_gap'] * 100:+.1f} %), groups bit-equal "
         f"{'yes' if f['bit_equal'] else 'NO'}, cpu idle {f['cpu_idle']:.2f} ({f['limit']})"

@@ -48,19 +48,23 @@ def _check_machine(config: TrainConfig) -> None:
 
 def _check_replicas(config: TrainConfig) -> None:
     """Replica groups run synchronous data parallelism inside each group, at any layout (tp,
-    pp, cp, ep, ZeRO: rank r of every group holds the same part); one line for the rest."""
+    pp, cp, ep, ZeRO: rank r of every group holds the same part), every step or DiLoCo's rounds
+    across them; one line for the rest."""
     if not config.sync.replicas.enabled:
         return
     layout, sync = config.layout, config.sync
+    diloco = sync.strategy == "diloco"
     refused = [
-        (sync.strategy != "allreduce", f"--strategy {sync.strategy}"),
+        (sync.strategy not in ("allreduce", "diloco"), f"--strategy {sync.strategy}"),
+        (diloco and bool(config.checkpoint.dir), "--strategy diloco and --checkpoint-dir"),
         (layout.precision == "fp16", "--precision fp16"),
     ]
     for bad, what in refused:
         if bad:
             raise GradmeshError(
                 f"--replica-group runs synchronous data parallelism (any layout) inside each "
-                f"group with --strategy allreduce; not with {what} (yet)"
+                f"group, averaged every step (--strategy allreduce) or every --sync-every steps "
+                f"(--strategy diloco) across them; not with {what} (yet)"
             )
     groups = sync.replicas.replica_groups
     if config.data.batch_size < groups * config.job.workers:

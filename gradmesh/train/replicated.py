@@ -33,12 +33,15 @@ import torch.distributed as dist
 from gradmesh.data import GlobalBatchSharder, Split
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
+from gradmesh.sync.replicas.diloco import CrossGroupDiLoCo
 from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
 from gradmesh.sync.sharded.model import local
 from gradmesh.sync.strategies import compressor
 from gradmesh.train.faults import injected_fault
 from gradmesh.train.loop import Clock, _checkpoint, _due, _progress, _Run, last_step
 from gradmesh.train.setup import Job
+
+Diloco = CrossGroupDiLoCo | None
 
 
 def run_identity(job: Job) -> str:
@@ -69,9 +72,24 @@ def _slice(
     return torch.tensor_split(part, size)[index], live, len(quorum.members) * size
 
 
-def _state(job: Job, step: int, averaging: CrossGroupAverage) -> dict[str, Any]:
+def _batch(
+    job: Job, order: torch.Tensor, k: int, quorum: Quorum, dp: tuple[int, int]
+) -> tuple[Split, int]:
+    """This rank's part of batch `k` of the epoch's `order` (`job.replicas` set to the replicas
+    the quorum splits it over), and the samples the quorum trains on in all."""
+    replicas, batch = job.config.sync.replicas, job.config.data.batch_size
+    idx = order[k * batch : (k + 1) * batch]
+    keep = replicas.on_lost_replica == "keep"
+    groups, group = replicas.replica_groups, replicas.replica_group
+    mine, live, job.replicas = _slice(idx, quorum, groups, group, keep, dp)
+    part: Split = job.data.train.rows(mine).pinned(job.rt.device)
+    return part, live
+
+
+def _state(job: Job, step: int, manager: ReplicaManager, diloco: Diloco) -> dict[str, Any]:
     return {
-        "averaging": averaging.shared(),
+        "averaging": manager.averaging.shared(),
+        "diloco": diloco.state_dict() if diloco is not None else {},
         "model": job.split.module.state_dict(),
         "optimizer": job.optimizer.state_dict(),
         "strategy": job.strategy.state_dict(),
@@ -81,11 +99,13 @@ def _state(job: Job, step: int, averaging: CrossGroupAverage) -> dict[str, Any]:
     }
 
 
-def _load(job: Job, state: dict[str, Any], averaging: CrossGroupAverage) -> None:
-    averaging.load_shared(state["averaging"])
+def _load(job: Job, state: dict[str, Any], manager: ReplicaManager, diloco: Diloco) -> None:
+    manager.averaging.load_shared(state["averaging"])
     job.split.module.load_state_dict(state["model"])
     job.optimizer.load_state_dict(state["optimizer"])
     job.strategy.load_state_dict(state["strategy"])
+    if diloco is not None:  # the anchors and the outer optimizer, after the round's outer step
+        diloco.load_state_dict(state["diloco"])
     job.losses[:] = state["losses"]
     if job.warmup is not None:  # the learning rate where the source's warm-up stands
         job.warmup.load_state_dict(state["warmup"])
@@ -95,45 +115,43 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     """Train to the last step as one of the replica groups; the clock, this replica's
     samples, the wall time, and the groups' figures for the report."""
     config, rt = job.config, job.rt
-    replicas = config.sync.replicas
     dp = job.strategy.shard(rt)
     whole = GlobalBatchSharder(len(job.data.train), config.data.batch_size, 0, 1, config.job.seed)
     steps = whole.steps_per_epoch()
     last = last_step(config, steps)
-    run = _Run(job, Clock(losses=job.losses), _progress(config, steps, rt), injected_fault(), 0)
-    run.step = job.start_step
-    group, groups = replicas.replica_group, replicas.replica_groups
+    bar = _progress(config, steps, rt)
+    run = _Run(job, Clock(losses=job.losses), bar, injected_fault(), job.start_step)
     manager = _manager(job)
     params = [p for p in job.split.module.parameters() if p.requires_grad]
-    job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
-    train = job.data.train
+    diloco = _diloco(job, params)
+    if diloco is None:  # every step averaged and committed by the optimizer
+        job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
     if job.loss_sum is not None and job.start_step % steps:  # resumed mid-epoch
         loss_sum = job.loss_sum.to(rt.device)
     orders: dict[int, torch.Tensor] = {}
     began: float | None = None  # the first try of the step under way
+    quorum: Quorum | None = None
     while run.step < last:
         began = time.perf_counter() if began is None else began
-        quorum = manager.start_step(run.step)
-        if quorum is None:  # the run ended before this group could join (said in a line)
-            break
-        if quorum.recovering:
-            if not _catch_up(job, manager, run):
-                continue
-            if quorum.behind:
+        if diloco is None or quorum is None or run.step % diloco.sync_every == 0:
+            stepped = run.step
+            quorum = _start(job, manager, run, diloco)
+            if quorum is None:  # the run ended before this group could join (said in a line)
+                break
+            if run.step != stepped:  # behind: the newest state copied, at the quorum's step
                 loss_sum.zero_()
                 if run.step >= last:
                     break
         epoch, k = divmod(run.step, steps)
         order = orders.setdefault(epoch, whole.order(epoch))
-        idx = order[k * config.data.batch_size : (k + 1) * config.data.batch_size]
-        keep = replicas.on_lost_replica == "keep"
-        mine, live, job.replicas = _slice(idx, quorum, groups, group, keep, dp)
-        part: Split = train.rows(mine).pinned(rt.device)
+        part, live = _batch(job, order, k, quorum, dp)
         try:
             run.one_step(part, live, loss_sum)
         except StepAborted:
             continue
+        if diloco is not None:
+            diloco.inner_step()
         manager.step_seconds[run.step - 1] = time.perf_counter() - began
         began = None
         end_of_epoch = k == steps - 1 or run.step == last
@@ -143,9 +161,14 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             orders.pop(epoch, None)
         if _due(config, run.step, end_of_epoch, last):  # after the commit: every group's state
             _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
+    if diloco is not None and diloco.averager.steps and not manager.after_the_end:
+        _start(job, manager, run, diloco)  # the last round: every group ends with one model
     manager.finish(run.step)
     clock, samples, wall = run.close()
-    return clock, samples, wall, {**manager.report(), "parameters_sha256": _digest(params, rt)}
+    info = {**manager.report(), "parameters_sha256": _digest(params, rt)}
+    if diloco is not None:
+        info["outer_rounds"] = diloco.averager.averaging_rounds
+    return clock, samples, wall, info
 
 
 def _manager(job: Job) -> ReplicaManager:
@@ -161,13 +184,44 @@ def _manager(job: Job) -> ReplicaManager:
     )
 
 
-def _catch_up(job: Job, manager: ReplicaManager, run: _Run) -> bool:
+def _diloco(job: Job, params: list[torch.nn.Parameter]) -> Diloco:
+    """DiLoCo's outer rounds across the groups, with --strategy diloco (None: every step)."""
+    sync = job.config.sync
+    if sync.strategy != "diloco":
+        return None
+    local = sync.local_sgd
+    diloco = CrossGroupDiLoCo(params, local.sync_every, local.outer_lr, local.outer_momentum)
+    diloco.begin()
+    return diloco
+
+
+def _start(job: Job, manager: ReplicaManager, run: _Run, diloco: Diloco) -> Quorum | None:
+    """The quorum of the step about to be taken (None where the run is over); with DiLoCo,
+    first the outer round the groups' inner steps since their anchors end, committed by every
+    member; then, where a member is behind, every member's part in the copy of the newest
+    state (the one behind goes on at the quorum's step). Asked again until both succeed."""
+    while True:
+        quorum = manager.start_step(run.step)
+        if quorum is None:
+            return None
+        if diloco is not None:  # committed at the quorum's step: a member behind is not there
+            ok = diloco.average(manager, fresh=diloco.averager.steps > 0)
+            if not manager.commit(quorum.max_step, ok):
+                continue
+            diloco.apply()
+        if quorum.recovering and not _catch_up(job, manager, run, diloco):
+            continue
+        return quorum
+
+
+def _catch_up(job: Job, manager: ReplicaManager, run: _Run, diloco: Diloco) -> bool:
     """Take part in the quorum's copy of the newest state (False where it failed: the step is
     asked for again); a group that was behind goes on at the quorum's step."""
-    quorum, averaging = manager.quorum, manager.averaging
+    quorum = manager.quorum
     assert quorum is not None
     if not manager.recover(
-        lambda: _state(job, run.step, averaging), lambda s: _load(job, s, averaging)
+        lambda: _state(job, run.step, manager, diloco),
+        lambda s: _load(job, s, manager, diloco),
     ):
         return False
     if quorum.behind:

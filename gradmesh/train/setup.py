@@ -241,8 +241,8 @@ def setup(config: TrainConfig, rt: Runtime) -> Job:
     optimizer = build_optimizer(config.optimizer, split.module.parameters(), lr)
     optimizer = shard_optimizer(optimizer, config.sync.allreduce.zero_stage, rt)  # ZeRO 1
     sync = config.sync
-    if sync.replicas.enabled:  # --compression is for the slow link, across the groups
-        sync = replace(sync, compression=CompressionConfig())
+    if sync.replicas.enabled:  # --compression (and DiLoCo) is for the slow link, across groups
+        sync = replace(sync, strategy="allreduce", compression=CompressionConfig())
     strategy = STRATEGIES.get(sync.strategy)(
         sync, split.engine.backward_passes, config.job.timeout_s
     )

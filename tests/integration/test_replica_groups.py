@@ -54,7 +54,12 @@ def group_flags(
 
 
 def lighthouse_flags(
-    bind: str, port: int, min_groups: int = 2, start_s: float = 30.0, groups: int = GROUPS
+    bind: str,
+    port: int,
+    min_groups: int = 2,
+    start_s: float = 30.0,
+    groups: int = GROUPS,
+    join_s: float = 1.0,
 ) -> list[str]:
     return [
         "lighthouse",
@@ -69,7 +74,7 @@ def lighthouse_flags(
         "--port",
         str(port),
         "--join-timeout-s",
-        "1",
+        str(join_s),
         "--quorum-timeout-s",
         "60",
     ]
@@ -318,7 +323,11 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
 
 
 def _run_groups(
-    out: Path, groups: int, *extra: str, faults: dict[int, str] | None = None
+    out: Path,
+    groups: int,
+    *extra: str,
+    faults: dict[int, str] | None = None,
+    join_s: float = 1.0,
 ) -> list[dict[str, Any]]:
     """`groups` replica groups of the text GPT to the end on a fresh lighthouse on the
     loopback (`faults`: GRADMESH_FAULT by group; a step then goes on with the groups alive);
@@ -327,13 +336,14 @@ def _run_groups(
     least = 1 if any(f.startswith("kill") for f in faults.values()) else groups
     lighthouse = subprocess.Popen(
         [sys.executable, "-m", "gradmesh.cli"]
-        + lighthouse_flags("127.0.0.1", port, least, groups=groups),
+        + lighthouse_flags("127.0.0.1", port, least, groups=groups, join_s=join_s),
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
     )
     logs = [(out / f"group{g}.err").open("w") for g in range(groups)]
+    jobs: list[subprocess.Popen[bytes]] = []
     try:
-        jobs = [
+        jobs += [
             subprocess.Popen(
                 [sys.executable, "-m", "gradmesh.cli"]
                 + group_flags(g, f"127.0.0.1:{port}", out, *GPT, *extra, groups=groups),
@@ -346,8 +356,10 @@ def _run_groups(
         ]
         codes = [job.wait(timeout=240) for job in jobs]
     finally:
-        lighthouse.kill()
-        lighthouse.wait(timeout=30)
+        for process in [*jobs, lighthouse]:  # a launcher ends its workers with it
+            if process.poll() is None:
+                process.terminate()
+                process.wait(timeout=30)
         for log in logs:
             log.close()
     errors = [(out / f"group{g}.err").read_text()[-2000:] for g in range(groups)]
@@ -547,3 +559,35 @@ def test_a_script_s_replica_groups_go_on_without_a_killed_one_and_take_it_back(
     assert one["recoveries"] == 1 and one["quorum_changes"][0]["step"] > 20
     assert one["parameters_sha256"] == zero["parameters_sha256"]
     assert zero["accuracy"] > 0.9
+
+
+def test_diloco_across_groups_rounds_every_h_steps_and_takes_a_killed_group_back(
+    tmp_path: Path,
+) -> None:
+    """DiLoCo across two groups (`--strategy diloco --sync-every 10 --compression int8`): the
+    groups meet only every 10 steps, sending an int8 outer gradient; group 1 is killed mid-round
+    (after step 25); the next round has a new quorum (group 0 alone, or with group 1 restarted
+    by its launcher within the join timeout), and group 1 joins at a round by copying the state
+    after that round's outer step; both end with the same bits after the last round."""
+    got = _run_groups(
+        tmp_path,
+        2,
+        *("--strategy", "diloco", "--sync-every", "10", "--compression", "int8"),
+        *("--max-steps", "120", "--max-restarts", "1"),
+        # group 0 takes >= 100 ms a step: the 95 steps after the kill outlast the restart;
+        # a round waits up to 5 s for the slower group (the other is faster by 1 s a round)
+        faults={0: "slow:0:100", 1: "kill:0:25"},
+        join_s=5.0,
+    )
+    zero, one = (r["strategy_info"] for r in got)
+    assert got[0]["steps"] == 120 and zero["outer_rounds"] == 12  # a round every 10 steps
+    # the round after the kill had a new quorum: group 0 alone, or with group 1 restarted
+    # within the 5 s join timeout (a new process: a new process group)
+    assert [c["step"] for c in zero["quorum_changes"]][:2] == [0, 30]
+    rejoined = one["quorum_changes"][0]
+    assert one["recoveries"] == 1 and rejoined["step"] % 10 == 0 and rejoined["step"] >= 30
+    assert one["parameters_sha256"] == zero["parameters_sha256"]
+    # bytes across groups: an int8 outer gradient every 10 steps, against the float32 gradient
+    # a step of per-step averaging (measured: 1/40)
+    layout = got[0]["per_rank"]["layout"]
+    assert layout["compression_sent_bytes_per_step"][0] < layout["param_bytes"][0] / 30

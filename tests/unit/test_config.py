@@ -52,9 +52,10 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             "--replica-group needs --lighthouse HOST:PORT, got 'nowhere'",
         ),
         (
-            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "strategy": "diloco"},
-            "--replica-group runs synchronous data parallelism (any layout) inside each group "
-            "with --strategy allreduce; not with --strategy diloco (yet)",
+            {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1", "strategy": "ps"},
+            "--replica-group runs synchronous data parallelism (any layout) inside each group, "
+            "averaged every step (--strategy allreduce) or every --sync-every steps (--strategy "
+            "diloco) across them; not with --strategy ps (yet)",
         ),
         ({"eval_every": 5, "strategy": "hogwild"}, "--eval-every needs the replicas to score"),
         ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum in [0, 1)"),
