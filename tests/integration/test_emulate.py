@@ -284,6 +284,9 @@ def test_bench_replicas_compresses_the_average_across_groups(tmp_path: Path) -> 
     quarter of the bytes, the groups stay bit-equal, each figure is labelled by its limit."""
     bad = gradmesh("bench", "replicas", "--methods", "int8")
     assert bad.returncode != 0 and "--methods must start with none" in bad.stderr
+    bad = gradmesh("bench", "replicas", "--methods", "none,diloco:ten:int8")
+    assert bad.returncode != 0
+    assert "'diloco:ten:int8': expected diloco:H:COMPRESSOR, like diloco:10:int8" in bad.stderr
     out = tmp_path / "replicas.json"
     done = gradmesh(
         "bench", "replicas", "--groups", "2", "--steps", "20", "--methods", "none,int8",
