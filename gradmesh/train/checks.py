@@ -53,10 +53,8 @@ def _check_replicas(config: TrainConfig) -> None:
     if not config.sync.replicas.enabled:
         return
     layout, sync = config.layout, config.sync
-    diloco = sync.strategy == "diloco"
     refused = [
         (sync.strategy not in ("allreduce", "diloco"), f"--strategy {sync.strategy}"),
-        (diloco and bool(config.checkpoint.dir), "--strategy diloco and --checkpoint-dir"),
         (layout.precision == "fp16", "--precision fp16"),
     ]
     for bad, what in refused:

@@ -129,6 +129,7 @@ def _checkpoint(
         "rng": checkpoint.rng_state(),
         "layout": checkpoint.layout_record(job.split.module, job.optimizer),
         **({"loss_scale": job.loss_scale.state_dict()} if job.loss_scale else {}),
+        **({"replicas": job.replica_saves()} if job.replica_saves else {}),
         "progress": {
             "loss_sum": loss_sum.cpu(),
             "losses": torch.tensor(clock.losses, dtype=torch.float64, device="cpu"),

@@ -124,6 +124,7 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     manager = _manager(job)
     params = [p for p in job.split.module.parameters() if p.requires_grad]
     diloco = _diloco(job, params)
+    _keep_in_checkpoints(job, manager, diloco)
     if diloco is None:  # every step averaged and committed by the optimizer
         job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
@@ -162,7 +163,7 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
         if _due(config, run.step, end_of_epoch, last):  # after the commit: every group's state
             _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
     if diloco is not None and diloco.averager.steps and not manager.after_the_end:
-        _start(job, manager, run, diloco)  # the last round: every group ends with one model
+        _start(job, manager, run, diloco, final=True)  # every group ends with one model
     manager.finish(run.step)
     clock, samples, wall = run.close()
     info = {**manager.report(), "parameters_sha256": _digest(params, rt)}
@@ -195,23 +196,41 @@ def _diloco(job: Job, params: list[torch.nn.Parameter]) -> Diloco:
     return diloco
 
 
-def _start(job: Job, manager: ReplicaManager, run: _Run, diloco: Diloco) -> Quorum | None:
-    """The quorum of the step about to be taken (None where the run is over); with DiLoCo,
-    first the outer round the groups' inner steps since their anchors end, committed by every
-    member; then, where a member is behind, every member's part in the copy of the newest
-    state (the one behind goes on at the quorum's step). Asked again until both succeed."""
+def _start(
+    job: Job, manager: ReplicaManager, run: _Run, diloco: Diloco, final: bool = False
+) -> Quorum | None:
+    """The quorum of the step about to be taken (None where the run is over); with DiLoCo, at
+    a round's step (the quorum's, every H, or the run's last), first the outer round, committed
+    by every member (one behind sends zeros); then, where a member is behind, every member's
+    part in the copy of the newest state (the one behind goes on at the quorum's step). Asked
+    again until both succeed."""
     while True:
         quorum = manager.start_step(run.step)
         if quorum is None:
             return None
-        if diloco is not None:  # committed at the quorum's step: a member behind is not there
-            ok = diloco.average(manager, fresh=diloco.averager.steps > 0)
-            if not manager.commit(quorum.max_step, ok):
+        if diloco is not None and (final or quorum.max_step % diloco.sync_every == 0):
+            fresh = diloco.averager.steps > 0 and not quorum.behind
+            ok = diloco.average(manager, fresh)
+            if not manager.commit(quorum.max_step, ok):  # the step every member shares
                 continue
             diloco.apply()
         if quorum.recovering and not _catch_up(job, manager, run, diloco):
             continue
         return quorum
+
+
+def _keep_in_checkpoints(job: Job, manager: ReplicaManager, diloco: Diloco) -> None:
+    """A group's checkpoints hold its cross-group state too (the average's compressor state,
+    residual included; DiLoCo's anchors, outer momentum and inner steps): resumed here."""
+    saved = job.replica_state
+    if saved is not None:
+        manager.averaging.load_state_dict(saved["averaging"])
+        if diloco is not None:
+            diloco.load_state_dict(saved["diloco"])
+    job.replica_saves = lambda: {
+        "averaging": manager.averaging.state_dict(),
+        "diloco": diloco.state_dict() if diloco is not None else {},
+    }
 
 
 def _catch_up(job: Job, manager: ReplicaManager, run: _Run, diloco: Diloco) -> bool:

@@ -115,6 +115,7 @@ def _restore(job: Job, meta: checkpoint.Meta) -> tuple[torch.Tensor, list[float]
         job.optimizer, checkpoint.optimizer_state(job.optimizer, state["optimizer"]), path
     )
     _load_steps_state(job, state, path)
+    job.replica_state = state.get("replicas")  # a replica group's own, taken by its loop
     history = meta.losses if losses is None else losses.tolist()
     return loss_sum.to(torch.float64), history
 

@@ -191,6 +191,11 @@ class Job:
     model_flops: tuple[float, float] = (0.0, 0.0)
     """A language model's forward + backward FLOPs per sample (torch's FLOP counter) and this
     worker's peak FLOP/s (`gradmesh.models.devices.device_peak`): what its MFU is made of."""
+    replica_state: dict[str, Any] | None = None
+    """What a replica group's checkpoint adds to every rank file (`replicas`: the cross-group
+    average's compressor state, DiLoCo's outer state), as read at resume."""
+    replica_saves: Callable[[], dict[str, Any]] | None = None
+    """The same, for the checkpoint being written (set by the replica-group loop)."""
     replica_info: dict[str, Any] = field(default_factory=dict)
     """A replica group's figures (`gradmesh.train.replicated`): its quorum changes, the
     recoveries and aborted steps, for the report's strategy_info."""

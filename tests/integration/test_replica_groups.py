@@ -394,28 +394,53 @@ def test_a_split_group_killed_rejoins_by_a_copy_of_each_part(tmp_path: Path) -> 
     assert got[0]["test_loss"] == got[1]["test_loss"]
 
 
-def test_groups_checkpoint_and_resume_at_different_steps_bit_equal(tmp_path: Path) -> None:
-    """Two groups save every 6 steps into folders of their own (group-0, group-1) to step 18.
-    With their newest checkpoints taken away, group 0 resumes at step 6 and group 1 at 12: the
-    first quorum has group 0 copy group 1's state, and both train to 18 again, ending with the
-    bits the uninterrupted run ended with (AdamW's state and the data position restored)."""
+@pytest.mark.parametrize(
+    ("extra", "gone", "resumed", "recoveries", "redone", "steps"),
+    [
+        ((), ("0/step-00000018", "0/step-00000012", "1/step-00000018"), [6, 12], [1, 0], 6, 6),
+        (
+            ("--strategy", "diloco", "--sync-every", "4", "--compression", "int8"),
+            ("0/step-00000018", "0/step-00000012", "1/step-00000018", "1/step-00000012"),
+            [6, 6],
+            [0, 0],
+            12,
+            12,
+        ),
+    ],
+    ids=["every-step", "diloco-int8"],
+)
+def test_groups_checkpoint_and_resume_bit_equal(
+    tmp_path: Path,
+    extra: tuple[str, ...],
+    gone: tuple[str, ...],
+    resumed: list[int],
+    recoveries: list[int],
+    redone: int,
+    steps: int,
+) -> None:
+    """Two groups save every 6 steps into folders of their own (group-0, group-1) to step 18;
+    some newest checkpoints are taken away and the groups run again to 18, ending with the bits
+    the uninterrupted run ended with. Every step averaged: group 0 resumes at step 6 and group 1
+    at 12, and the first quorum has group 0 copy group 1's state (AdamW's state and the data
+    position restored). DiLoCo (a round every 4 steps, int8): both resume at step 6, mid-round,
+    with the anchors, the outer momentum and the int8 residuals of that step."""
     ckpt = tmp_path / "ckpt"
     flags = ("--max-steps", "18", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "6")
-    first = _run_groups(tmp_path, 2, *flags)
+    first = _run_groups(tmp_path, 2, *flags, *extra)
     digest = {r["strategy_info"]["parameters_sha256"] for r in first}
     assert len(digest) == 1
     for g in range(2):
         assert sorted(p.name for p in (ckpt / f"group-{g}").glob("step-*")) == [
             f"step-{s:08d}" for s in (6, 12, 18)
         ]
-    for gone in ("group-0/step-00000018", "group-0/step-00000012", "group-1/step-00000018"):
-        shutil.rmtree(ckpt / gone)
-    again = _run_groups(tmp_path, 2, *flags)
-    assert [r["faults"]["resumed_from_step"] for r in again] == [6, 12]
-    # group 0 trains 12..18 again, not 6..12 (copied); group 1 12..18
-    assert [r["faults"]["steps_redone"] for r in again] == [6, 6]
-    assert [r["strategy_info"]["recoveries"] for r in again] == [1, 0]
-    assert [r["steps"] for r in again] == [6, 6]  # steps 12..18, group 0's copy skipped 6..12
+    for folder in gone:
+        shutil.rmtree(ckpt / f"group-{folder}")
+    again = _run_groups(tmp_path, 2, *flags, *extra)
+    assert [r["faults"]["resumed_from_step"] for r in again] == resumed
+    # the steps trained again: from where each resumed, less what a copy skipped
+    assert [r["faults"]["steps_redone"] for r in again] == [redone, redone]
+    assert [r["strategy_info"]["recoveries"] for r in again] == recoveries
+    assert [r["steps"] for r in again] == [steps, steps]
     assert {r["strategy_info"]["parameters_sha256"] for r in again} == digest
     for g in range(2):  # each saved step 18 again where it resumed
         assert (ckpt / f"group-{g}" / "step-00000018").is_dir()

@@ -104,6 +104,16 @@ class CrossGroupAverage:
             for name, state in self.states.items()
         }
 
+    def state_dict(self) -> dict[str, Any]:
+        """All of it, this group's residual included (its checkpoint)."""
+        return save_states(self.states)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        self.load_shared({})
+        for name, entry in saved.items():
+            self.states[name] = self.compressor.new_state(int(entry["numel"]))
+        load_states(self.states, saved)
+
     def load_shared(self, saved: dict[str, Any]) -> None:
         """Take `shared()` of the group copied from; this group's own residual starts afresh."""
         self.states = {}
