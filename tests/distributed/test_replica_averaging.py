@@ -26,17 +26,18 @@ def gradients(group: int, step: int) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=gen) for shape in SHAPES]
 
 
-def _average(port: int, method: str) -> dict[str, Any]:
-    rank = gradmesh.rank()
+def quorum_group(port: int, rank: int) -> Any:
+    """The quorum's own Gloo process group, made as `ReplicaManager` makes it."""
     store = dist.TCPStore(  # type: ignore[attr-defined]
         "127.0.0.1", port, GROUPS, rank == 0, timeout=timedelta(seconds=30)
     )
-    pg = dist.ProcessGroupGloo(
-        dist.PrefixStore("q1/r0", store),  # type: ignore[attr-defined]
-        rank,
-        GROUPS,
-        timedelta(seconds=30),
-    )
+    prefix = dist.PrefixStore("q1/r0", store)  # type: ignore[attr-defined]
+    return dist.ProcessGroupGloo(prefix, rank, GROUPS, timedelta(seconds=30))
+
+
+def _average(port: int, method: str) -> dict[str, Any]:
+    rank = gradmesh.rank()
+    pg = quorum_group(port, rank)
     average = CrossGroupAverage(make(method))
     first = gradients(rank, 0)
     sent = average(pg, first)
@@ -77,15 +78,7 @@ def _rejoin(port: int) -> dict[str, Any]:
     once taking the others' shared state (`load_shared`, as a copy from a peer does) and once
     not; each time every member's result of the next step."""
     rank = gradmesh.rank()
-    store = dist.TCPStore(  # type: ignore[attr-defined]
-        "127.0.0.1", port, GROUPS, rank == 0, timeout=timedelta(seconds=30)
-    )
-    pg = dist.ProcessGroupGloo(
-        dist.PrefixStore("q1/r0", store),  # type: ignore[attr-defined]
-        rank,
-        GROUPS,
-        timedelta(seconds=30),
-    )
+    pg = quorum_group(port, rank)
     average = CrossGroupAverage(make("powersgd"))
     average(pg, gradients(rank, 0))
     shared = average.shared()  # the same on every member after a step
