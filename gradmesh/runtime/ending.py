@@ -28,9 +28,11 @@ from typing import Any, NoReturn
 
 from gradmesh.errors import PEER_FAILED_EXIT
 
-PEER_GRACE_S = 1.0
+PEER_GRACE_S = 3.0
 """How long a rank that stopped on a peer's failure lingers before exiting, so that the launcher
-sees the rank that caused it end first and names that one."""
+sees the rank that caused it end first and names that one (1 s was too short on a busy CI
+machine, where the failing rank's own exit took longer: the launcher named the peer's code 75);
+the launcher's SIGTERM ends the pause at once, so a restart does not wait for it."""
 _leaving: list[int] = []
 """The exit code of a rank in that pause (empty before it)."""
 
@@ -47,7 +49,7 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-STOP_GRACE_S = 2.0
+STOP_GRACE_S = 4.0
 """The longest a worker lingers after SIGTERM; more than `PEER_GRACE_S`."""
 
 
