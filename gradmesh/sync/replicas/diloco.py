@@ -53,10 +53,6 @@ class CrossGroupDiLoCo:
     def inner_step(self) -> None:
         self.averager.steps += 1
 
-    def due(self, step: int) -> bool:
-        """Whether `step` ends a round: H inner steps taken since the anchors."""
-        return step % self.sync_every == 0 and self.averager.steps > 0
-
     def average(self, manager: ReplicaManager, fresh: bool) -> bool:
         """The mean outer change of the quorum's fresh groups into `_mean` (not applied: the
         round commits first); False where a member was lost mid-way."""
