@@ -115,10 +115,10 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
         try:
             mapping = json.loads((root / INDEX).read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise GradmeshError(f"model hf:{directory}: {INDEX} is unreadable: {exc}") from None
+            raise GradmeshError(f"weights {directory}: {INDEX} is unreadable: {exc}") from None
         missing = sorted({f for f in mapping.values() if not (root / f).is_file()})
         if missing:
-            raise GradmeshError(f"model hf:{directory}: {INDEX} names {missing[0]}, not there")
+            raise GradmeshError(f"weights {directory}: {INDEX} names {missing[0]}, not there")
         return {name: root / file for name, file in mapping.items()}
     if (root / WEIGHTS).is_file():
         from safetensors import safe_open
@@ -127,7 +127,7 @@ def weight_files(directory: str | Path) -> dict[str, Path]:
             return dict.fromkeys(f.keys(), root / WEIGHTS)
     pickled = (root / "pytorch_model.bin").exists()
     other = "; pytorch_model.bin is not read (pickle)" if pickled else ""
-    raise GradmeshError(f"model hf:{directory}: no {WEIGHTS} or {INDEX} there{other}")
+    raise GradmeshError(f"weights {directory}: no {WEIGHTS} or {INDEX} there{other}")
 
 
 @contextlib.contextmanager

@@ -87,6 +87,11 @@ class DataConfig:
         "cnn", "model: a registered one, or your factory as pkg.module:factory", name=True
     )
     model_args: str = option("", "keyword arguments of the model's builder, like dim=64,depth=4")
+    init_from: str = option(
+        "",
+        "start from the weights in this model directory (`gradmesh export`'s, of the same "
+        "model): weights only, not the optimizer or the step; a checkpoint to resume wins",
+    )
     dataset: str = option(
         "digits",
         "dataset: a registered one, or your factory as pkg.module:factory (returning a DataSpec "
@@ -107,8 +112,15 @@ class DataConfig:
     @property
     def user_code(self) -> bool:
         """Whether the job runs the user's code or arguments (a factory, a loss, model
-        arguments): built and tried once before launch, so a mistake is one line."""
-        return bool(self.loss or self.model_args or ":" in self.model or ":" in self.dataset)
+        arguments, weights to start from): built and tried once before launch, so a mistake is
+        one line."""
+        return bool(
+            self.loss
+            or self.model_args
+            or self.init_from
+            or ":" in self.model
+            or ":" in self.dataset
+        )
 
 
 STATE_TENSORS = {"sgd": 1, "adam": 2, "adamw": 2}

@@ -9,6 +9,11 @@ its part and one whole tensor. A pipeline is the exception: its stages are cut o
 the whole model's forward (`gradmesh.layout.pipeline.graph`), so there every rank reads the
 whole model before the cut, as a randomly initialised one is made whole there too.
 
+`--init-from DIR` takes the same path for any model: the run's model is made with its
+parameters on the meta device (`init_skeleton`) and named to read `DIR`'s weights, a model
+directory `gradmesh export --format safetensors` wrote (its `config.json` must name the same
+model and arguments). Only the weights: the optimizer starts afresh, at step 0.
+
 A head tied to the embedding, absent from the files (`save_pretrained` writes a tied tensor
 once), is read under the name it is tied to. Every tensor the model holds must be in the files
 at the shape the config makes: otherwise one line names it.
@@ -23,9 +28,10 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.models.hf import pretrained_source, weight_files
+from gradmesh.models.hf import empty_parameters, pretrained_source, weight_files
 from gradmesh.sync.sharded.model import local
 from gradmesh.train.checkpoint import rank_part
+from gradmesh.train.checkpoint.files import complete
 
 PREFIX = "net."
 
@@ -87,7 +93,7 @@ def read_pretrained(module: nn.Module, directory: str, device: Any, tp: tuple[in
             if key not in where and name in tied:
                 key = in_files(tied[name])
             if key not in where:
-                raise GradmeshError(f"model hf:{directory}: its weights have no tensor {key}")
+                raise GradmeshError(f"weights {directory}: no tensor {key} of the model")
             path = where[key]
             if path not in opened:
                 opened[path] = files.enter_context(safe_open(str(path), framework="pt"))
@@ -95,13 +101,48 @@ def read_pretrained(module: nn.Module, directory: str, device: Any, tp: tuple[in
             held = local(target)
             if value.shape != held.shape:
                 raise GradmeshError(
-                    f"model hf:{directory}: tensor {key} does not match its config: this rank's "
+                    f"weights {directory}: tensor {key} does not match the model: this rank's "
                     f"part is {tuple(value.shape)} in the weights, {tuple(held.shape)} in the model"
                 )
             with torch.no_grad():
                 held.copy_(value)
             read += 1
     return read
+
+
+def init_skeleton(build: Any, directory: str, model: str, model_args: str) -> nn.Module:
+    """The model `build()` makes, its parameters on the meta device, to read `directory`'s
+    weights once the layout has cut it (`--init-from`); one line where the directory holds no
+    weights or another model's."""
+    import json
+    from pathlib import Path
+
+    if model.startswith("hf:"):
+        raise GradmeshError(f"--init-from {directory}: model {model} reads its own weights")
+    if complete(directory):
+        raise GradmeshError(
+            f"--init-from {directory}: that is a checkpoint directory; `gradmesh export "
+            f"{directory} --to MODEL_DIR` makes the model directory --init-from reads"
+        )
+    weight_files(directory)
+    config_file = Path(directory) / "config.json"
+    if config_file.is_file():
+        try:
+            made = json.loads(config_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise GradmeshError(
+                f"--init-from {directory}: config.json is unreadable: {exc}"
+            ) from None
+        wrote = (made.get("gradmesh_model"), made.get("model_args", ""))
+        if "gradmesh_model" in made and wrote != (model, model_args):
+            raise GradmeshError(
+                f"--init-from {directory}: its weights are model {wrote[0]} with arguments "
+                f"{wrote[1]!r}, this run trains {model} with {model_args!r}"
+            )
+    with empty_parameters():
+        skeleton: nn.Module = build()
+    skeleton.pretrained = directory  # type: ignore[assignment]
+    return skeleton
 
 
 def needs_whole(model: nn.Module, pp: int) -> bool:

@@ -43,7 +43,7 @@ from gradmesh.train.emulated import emulate_compute
 from gradmesh.train.evaluation import Evaluator, has_classes
 from gradmesh.train.loss_scale import DynamicLossScale
 from gradmesh.train.optimizers import build_optimizer
-from gradmesh.train.pretrained import needs_whole, read_pretrained, read_whole
+from gradmesh.train.pretrained import init_skeleton, needs_whole, read_pretrained, read_whole
 from gradmesh.train.recipe import parallelize
 from gradmesh.train.schedule import gradual_warmup, scaled_lr
 from gradmesh.units import parse_shape
@@ -93,10 +93,15 @@ def first_input(data: DataSpec) -> Batch:
 
 
 def model_of(config: TrainConfig, data: DataSpec) -> torch.nn.Module:
-    """The whole model the job trains (the same on every rank under the job's seed)."""
-    return build_model(
-        config.data.model, data, parse_kwargs(config.data.model_args, "--model-args")
-    )
+    """The whole model the job trains (the same on every rank under the job's seed); with
+    `--init-from`, its skeleton, to read those weights (`gradmesh.train.pretrained`)."""
+    d = config.data
+    args = parse_kwargs(d.model_args, "--model-args")
+    if d.init_from:
+        return init_skeleton(
+            lambda: build_model(d.model, data, args), d.init_from, d.model, d.model_args
+        )
+    return build_model(d.model, data, args)
 
 
 def loss_of(config: TrainConfig) -> Summed:
