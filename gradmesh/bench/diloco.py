@@ -5,6 +5,10 @@ Each round trains both as `gradmesh train` jobs, one worker per emulated host (`
 shaped to `--bandwidth`), interleaved, with the test split scored every `--eval-every` steps (a
 multiple of `--sync-every`, where DiLoCo's replicas hold one model): the report's
 `eval_history` gives each run's test loss against its training seconds (scoring left out).
+With `--pretrain-steps P`, one synchronous job first trains P steps on the same hosts, is
+exported (`gradmesh export`), and both runs start from those weights (`--init-from`), each with
+a fresh optimizer: the paper's protocol, where DiLoCo starts from a pretrained model. That
+job's steps, seconds and bytes count in neither run.
 
 Per strategy (medians over rounds): seconds a step, bytes each worker sent a step (the run's
 whole traffic, the first broadcast included, over its steps), the final test loss, and the
@@ -53,17 +57,23 @@ class Config:
     outer_lr: float = option(0.7, "DiLoCo's outer Nesterov SGD learning rate")
     outer_momentum: float = option(0.9, "DiLoCo's outer Nesterov momentum")
     eval_every: int = option(0, "score the test split every N steps (0: --sync-every)")
+    pretrain_steps: int = option(
+        0,
+        "first train synchronously N steps, once, and start both runs from those weights "
+        "(the paper's protocol: DiLoCo from a pretrained model)",
+    )
     rounds: int = option(1, "interleaved rounds")
     json: str | None = option(None, "write the result here")
 
 
-def _flags(strategy: str, args: Config) -> list[str]:
+def _flags(strategy: str, args: Config, steps: int, init: str = "") -> list[str]:
     flags = ["--strategy", strategy, "--workers", str(args.hosts)]
     flags += ["--batch-size", str(args.batch_per_worker * args.hosts)]
     flags += ["--model", args.model, "--dataset", args.dataset]
     flags += ["--model-args", args.model_args] if args.model_args else []
     flags += ["--optimizer", args.optimizer, "--lr", str(args.lr)]
-    flags += ["--max-steps", str(args.steps), "--epochs", "1000000"]
+    flags += ["--max-steps", str(steps), "--epochs", "1000000"]
+    flags += ["--init-from", init] if init else []
     flags += ["--eval-every", str(args.eval_every or args.sync_every)]
     if strategy == "diloco":
         flags += ["--sync-every", str(args.sync_every), "--compression", args.compression]
@@ -104,6 +114,9 @@ def compare(sync: dict[str, Any], diloco: dict[str, Any]) -> dict[str, Any]:
 def _lines(payload: dict[str, Any]) -> list[str]:
     c = payload["comparison"]
     lines = [f"{payload['network']}; {payload['setting']}"]
+    if payload["pretrained"]:
+        p = payload["pretrained"]
+        lines.append(f"both from {p['steps']} synchronous steps (test loss {p['test_loss']:.4f})")
     for s, f in payload["strategies"].items():
         lines.append(
             f"{s:9}: {f['step_s'] * 1e3:.1f} ms/step, {f['bytes_per_worker_step'] / 1e3:.1f} "
@@ -119,11 +132,28 @@ def _lines(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _pretrain(args: Config, tmp: Path, figures: dict[str, Any]) -> str:
+    """Train synchronously `--pretrain-steps` on the same hosts and export the weights both
+    runs start from; `figures` gets that run's steps, test loss and seconds (counted in
+    neither run)."""
+    from gradmesh.train.export import export
+
+    steps, ck = args.pretrain_steps, tmp / "pretrain"
+    flags = _flags("allreduce", args, steps) + ["--checkpoint-dir", str(ck)]
+    flags += ["--checkpoint-every", str(steps)]
+    done = emulated_train(flags, args.hosts, args.bandwidth, tmp / "pretrain.json", "pretraining")
+    export(str(ck), str(tmp / "pretrained"), "safetensors")
+    figures.update(steps=steps, test_loss=done["test_loss"], wall_s=done["wall_s"])
+    return str(tmp / "pretrained")
+
+
 def run(args: Config, _command: list[str] | None = None) -> int:
     if min(args.hosts, args.batch_per_worker, args.steps, args.sync_every, args.rounds) < 1:
         raise GradmeshError(
             "--hosts, --batch-per-worker, --steps, --sync-every and --rounds must be >= 1"
         )
+    if args.pretrain_steps < 0:
+        raise GradmeshError(f"--pretrain-steps must be >= 0, not {args.pretrain_steps}")
     every = args.eval_every or args.sync_every
     if every < 1 or every % args.sync_every:
         raise GradmeshError(
@@ -131,10 +161,13 @@ def run(args: Config, _command: list[str] | None = None) -> int:
             "DiLoCo's replicas hold one model)"
         )
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
+    pretrained: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gradmesh-diloco-") as tmp:
+        init = _pretrain(args, Path(tmp), pretrained) if args.pretrain_steps > 0 else ""
         for round_, s in interleaved(STRATEGIES, args.rounds):
             out = Path(tmp) / f"{s}-{round_}.json"
-            runs[s].append(emulated_train(_flags(s, args), args.hosts, args.bandwidth, out, s))
+            flags = _flags(s, args, args.steps, init)
+            runs[s].append(emulated_train(flags, args.hosts, args.bandwidth, out, s))
     figures = {}
     for s, rs in runs.items():
         f = medians([_figures(r) for r in rs])
@@ -152,6 +185,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
             f"{args.outer_momentum}"
         ),
         "rounds": args.rounds,
+        "pretrained": pretrained or None,
         "strategies": figures,
         "comparison": compare(figures["allreduce"], figures["diloco"]),
     }

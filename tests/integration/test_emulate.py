@@ -301,18 +301,24 @@ def test_bench_replicas_compresses_the_average_across_groups(tmp_path: Path) -> 
 
 
 def test_bench_diloco_compares_bytes_loss_and_time_to_a_loss(tmp_path: Path) -> None:
-    """Two emulated hosts, 40 steps, H = 10 with int8: both runs score the test split every 10
-    steps; DiLoCo's bytes a step are a small fraction of synchronous training's."""
+    """Two emulated hosts, 40 steps, H = 10 with int8, both from the weights of 20 synchronous
+    steps: both runs score the test split every 10 steps, below where the pretraining ended;
+    DiLoCo's bytes a step are a small fraction of synchronous training's."""
     bad = gradmesh("bench", "diloco", "--sync-every", "10", "--eval-every", "15")
     assert bad.returncode != 0
     assert "--eval-every 15 must be a multiple of --sync-every 10" in bad.stderr
     out = tmp_path / "diloco.json"
     done = gradmesh(
         "bench", "diloco", "--hosts", "2", "--steps", "40", "--sync-every", "10",
-        "--bandwidth", "100mbit", "--json", str(out),
+        "--bandwidth", "100mbit", "--pretrain-steps", "20", "--json", str(out),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     got = json.loads(out.read_text())
+    assert got["pretrained"]["steps"] == 20
+    assert (
+        got["strategies"]["allreduce"]["eval_history"][0]["test_loss"]
+        < got["pretrained"]["test_loss"]
+    )  # from the pretrained weights, not a fresh model
     for name in ("allreduce", "diloco"):
         run = got["strategies"][name]
         assert [e["step"] for e in run["eval_history"]] == [10, 20, 30, 40]
