@@ -149,22 +149,7 @@ def predict(
         )
         + final
     )
-    fusion = int(fusion_mb * (1 << 20))
-    pending: dict[str, int] = {"batch": 0, DP: 0}
-    ready: list[tuple[float, str, int]] = []  # (time, group, bytes) of each bucket
-    remaining = {g: sum(c.grad_bytes for c in costs if c.grad_group == g) for g in pending}
-    for u, ch, c in reversed(list(zip(prof.units, choices, costs, strict=True))):
-        now += c.compute_s * (1 - _fwd_share(prof, u, ch, tp)) + c.bwd_comm_s
-        g = c.grad_group
-        if pending[g] and pending[g] + c.grad_bytes > fusion:
-            ready.append((now, g, pending[g]))
-            pending[g] = 0
-        pending[g] += c.grad_bytes
-        remaining[g] -= c.grad_bytes
-        if remaining[g] == 0 and pending[g]:
-            ready.append((now, g, pending[g]))
-            pending[g] = 0
-    backward_end = now
+    backward_end, ready = _backward(prof, choices, costs, tp, now, int(fusion_mb * (1 << 20)))
     link_free, sync = 0.0, 0.0
     for t, g, nbytes in sorted(ready):
         spent = links.allreduce_s(algorithm, groups[g], nbytes)
@@ -188,6 +173,29 @@ def predict(
     compute = sum(c.compute_s for c in costs) + update
     blocking = sum(c.fwd_comm_s + c.bwd_comm_s for c in costs) + final
     return Prediction(step, compute, blocking, step - compute - blocking, sync, rows)
+
+
+def _backward(
+    prof: Profile, choices: list[str], costs: list[LayerCost], tp: int, now: float, fusion: int
+) -> tuple[float, list[tuple[float, str, int]]]:
+    """Backward in reverse from `now`: when it ends, and each gradient bucket's (time it is
+    ready, group, bytes), a bucket leaving once `fusion` bytes are pending or its group's
+    last gradient is."""
+    pending: dict[str, int] = {"batch": 0, DP: 0}
+    ready: list[tuple[float, str, int]] = []
+    remaining = {g: sum(c.grad_bytes for c in costs if c.grad_group == g) for g in pending}
+    for u, ch, c in reversed(list(zip(prof.units, choices, costs, strict=True))):
+        now += c.compute_s * (1 - _fwd_share(prof, u, ch, tp)) + c.bwd_comm_s
+        g = c.grad_group
+        if pending[g] and pending[g] + c.grad_bytes > fusion:
+            ready.append((now, g, pending[g]))
+            pending[g] = 0
+        pending[g] += c.grad_bytes
+        remaining[g] -= c.grad_bytes
+        if remaining[g] == 0 and pending[g]:
+            ready.append((now, g, pending[g]))
+            pending[g] = 0
+    return now, ready
 
 
 def _fwd_share(prof: Profile, unit: Unit, choice: str, tp: int) -> float:
