@@ -79,9 +79,9 @@ class Evaluator:
         if not has_classes(test):
             self.kept.clear()
             return
-        model = self.build().eval()
-        for step, state in self.kept:
-            model.load_state_dict(state)
+        model = self.build().eval()  # a pretrained skeleton's parameters are on the meta device:
+        for step, state in self.kept:  # each copy's tensors are taken, not copied into them
+            model.load_state_dict(state, assign=True)
             correct = 0
             with torch.no_grad():
                 for i in range(0, len(test), 512):
