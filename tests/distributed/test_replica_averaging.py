@@ -46,12 +46,25 @@ def _average(port: int, method: str) -> dict[str, Any]:
     average(pg, again)
     average.undo()  # the step was not committed: the state is the first step's again
     undone = {k: s.state_dict() for k, s in average.states.items()}
-    same = all(
-        torch.equal(kept[k]["tensors"][t], undone[k]["tensors"][t])
-        for k in kept
-        for t in kept[k]["tensors"]
+    same = same_as(kept, undone)
+    average(pg, gradients(rank, 1))
+    average.committed()  # that step stands: an abort of the next (taken alone) keeps it
+    stands = {k: s.state_dict() for k, s in average.states.items()}
+    average.undo()
+    kept_after = same_as(stands, {k: s.state_dict() for k, s in average.states.items()})
+    return {
+        "first": first,
+        "sent": sent,
+        "undo_restores": same and bool(kept["0"]["tensors"]),
+        "committed_stays": kept_after and not same_as(stands, kept),
+    }
+
+
+def same_as(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two compressor-state dicts hold equal tensors."""
+    return all(
+        torch.equal(a[k]["tensors"][t], b[k]["tensors"][t]) for k in a for t in a[k]["tensors"]
     )
-    return {"first": first, "sent": sent, "undo_restores": same and bool(kept["0"]["tensors"])}
 
 
 @pytest.mark.parametrize(
@@ -71,6 +84,7 @@ def test_every_group_applies_the_same_compressed_average(
             assert torch.allclose(mine, want, atol=1e-6)
     assert got[0]["sent"] < ratio * none[0]["sent"]
     assert got[0]["undo_restores"] == (method == "int8")  # int8 keeps an error-feedback residual
+    assert got[0]["committed_stays"] == (method == "int8")
 
 
 def _rejoin(port: int) -> dict[str, Any]:

@@ -122,6 +122,11 @@ class CrossGroupAverage:
             self.states[name].load_state_dict(entry)
         self._before = None
 
+    def committed(self) -> None:
+        """The step's average stands: a later abort has nothing of it to undo (a step a group
+        took alone, with no average, must not undo the one before)."""
+        self._before = None
+
     def undo(self) -> None:
         """Put the compressor's state back where it stood before the last average."""
         if self._before is not None:

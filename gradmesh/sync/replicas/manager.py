@@ -318,7 +318,9 @@ class ReplicaManager:
                 ANSWER_S,
             )["commit"]
         committed = bool(self._share(verdict))
-        if not committed:
+        if committed:
+            self.averaging.committed()
+        else:
             self.averaging.undo()
             self.reconfigure = True
             self.aborted += 1
