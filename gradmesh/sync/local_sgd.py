@@ -74,7 +74,7 @@ class Averager:
     def diloco(self) -> bool:
         return self.outer_lr is not None
 
-    def _anchor(self) -> None:
+    def set_anchors(self) -> None:
         """The starting parameters, the same on every rank: the first change is from them."""
         self.anchors = [
             flat.detach().clone() for flat, _ in flat_buffers([p.detach() for p in self.params])
@@ -105,10 +105,10 @@ class Averager:
                 else:
                     allreduce(flat, op="average", algorithm=self.algorithm, group=replicas.group)
                 if change:
-                    self._apply(i, flat)
+                    self.apply_change(i, flat)
                 unpack(flat, members)
 
-    def _apply(self, i: int, mean_change: torch.Tensor) -> None:
+    def apply_change(self, i: int, mean_change: torch.Tensor) -> None:
         """Move anchor `i` by the replicas' mean change (the negated outer gradient) and leave
         the new parameters in `mean_change`: added as it is (local SGD), or through the outer
         Nesterov SGD (DiLoCo)."""
@@ -149,7 +149,7 @@ class Averager:
         if self.diloco and not anchors:
             raise GradmeshError("DiLoCo's checkpoint holds no anchors: it was not a diloco run")
         if anchors:
-            self._anchor()
+            self.set_anchors()
             for mine, saved_anchor in zip(self.anchors, anchors, strict=True):
                 mine.copy_(saved_anchor)
         if self.outer is not None and saved.get("outer"):
@@ -168,7 +168,7 @@ class Averager:
     def before_step(self) -> None:
         """During the synchronous warm-up, average gradients (missing ones count as zero)."""
         if not self.anchors and (self.diloco or not isinstance(self.compressor, NoCompression)):
-            self._anchor()
+            self.set_anchors()
         if self.steps < self.warmup_sync_steps:
             for p in self.params:
                 if p.grad is None:
@@ -180,7 +180,7 @@ class Averager:
         self.steps += 1
         local = self.steps - self.warmup_sync_steps
         if self.diloco and local == 0:  # the outer optimizer starts where the warm-up ended
-            self._anchor()
+            self.set_anchors()
         if local > 0 and local % self.sync_every == 0:
             self._average([p.data for p in self.params], "parameters")
             self.averaging_rounds += 1

@@ -21,7 +21,10 @@ at the shape the config makes: otherwise one line names it.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -110,13 +113,12 @@ def read_pretrained(module: nn.Module, directory: str, device: Any, tp: tuple[in
     return read
 
 
-def init_skeleton(build: Any, directory: str, model: str, model_args: str) -> nn.Module:
+def init_skeleton(
+    build: Callable[[], nn.Module], directory: str, model: str, model_args: str
+) -> nn.Module:
     """The model `build()` makes, its parameters on the meta device, to read `directory`'s
     weights once the layout has cut it (`--init-from`); one line where the directory holds no
     weights or another model's."""
-    import json
-    from pathlib import Path
-
     if model.startswith("hf:"):
         raise GradmeshError(f"--init-from {directory}: model {model} reads its own weights")
     if complete(directory):

@@ -48,7 +48,7 @@ class CrossGroupDiLoCo:
     def begin(self) -> None:
         """Anchor the outer step at the parameters now (the run's start), unless anchored."""
         if not self.averager.anchors:
-            self.averager._anchor()
+            self.averager.set_anchors()
 
     def inner_step(self) -> None:
         self.averager.steps += 1
@@ -90,7 +90,7 @@ class CrossGroupDiLoCo:
         with torch.no_grad():
             buffers = flat_buffers([local(p).detach() for p in self.params])
             for i, ((_, members), mean) in enumerate(zip(buffers, self._mean, strict=True)):
-                self.averager._apply(i, mean)
+                self.averager.apply_change(i, mean)
                 unpack(mean, members)
         self.averager.steps = 0
         self.averager.averaging_rounds += 1
