@@ -50,16 +50,17 @@ matrix products' (no calibration row separates them)."""
 
 FITTED = {
     "fp8": 1.0,
+    "fp32": 1.0,
     "compile": -1.0,
     "launch": -1e-5,
-    "async_tp": 1.0,
     "tp_overlap": 1.0,
     "fragmentation": 1.0,
 }
 """What a row may fit besides the kinds' fractions, with its unit and sign: float8's fraction of
-the fp8 peak, the fraction of memory-bound work left by torch.compile's fusion (more is slower),
+the fp8 peak, the fp32 products' fraction of the fp32 peak on CUDA cores (`Device.fraction`),
+the fraction of memory-bound work left by torch.compile's fusion (more is slower),
 each kernel's launch and tail in units of 10 us (more is slower), the fraction of the tp
-exchanges hidden by async TP and by torch.compile without it, the allocator's fragmentation (on
+exchanges hidden by torch.compile without async TP, the allocator's fragmentation (on
 `published_gib`)."""
 
 
@@ -81,7 +82,7 @@ def _fit_one(row: Row, name: str, base: dict[str, float], own: set[str]) -> dict
     def with_(x: float) -> dict[str, float]:
         if name == "compute":
             return {k: v * x if k in COMPUTE_KINDS else v for k, v in base.items()}
-        hidden = name in ("async_tp", "tp_overlap")  # fractions of the exchanges' time
+        hidden = name == "tp_overlap"  # a fraction of the exchanges' time
         value = min(x, 1.0) if hidden else x * abs(unit)
         return {**base, name: value, **dict.fromkeys(tied, x)}
 

@@ -49,7 +49,7 @@ from gradmesh.planner.links import Links
 from gradmesh.planner.mesh import MeshProfile, Slice, block_outputs
 from gradmesh.planner.mesh_cost import MeshPrediction, Overlap, predict_mesh, variants
 from gradmesh.runtime.axes import divisors
-from gradmesh.simulate.devices import Device
+from gradmesh.simulate.devices import ASYNC_TP_HIDDEN, Device
 from gradmesh.simulate.meta_count import (
     Counted,
     Spec,
@@ -305,14 +305,14 @@ def price(
 ) -> Priced:
     """One layout's step (FSDP2's exchanges overlapped with compute, as on a GPU's streams;
     the tp exchanges partly, compiled (`achieved["tp_overlap"]`: the compiler's collectives
-    wait where their results are read) or with `async_tp` (`achieved["async_tp"]`)), memory
+    wait where their results are read) or all with `async_tp` (`ASYNC_TP_HIDDEN`)), memory
     (live bytes fitting all but `CONTEXT_GIB` of the device or not; reserved with the
     fragmentation), tokens a second and model FLOPs utilisation (the model's FLOPs,
     recomputation not counted, over the GPUs' peak)."""
     links = shared_links(intra, inter, per_node, lay)
     dev = meta.device
-    hidden = dev.achieved.get("async_tp" if async_tp else "tp_overlap", 0.0)
-    hidden = hidden if (async_tp or dev.compiled) else 0.0  # eager tp: every exchange waited
+    hidden = dev.achieved.get("tp_overlap", 0.0) if dev.compiled else 0.0  # eager: all waited
+    hidden = ASYNC_TP_HIDDEN if async_tp else hidden
     overlap = Overlap(fsdp=True, tp_hidden=hidden)
     pred = predict_mesh(meta.profile, lay, links, algorithm, overlap=overlap)
     assert pred.memory is not None

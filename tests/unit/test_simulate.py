@@ -22,7 +22,7 @@ from gradmesh.simulate.published import PUBLISHED, load, validate
 from gradmesh.simulate.strategies import Job, scaling
 from tests.harness import CLI
 
-KNOWN_MISSES = {"tt-8b-128k", "tt-8b-256k", "tt-405b-256k", "gpt-h100-fp32"}
+KNOWN_MISSES = {"tt-8b-128k", "tt-8b-256k", "tt-405b-256k"}
 """Validation rows the model misses (docs/simulator.md says why): checked to stay missed, so
 the day the model meets one, this set and the docs are brought up to date."""
 
@@ -99,6 +99,22 @@ def test_the_devices_fractions_are_the_fit_on_the_calibration_rows() -> None:
     assert fitted.keys() == ACHIEVED.keys()
     for device, fractions in ACHIEVED.items():  # stored to 3 decimals
         assert fitted[device] == pytest.approx(fractions, abs=2e-3), device
+
+
+def test_fp32_products_run_at_the_cuda_cores_fraction_where_one_is_fitted() -> None:
+    # an H100 in fp32 without TF32 multiplies on its CUDA cores: gpt-h100-fp32 fits their
+    # fraction of the fp32 peak, apart from the tensor cores' in bf16 or tf32
+    h100, v100 = DEVICES.get("h100"), DEVICES.get("v100")
+    fp32, bf16 = h100.at("fp32"), h100.at("bf16")
+    assert fp32.fraction("matmul") == ACHIEVED["h100"]["fp32"] != bf16.fraction("matmul")
+    assert fp32.fraction("attention") == ACHIEVED["h100"]["fp32"]
+    tensor_cores = ACHIEVED["h100"]["matmul"]
+    assert bf16.fraction("matmul") == h100.at("tf32").fraction("matmul") == tensor_cores
+    assert fp32.fraction("conv") == ACHIEVED["h100"]["conv"]  # no row separates convolutions
+    # a device with no fp32 fraction of its own (fitted in fp32 already) keeps its kinds'
+    assert v100.at("fp32").fraction("matmul") == ACHIEVED["v100"]["matmul"]
+    one = [("matmul", 1e12, 0.0)]
+    assert fp32.seconds(one) == pytest.approx(1e12 / (67e12 * ACHIEVED["h100"]["fp32"]))
 
 
 def test_the_simulators_peaks_are_the_shared_device_tables() -> None:
