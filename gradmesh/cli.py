@@ -375,5 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def program() -> int:
+    """The `gradmesh` command (and `python -m gradmesh.cli`): `main` in a process of its own,
+    whose launcher may fork gradmesh's workers from a server of its own
+    (`gradmesh.launch.forked`), which `main` called inside another program does not."""
+    from gradmesh.launch import forked
+
+    forked.PROGRAM = True
+    return main()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(program())

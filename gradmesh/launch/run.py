@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
+from gradmesh.launch.forked import forkable, run_module, start_server
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
 from gradmesh.runtime.process import LAUNCHER_PID_ENV, MAX_WORLD_ENV, TIMEOUT_ENV
 
@@ -316,7 +317,9 @@ def _failure_message(
     return f"rank {rank}{role} {how}{reason}; the job was stopped{restarts}", code or 1
 
 
-def _launch_config(spec: LaunchSpec, host: str, port: int, log_dir: str) -> Any:
+def _launch_config(
+    spec: LaunchSpec, host: str, port: int, log_dir: str, start: str = "spawn"
+) -> Any:
     """torch's elastic `LaunchConfig` for `spec`: gradmesh's rendezvous, every rank's output
     prefixed (rank 0's left alone when it owns the terminal), logs under `log_dir`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -344,7 +347,7 @@ def _launch_config(spec: LaunchSpec, host: str, port: int, log_dir: str) -> Any:
         rdzv_configs=rdzv_configs,
         max_restarts=spec.max_restarts,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method=start,
         log_line_prefix_template="[${rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=redirects, tee=redirects),
         local_addr=local_addr,
@@ -367,9 +370,14 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     os.environ.update(_worker_env(spec, host))
     _quiet_agent()
     log_dir = tempfile.mkdtemp(prefix=f"gradmesh-run-{os.getpid()}x-")  # owner: leak checks
-    config = _launch_config(spec, host, port, log_dir)
+    forked = forkable(command, spec.nproc)
+    config = _launch_config(spec, host, port, log_dir, "forkserver" if forked else "spawn")
     try:
-        elastic_launch(config, command[0])(*command[1:])
+        if forked:  # gradmesh's own module: forked from a server that imported torch once
+            module, args = forked
+            elastic_launch(config, run_module)(module, args, *start_server(module))
+        else:
+            elastic_launch(config, command[0])(*command[1:])
         return 0
     except ChildFailedError as exc:
         message, code = _failure_message(exc, spec.max_restarts, spec.roles)

@@ -37,12 +37,31 @@ _leaving: list[int] = []
 """The exit code of a rank in that pause (empty before it)."""
 
 
+class Finished(BaseException):
+    """Raised by `exit_process(0)` in a worker forked by its launcher (`return_on_success`):
+    its entry function returns, which is how torch's agent learns it ended well. A
+    BaseException, so that no `except Exception` on the way takes it for a failure."""
+
+
+_return_on_success: list[bool] = []
+
+
+def return_on_success() -> None:
+    """This process is a forked worker (`gradmesh.launch.forked`): `exit_process(0)` raises
+    `Finished` rather than leaving the process."""
+    _return_on_success.append(True)
+
+
 def exit_process(code: int) -> NoReturn:
     """End a worker process of gradmesh's own entry points after `shutdown()`: flush output and
     leave without running C++ static destructors, one of which (in a c10d/Gloo thread) aborted
-    now and then at interpreter exit ("terminate called without an active exception")."""
+    now and then at interpreter exit ("terminate called without an active exception"). A
+    forked worker's success returns to its entry function instead (`Finished`), whose process
+    then ends the same way (multiprocessing leaves by os._exit too)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if code == 0 and _return_on_success:
+        raise Finished
     if code == PEER_FAILED_EXIT:
         _leaving.append(code)  # SIGTERM ends the pause: the launcher has seen the failure
         time.sleep(PEER_GRACE_S)

@@ -89,6 +89,15 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def _parent_of(pid: int) -> str:
+    """The parent pid of process `pid` ("" when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[1]
+    except (OSError, IndexError):
+        return ""
+
+
 def bind_to_launcher(rank: int) -> None:
     """A worker never outlives its launcher: when the launcher dies by any signal (SIGKILL
     included, which it cannot pass on), the kernel ends this worker too. Exits at once if the
@@ -97,7 +106,10 @@ def bind_to_launcher(rank: int) -> None:
     if not raw:
         return
     die_with_parent()
-    if str(os.getppid()) != raw:  # it died before we asked the kernel to watch it
+    parent = os.getppid()
+    # a worker forked by the launcher's forkserver (`gradmesh.launch.forked`) is its grandchild;
+    # the server dies with the launcher, and this worker with the server
+    if str(parent) != raw and _parent_of(parent) != raw:  # it died before the kernel watched
         print(
             f"gradmesh: rank {rank}: the launcher (pid {raw}) is gone; stopping",
             file=sys.stderr,

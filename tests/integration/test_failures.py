@@ -155,3 +155,54 @@ def test_an_unreachable_master_fails_within_the_timeout() -> None:
         f"gradmesh run: error: node 1: rendezvous with master 127.0.0.1:{port} failed: nothing "
         "accepted a connection within 5 s (Connection refused)"
     )
+
+
+def _forked_workers(launcher: int, count: int) -> dict[int, int]:
+    """{rank: pid} of `gradmesh train`'s workers: the children of the launcher's forkserver,
+    each known by its stderr, the agent's log file of its rank (.../<rank>/stderr.log)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        found: dict[int, int] = {}
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = stat.read_text().rpartition(")")[2].split()[1]
+                grandparent = Path(f"/proc/{parent}/stat").read_text().rpartition(")")[2]
+                stderr = os.readlink(stat.parent / "fd" / "2")
+            except (OSError, IndexError):
+                continue
+            if grandparent.split()[1] == str(launcher):
+                rank = re.search(r"/(\d+)/stderr\.log$", stderr)
+                found[int(rank[1]) if rank else 0] = int(stat.parent.name)
+        if len(found) == count:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"{count} forked workers of launcher {launcher} did not start")
+
+
+@pytest.mark.parametrize("kill", ["rank", "launcher"])
+def test_forked_workers_are_named_when_killed_and_end_with_their_launcher(
+    kill: str, tmp_path: Path
+) -> None:
+    # `gradmesh train` forks its workers from its launcher's forkserver (gradmesh.launch.forked):
+    # the grandchildren of the launcher, not its children; both guarantees still hold
+    env = {**os.environ, "GRADMESH_TIMEOUT_S": str(TIMEOUT_S), "TMPDIR": str(tmp_path)}
+    command = [*GRADMESH, "train", "--workers", "2", "--epochs", "1000", "--batch-size", "8"]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
+    )
+    workers = _forked_workers(proc.pid, 2)
+    time.sleep(1)  # mid-training
+    if kill == "rank":
+        os.kill(workers[1], signal.SIGKILL)
+        _, err = proc.communicate(timeout=TIMEOUT_S + 30)
+        assert proc.returncode == 128 + signal.SIGKILL
+        assert gradmesh_lines(err)[-1] == (
+            "gradmesh run: rank 1 was killed by signal SIGKILL; the job was stopped"
+        )
+    else:
+        proc.kill()
+        proc.communicate(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers.values()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers.values() if alive(p)], "forked workers outlived the job"

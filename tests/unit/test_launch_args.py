@@ -72,3 +72,28 @@ def test_port_in_use_is_detected() -> None:
         port = s.getsockname()[1]
         with pytest.raises(GradmeshError, match=f"master port {port} is already in use"):
             _check_port_free("127.0.0.1", port)
+
+
+def test_only_gradmesh_modules_of_a_launcher_program_are_forked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradmesh.launch import forked
+
+    worker = [sys.executable, "-m", "gradmesh.train.worker", "--config", "{}"]
+    monkeypatch.delenv(forked.WORKER_START_ENV, raising=False)
+    monkeypatch.setattr(forked, "PROGRAM", False)  # main() inside another program: never
+    assert forked.forkable(worker, 2) is None
+    monkeypatch.setattr(forked, "PROGRAM", True)
+    monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 0)
+    assert forked.forkable(worker, 2) == ("gradmesh.train.worker", ["--config", "{}"])
+    assert forked.forkable(worker, 1) is None  # one worker: nothing to share
+    assert forked.forkable([sys.executable, "train.py"], 4) is None  # the user's own command
+    assert forked.forkable([sys.executable, "-m", "mypkg.train"], 4) is None
+    monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 1)
+    assert forked.forkable(worker, 2) is None  # a GPU host imports in every worker
+    monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 0)
+    monkeypatch.setenv(forked.WORKER_START_ENV, "exec")
+    assert forked.forkable(worker, 2) is None
+    monkeypatch.setenv(forked.WORKER_START_ENV, "vfork")
+    with pytest.raises(GradmeshError, match="GRADMESH_WORKER_START='vfork': use fork or exec"):
+        forked.forkable(worker, 2)
