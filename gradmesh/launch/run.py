@@ -317,9 +317,7 @@ def _failure_message(
     return f"rank {rank}{role} {how}{reason}; the job was stopped{restarts}", code or 1
 
 
-def _launch_config(
-    spec: LaunchSpec, host: str, port: int, log_dir: str, start: str = "spawn"
-) -> Any:
+def _launch_config(spec: LaunchSpec, host: str, port: int, log_dir: str, start: str) -> Any:
     """torch's elastic `LaunchConfig` for `spec`: gradmesh's rendezvous, every rank's output
     prefixed (rank 0's left alone when it owns the terminal), logs under `log_dir`."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -374,8 +372,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     config = _launch_config(spec, host, port, log_dir, "forkserver" if forked else "spawn")
     try:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
-            module, args = forked
-            elastic_launch(config, run_module)(module, args, *start_server(module))
+            elastic_launch(config, run_module)(*forked, *start_server(forked[0]))
         else:
             elastic_launch(config, command[0])(*command[1:])
         return 0
