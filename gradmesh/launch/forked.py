@@ -42,6 +42,7 @@ WORKER_START_ENV = "GRADMESH_WORKER_START"
 """`exec` starts every worker as a fresh process; unset (or `fork`): the rules above."""
 PROGRAM = False
 """Set by `program()`: this process is a gradmesh launcher of its own."""
+GUARD = "gradmesh.launch.forkserver_guard"
 _server_env: dict[str, str] | None = None
 """The environment the forkserver started with (it is started once a process)."""
 
@@ -80,9 +81,6 @@ def start_server(module: str) -> tuple[dict[str, str], dict[str, str]]:
     return dict(os.environ), _server_env
 
 
-GUARD = "gradmesh.launch.forkserver_guard"
-
-
 def run_module(module: str, args: list[str], env: dict[str, str], started: dict[str, str]) -> None:
     """A forked worker: `python -m module args` in the launch's environment `env`, the agent's
     per-rank variables (what differs from `started`, the server's) on top."""
@@ -91,7 +89,9 @@ def run_module(module: str, args: list[str], env: dict[str, str], started: dict[
     os.environ.update({**env, **ranked})
     import torch
 
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # torch read it in the server, at import
+        torch.set_num_threads(int(threads))
     from gradmesh.runtime import ending
 
     ending.return_on_success()
@@ -103,6 +103,8 @@ def run_module(module: str, args: list[str], env: dict[str, str], started: dict[
     except ending.Finished:
         return
     except SystemExit as exc:
+        if isinstance(exc.code, str):  # sys.exit("message"): printed, code 1, as Python does
+            print(exc.code, file=sys.stderr)
         code = exc.code if isinstance(exc.code, int) or exc.code is None else 1
         if code:  # sys.exit(0) ends well: returning is how the agent learns it
             _leave(code)
