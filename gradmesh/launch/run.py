@@ -367,8 +367,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         wait_for_master(host, port, spec.timeout_s, spec.node_rank)
     os.environ.update(_worker_env(spec, host))
     _quiet_agent()
+    forked = forkable(command, spec.nproc)  # before the log folder: a bad choice leaves none
     log_dir = tempfile.mkdtemp(prefix=f"gradmesh-run-{os.getpid()}x-")  # owner: leak checks
-    forked = forkable(command, spec.nproc)
     config = _launch_config(spec, host, port, log_dir, "forkserver" if forked else "spawn")
     try:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
