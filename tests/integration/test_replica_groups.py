@@ -290,15 +290,24 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
         [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, 1.0)],
         cwd=ROOT,
     )
+    ckpt = tmp_path / "ckpt"
     try:
         first = subprocess.Popen(
             [sys.executable, "-m", "gradmesh.cli"]
-            + group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "60"),
+            + group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "60")
+            + ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
+        # the other job asks only once group 0 took a step (its quorum, and so the run's
+        # identity, is then group 0's); started together, either may ask first on a busy host
+        deadline = time.monotonic() + 120
+        while not any(ckpt.glob("group-0/step-*")):
+            assert first.poll() is None, "group 0 ended before its first step"
+            assert time.monotonic() < deadline, "group 0 took no step within 120 s"
+            time.sleep(0.05)
         other = gradmesh(
             *group_flags(1, f"127.0.0.1:{port}", tmp_path, "--model", "mlp"), "--max-steps", "5"
         )
