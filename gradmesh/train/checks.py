@@ -52,18 +52,13 @@ def _check_replicas(config: TrainConfig) -> None:
     across them; one line for the rest."""
     if not config.sync.replicas.enabled:
         return
-    layout, sync = config.layout, config.sync
-    refused = [
-        (sync.strategy not in ("allreduce", "diloco"), f"--strategy {sync.strategy}"),
-        (layout.precision == "fp16", "--precision fp16"),
-    ]
-    for bad, what in refused:
-        if bad:
-            raise GradmeshError(
-                f"--replica-group runs synchronous data parallelism (any layout) inside each "
-                f"group, averaged every step (--strategy allreduce) or every --sync-every steps "
-                f"(--strategy diloco) across them; not with {what} (yet)"
-            )
+    sync = config.sync
+    if sync.strategy not in ("allreduce", "diloco"):
+        raise GradmeshError(
+            f"--replica-group runs synchronous data parallelism (any layout) inside each "
+            f"group, averaged every step (--strategy allreduce) or every --sync-every steps "
+            f"(--strategy diloco) across them; not with --strategy {sync.strategy} (yet)"
+        )
     groups = sync.replicas.replica_groups
     if config.data.batch_size < groups * config.job.workers:
         raise GradmeshError(

@@ -36,6 +36,8 @@ class DynamicLossScale:
         self.good_steps = 0
         self.skipped = 0
         """Steps skipped for overflow in this run."""
+        self.finite = True
+        """The last `unscale`'s verdict: every gradient of this job's ranks was finite."""
 
     def unscale(self, params: Iterable[torch.nn.Parameter]) -> bool:
         """Divide every gradient by the scale; whether every rank's are finite. When they are
@@ -56,7 +58,7 @@ class DynamicLossScale:
             found += flag.to(found.device)
         if dist.is_available() and dist.is_initialized():  # the world agrees
             dist.all_reduce(found, op=dist.ReduceOp.MAX)
-        finite = not bool(found.item())
+        finite = self.finite = not bool(found.item())
         if finite:
             self.good_steps += 1
             if self.good_steps == self.growth_interval:
@@ -67,6 +69,14 @@ class DynamicLossScale:
             self.scale, self.good_steps = self.scale / 2.0, 0
             self.skipped += 1
         return finite
+
+    def skipped_elsewhere(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Another replica group overflowed at this step, so this finite one skips it too: its
+        gradients dropped, the step counted as skipped and not as finite; the scale kept."""
+        for p in params:
+            p.grad = None
+        self.good_steps = max(0, self.good_steps - 1)
+        self.skipped += 1
 
     def state_dict(self) -> dict[str, float]:
         return {"scale": self.scale, "good_steps": float(self.good_steps)}

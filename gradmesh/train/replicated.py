@@ -47,7 +47,7 @@ Diloco = CrossGroupDiLoCo | None
 def run_identity(job: Job) -> str:
     """What every group must share: the run's identity (model and its arguments, data, batch,
     seed, optimizer, workers, layout), readable in part and hashed in whole."""
-    identity = job.config.identity()
+    identity = {**job.config.identity(), "precision": job.config.layout.precision}
     digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode())
     return (
         f"model {identity.get('model')} {identity.get('model_args') or ''}, "
@@ -96,6 +96,7 @@ def _state(job: Job, step: int, manager: ReplicaManager, diloco: Diloco) -> dict
         "step": step,
         "losses": list(job.losses),
         "warmup": job.warmup.state_dict() if job.warmup is not None else {},
+        "loss_scale": job.loss_scale.state_dict() if job.loss_scale is not None else {},
     }
 
 
@@ -109,6 +110,8 @@ def _load(job: Job, state: dict[str, Any], manager: ReplicaManager, diloco: Dilo
     job.losses[:] = state["losses"]
     if job.warmup is not None:  # the learning rate where the source's warm-up stands
         job.warmup.load_state_dict(state["warmup"])
+    if job.loss_scale is not None:  # fp16: the source's scale, not a fresh one that overflows
+        job.loss_scale.load_state_dict(state["loss_scale"])
 
 
 def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
@@ -126,7 +129,9 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
     diloco = _diloco(job, params)
     _keep_in_checkpoints(job, manager, diloco)
     if diloco is None:  # every step averaged and committed by the optimizer
-        job.optimizer = ReplicaOptimizer(job.optimizer, manager, params, lambda: run.step)
+        job.optimizer = ReplicaOptimizer(
+            job.optimizer, manager, params, lambda: run.step, job.loss_scale
+        )
     loss_sum = torch.zeros(2, dtype=torch.float64, device=rt.device)
     if job.loss_sum is not None and job.start_step % steps:  # resumed mid-epoch
         loss_sum = job.loss_sum.to(rt.device)
