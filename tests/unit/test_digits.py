@@ -8,13 +8,18 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from sklearn.datasets import load_digits as sklearn_digits
 
 from gradmesh.data.digits import digits_arrays, load_digits
 from gradmesh.data.registry import DataOptions
+from tests.harness import kept_environment
 
 
 def test_the_arrays_are_sklearns_and_the_split_is_fixed() -> None:
+    # imported here: scikit-learn's datasets take about a second, in each worker that collects;
+    # scikit-learn sets KMP_* variables on import, which the leak check would count
+    with kept_environment():
+        from sklearn.datasets import load_digits as sklearn_digits
+
     images, labels = digits_arrays()
     bunch = sklearn_digits()
     assert np.array_equal(images, bunch.data) and np.array_equal(labels, bunch.target)
