@@ -34,7 +34,8 @@ from gradmesh.data import GlobalBatchSharder, Split
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from gradmesh.sync.replicas.diloco import CrossGroupDiLoCo
-from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
+from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, StepAborted
+from gradmesh.sync.replicas.optimizer import ReplicaOptimizer
 from gradmesh.sync.sharded.model import local
 from gradmesh.sync.strategies import compressor
 from gradmesh.train.faults import injected_fault
@@ -167,11 +168,19 @@ def replicated_loop(job: Job) -> tuple[Clock, int, float, dict[str, Any]]:
             orders.pop(epoch, None)
         if _due(config, run.step, end_of_epoch, last):  # after the commit: every group's state
             _checkpoint(job, run.clock, run.pending, run.step, loss_sum)
+    return _end(job, manager, run, diloco, params)
+
+
+def _end(
+    job: Job, manager: ReplicaManager, run: _Run, diloco: Diloco, params: list[torch.nn.Parameter]
+) -> tuple[Clock, int, float, dict[str, Any]]:
+    """The group's end: DiLoCo's last round (every group ends with one model), the lighthouse
+    told, and the loop's figures with the groups'."""
     if diloco is not None and diloco.averager.steps and not manager.after_the_end:
-        _start(job, manager, run, diloco, final=True)  # every group ends with one model
+        _start(job, manager, run, diloco, final=True)
     manager.finish(run.step)
     clock, samples, wall = run.close()
-    info = {**manager.report(), "parameters_sha256": _digest(params, rt)}
+    info = {**manager.report(), "parameters_sha256": _digest(params, job.rt)}
     if diloco is not None:
         info["outer_rounds"] = diloco.averager.averaging_rounds
     return clock, samples, wall, info

@@ -13,7 +13,8 @@ import torch
 
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.replicas.lighthouse import Lighthouse, Rounds
-from gradmesh.sync.replicas.manager import ReplicaManager, ReplicaOptimizer
+from gradmesh.sync.replicas.manager import ReplicaManager
+from gradmesh.sync.replicas.optimizer import ReplicaOptimizer
 from gradmesh.train.loss_scale import DynamicLossScale, update
 from tests.harness import run_ranks
 

@@ -10,12 +10,12 @@ source group's state (`state()`: parameters, optimizer and strategy state, the s
 process group (`torch.save` bytes, read back with `weights_only=True`) and loads it before the
 step; the others receive the same bytes and drop them.
 
-After the backward, `ReplicaOptimizer.step` averages the gradients over the quorum (through the
-job's `--compression`: `averaging.py`), then the
-group votes (every rank of it finished the allreduce) and the leader asks the lighthouse whether
-every member group did: only then does the optimizer step. Otherwise the step raises
-`StepAborted`, the trainer takes the same step again with the next quorum (whose process group
-is new), and nothing was applied anywhere, so the groups cannot drift apart.
+After the backward, `ReplicaOptimizer.step` (`optimizer.py`) averages the gradients over the
+quorum (through the job's `--compression`: `averaging.py`), then the group votes (every rank of
+it finished the allreduce) and the leader asks the lighthouse whether every member group did:
+only then does the optimizer step. Otherwise the step raises `StepAborted`, the trainer takes
+the same step again with the next quorum (whose process group is new), and nothing was applied
+anywhere, so the groups cannot drift apart.
 """
 
 from __future__ import annotations
@@ -30,18 +30,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.optim import Optimizer
 
 from gradmesh.collectives import broadcast_object
 from gradmesh.errors import GradmeshError, first_line
 from gradmesh.runtime.world import Runtime, collective_device
 from gradmesh.sync.replicas.averaging import CrossGroupAverage, QuorumLink
-from gradmesh.sync.sharded.model import local
-from gradmesh.sync.wrapping import wrap_optimizer
 
 ANSWER_S = 600.0
 """How long a leader waits for the lighthouse's answer: it answers within its own quorum and
@@ -368,74 +365,3 @@ class ReplicaManager:
             "aborted_steps": self.aborted,
             "after_the_end": self.after_the_end,
         }
-
-
-class LossScale(Protocol):
-    """What the replica step reads of an fp16 job's loss scale (`train.loss_scale`)."""
-
-    finite: bool
-
-    def skipped_elsewhere(self, params: list[torch.nn.Parameter]) -> None: ...
-
-
-class _ReplicaMixin:
-    _manager: ReplicaManager
-    _params: list[torch.nn.Parameter]
-    _step_of: Callable[[], int]
-    _scale: LossScale | None
-
-    def step(self, closure: Callable[[], float] | None = None) -> Any:
-        sync = getattr(self, "synchronize", None)
-        if sync is not None:  # the in-group allreduce first (a DistributedOptimizer)
-            sync()
-        if self._scale is not None and self._overflowed():
-            return self._update(closure)  # every gradient dropped: nothing changes
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._params]
-        for p, g in zip(self._params, grads, strict=True):
-            p.grad = g
-        ok = self._manager.average([local(g) for g in grads])  # a DTensor: this rank's shard
-        if not self._manager.commit(self._step_of(), ok):
-            raise StepAborted
-        return self._update(closure)
-
-    def _overflowed(self) -> bool:
-        """fp16: whether any member group's gradients overflowed at this step (the loss scale's
-        check, agreed inside each group); then every group skips it, committed as one, so the
-        groups apply the same updates. A group that overflowed halved its scale; the others
-        keep theirs (each averages gradients unscaled by its own)."""
-        assert self._scale is not None
-        anywhere = self._manager.any_group(not self._scale.finite)
-        if anywhere is False:
-            return False  # the step goes on to the average and its commit
-        if not self._manager.commit(self._step_of(), anywhere is not None):
-            raise StepAborted
-        if self._scale.finite:
-            self._scale.skipped_elsewhere(self._params)
-        return True
-
-    def _update(self, closure: Callable[[], float] | None) -> Any:
-        skip = getattr(self, "skip_synchronize", None)
-        if skip is None:
-            return super().step(closure)  # type: ignore[misc]
-        with skip():
-            return super().step(closure)  # type: ignore[misc]
-
-
-def ReplicaOptimizer(  # noqa: N802 - reads like the optimizer it wraps
-    optimizer: Optimizer,
-    manager: ReplicaManager,
-    params: list[torch.nn.Parameter],
-    step_of: Callable[[], int],
-    scale: LossScale | None = None,
-) -> Optimizer:
-    """`optimizer` whose step first averages the gradients over the step's quorum of replica
-    groups and commits (or raises `StepAborted`); `step_of()` is the step being taken; with
-    fp16's loss `scale`, a step any group overflowed is skipped by all."""
-    return wrap_optimizer(
-        optimizer,
-        _ReplicaMixin,
-        _manager=manager,
-        _params=params,
-        _step_of=step_of,
-        _scale=scale,
-    )

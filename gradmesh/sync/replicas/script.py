@@ -34,7 +34,8 @@ from torch.optim import Optimizer
 from gradmesh.compression.registry import make
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
-from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, ReplicaOptimizer, StepAborted
+from gradmesh.sync.replicas.manager import Quorum, ReplicaManager, StepAborted
+from gradmesh.sync.replicas.optimizer import ReplicaOptimizer
 
 
 def model_identity(model: nn.Module, size: int) -> str:
