@@ -166,24 +166,47 @@ def model_args(text: str) -> dict[str, Any]:
     return parse_kwargs(text, "model_args")
 
 
-@functools.lru_cache(maxsize=64)
 def _meta(row: Row) -> Any:
+    """`row`'s model counted on the meta device: once for the rows that differ only in what the
+    count does not read (compile, Float8, the layout's other axes, the published figures)."""
+    return _counted(
+        row.model,
+        row.model_args,
+        row.sequence,
+        row.vocab,
+        _precision(row),
+        (row.sequence_parallel, row.loss_parallel, row.fused_attention),
+        (row.device, row.gpus, row.batch, row.tensor_parallel),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _counted(
+    model: str,
+    args: str,
+    sequence: int,
+    vocab: int,
+    precision: str,
+    options: tuple[bool, bool, bool],
+    where: tuple[str, int, int, int],
+) -> Any:
     from gradmesh.simulate.devices import DEVICES
     from gradmesh.simulate.mesh import meta_profile
     from gradmesh.simulate.meta_count import Spec
 
+    sequence_parallel, loss_parallel, fused_attention = options
     spec = Spec(
-        row.model,
-        model_args(row.model_args),
-        row.sequence,
-        row.vocab,
-        _precision(row),
-        sequence_parallel=row.sequence_parallel,
-        loss_parallel=row.loss_parallel,
-        fused_attention=row.fused_attention,
+        model,
+        model_args(args),
+        sequence,
+        vocab,
+        precision,
+        sequence_parallel=sequence_parallel,
+        loss_parallel=loss_parallel,
+        fused_attention=fused_attention,
     )
-    device = DEVICES.get(row.device).at(spec.precision)
-    return meta_profile(spec, row.gpus, row.batch, [row.tensor_parallel], device)
+    device, gpus, batch, tp = where
+    return meta_profile(spec, gpus, batch, [tp], DEVICES.get(device).at(precision))
 
 
 def _precision(row: Row) -> str:
