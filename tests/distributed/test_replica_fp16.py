@@ -5,7 +5,6 @@ job (`gradmesh train --precision fp16` asks for a GPU, so the CLI path cannot ru
 
 from __future__ import annotations
 
-import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -24,7 +23,7 @@ GROUPS, STEPS, OVERFLOW = 2, 4, 1
 def _group(group: int, lighthouse: str) -> dict[str, Any]:
     """STEPS steps of a linear model in replica group `group` (a world of one rank); group 1's
     gradient holds an infinity at step OVERFLOW."""
-    rt = dataclasses.replace(get_runtime(), rank=0, size=1)  # this world: the group
+    rt = get_runtime()  # a world of one rank: the group
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     params = list(model.parameters())
