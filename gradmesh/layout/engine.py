@@ -51,7 +51,7 @@ from gradmesh.runtime.world import Runtime
 class Engine(Protocol):
     """What the training loop and evaluation call instead of `model(x)` / `backward()`."""
 
-    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+    def step(self, x: Batch, y: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         """Forward and backward of (x, y) (each a tensor, or a tuple or dict of tensors:
         `gradmesh.data.batch`), the loss scaled by `scale` before backward; returns the
         unscaled loss summed over the samples (zero on ranks that do not see it)."""
@@ -103,7 +103,7 @@ class PlainEngine:
     def backward_passes(self) -> int:
         return self.microbatches
 
-    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+    def step(self, x: Batch, y: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         m = self.microbatches
         for xs, ys in zip(batch.split(x, m), batch.split(y, m), strict=True):
@@ -172,7 +172,7 @@ class Split:
     """Whether this rank's loss and logits are the replica's (the last stage, tp index 0):
     the others' are not counted, so that sums over the world count each replica once."""
 
-    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+    def step(self, x: Batch, y: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         """The engine's step: forward and backward of (x, y), the loss scaled by `scale`."""
         return self.engine.step(x, y, scale)
 

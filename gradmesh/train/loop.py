@@ -213,7 +213,7 @@ class _Run:
         part = part.to(rt.device)
         x, y = part.x, part.y
         job.optimizer.zero_grad(set_to_none=False)
-        scaled = job.loss_scale.scale if job.loss_scale else 1.0
+        scaled = job.loss_scale.weight if job.loss_scale else 1.0
         loss = job.split.engine.step(x, y, job.replicas / global_count * scaled)
         if self.fault is not None and self.fault.kind == "slow":
             self.fault.check(job.place[0], self.step)

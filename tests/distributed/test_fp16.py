@@ -6,6 +6,7 @@ it there)."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ import torch
 import gradmesh
 from gradmesh.layout.engine import PlainEngine
 from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
-from gradmesh.train.loss_scale import DynamicLossScale, update
+from gradmesh.runtime.host_reads import HostReads
+from gradmesh.train.loss_scale import DynamicLossScale, skips_on_device, update
 from tests.distributed.test_any_model import MatmulDtypes
 from tests.harness import run_ranks
 
@@ -136,3 +138,56 @@ def test_pipeline_stages_skip_the_same_steps_under_fp16() -> None:
     losses = last[0]
     assert losses[-1] < 0.9 * losses[0]
     assert losses[-1] == pytest.approx(fp32[steps - 1 - skipped], rel=0.05)
+
+
+class HostVerdict(torch.optim.AdamW):
+    """A fused AdamW behind a `step` of its own, as a wrapper's: `skips_on_device` cannot know
+    what it does with the gradients, so the loss scale decides on the host."""
+
+    def step(self, closure: Any = None) -> Any:
+        return super().step(closure)
+
+
+def fused_fp16_steps(on_device: bool, steps: int) -> tuple[list[float], int, float, Any]:
+    """`steps` of the GPT at dp 2 under fp16 from a scale of 2^24 (the first steps overflow),
+    with a fused AdamW through `DistributedOptimizer` and `update`: the verdict on the device
+    (steps after the first inside the host-read guard) or, `HostVerdict`, on the host. Returns
+    the losses, steps skipped, the final scale and the weights."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**CONFIG))
+    engine = PlainEngine(model, 1, lm_loss, torch.float16)
+    kind = torch.optim.AdamW if on_device else HostVerdict
+    opt = gradmesh.DistributedOptimizer(
+        kind(model.parameters(), lr=3e-3, fused=True), named_parameters=model.named_parameters()
+    )
+    assert skips_on_device(opt) == on_device
+    scale = DynamicLossScale(scale=2.0**24, growth_interval=4)
+    g = torch.Generator().manual_seed(1 + gradmesh.rank())
+    data = torch.randint(0, CONFIG["vocab"], (8, CONFIG["seq"] + 1), generator=g)
+    x, y = data[:, :-1], data[:, 1:]
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=False)
+        with HostReads() if on_device and step else contextlib.nullcontext():
+            loss = engine.step(x, y, scale.weight / len(y))
+            update(opt, scale)
+        losses.append(float(loss) / len(y))
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    return losses, scale.skipped, scale.scale, weights
+
+
+def test_the_device_verdict_takes_the_host_verdicts_steps_bit_for_bit() -> None:
+    """The fused optimizer skips the overflowed steps itself and the scale changes on the
+    device, with no host read in the step; the weights, losses, skips and scale are those of
+    the same optimizer given the verdict on the host, bit for bit (skips, halvings, and the
+    doublings of `growth_interval` 4 included)."""
+    steps = 24
+    host = run_ranks(fused_fp16_steps, 2, False, steps)
+    device = run_ranks(fused_fp16_steps, 2, True, steps)
+    for (losses, skipped, scale, weights), (d_losses, d_skipped, d_scale, d_weights) in zip(
+        host, device, strict=True
+    ):
+        assert 1 <= skipped <= 12 and scale != 2.0**24 / 2**skipped  # it grew again
+        assert (d_losses, d_skipped, d_scale) == (losses, skipped, scale)
+        assert torch.equal(d_weights, weights)
+        assert losses[-1] < 0.9 * losses[0]

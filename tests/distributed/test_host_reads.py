@@ -27,8 +27,9 @@ GPT = TrainConfig.of(
 )
 
 
-def steady_steps(config: TrainConfig, steps: int) -> str:
-    """The job's first two steps, then `steps` inside the guard; "ok" or the guard's line."""
+def steady_steps(config: TrainConfig, steps: int, fused: bool = False) -> str:
+    """The job's first two steps, then `steps` inside the guard; "ok" or the guard's line.
+    `fused`: the job's AdamW made fused, as `gradmesh train` makes it on CUDA."""
     import torch
 
     from gradmesh.errors import GradmeshError
@@ -36,6 +37,8 @@ def steady_steps(config: TrainConfig, steps: int) -> str:
     from gradmesh.train.setup import attach, setup
 
     job = setup(config, gradmesh.get_runtime())
+    if fused:
+        job.optimizer = torch.optim.AdamW(job.split.module.parameters(), lr=1e-3, fused=True)
     attach(job)
     assert job.sharder is not None
     batches = job.sharder.batches(0)
@@ -71,6 +74,17 @@ def test_the_steady_step_reads_nothing_on_the_host(layout: str) -> None:
     world, fields = LAYOUTS[layout]
     config = GPT.with_options(workers=world, **fields)
     assert run_ranks(steady_steps, world, config, 3, timeout=120) == ["ok"] * world
+
+
+def test_fp16s_overflow_verdict_stays_on_the_device() -> None:
+    """fp16 at dp 2 (torch runs its autocast on CPU too; `gradmesh train` asks for a GPU): with
+    the fused AdamW a GPU job gets, the loss scale hands the world's overflow flag to the
+    optimizer and reads nothing; with the CPU's default AdamW it reads its verdict, and the
+    guard names that line (so the first assertion can fail)."""
+    config = GPT.with_options(workers=2, precision="fp16")
+    assert run_ranks(steady_steps, 2, config, 3, True, timeout=120) == ["ok"] * 2
+    for line in run_ranks(steady_steps, 2, config, 1, False, timeout=120):
+        assert "loss_scale.py" in line and "Tensor.item in the step" in line
 
 
 def test_the_guard_names_the_line_of_a_host_read() -> None:

@@ -191,7 +191,7 @@ class ContextEngine:
         finally:
             self.where = None
 
-    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+    def step(self, x: Batch, y: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         with self._on(x) as length:
             loss = self.inner.step(self._part(x, length), self._part(y, length), scale)
         self.attending.check_called()

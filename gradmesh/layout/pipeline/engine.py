@@ -73,7 +73,7 @@ class _Step:
 
     xs: list[Batch]
     ys: list[Batch]
-    scale: float
+    scale: float | torch.Tensor
     ch: Channel
     losses: torch.Tensor
     """The micro-batches' loss sum (float64, on the stage's device)."""
@@ -174,7 +174,7 @@ class PipelineEngine:
             ch.wait(work, peer, "receive from")
         return [buf for buf, _ in posted]
 
-    def step(self, x: Batch, y: Batch, scale: float) -> torch.Tensor:
+    def step(self, x: Batch, y: Batch, scale: float | torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch of (x, y) (tensors, or tuples or dicts of
         them: `gradmesh.data.batch`); the loss (summed over samples, times `scale`, before
         scaling) on the last stage, zero elsewhere."""

@@ -73,7 +73,7 @@ class GraphPipelineEngine(PipelineEngine):
         """This rank's stages (their parameters, under the model's names): what the optimizer
         steps."""
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float) -> torch.Tensor:
+    def step(self, x: torch.Tensor, y: torch.Tensor, scale: float | torch.Tensor) -> torch.Tensor:
         loss = super().step(x, y, scale)
         self.graph.sync_tied(self.rt, {self._global(c) for c in range(len(self.modules))})
         return loss

@@ -51,6 +51,9 @@ class _DistributedMixin:
     """Methods added to the wrapped optimizer's class."""
 
     _gm: GradientReducer
+    passes_found_inf = True
+    """The update is the wrapped optimizer's step: a fused one skips an fp16 overflow itself
+    (`gradmesh.train.loss_scale.skips_on_device`)."""
 
     def synchronize(self) -> None:
         """Reduce every trainable gradient across ranks now (before clipping, for instance)."""
@@ -69,7 +72,9 @@ class _DistributedMixin:
         """Run the wrapped optimizer on the reduced gradients, unless they are not finite."""
         gm = self._gm
         gm.steps += 1
-        if gm.on_nonfinite == "error" and gm.defer_nonfinite:
+        if getattr(self, "found_inf", None) is not None:
+            name = None  # fp16's loss scale owns non-finite gradients; the step skips them
+        elif gm.on_nonfinite == "error" and gm.defer_nonfinite:
             name = gm.watch_nonfinite()  # no host read each step: the GPU keeps running
         elif gm.on_nonfinite != "pass":
             name = gm.nonfinite_parameter()

@@ -20,7 +20,8 @@ from gradmesh.sync.wrapping import wrap_optimizer
 class LossScale(Protocol):
     """What the replica step reads of an fp16 job's loss scale (`train.loss_scale`)."""
 
-    finite: bool
+    @property
+    def finite(self) -> bool: ...
 
     def skipped_elsewhere(self, params: list[torch.nn.Parameter]) -> None: ...
 
