@@ -17,6 +17,7 @@ from gradmesh.layout.config import (
     every_of,
 )
 from gradmesh.layout.pipeline.order import check_schedule
+from gradmesh.registry import canonical_name
 from gradmesh.runtime.axes import MeshShape
 from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
 from gradmesh.sync.config import SPLIT_LAYOUTS, check_stage
@@ -130,6 +131,10 @@ def _check_counts(config: TrainConfig) -> None:
         )
 
 
+STATELESS = ("none", "fp16", "bf16")
+"""The compressions fp16's loss scale composes with: casts, which keep no state."""
+
+
 def _check_layout(config: TrainConfig) -> None:
     layout, strategy = config.layout, config.sync.strategy
     shape = MeshShape.for_world(config.job.workers, **layout.mesh_sizes())
@@ -155,6 +160,14 @@ def _check_layout(config: TrainConfig) -> None:
         raise GradmeshError(
             f"--precision fp16 with --strategy {strategy}: its loss scale skips a step only "
             "when every rank agrees, which needs ranks that step together (--strategy allreduce)"
+        )
+    method = canonical_name(config.sync.compression.method)
+    if layout.precision == "fp16" and method not in STATELESS and not config.sync.replicas.enabled:
+        raise GradmeshError(
+            f"--precision fp16 with --compression {method}: the gradients it compresses are "
+            "scaled and may overflow, and its state (error feedback's residual, PowerSGD's Q) "
+            "would keep that Inf so that every later step is skipped; use --precision bf16, or "
+            f"--compression {' or '.join(STATELESS[1:])}"
         )
     if layout.precision == "fp8":  # the layout first: its line holds on any machine
         check_fp8(shape.tp, shape.pp, layout.plan)

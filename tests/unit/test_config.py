@@ -87,6 +87,10 @@ def test_registry_lists_valid_names_on_unknown() -> None:
             {"precision": "fp16", "strategy": "ps"},
             "--precision fp16 with --strategy ps: its loss scale skips a step only when every",
         ),
+        (
+            {"precision": "fp16", "compression": "int8"},
+            "--precision fp16 with --compression int8: the gradients it compresses are scaled",
+        ),
         ({"activation_checkpointing": "every:x"}, "expected blocks (every block), every:K"),
     ],
 )
