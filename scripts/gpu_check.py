@@ -73,6 +73,7 @@ def rows() -> list[Row]:
             timeout_s=240,
         ),
         Row("host syncs in the steady step", ["scripts/gpu_step.py"], kind="script"),
+        Row("host syncs in the fp16 step", ["scripts/gpu_step.py", "--fp16"], kind="script"),
         Row("gpt bf16", [*gpt, "--precision", "bf16"], precision="bf16"),
         Row("gpt bf16 --compile", [*gpt, "--precision", "bf16", "--compile"], precision="bf16"),
         Row("gpt fp8 --compile", [*gpt, "--precision", "fp8", "--compile"], precision="fp8"),

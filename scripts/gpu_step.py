@@ -1,14 +1,15 @@
 """The GPU check's look inside the step, for the GPU check's GPT at a world of one:
 
-    python3 scripts/gpu_step.py                      # host syncs in the trainer's steady step
+    python3 scripts/gpu_step.py [--fp16]             # host syncs in the trainer's steady step
     python3 scripts/gpu_step.py --profile [--compile] # the trainer's and the plain loop's ops
 
 Both build `gradmesh bench overhead`'s two sides (the trainer's job, a plain loop) and take 5
-warm-up steps. Without flags: 5 steps of the trainer with `torch.cuda.set_sync_debug_mode("warn")`,
-printing how many calls made the host wait for the GPU and, for each distinct one, the innermost
-gradmesh frame; exit status 1 when there was any (the CPU suite's version of the same rule is
-`gradmesh.runtime.host_reads`). With `--profile`: each side's ms a step and torch.profiler's top
-operations by host time and by GPU time over 3 steps, to find what the trainer adds.
+warm-up steps. Without `--profile`: 5 steps of the trainer (bf16; `--fp16`: fp16 with its loss
+scale) with `torch.cuda.set_sync_debug_mode("warn")`, printing how many calls made the host wait
+for the GPU and, for each distinct one, the innermost gradmesh frame; exit status 1 when there
+was any (the CPU suite's version of the same rule is `gradmesh.runtime.host_reads`). With
+`--profile`: each side's ms a step and torch.profiler's top operations by host time and by GPU
+time over 3 steps, to find what the trainer adds.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ def main() -> int:
         print("gpu_step: torch sees no CUDA device", file=sys.stderr)
         return 2
     args = Config(
-        device="cuda", precision="bf16", optimizer="adamw", batch=32, sequence_length=512,
-        model_args="dim=768,depth=12,heads=12", compile="--compile" in sys.argv,
+        device="cuda", precision="fp16" if "--fp16" in sys.argv else "bf16", optimizer="adamw",
+        batch=32, sequence_length=512, model_args="dim=768,depth=12,heads=12",
+        compile="--compile" in sys.argv,
     )  # fmt: skip
     rt = init(backend=_backend("cuda"))
     seen: dict[str, int] = {}

@@ -135,6 +135,25 @@ STATELESS = ("none", "fp16", "bf16")
 """The compressions fp16's loss scale composes with: casts, which keep no state."""
 
 
+def _check_fp16(config: TrainConfig) -> None:
+    """fp16's loss scale skips a step on every rank at once, before anything keeps the
+    overflowed gradients."""
+    strategy = config.sync.strategy
+    if strategy != "allreduce":
+        raise GradmeshError(
+            f"--precision fp16 with --strategy {strategy}: its loss scale skips a step only "
+            "when every rank agrees, which needs ranks that step together (--strategy allreduce)"
+        )
+    method = canonical_name(config.sync.compression.method)
+    if method not in STATELESS and not config.sync.replicas.enabled:
+        raise GradmeshError(
+            f"--precision fp16 with --compression {method}: the gradients it compresses are "
+            "scaled and may overflow, and its state (error feedback's residual, PowerSGD's Q) "
+            "would keep that Inf so that every later step is skipped; use --precision bf16, or "
+            f"--compression {' or '.join(STATELESS[1:])}"
+        )
+
+
 def _check_layout(config: TrainConfig) -> None:
     layout, strategy = config.layout, config.sync.strategy
     shape = MeshShape.for_world(config.job.workers, **layout.mesh_sizes())
@@ -156,19 +175,8 @@ def _check_layout(config: TrainConfig) -> None:
         )
     if layout.activation_checkpointing:
         every_of(layout.activation_checkpointing)
-    if layout.precision == "fp16" and strategy != "allreduce":
-        raise GradmeshError(
-            f"--precision fp16 with --strategy {strategy}: its loss scale skips a step only "
-            "when every rank agrees, which needs ranks that step together (--strategy allreduce)"
-        )
-    method = canonical_name(config.sync.compression.method)
-    if layout.precision == "fp16" and method not in STATELESS and not config.sync.replicas.enabled:
-        raise GradmeshError(
-            f"--precision fp16 with --compression {method}: the gradients it compresses are "
-            "scaled and may overflow, and its state (error feedback's residual, PowerSGD's Q) "
-            "would keep that Inf so that every later step is skipped; use --precision bf16, or "
-            f"--compression {' or '.join(STATELESS[1:])}"
-        )
+    if layout.precision == "fp16":
+        _check_fp16(config)
     if layout.precision == "fp8":  # the layout first: its line holds on any machine
         check_fp8(shape.tp, shape.pp, layout.plan)
     check_precision(layout.precision)

@@ -155,7 +155,7 @@ def _check_and_unscale(
         if not isinstance(factor, torch.Tensor):
             factor = torch.full((), factor, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, factor)
-        found += flag.to(found.device)
+        torch.maximum(found, flag.to(found.device), out=found)  # 0 or 1: fused steps skip at 1
     if dist.is_available() and dist.is_initialized():  # the world agrees
         dist.all_reduce(found, op=dist.ReduceOp.MAX)
     return found
