@@ -191,10 +191,13 @@ def update(optimizer: Optimizer, scale: DynamicLossScale | None) -> None:
             scale.unscale_on_device(optimizer)
         else:
             scale.unscale(p for group in optimizer.param_groups for p in group["params"])
-    if not distributed:
-        with span("step"):
+    try:
+        if not distributed:
+            with span("step"):
+                optimizer.step()
+            return
+        synced = cast(Any, optimizer).skip_synchronize() if scale else contextlib.nullcontext()
+        with synced:  # the wrapper spans its update itself
             optimizer.step()
-        return
-    synced = cast(Any, optimizer).skip_synchronize() if scale else contextlib.nullcontext()
-    with synced:  # the wrapper spans its update itself
-        optimizer.step()
+    finally:  # this step's flag only, as `GradScaler` leaves it
+        vars(optimizer).pop("found_inf", None)

@@ -195,7 +195,8 @@ def test_the_device_verdict_takes_the_host_verdicts_steps_bit_for_bit() -> None:
 
 def test_an_overflow_in_two_kinds_of_gradient_is_one_flag_the_fused_step_skips() -> None:
     """Gradients of two dtypes are unscaled in two kernels; both overflowing still make a flag
-    of 1 (the fused step skips only at exactly 1), so the weights stay and the scale halves."""
+    of 1 (the fused step skips only at exactly 1), so the weights stay and the scale halves;
+    the flag is taken off the optimizer after its step."""
     params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2).double())]
     opt = torch.optim.AdamW(params, lr=0.1, fused=True)
     scale = DynamicLossScale(scale=8.0)
@@ -204,3 +205,4 @@ def test_an_overflow_in_two_kinds_of_gradient_is_one_flag_the_fused_step_skips()
     update(opt, scale)
     assert all(torch.equal(p, torch.ones_like(p)) for p in params)
     assert (scale.scale, scale.skipped, scale.finite) == (4.0, 1, False)
+    assert not hasattr(opt, "found_inf")  # that step's flag only, as GradScaler leaves it
