@@ -89,8 +89,9 @@ class LayoutConfig:
     )
     compile: bool = option(
         False,
-        "torch.compile each of the model's blocks (the whole model where it has none), after "
-        "the tensor split, before sharding; not with --pipeline-parallel or --plan",
+        "torch.compile each of the model's blocks (the whole model where it has none, or in a "
+        "world of one without recomputation or ZeRO 2/3), after the tensor split, before "
+        "sharding; not with --pipeline-parallel or --plan",
     )
     sequence_parallel: bool = option(
         False,

@@ -12,7 +12,8 @@ orders its steps the same way, for the same reasons):
 3. Recomputation: each block's forward recomputed in backward (`gradmesh.layout.memory`), after
    the split, so that the recomputed forward is the split one, its exchanges included.
 4. Compilation: each block compiled (`gradmesh.layout.compile`), after the split and the
-   recomputation it must trace, before sharding wraps the blocks.
+   recomputation it must trace, before sharding wraps the blocks; the whole model at a world
+   of one without recomputation or sharding, where the blocks' seams carry nothing.
 5. The pipeline cut (the pp axis): this rank's stages and the engine that runs the schedule,
    or, without a pipeline, the whole (split) model and a plain engine (`gradmesh.layout.engine`).
    - Context parallelism (the cp axis, `gradmesh.layout.context`): the engine's steps on this
@@ -130,7 +131,9 @@ def parallelize(
     # (context parallelism: here)
     info |= _recompute(model, layout.activation_checkpointing, name)  # 3. recomputation
     if layout.compile:  # 4. compilation
-        info["compiled"] = len(compile_model(model))
+        seamless = rt.size == 1 and not layout.activation_checkpointing and zero_stage < 2
+        names = compile_model(model, whole=seamless)
+        info["compiled"] = "the whole model" if names == [""] else f"{len(names)} blocks"
     split = cut_pipeline(model, name, layout, rt, (example, loss_fn, starts), info)  # 5. the cut
     split = context_parallel(split, name, layout.context_attention, rt)  # context parallelism
     info |= expert_parallel(split.module, name, rt)  # expert parallelism
