@@ -16,13 +16,12 @@ OPTIMIZERS: Registry[OptimizerFn] = Registry("optimizer")
 
 
 def fused(params: list[torch.nn.Parameter]) -> bool | None:
-    """True (torch's `fused=True`) where every parameter is a plain CUDA tensor: one kernel for
-    the whole update instead of torch's default (foreach: a few kernels a group on CUDA). CPU
-    keeps torch's default, the same arithmetic as a script's optimizer; sharded (DTensor)
-    parameters too (None: torch's default)."""
-    from torch.distributed.tensor import DTensor
-
-    cuda = bool(params) and all(p.is_cuda and not isinstance(p, DTensor) for p in params)
+    """True (torch's `fused=True`) where every parameter is on CUDA, DTensor shards (ZeRO 2/3,
+    tensor parallelism) included, as torchtitan steps them: one kernel for the whole update
+    instead of torch's default (foreach: a few kernels a group on CUDA), and fp16's overflow
+    verdict read on the device (`gradmesh.train.loss_scale.skips_on_device`). CPU keeps
+    torch's default (None), the same arithmetic as a script's optimizer."""
+    cuda = bool(params) and all(p.is_cuda for p in params)
     return True if cuda else None
 
 

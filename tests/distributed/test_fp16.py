@@ -16,6 +16,8 @@ import gradmesh
 from gradmesh.layout.engine import PlainEngine
 from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
 from gradmesh.runtime.host_reads import HostReads
+from gradmesh.runtime.world import get_runtime
+from gradmesh.sync.sharded.model import local, shard_model
 from gradmesh.train.loss_scale import DynamicLossScale, skips_on_device, update
 from tests.distributed.test_any_model import MatmulDtypes
 from tests.harness import run_ranks
@@ -148,18 +150,21 @@ class HostVerdict(torch.optim.AdamW):
         return super().step(closure)
 
 
-def fused_fp16_steps(on_device: bool, steps: int) -> tuple[list[float], int, float, Any]:
+def fused_fp16_steps(
+    on_device: bool, steps: int, zero_stage: int = 0
+) -> tuple[list[float], int, float, Any]:
     """`steps` of the GPT at dp 2 under fp16 from a scale of 2^24 (the first steps overflow),
-    with a fused AdamW through `DistributedOptimizer` and `update`: the verdict on the device
+    with a fused AdamW through `DistributedOptimizer` and `update`, or (`zero_stage` 3) over
+    FSDP2's DTensor shards, which reduced the gradients in backward: the verdict on the device
     (steps after the first inside the host-read guard) or, `HostVerdict`, on the host. Returns
-    the losses, steps skipped, the final scale and the weights."""
+    the losses, steps skipped, the final scale and the weights (this rank's shards at stage 3)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**CONFIG))
+    model = shard_model(GPT(GPTConfig(**CONFIG)), zero_stage, get_runtime())
     engine = PlainEngine(model, 1, lm_loss, torch.float16)
     kind = torch.optim.AdamW if on_device else HostVerdict
-    opt = gradmesh.DistributedOptimizer(
-        kind(model.parameters(), lr=3e-3, fused=True), named_parameters=model.named_parameters()
-    )
+    opt = kind(model.parameters(), lr=3e-3, fused=True)
+    if not zero_stage:
+        opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     assert skips_on_device(opt) == on_device
     scale = DynamicLossScale(scale=2.0**24, growth_interval=4)
     g = torch.Generator().manual_seed(1 + gradmesh.rank())
@@ -172,18 +177,20 @@ def fused_fp16_steps(on_device: bool, steps: int) -> tuple[list[float], int, flo
             loss = engine.step(x, y, scale.weight / len(y))
             update(opt, scale)
         losses.append(float(loss) / len(y))
-    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    weights = torch.cat([local(p.detach()).flatten() for p in model.parameters()])
     return losses, scale.skipped, scale.scale, weights
 
 
-def test_the_device_verdict_takes_the_host_verdicts_steps_bit_for_bit() -> None:
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_the_device_verdict_takes_the_host_verdicts_steps_bit_for_bit(zero_stage: int) -> None:
     """The fused optimizer skips the overflowed steps itself and the scale changes on the
     device, with no host read in the step; the weights, losses, skips and scale are those of
     the same optimizer given the verdict on the host, bit for bit (skips, halvings, and the
-    doublings of `growth_interval` 4 included)."""
+    doublings of `growth_interval` 4 included). Stage 3: the fused step over DTensor shards
+    takes the flag too (as a GPU's ZeRO 2/3 and tensor-parallel parameters now step fused)."""
     steps = 24
-    host = run_ranks(fused_fp16_steps, 2, False, steps)
-    device = run_ranks(fused_fp16_steps, 2, True, steps)
+    host = run_ranks(fused_fp16_steps, 2, False, steps, zero_stage)
+    device = run_ranks(fused_fp16_steps, 2, True, steps, zero_stage)
     for (losses, skipped, scale, weights), (d_losses, d_skipped, d_scale, d_weights) in zip(
         host, device, strict=True
     ):
