@@ -153,13 +153,17 @@ def skips_on_device(optimizer: Optimizer) -> bool:
     """Whether `optimizer`'s step skips an overflowed step itself, on the device: torch's fused
     Adam, AdamW and SGD read `found_inf`, and every class above them that has its own `step`
     says it leaves the skip to them (`passes_found_inf`: `DistributedOptimizer`, whose step is
-    theirs after the reduction). Other wrappers (local SGD, parameter servers, replica groups)
-    would act on the gradients an overflow left, so those get the host's verdict."""
+    theirs after the reduction), or hands the flag to an inner optimizer that does
+    (`forwards_found_inf`: ZeRO 1's, to the optimizer of its part). Other wrappers (local SGD,
+    parameter servers, replica groups) would act on the gradients an overflow left, so those
+    get the host's verdict."""
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
     for kind in type(optimizer).__mro__:
         if kind.__module__.startswith("torch.optim"):
             return True
+        if vars(kind).get("forwards_found_inf", False):
+            return skips_on_device(cast(Any, optimizer).optim)
         if "step" in vars(kind) and not vars(kind).get("passes_found_inf", False):
             return False
     return False

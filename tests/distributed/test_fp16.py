@@ -18,6 +18,7 @@ from gradmesh.models.gpt import GPT, GPTConfig, lm_loss
 from gradmesh.runtime.host_reads import HostReads
 from gradmesh.runtime.world import get_runtime
 from gradmesh.sync.sharded.model import local, shard_model
+from gradmesh.sync.sharded.optimizer import shard_optimizer
 from gradmesh.train.loss_scale import DynamicLossScale, skips_on_device, update
 from tests.distributed.test_any_model import MatmulDtypes
 from tests.harness import run_ranks
@@ -154,8 +155,9 @@ def fused_fp16_steps(
     on_device: bool, steps: int, zero_stage: int = 0
 ) -> tuple[list[float], int, float, Any]:
     """`steps` of the GPT at dp 2 under fp16 from a scale of 2^24 (the first steps overflow),
-    with a fused AdamW through `DistributedOptimizer` and `update`, or (`zero_stage` 3) over
-    FSDP2's DTensor shards, which reduced the gradients in backward: the verdict on the device
+    with a fused AdamW through `DistributedOptimizer` and `update` (at `zero_stage` 1, over
+    this replica's part), or (`zero_stage` 3) over FSDP2's DTensor shards, which reduced the
+    gradients in backward: the verdict on the device
     (steps after the first inside the host-read guard) or, `HostVerdict`, on the host. Returns
     the losses, steps skipped, the final scale and the weights (this rank's shards at stage 3)."""
     torch.manual_seed(0)
@@ -163,7 +165,8 @@ def fused_fp16_steps(
     engine = PlainEngine(model, 1, lm_loss, torch.float16)
     kind = torch.optim.AdamW if on_device else HostVerdict
     opt = kind(model.parameters(), lr=3e-3, fused=True)
-    if not zero_stage:
+    if zero_stage < 2:
+        opt = shard_optimizer(opt, zero_stage, get_runtime())
         opt = gradmesh.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     assert skips_on_device(opt) == on_device
     scale = DynamicLossScale(scale=2.0**24, growth_interval=4)
@@ -181,13 +184,14 @@ def fused_fp16_steps(
     return losses, scale.skipped, scale.scale, weights
 
 
-@pytest.mark.parametrize("zero_stage", [0, 3])
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
 def test_the_device_verdict_takes_the_host_verdicts_steps_bit_for_bit(zero_stage: int) -> None:
     """The fused optimizer skips the overflowed steps itself and the scale changes on the
     device, with no host read in the step; the weights, losses, skips and scale are those of
     the same optimizer given the verdict on the host, bit for bit (skips, halvings, and the
-    doublings of `growth_interval` 4 included). Stage 3: the fused step over DTensor shards
-    takes the flag too (as a GPU's ZeRO 2/3 and tensor-parallel parameters now step fused)."""
+    doublings of `growth_interval` 4 included). Stage 1: ZeRO's optimizer hands the flag to the
+    fused optimizer of its part; stage 3: the fused step over DTensor shards takes it too (as a
+    GPU's ZeRO 2/3 and tensor-parallel parameters now step fused)."""
     steps = 24
     host = run_ranks(fused_fp16_steps, 2, False, steps, zero_stage)
     device = run_ranks(fused_fp16_steps, 2, True, steps, zero_stage)

@@ -50,6 +50,23 @@ def _counted_class() -> Any:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     class CountedZeroRedundancyOptimizer(ZeroRedundancyOptimizer):
+        forwards_found_inf = True
+        """fp16's overflow flag (`found_inf`, as `GradScaler` hands it) goes to the optimizer
+        of this replica's part, whose step skips or not (`gradmesh.train.loss_scale`)."""
+
+        @property
+        def _step_supports_amp_scaling(self) -> bool:
+            return bool(getattr(self.optim, "_step_supports_amp_scaling", False))
+
+        def step(self, closure: Any = None, **kwargs: Any) -> Any:
+            found = vars(self).get("found_inf")
+            if found is not None:
+                self.optim.found_inf = found
+            try:
+                return super().step(closure, **kwargs)
+            finally:
+                vars(self.optim).pop("found_inf", None)
+
         def _sync_params(self) -> None:
             mine = [p for group in self.optim.param_groups for p in group["params"]]
             part = sum(p.numel() * p.element_size() for p in mine)
