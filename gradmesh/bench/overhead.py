@@ -56,8 +56,8 @@ class Config:
     )
     compile: bool = option(
         False,
-        "both sides compiled: the trainer with its --compile (each block), the plain loop's "
-        "model whole (torch.compile(model), as a script does)",
+        "both sides compiled: the trainer with its --compile (in this world of one, the whole "
+        "model), the plain loop's model whole (torch.compile(model), as a script does)",
     )
     steps: int = option(10, "timed steps per side and turn")
     warmup: int = option(3, "untimed steps per side before each turn's timed ones")
@@ -266,7 +266,8 @@ def _lines(p: dict[str, Any]) -> list[str]:
     unit = p["unit"]
     lines = [
         f"{p['model']} ({p['model_args']}), batch {p['batch']}, {p['precision']}, "
-        f"{p['optimizer']}{', compiled' if p['compile'] else ''}, on {p['device']}, "
+        f"{p['optimizer']}{', compiled' if p['compile'] else ''}"
+        f"{f' (the trainer: {c})' if (c := p.get('trainer_compiled')) else ''}, on {p['device']}, "
         f"torch {p['torch']}"
     ]
     for name in SIDES:
@@ -302,6 +303,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         _measure(args, sides, sync)
         payload = _payload(args, sides, rt.device, idle_since(cpu))
         payload["load_average"] = [load, os.getloadavg()[0]]  # 1 minute, before and after
+        payload["trainer_compiled"] = job.split.info.get("compiled")  # its scope, or None
     finally:
         shutdown()
     return report(args.json, payload, _lines(payload))

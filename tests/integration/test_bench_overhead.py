@@ -37,6 +37,7 @@ def test_bench_overhead_times_the_trainer_beside_a_plain_loop(tmp_path: Path) ->
     got = json.loads(out.read_text())
     assert {"device", "torch", "ratio", "overhead_ms", "cpu_idle", "limit", "unit"} <= set(got)
     assert got["device"].startswith("cpu") and got["unit"] == "tokens"
+    assert got["trainer_compiled"] is None  # no --compile: neither side compiled
     for side in ("trainer", "plain"):
         r = got[side]
         assert set(r) >= SIDE_KEYS
