@@ -92,3 +92,18 @@ def test_without_cuda_it_is_one_line(check: ModuleType, capsys: pytest.CaptureFi
         pytest.skip("this machine has a GPU: the check would run")
     assert check.main() == 2
     assert capsys.readouterr().err.strip() == "gpu_check: torch sees no CUDA device"
+
+
+def test_the_profile_runs_only_when_the_compiled_trainer_misses_its_bar(check: ModuleType) -> None:
+    """The profile row follows the compiled bench row and names it; it is needed when that row
+    failed or its trainer kept less than 0.95x of the plain loop's rate (ms ratio over 1/0.95)."""
+    rows = check.rows()
+    names = [r.name for r in rows]
+    profile = next(r for r in rows if r.unless_within)
+    assert names.index(profile.name) == names.index(profile.unless_within) + 1
+    bench = check.Row(profile.unless_within, [], kind="bench")
+    bench.result = {"ok": False, "code": 124, "seconds": 240.0, "said": "over its limit"}
+    assert not check.within_target(bench)
+    for ratio, kept in ((1.05, True), (1.06, False), (0.98, True)):
+        bench.result = {"ok": True, "code": 0, "seconds": 60.0, "report": {"ratio": ratio}}
+        assert check.within_target(bench) is kept
