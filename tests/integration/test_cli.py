@@ -258,11 +258,19 @@ def test_master_port_in_use() -> None:
 
 
 def test_failing_rank_ends_the_job_with_its_exit_code(tmp_path: Path) -> None:
+    """Rank 2 fails once every rank has printed its line (a rank stopped before its first
+    line would have nothing to show); the sleeping ranks are stopped and their lines kept."""
     script = tmp_path / "fail.py"
     script.write_text(
-        "import os, sys, time\n"
+        "import os, pathlib, sys, time\n"
         "print('started', flush=True)\n"
-        "if os.environ['RANK'] == '2':\n    sys.exit(7)\n"
+        f"here = pathlib.Path({str(tmp_path)!r})\n"
+        "(here / ('up' + os.environ['RANK'])).touch()\n"
+        "if os.environ['RANK'] == '2':\n"
+        "    end = time.monotonic() + 30\n"
+        "    while time.monotonic() < end and len(list(here.glob('up*'))) < 3:\n"
+        "        time.sleep(0.05)\n"
+        "    sys.exit(7)\n"
         "time.sleep(120)\n"
     )
     started = time.monotonic()

@@ -292,6 +292,10 @@ def test_a_copy_that_fails_mid_way_loads_nothing_and_says_so(
     lighthouse = Lighthouse(r)
     loaded: list[Any] = []
     outcome: dict[int, Any] = {}
+    # held until both threads end: a manager dropped with its thread closes its process group,
+    # and the other group, if it is still connecting to it, sees its peer leave (as a group
+    # process that ended would make it, which is not what this test is about)
+    managers: list[ReplicaManager] = []
 
     def broken() -> dict[str, Any]:
         raise RuntimeError("Connection reset by peer\nwhat follows is noise")
@@ -299,6 +303,7 @@ def test_a_copy_that_fails_mid_way_loads_nothing_and_says_so(
     def group(g: int, step: int) -> None:
         rt = SimpleNamespace(rank=0, size=1)
         manager = ReplicaManager(g, 2, lighthouse.address, JOB, rt, timeout_s=2.0)  # type: ignore[arg-type]
+        managers.append(manager)
         quorum = manager.start_step(step)
         assert quorum is not None and quorum.recovering and quorum.behind == (g == 1)
         outcome[g] = (manager.recover(broken, loaded.append), manager.reconfigure)
