@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from gradmesh.layout.engine import PlainEngine
 from gradmesh.layout.fp8 import eligible, fp8_problem, to_float8
@@ -22,32 +23,44 @@ GPT_TEXT = ["train", "--model", "gpt", "--dataset", "text", "--sequence-length",
 GPT_TEXT += ["--model-args", "dim=32,depth=2,heads=4", "--batch-size", "64", "--epochs", "1"]
 
 
-def _train(model: torch.nn.Module, steps: int, data: torch.Tensor) -> float:
-    """The mean token loss of the last of `steps` AdamW steps under bf16 autocast."""
+def _train(model: torch.nn.Module, data: torch.Tensor, held: torch.Tensor) -> float:
+    """The mean token loss on `held` (samples of 33 tokens) after an AdamW step on each batch
+    of `data` (steps x samples x 33 tokens), under bf16 autocast."""
     engine = PlainEngine(model, 1, half=torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for s in range(steps):
-        x, y = data[s, :, :-1], data[s, :, 1:]
+    for batch in data:
         opt.zero_grad()
-        loss = engine.step(x, y, 1.0 / y.numel())
+        engine.step(batch[:, :-1], batch[:, 1:], 1.0 / batch.shape[0])
         opt.step()
-    return float(loss) / y.numel()
+    logits = engine.predict(held[:, :-1])
+    assert logits is not None
+    return float(F.cross_entropy(logits.flatten(0, 1), held[:, 1:].flatten()))
 
 
 def test_fp8_converts_the_blocks_linear_layers_and_trains_as_bf16() -> None:
     """The blocks' linear layers become torchao's Float8Linear (embeddings and the head stay),
-    and 20 steps end within 1 % of bf16's loss on the same data (issue 57's bar on a GPU)."""
+    and after 30 steps the loss on held-out sequences is within 1 % of bf16's (issue 57's bar
+    on a GPU). The sequences follow a fixed permutation of the 256 tokens from a random first
+    one, so there is something to learn in 30 steps (from ln 256 = 5.55 to about 4.8; over
+    seeds 0-4 fp8 and bf16 measured 0.06-0.37 % apart). Small (dim 32, 4 samples a step):
+    torch multiplies fp8 on the CPU with a reference kernel, some 1,000x slower than bf16's."""
     pytest.importorskip("torchao.float8", reason="the fp8 extra (torchao) is not installed")
     torch.manual_seed(0)
-    base = GPT(GPTConfig(vocab=256, seq=32, dim=64, depth=2, heads=4))
-    data = torch.randint(0, 256, (20, 8, 33), generator=torch.Generator().manual_seed(1))
+    base = GPT(GPTConfig(vocab=256, seq=32, dim=32, depth=2, heads=4))
+    g = torch.Generator().manual_seed(1)
+    follows = torch.randperm(256, generator=g)
+    tokens = [torch.randint(0, 256, (30 * 4 + 16,), generator=g)]
+    for _ in range(32):
+        tokens.append(follows[tokens[-1]])
+    sequences = torch.stack(tokens, 1)
+    data, held = sequences[: 30 * 4].view(30, 4, 33), sequences[30 * 4 :]
     fp8 = copy.deepcopy(base)
     names = to_float8(fp8)
     assert names == sorted(eligible(base)) and len(names) == 8  # qkv, proj, fc1, fc2 a block
     kinds = {type(fp8.get_submodule(n)).__name__ for n in names}
     assert kinds == {"Float8Linear"} and type(fp8.head).__name__ == "Linear"
-    bf16, fp8_loss = _train(copy.deepcopy(base), 20, data), _train(fp8, 20, data)
-    assert bf16 < 5.5  # it learned something (ln 256 = 5.55 at the start)
+    bf16, fp8_loss = _train(copy.deepcopy(base), data, held), _train(fp8, data, held)
+    assert bf16 < 5.2  # it learned (ln 256 = 5.55 at the start; 4.8 measured)
     assert fp8_loss == pytest.approx(bf16, rel=0.01)
 
 
