@@ -20,6 +20,7 @@ from gradmesh.launch import emulate, namespaces
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.run import cluster_defaults
 from gradmesh.train.config import TrainConfig
+from tests.conftest import TAG
 from tests.harness import kept_environment
 from tests.integration.test_cli import ROOT, gradmesh
 
@@ -199,13 +200,26 @@ def _ray_or_spark_processes() -> set[int]:
     return found
 
 
-def _left_behind(before: set[int], within_s: float = 30.0) -> set[int]:
-    """Engine processes started since `before` still alive `within_s` after the job ended (an
-    engine's workers take a few seconds to end, longer on a busy machine)."""
+def _of_another_test(pid: int, tag: str) -> bool:
+    """Whether `pid` carries another test's tag (the other test worker may be running the other
+    engine's test at the same time: its processes are its own to end)."""
+    try:
+        other = psutil.Process(pid).environ().get(TAG)
+    except psutil.Error:  # gone, or not ours to read
+        return False
+    return other is not None and other != tag
+
+
+def _left_behind(before: set[int], tag: str, within_s: float = 30.0) -> set[int]:
+    """Engine processes started since `before`, but for another test's, still alive `within_s`
+    after the job ended (an engine's workers take a few seconds to end, longer on a busy
+    machine)."""
     deadline = time.monotonic() + within_s
-    while (left := _ray_or_spark_processes() - before) and time.monotonic() < deadline:
+    while True:
+        left = {p for p in _ray_or_spark_processes() - before if not _of_another_test(p, tag)}
+        if not left or time.monotonic() >= deadline:
+            return left
         time.sleep(0.2)
-    return left
 
 
 EPOCHS = "3"
@@ -229,7 +243,7 @@ def same_model(report: Path, local: dict[str, Any]) -> None:
 
 
 def test_spark_trains_what_local_trains_and_names_a_dead_worker(
-    local_run: dict[str, Any], tmp_path: Path
+    local_run: dict[str, Any], tmp_path: Path, no_leaked_processes: str
 ) -> None:
     pytest.importorskip("pyspark.ml.torch.distributor")
     if shutil.which("java") is None:
@@ -264,11 +278,14 @@ def test_spark_trains_what_local_trains_and_names_a_dead_worker(
     assert dead.returncode == 2 and line.startswith(
         "gradmesh train: error: spark job failed: rank 1"
     ), line
-    assert not _left_behind(before)
+    assert not _left_behind(before, no_leaked_processes)
 
 
 def test_ray_trains_what_local_trains_and_names_a_dead_worker(
-    local_run: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    local_run: dict[str, Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    no_leaked_processes: str,
 ) -> None:
     """Through the library on one local Ray instance (`gradmesh train --engine ray` calls the
     same `train(config)`, starting its own instance): start-up is most of the cost."""
@@ -292,4 +309,4 @@ def test_ray_trains_what_local_trains_and_names_a_dead_worker(
         finally:
             ray.shutdown()
             shutil.rmtree(own, ignore_errors=True)
-    assert not _left_behind(before)
+    assert not _left_behind(before, no_leaked_processes)

@@ -18,9 +18,20 @@ JOB = "model gpt, 1 workers, batch 24, abc"
 
 
 def rounds(
-    groups: int = 3, min_groups: int = 2, join: float = 0.3, quorum: float = 2.0, start: float = 0.3
+    groups: int = 3,
+    min_groups: int = 2,
+    join: float = 5.0,
+    quorum: float = 10.0,
+    start: float = 5.0,
 ) -> Rounds:
+    """Rounds that wait 5 s for a member that is not there (a thread that asks "at once" can be
+    held that long on a busy machine, which must not change a round's members); a test that
+    means a member to be absent passes short timeouts (`ABSENT`)."""
     return Rounds(groups, min_groups, join, quorum, commit_timeout_s=2.0, start_timeout_s=start)
+
+
+ABSENT: dict[str, float] = {"join": 0.3, "start": 0.3}
+"""The timeouts of a test whose round goes on without a member that never asks."""
 
 
 def asking(r: Rounds, asks: list[tuple[int, int]], identity: str = JOB) -> dict[int, Any]:
@@ -110,12 +121,13 @@ def test_no_quorum_below_the_minimum_is_one_line_naming_the_step_and_groups() ->
 
 
 def test_a_group_of_another_job_is_refused_and_the_others_go_on() -> None:
-    r = rounds()
+    r = rounds(**ABSENT)
     asking(r, [(0, 0), (1, 0), (2, 0)])
     other = r.quorum(2, 0, "model cnn, 1 workers, batch 24, def", False)
     assert other["error"].startswith("group 2 at step 0 runs another job (model cnn")
     assert asking(r, [(0, 1), (1, 1)])[0]["members"] == [0, 1]
-    first = rounds(groups=2, min_groups=1)  # in the first round too: group 0's run is the job's
+    # in the first round too: group 0's run is the job's
+    first = rounds(groups=2, min_groups=1, **ABSENT)
     answers: dict[int, Any] = {}
     threads = [
         threading.Thread(
@@ -252,7 +264,7 @@ def test_a_group_that_asks_after_the_run_finished_is_told_at_once(
 
     from gradmesh.sync.replicas.manager import ReplicaManager
 
-    r = rounds(quorum=30.0)
+    r = rounds(quorum=30.0, **ABSENT)
     assert asking(r, [(0, 0), (1, 0)])[0]["members"] == [0, 1]
     lighthouse = Lighthouse(r)
     try:
@@ -328,7 +340,7 @@ def test_a_group_of_another_job_is_refused_even_after_the_run_finished() -> None
     """Which answer a group of another job gets does not depend on when it starts: before or
     after the run's end it is not admitted (a CI run saw it arrive after the end and be told the
     run was over, exit 0)."""
-    r = rounds()
+    r = rounds(**ABSENT)
     assert asking(r, [(0, 0), (1, 0)])[0]["members"] == [0, 1]
     r.finish(0, 60)
     other = r.quorum(1, 0, "model mlp, 1 workers, batch 24, def", False)

@@ -52,7 +52,10 @@ def test_a_worker_declared_lost_is_readmitted_into_the_round_under_way(
         assert "worker 1 lost" in capsys.readouterr().out
         # it speaks again with its step 2: readmitted, its gradient joins round 4 and its read waits
         back = in_thread(lambda: slow.pull(out[1], push=2 * ones))
-        time.sleep(0.5)  # the other worker stays within its 3 s
+        deadline = time.monotonic() + 2.0  # the other worker stays within its 3 s
+        while 1 not in server.round and time.monotonic() < deadline:
+            time.sleep(0.01)  # until its push is in the round (a fixed pause could end first)
+        assert 1 in server.round, "its push did not join the round under way"
         assert back.is_alive(), "its read was answered before the round it joined had closed"
         fast.pull(out[0], push=ones)  # step 4 of the other worker closes that round
         back.join(timeout=20)
