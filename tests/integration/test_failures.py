@@ -1,8 +1,9 @@
-"""Failures fail fast and name the culprit, as a user sees them under `gradmesh run -np 2` with a
-8 s collective timeout: one line naming the rank and the operation, no traceback from gradmesh,
-the job over soon after the timeout (before it, when a rank dies or the ranks disagree), and no
-process left behind (the leak fixture checks every test). Time bounds are the timeout itself, or
-it plus LATE_S: a busy machine moves neither."""
+"""Failures fail fast and name the culprit, as a user sees them under `gradmesh run -np 2`: one
+line naming the rank and the operation, no traceback from gradmesh, the job over soon after the
+collective timeout (before it, when a rank dies or the ranks disagree), and no process left
+behind (the leak fixture checks every test). Time bounds are the timeout itself (a job that
+must end before it runs with a 30 s one, `FOUND_S`, many times what its ending takes), or the
+timeout and the graces that follow it plus LATE_S: a busy machine moves neither."""
 
 from __future__ import annotations
 
@@ -18,10 +19,15 @@ import pytest
 
 from gradmesh.errors import PEER_FAILED_EXIT
 from gradmesh.launch.run import free_port
+from gradmesh.runtime.ending import PEER_GRACE_S, STOP_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "faulty.py")
 TIMEOUT_S = 8
+"""The collective timeout of a job that waits it out."""
+FOUND_S = 30
+"""The collective timeout of a job that must end before it: a failure found at once, then at most
+a peer's and a stop's grace (PEER_GRACE_S + STOP_GRACE_S, 7 s) and the processes' exits."""
 LATE_S = 15
 """How long after the timeout a job may take to end: starting and stopping Python processes on
 a loaded machine, never the 30 minutes a call without a timeout would wait."""
@@ -31,8 +37,11 @@ GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
 class Job:
     """`gradmesh run -np 2 -- python faulty.py MODE ALGORITHM`, read line by line."""
 
-    def __init__(self, mode: str, algorithm: str = "hvd", tmp: Path | None = None) -> None:
-        env = {**os.environ, "GRADMESH_TIMEOUT_S": str(TIMEOUT_S)}
+    def __init__(
+        self, mode: str, algorithm: str = "hvd", tmp: Path | None = None, timeout_s: int = FOUND_S
+    ) -> None:
+        self.timeout_s = timeout_s
+        env = {**os.environ, "GRADMESH_TIMEOUT_S": str(timeout_s)}
         if tmp is not None:  # a launcher killed by SIGKILL cannot remove its log folder
             env["TMPDIR"] = str(tmp)
         command = [*GRADMESH, "run", "-np", "2", "--", "python", SCRIPT, mode, algorithm]
@@ -56,7 +65,7 @@ class Job:
     def finish(self) -> tuple[int, str, float]:
         """(exit code, stderr, seconds from now until the job was over)."""
         started = time.monotonic()
-        _, err = self.proc.communicate(timeout=TIMEOUT_S + 30)
+        _, err = self.proc.communicate(timeout=self.timeout_s + 30)
         return self.proc.returncode, err, time.monotonic() - started
 
 
@@ -66,12 +75,12 @@ def gradmesh_lines(err: str) -> list[str]:
 
 @pytest.mark.parametrize("mode", ["shape", "skip"])
 def test_horovod_api_later_mismatch_and_skipped_call(mode: str) -> None:
-    job = Job(mode)
+    job = Job(mode, timeout_s=FOUND_S if mode == "shape" else TIMEOUT_S)
     job.until("agreed", 2)
     code, err, seconds = job.finish()
     assert code == PEER_FAILED_EXIT
     assert "Traceback" not in err
-    assert seconds < TIMEOUT_S + LATE_S
+    assert seconds < job.timeout_s + PEER_GRACE_S + STOP_GRACE_S + LATE_S
     if mode == "shape":  # found by the coordinator's round at once, on both ranks
         want = (
             ": the ranks called different operations: rank 0: allreduce (average) of float32 "
@@ -80,7 +89,7 @@ def test_horovod_api_later_mismatch_and_skipped_call(mode: str) -> None:
         for r in (0, 1):
             line = f"[{r}] gradmesh: rank {r}: allreduce 'allreduce.noname.3' on the global "
             assert f"{line}process set{want}" in err
-        assert seconds < TIMEOUT_S, "found by the signature check, not by the timeout"
+        assert seconds < FOUND_S, "found by the signature check, not by the timeout"
         # both ranks stop at once: the launcher names whichever exit it sees first
         assert re.search(r"gradmesh run: rank [01] stopped: a collective with other ranks", err)
     else:  # rank 1 never comes: rank 0 gives up after the timeout, naming rank 1
@@ -95,7 +104,7 @@ def test_rank_0_failing_ends_the_job_at_once_and_is_named(mode: str, code: int) 
     job.until("rank 1 pid")
     returncode, err, seconds = job.finish()
     assert returncode == code
-    assert seconds < TIMEOUT_S, "not a timeout: the failed rank left at once, rank 1 was stopped"
+    assert seconds < FOUND_S, "not a timeout: the failed rank left at once, rank 1 was stopped"
     assert (
         gradmesh_lines(err)[-1]
         == f"gradmesh run: rank 0 exited with code {code}; the job was stopped"
@@ -113,7 +122,7 @@ def test_a_killed_rank_is_named_with_its_signal() -> None:
     os.kill(pids[1], signal.SIGKILL)
     code, err, seconds = job.finish()
     assert code == 128 + signal.SIGKILL
-    assert seconds < TIMEOUT_S, "the launcher stopped the job, not the survivor's timeout"
+    assert seconds < FOUND_S, "the launcher stopped the job, not the survivor's timeout"
     assert gradmesh_lines(err)[-1] == (
         "gradmesh run: rank 1 was killed by signal SIGKILL; the job was stopped"
     )
