@@ -37,6 +37,9 @@ import runpy
 import sys
 import traceback
 import warnings
+from typing import Any
+
+from gradmesh.runtime.process import stay_with_launcher
 
 WORKER_START_ENV = "GRADMESH_WORKER_START"
 """`exec` starts every worker as a fresh process; unset (or `fork`): the rules above."""
@@ -57,7 +60,9 @@ def forkable(command: list[str], nproc: int) -> tuple[str, list[str]] | None:
         from gradmesh.errors import GradmeshError
 
         raise GradmeshError(f"{WORKER_START_ENV}={choice!r}: use fork or exec")
-    if choice == "exec" or not PROGRAM or nproc < 2 or len(command) < 3:
+    if choice == "exec" or not PROGRAM or len(command) < 3:
+        return None
+    if nproc < 2 and not _server_forks():  # one worker: nothing an exec'd server would share
         return None
     program, flag, module, *args = command
     if program != sys.executable or flag != "-m" or not module.startswith("gradmesh."):
@@ -65,20 +70,96 @@ def forkable(command: list[str], nproc: int) -> tuple[str, list[str]] | None:
     return (module, args) if visible_gpus() == 0 else None
 
 
-def start_server(module: str) -> tuple[dict[str, str], dict[str, str]]:
-    """Start this process's forkserver (once), preloaded with torch and `module`; return the
-    environment a forked worker should run in (this launch's) and the server's."""
+def start_server(module: str) -> dict[str, str]:
+    """Start this process's forkserver (once), with torch and `module` imported, and return
+    the environment it started with."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
     global _server_env
     if _server_env is None:
-        # the guard first: the server dies with this process (its forks hold it up otherwise)
-        preload = [GUARD, "torch", "torch._dynamo", "torch.distributed", module, __name__]
-        mp.get_context("forkserver").set_forkserver_preload(preload)
+        preload = ["torch", "torch._dynamo", "torch.distributed", module, __name__]
         _server_env = dict(os.environ)
-        forkserver.ensure_running()
-    return dict(os.environ), _server_env
+        if not _fork_server(preload):
+            # the guard first: the server dies with this process (its forks hold it up otherwise)
+            mp.get_context("forkserver").set_forkserver_preload([GUARD, *preload])
+            forkserver.ensure_running()
+    return _server_env
+
+
+_SERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
+"""`multiprocessing.forkserver.main`'s parameters where `_fork_server` knows its protocol
+(Python 3.11 to 3.13; 3.14 added a key exchange: the exec'd server serves there)."""
+
+
+def _server_forks() -> bool:
+    """Whether this Python's forkserver is one `_fork_server` can start."""
+    import inspect
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
+    known = list(inspect.signature(forkserver.main).parameters) == _SERVER_MAIN
+    return known and server is not None and all(hasattr(server, f) for f in fields)
+
+
+def _fork_server(preload: list[str]) -> bool:
+    """Import `preload` here, then start the forkserver as a fork of this process; False
+    (nothing started) where that cannot be done safely.
+
+    Python starts its forkserver by exec: a new interpreter that imports torch again, though
+    the launcher imported it already for the elastic agent (1.7 s of CPU a job, a third of
+    what starting a job costs here). Forked after the imports and before the agent starts a
+    thread, the server has them for free; it then runs Python's own server loop
+    (`forkserver.main`), so everything after (the agent's requests, the forks, the exit codes)
+    is the library's. What this sets up is what `ForkServer.ensure_running` does: a listening
+    socket, an "alive" pipe, and the address, pipe and pid the client side reads."""
+    import importlib
+    import signal
+    import socket
+    import threading
+    from multiprocessing import connection, forkserver, resource_tracker, util
+
+    if not _server_forks():
+        return False
+    server: Any = forkserver._forkserver
+    for name in preload:
+        importlib.import_module(name)
+    if threading.active_count() > 1:  # a Python thread could hold a lock the fork copies
+        return False
+    with server._lock:
+        resource_tracker.ensure_running()
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        with socket.socket(socket.AF_UNIX) as listener:
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            alive_r, alive_w = os.pipe()
+            sys.stdout.flush()  # what is buffered here would be written twice
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:  # the server: never returns to the launcher's code
+                code = 0
+                try:
+                    os.close(alive_w)
+                    stay_with_launcher()
+                    for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers
+                        signal.signal(sig, signal.SIG_DFL)
+                    signal.signal(signal.SIGINT, signal.default_int_handler)
+                    forkserver.main(listener.fileno(), alive_r, [], None, None)
+                except SystemExit:  # its clients are gone (the "alive" pipe closed)
+                    pass
+                except BaseException:  # noqa: BLE001 - reported, and the server ends
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    os._exit(code)  # not the launcher's atexit handlers
+            os.close(alive_r)
+        server._forkserver_address = address
+        server._forkserver_alive_fd = alive_w
+        server._forkserver_pid = pid
+    return True
 
 
 def run_module(module: str, args: list[str], env: dict[str, str], started: dict[str, str]) -> None:

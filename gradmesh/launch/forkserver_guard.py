@@ -5,10 +5,6 @@ would keep the server alive (they hold its "alive" pipe) after their launcher wa
 
 from __future__ import annotations
 
-import os
+from gradmesh.runtime.process import stay_with_launcher
 
-from gradmesh.runtime.process import LAUNCHER_PID_ENV, die_with_parent
-
-die_with_parent()
-if str(os.getppid()) != os.environ.get(LAUNCHER_PID_ENV):  # gone before the kernel watched it
-    os._exit(1)
+stay_with_launcher()

@@ -354,10 +354,6 @@ def _launch_config(spec: LaunchSpec, host: str, port: int, log_dir: str, start: 
 
 def launch(spec: LaunchSpec, command: list[str]) -> int:
     """Run `command` as `spec.nproc` workers on this host; return the job's exit code."""
-    from torch.distributed.elastic.multiprocessing import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import elastic_launch
-
     _check(spec)
     command = resolve_command(command)
     host, port = parse_master(spec.master, spec.nnodes)
@@ -366,13 +362,19 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     else:
         wait_for_master(host, port, spec.timeout_s, spec.node_rank)
     os.environ.update(_worker_env(spec, host))
-    _quiet_agent()
     forked = forkable(command, spec.nproc)  # before the log folder: a bad choice leaves none
+    # before the agent's threads: the server is a fork of this process once torch is imported
+    server_env = start_server(forked[0]) if forked else {}
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    _quiet_agent()
     log_dir = tempfile.mkdtemp(prefix=f"gradmesh-run-{os.getpid()}x-")  # owner: leak checks
     config = _launch_config(spec, host, port, log_dir, "forkserver" if forked else "spawn")
     try:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
-            elastic_launch(config, run_module)(*forked, *start_server(forked[0]))
+            elastic_launch(config, run_module)(*forked, dict(os.environ), server_env)
         else:
             elastic_launch(config, command[0])(*command[1:])
         return 0
@@ -385,11 +387,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
             f"gradmesh run: stopped by {exc.sigval.name}; every worker was ended", file=sys.stderr
         )
         return 128 + int(exc.sigval)
-    except (
-        RuntimeError,
-        ValueError,
-        OSError,
-    ) as exc:  # rendezvous: master unreachable or timed out
+    except (RuntimeError, ValueError, OSError) as exc:  # rendezvous: unreachable, timed out
         first = first_line(exc)
         where = f"{host}:{port}"
         raise GradmeshError(

@@ -89,6 +89,14 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
+def stay_with_launcher() -> None:
+    """A launcher's forkserver: ends when the launcher does (SIGKILL included), and at once
+    if the launcher is gone already."""
+    die_with_parent()
+    if str(os.getppid()) != os.environ.get(LAUNCHER_PID_ENV):  # gone before the kernel watched
+        os._exit(1)
+
+
 def _parent_of(pid: int) -> str:
     """The parent pid of process `pid` ("" when it is gone)."""
     try:

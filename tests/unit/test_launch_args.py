@@ -86,7 +86,13 @@ def test_only_gradmesh_modules_of_a_launcher_program_are_forked(
     monkeypatch.setattr(forked, "PROGRAM", True)
     monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 0)
     assert forked.forkable(worker, 2) == ("gradmesh.train.worker", ["--config", "{}"])
-    assert forked.forkable(worker, 1) is None  # one worker: nothing to share
+    # one worker: forked where the server is a fork of the launcher (it shares the launcher's
+    # torch), not where it would be a new interpreter (nothing to share)
+    monkeypatch.setattr(forked, "_server_forks", lambda: True)
+    assert forked.forkable(worker, 1) == ("gradmesh.train.worker", ["--config", "{}"])
+    monkeypatch.setattr(forked, "_server_forks", lambda: False)
+    assert forked.forkable(worker, 1) is None
+    assert forked.forkable(worker, 2) == ("gradmesh.train.worker", ["--config", "{}"])
     assert forked.forkable([sys.executable, "train.py"], 4) is None  # the user's own command
     assert forked.forkable([sys.executable, "-m", "mypkg.train"], 4) is None
     monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 1)
