@@ -5,14 +5,16 @@ torch._dynamo (1.1 s more; torch.optim's `add_param_group` imports it): paid onc
 four workers on two cores wait most of 6 s before their first step. `gradmesh train` and the
 benchmarks run modules of gradmesh's own (`python -m gradmesh.<module>`); a launcher that is a
 program of its own (`program()`, the `gradmesh` command) forks those from Python's forkserver,
-preloaded with torch, torch._dynamo and the module, through torch's elastic agent (a callable
+with torch, torch._dynamo and the module imported, through torch's elastic agent (a callable
 entry point; its start method "forkserver"). The agent still starts, watches and stops every
-worker; what changes is that the imports are paid once a launcher.
+worker; what changes is that the imports are paid once a launcher: the launcher imports them
+and the server is a fork of it (`_fork_server`), so even one worker shares them.
 
 Where it does not apply, workers start as fresh processes, as before:
 - a user's command (`gradmesh run -- python train.py`): it is theirs, run as torchrun runs it;
-- one worker (nothing to share), or a host with a GPU (a CUDA driver touched by an import in the
-  server would be unusable in its forks; GPU hosts have the cores to import in parallel);
+- one worker where the server would be a new interpreter (nothing to share), or a host with a
+  GPU (a CUDA driver touched by an import in the server would be unusable in its forks; GPU
+  hosts have the cores to import in parallel);
 - a launcher called inside another program (`gradmesh.cli.main` in a test, or a notebook):
   its forkserver would outlive the call and carry that program's environment;
 - GRADMESH_WORKER_START=exec, the way out if forking misbehaves somewhere.
@@ -62,7 +64,7 @@ def forkable(command: list[str], nproc: int) -> tuple[str, list[str]] | None:
         raise GradmeshError(f"{WORKER_START_ENV}={choice!r}: use fork or exec")
     if choice == "exec" or not PROGRAM or len(command) < 3:
         return None
-    if nproc < 2 and not _server_forks():  # one worker: nothing an exec'd server would share
+    if nproc < 2 and not server_forks():  # one worker: nothing an exec'd server would share
         return None
     program, flag, module, *args = command
     if program != sys.executable or flag != "-m" or not module.startswith("gradmesh."):
@@ -80,7 +82,7 @@ def start_server(module: str) -> dict[str, str]:
     if _server_env is None:
         preload = ["torch", "torch._dynamo", "torch.distributed", module, __name__]
         _server_env = dict(os.environ)
-        if not _fork_server(preload):
+        if not (server_forks() and _fork_server(preload)):
             # the guard first: the server dies with this process (its forks hold it up otherwise)
             mp.get_context("forkserver").set_forkserver_preload([GUARD, *preload])
             forkserver.ensure_running()
@@ -92,10 +94,17 @@ _SERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 (Python 3.11 to 3.13; 3.14 added a key exchange: the exec'd server serves there)."""
 
 
-def _server_forks() -> bool:
-    """Whether this Python's forkserver is one `_fork_server` can start."""
+def server_forks() -> bool:
+    """Whether `start_server` would fork the server from this process: this Python's
+    forkserver is one `_fork_server` can start, and this process has not imported torch yet.
+    A launcher that has (to check a checkpoint or a layout before launch) may have run an op on
+    several threads: GNU OpenMP's thread pool does not survive a fork (a fork's first parallel
+    op waits forever), and the exec'd server never ran one."""
     import inspect
     from multiprocessing import forkserver
+
+    if "torch" in sys.modules:
+        return False
 
     server = getattr(forkserver, "_forkserver", None)
     fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
@@ -120,8 +129,6 @@ def _fork_server(preload: list[str]) -> bool:
     import threading
     from multiprocessing import connection, forkserver, resource_tracker, util
 
-    if not _server_forks():
-        return False
     server: Any = forkserver._forkserver
     for name in preload:
         importlib.import_module(name)

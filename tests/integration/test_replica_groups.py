@@ -90,7 +90,7 @@ def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
 ) -> None:
     """Lighthouse on emulated host 0, groups on hosts 1-3 (1 Gbit/s links); group 2's worker
     is killed (SIGKILL) after a random step and restarted by its launcher, which takes longer
-    than the lighthouse's 1 s join timeout (a new process imports torch), so the others go on
+    than the lighthouse's 1 s join timeout (a new process that imports torch), so the others go on
     without it first."""
     killed_after = random.randrange(10, 60)  # >= 240 steps left: it is back before the end
     with EmulatedCluster(hosts=GROUPS + 1, bandwidth="1gbit") as cluster:
@@ -101,7 +101,11 @@ def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
                 g + 1,
                 ["gradmesh", *group_flags(g, address, tmp_path, *GPT)]
                 + ["--max-steps", str(STEPS), "--max-restarts", "2"],
-                env={"GRADMESH_FAULT": f"kill:0:{killed_after}"} if g == 2 else {},
+                # a worker of its own (GRADMESH_WORKER_START=exec): its restart imports torch,
+                # longer than the join timeout (a forked one is back within it, never left)
+                env={"GRADMESH_FAULT": f"kill:0:{killed_after}", "GRADMESH_WORKER_START": "exec"}
+                if g == 2
+                else {},
             )
             for g in range(GROUPS)
         ]
@@ -176,11 +180,13 @@ def _job_processes(launchers: list[subprocess.Popen[bytes]], seen: set[int]) -> 
 
 def _workers_of(launcher: subprocess.Popen[bytes]) -> list[int]:
     """The PID of the launcher's training worker, if one is up (at most one: a group is one
-    worker)."""
+    worker): a process of its own (its command names the module), or forked by the launcher's
+    forkserver (a grandchild)."""
     workers = []
     for child in _children(launcher):
         with contextlib.suppress(psutil.NoSuchProcess):  # it may end while we look
-            if "gradmesh.train.worker" in " ".join(child.cmdline()):
+            fresh = "gradmesh.train.worker" in " ".join(child.cmdline())
+            if fresh or child.ppid() != launcher.pid:
                 workers.append(child.pid)
     return workers
 

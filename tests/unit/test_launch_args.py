@@ -88,9 +88,12 @@ def test_only_gradmesh_modules_of_a_launcher_program_are_forked(
     assert forked.forkable(worker, 2) == ("gradmesh.train.worker", ["--config", "{}"])
     # one worker: forked where the server is a fork of the launcher (it shares the launcher's
     # torch), not where it would be a new interpreter (nothing to share)
-    monkeypatch.setattr(forked, "_server_forks", lambda: True)
+    # here torch is imported (and may have run ops on threads a fork would not have): the
+    # server would be a new interpreter
+    assert "torch" in sys.modules and not forked.server_forks()
+    monkeypatch.setattr(forked, "server_forks", lambda: True)
     assert forked.forkable(worker, 1) == ("gradmesh.train.worker", ["--config", "{}"])
-    monkeypatch.setattr(forked, "_server_forks", lambda: False)
+    monkeypatch.setattr(forked, "server_forks", lambda: False)
     assert forked.forkable(worker, 1) is None
     assert forked.forkable(worker, 2) == ("gradmesh.train.worker", ["--config", "{}"])
     assert forked.forkable([sys.executable, "train.py"], 4) is None  # the user's own command
