@@ -117,8 +117,9 @@ def _fork_server(preload: list[str]) -> bool:
     (nothing started) where that cannot be done safely.
 
     Python starts its forkserver by exec: a new interpreter that imports torch again, though
-    the launcher imported it already for the elastic agent (1.7 s of CPU a job, a third of
-    what starting a job costs here). Forked after the imports and before the agent starts a
+    the launcher imported it already for the elastic agent (0.7 s of CPU, and as long before
+    the first step, of the 4.2 s a one-epoch job of 2 workers took here: docs/launch.md).
+    Forked after the imports and before the agent starts a
     thread, the server has them for free; it then runs Python's own server loop
     (`forkserver.main`), so everything after (the agent's requests, the forks, the exit codes)
     is the library's. What this sets up is what `ForkServer.ensure_running` does: a listening
@@ -130,8 +131,11 @@ def _fork_server(preload: list[str]) -> bool:
     from multiprocessing import connection, forkserver, resource_tracker, util
 
     server: Any = forkserver._forkserver
-    for name in preload:
-        importlib.import_module(name)
+    try:
+        for name in preload:
+            importlib.import_module(name)
+    except ImportError:  # the exec'd server skips it, and its worker says what is missing
+        return False
     if threading.active_count() > 1:  # a Python thread could hold a lock the fork copies
         return False
     with server._lock:
