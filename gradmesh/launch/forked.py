@@ -105,7 +105,6 @@ def server_forks() -> bool:
 
     if "torch" in sys.modules:
         return False
-
     server = getattr(forkserver, "_forkserver", None)
     fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")
     known = list(inspect.signature(forkserver.main).parameters) == _SERVER_MAIN
@@ -119,11 +118,11 @@ def _fork_server(preload: list[str]) -> bool:
     Python starts its forkserver by exec: a new interpreter that imports torch again, though
     the launcher imported it already for the elastic agent (0.7 s of CPU, and as long before
     the first step, of the 4.2 s a one-epoch job of 2 workers took here: docs/launch.md).
-    Forked after the imports and before the agent starts a
-    thread, the server has them for free; it then runs Python's own server loop
-    (`forkserver.main`), so everything after (the agent's requests, the forks, the exit codes)
-    is the library's. What this sets up is what `ForkServer.ensure_running` does: a listening
-    socket, an "alive" pipe, and the address, pipe and pid the client side reads."""
+    Forked after the imports and before the agent starts a thread, the server has them for
+    free; it then runs Python's own server loop (`forkserver.main`), so everything after (the
+    agent's requests, the forks, the exit codes) is the library's. What this sets up is what
+    `ForkServer.ensure_running` does: a listening socket, an "alive" pipe, and the address,
+    pipe and pid the client side reads."""
     import importlib
     import signal
     import socket

@@ -86,11 +86,11 @@ def test_only_gradmesh_modules_of_a_launcher_program_are_forked(
     monkeypatch.setattr(forked, "PROGRAM", True)
     monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 0)
     assert forked.forkable(worker, 2) == ("gradmesh.train.worker", ["--config", "{}"])
-    # one worker: forked where the server is a fork of the launcher (it shares the launcher's
-    # torch), not where it would be a new interpreter (nothing to share)
     # here torch is imported (and may have run ops on threads a fork would not have): the
     # server would be a new interpreter
     assert "torch" in sys.modules and not forked.server_forks()
+    # one worker: forked where the server is a fork of the launcher (it shares the launcher's
+    # torch), not where it would be a new interpreter (nothing to share)
     monkeypatch.setattr(forked, "server_forks", lambda: True)
     assert forked.forkable(worker, 1) == ("gradmesh.train.worker", ["--config", "{}"])
     monkeypatch.setattr(forked, "server_forks", lambda: False)
