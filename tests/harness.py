@@ -19,7 +19,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from gradmesh.launch.run import free_port
+from gradmesh.launch.ports import free_port
 
 CLI = Callable[[list[str]], int]
 """The `cli` fixture: `gradmesh ARGS...` run in the test's own process, its exit code back."""

@@ -13,7 +13,6 @@ train.py` with GLOO_SOCKET_IFNAME=eth0 NCCL_SOCKET_IFNAME=eth0 exported.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import secrets
@@ -22,13 +21,13 @@ import signal
 import socket
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
 from gradmesh.launch.forked import forkable, run_module, start_server
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
+from gradmesh.launch.ports import check_port_free, free_port, wait_for_master
 from gradmesh.runtime.process import LAUNCHER_PID_ENV, MAX_WORLD_ENV, TIMEOUT_ENV
 
 DEFAULT_PORT = 29500
@@ -150,45 +149,6 @@ def _cluster_value(key: str, var: str, raw: str) -> Any:
         return int(raw)
     except ValueError:
         raise GradmeshError(f"environment variable {var}={raw!r} is not an integer") from None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def _check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise GradmeshError(f"master port {port} is already in use on {host}") from None
-            raise GradmeshError(
-                f"cannot use master address {host}:{port}: {exc.strerror}"
-            ) from None
-
-
-def wait_for_master(host: str, port: int, timeout_s: float, node_rank: int) -> None:
-    """Wait until host 0's store accepts connections, at most `timeout_s`: torch's store client
-    backs off between tries and overshot the timeout by 1.4-2.5x; this bound is exact."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise GradmeshError(
-                f"node {node_rank}: rendezvous with master {host}:{port} failed: "
-                f"nothing accepted a connection within {timeout_s:g} s ({last})"
-            )
-        try:
-            with socket.create_connection((host, port), timeout=min(left, 1.0)):
-                return
-        except OSError as exc:
-            last = exc.strerror or type(exc).__name__
-        time.sleep(min(0.1, max(0.0, deadline - time.monotonic())))
 
 
 def parse_master(master: str | None, nnodes: int) -> tuple[str, int]:
@@ -358,7 +318,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     command = resolve_command(command)
     host, port = parse_master(spec.master, spec.nnodes)
     if spec.node_rank == 0:
-        _check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
+        check_port_free(host if spec.nnodes > 1 else "127.0.0.1", port)
     else:
         wait_for_master(host, port, spec.timeout_s, spec.node_rank)
     os.environ.update(_worker_env(spec, host))

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 import gradmesh
 from gradmesh.compression.registry import make
-from gradmesh.launch.run import free_port
+from gradmesh.launch.ports import free_port
 from gradmesh.sync.replicas.averaging import CrossGroupAverage
 from tests.harness import run_ranks
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import gradmesh
 from gradmesh.collectives import allreduce, broadcast
-from gradmesh.launch.run import free_port
+from gradmesh.launch.ports import free_port
 from tests.harness import run_ranks
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from gradmesh.errors import PEER_FAILED_EXIT
-from gradmesh.launch.run import free_port
+from gradmesh.launch.ports import free_port
 from gradmesh.runtime.ending import PEER_GRACE_S, STOP_GRACE_S
 
 ROOT = Path(__file__).resolve().parents[2]

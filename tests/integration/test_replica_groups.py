@@ -23,7 +23,7 @@ import pytest
 
 from gradmesh.launch import namespaces
 from gradmesh.launch.emulate import EmulatedCluster
-from gradmesh.launch.run import free_port
+from gradmesh.launch.ports import free_port
 from tests.integration.test_cli import ROOT, gradmesh
 
 GROUPS, STEPS, BATCH = 3, 300, 24

@@ -64,14 +64,26 @@ def test_spec_checks(spec: LaunchSpec, message: str) -> None:
 
 
 def test_port_in_use_is_detected() -> None:
-    from gradmesh.launch.run import _check_port_free
+    from gradmesh.launch.ports import check_port_free
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(GradmeshError, match=f"master port {port} is already in use"):
-            _check_port_free("127.0.0.1", port)
+            check_port_free("127.0.0.1", port)
+
+
+def test_a_free_port_is_one_no_outgoing_connection_can_take() -> None:
+    """Ports are drawn below the ephemeral range: a connect() from there to a store's port that
+    is not listening yet can self-connect and hold it (a CI run's EADDRINUSE)."""
+    from gradmesh.launch import ports
+
+    drawn = {ports.free_port() for _ in range(20)}
+    assert all(1024 <= port < ports._ephemeral_start() for port in drawn), drawn
+    assert len(drawn) > 1, "the same port every time: concurrent jobs would collide"
+    for port in drawn:
+        ports.check_port_free("127.0.0.1", port)
 
 
 def test_only_gradmesh_modules_of_a_launcher_program_are_forked(

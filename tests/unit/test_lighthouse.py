@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from gradmesh.errors import GradmeshError
-from gradmesh.launch.run import free_port
+from gradmesh.launch.ports import free_port
 from gradmesh.sync.replicas.lighthouse import MAX_LINE, Lighthouse, Rounds
 from gradmesh.sync.replicas.manager import ask
 
