@@ -15,8 +15,6 @@ parameter, put together from its tp slices, must equal the one process's to 1e-9
 from __future__ import annotations
 
 import os
-import random
-import socket
 from typing import Any
 
 import pytest
@@ -26,6 +24,7 @@ from torch import nn
 
 import gradmesh
 from gradmesh.errors import GradmeshError
+from gradmesh.launch.ports import free_port
 from gradmesh.layout.tensor.layers import unshard
 from gradmesh.layout.tensor.plan import shard_specs
 from tests.harness import run_ranks
@@ -230,24 +229,11 @@ def all_layouts(job: str, ports: list[int]) -> list[Any]:
 
 
 def distinct_ports(n: int) -> list[int]:
-    """`n` free ports below Linux's ephemeral range (32768 up): a port taken from that range
-    ahead of time can be handed, before the job reaches it, to a client socket one of the
-    earlier layouts opens (rank 0 then fails to listen: EADDRINUSE)."""
-    ports: list[int] = []
+    """`n` different free ports (each drawn below the ephemeral range, see `free_port`)."""
+    ports: set[int] = set()
     while len(ports) < n:
-        port = random.randrange(20000, 32000)
-        if port not in ports and _bindable(port):
-            ports.append(port)
-    return ports
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+        ports.add(free_port())
+    return sorted(ports)
 
 
 def assert_equal(results: list[Any], want: dict[str, torch.Tensor], what: str) -> None:
