@@ -44,6 +44,14 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
     if where.get("min_nodes") is not None:
         config.check_elastic()
     config.check_outputs()
+    from gradmesh.launch.engines.choice import entry_point, train_on
+
+    module, nproc, roles = entry_point(config)  # a ps job's servers and workers alike
+    worker = [sys.executable, "-m", module, "--config"]
+    if config.job.engine == "local":  # its server before the checks below import torch
+        from gradmesh.launch.forked import start_early
+
+        start_early(worker, nproc)
     if config.layout.plan:  # placed per layer: checked, inlined, and tp taken from it
         from gradmesh.plan.command import resolve
 
@@ -56,12 +64,9 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
         from gradmesh.train.resume import check_resume
 
         check_resume(config)
-    from gradmesh.launch.engines.choice import entry_point, train_on
-
     if config.job.engine != "local":
         return train_on(config)
-    module, nproc, roles = entry_point(config)  # a ps job's servers and workers alike
-    worker = [sys.executable, "-m", module, "--config", config.to_json()]
+    worker.append(config.to_json())
     spec = LaunchSpec(
         **{"nproc": nproc, **where},
         timeout_s=config.job.timeout_s,

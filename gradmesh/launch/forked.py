@@ -8,7 +8,8 @@ program of its own (`program()`, the `gradmesh` command) forks those from Python
 with torch, torch._dynamo and the module imported, through torch's elastic agent (a callable
 entry point; its start method "forkserver"). The agent still starts, watches and stops every
 worker; what changes is that the imports are paid once a launcher: the launcher imports them
-and the server is a fork of it (`_fork_server`), so even one worker shares them.
+and the server is a fork of it (`_fork_server`), so even one worker shares them. `gradmesh
+train` starts it before it checks the job (`start_early`), which imports torch and runs ops.
 
 Where it does not apply, workers start as fresh processes, as before:
 - a user's command (`gradmesh run -- python train.py`): it is theirs, run as torchrun runs it;
@@ -41,7 +42,7 @@ import traceback
 import warnings
 from typing import Any
 
-from gradmesh.runtime.process import stay_with_launcher
+from gradmesh.runtime.process import LAUNCHER_PID_ENV, stay_with_launcher
 
 WORKER_START_ENV = "GRADMESH_WORKER_START"
 """`exec` starts every worker as a fresh process; unset (or `fork`): the rules above."""
@@ -64,12 +65,22 @@ def forkable(command: list[str], nproc: int) -> tuple[str, list[str]] | None:
         raise GradmeshError(f"{WORKER_START_ENV}={choice!r}: use fork or exec")
     if choice == "exec" or not PROGRAM or len(command) < 3:
         return None
-    if nproc < 2 and not server_forks():  # one worker: nothing an exec'd server would share
-        return None
+    if nproc < 2 and _server_env is None and not server_forks():  # one worker: an exec'd
+        return None  # server would share nothing
     program, flag, module, *args = command
     if program != sys.executable or flag != "-m" or not module.startswith("gradmesh."):
         return None
     return (module, args) if visible_gpus() == 0 else None
+
+
+def start_early(command: list[str], nproc: int) -> None:
+    """Start the server `launch` would start for `command`'s `nproc` workers now, where it can
+    still be a fork of this launcher: before the launcher imports torch and runs ops on its
+    threads to check the job (a checkpoint to resume, a layout, a user's model or loss)."""
+    forked = forkable(command, nproc)
+    if forked is not None:
+        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # as `launch` sets it: the server
+        start_server(forked[0])  # ends with this process
 
 
 def start_server(module: str) -> dict[str, str]:

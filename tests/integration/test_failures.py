@@ -196,6 +196,8 @@ def test_forked_workers_are_named_when_killed_and_end_with_their_launcher(
     # the grandchildren of the launcher, not its children; both guarantees still hold
     env = {**os.environ, "GRADMESH_TIMEOUT_S": str(TIMEOUT_S), "TMPDIR": str(tmp_path)}
     command = [*GRADMESH, "train", "--workers", "2", "--epochs", "1000", "--batch-size", "8"]
+    if kill == "launcher":  # a launcher that checks a checkpoint (builds the model) forks too
+        command += ["--checkpoint-dir", str(tmp_path / "checkpoints")]
     proc = subprocess.Popen(
         command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT
     )
