@@ -25,9 +25,10 @@ Why a callable entry point needs care, and what `run_module` does about it:
   `exit_process` (os._exit, skipping C++ static destructors), which would leave the agent
   waiting. In a forked worker, `exit_process(0)` raises `ending.Finished` instead, which ends
   the module and returns here (a non-zero code still exits at once: a failure);
-- the server's environment is the launcher's when the server started: the launch's own
-  (its worker variables, the user's) is passed in and put back, with the agent's per-rank
-  variables on top; the thread count is set from it, since torch read it at import;
+- the server's environment is the launcher's when the server started: the launcher's as it
+  is when the worker starts (`LauncherEnvironment`: its worker variables, the user's, an
+  elastic round's number) is passed in and put back, with the agent's per-rank variables on
+  top; the thread count is set from it, since torch read it at import;
 - Python runs atexit handlers after an uncaught exception, where a forked child does not:
   `run_module` runs them (gradmesh's `_leave_at_exit` turns a peer's failure into its code).
 """
@@ -181,6 +182,16 @@ def _fork_server(preload: list[str]) -> bool:
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid
     return True
+
+
+class LauncherEnvironment:
+    """The launcher's environment as it is when the agent starts a worker: the agent pickles
+    a forked worker's arguments at each start, and this pickles as a copy of `os.environ` then,
+    so a forked worker gets what a fresh process inherits, such as the round number an elastic
+    rendezvous sets before each start (`gradmesh.launch.rendezvous`)."""
+
+    def __reduce__(self) -> tuple[type[dict[str, str]], tuple[dict[str, str]]]:
+        return dict, (dict(os.environ),)
 
 
 def run_module(module: str, args: list[str], env: dict[str, str], started: dict[str, str]) -> None:

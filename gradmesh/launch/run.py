@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
-from gradmesh.launch.forked import forkable, run_module, start_server
+from gradmesh.launch.forked import LauncherEnvironment, forkable, run_module, start_server
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
 from gradmesh.launch.ports import check_port_free, free_port, wait_for_master
 from gradmesh.runtime.process import LAUNCHER_PID_ENV, MAX_WORLD_ENV, TIMEOUT_ENV
@@ -334,7 +334,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     config = _launch_config(spec, host, port, log_dir, "forkserver" if forked else "spawn")
     try:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
-            elastic_launch(config, run_module)(*forked, dict(os.environ), server_env)
+            elastic_launch(config, run_module)(*forked, LauncherEnvironment(), server_env)
         else:
             elastic_launch(config, command[0])(*command[1:])
         return 0

@@ -118,3 +118,20 @@ def test_only_gradmesh_modules_of_a_launcher_program_are_forked(
     monkeypatch.setenv(forked.WORKER_START_ENV, "vfork")
     with pytest.raises(GradmeshError, match="GRADMESH_WORKER_START='vfork': use fork or exec"):
         forked.forkable(worker, 2)
+
+
+def test_a_forked_worker_gets_the_launchers_environment_as_it_is_when_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An elastic agent sets the rendezvous round in its environment before each start; a
+    forked worker's copy is taken when the agent pickles its arguments, at that start (a copy
+    taken at launch hung a restarted round: ranks waited under different rounds' keys)."""
+    import pickle
+
+    from gradmesh.launch.forked import LauncherEnvironment
+    from gradmesh.runtime.process import ROUND_ENV
+
+    passed = LauncherEnvironment()
+    for round_ in ("3", "4"):
+        monkeypatch.setenv(ROUND_ENV, round_)
+        assert pickle.loads(pickle.dumps(passed))[ROUND_ENV] == round_
