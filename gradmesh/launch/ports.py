@@ -31,13 +31,14 @@ def _ephemeral_start() -> int:
         return 32768
 
 
-def _bindable(host: str, port: int) -> bool:
+def _bind_error(host: str, port: int) -> OSError | None:
+    """Why `host:port` cannot be bound now (None: it can)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
-        except OSError:
-            return False
-        return True
+        except OSError as exc:
+            return exc
+        return None
 
 
 def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
@@ -45,7 +46,7 @@ def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
     top = _ephemeral_start()
     if top - _LOWEST >= tries:
         for port in random.sample(range(_LOWEST, top), tries):
-            if _bindable(host, port):
+            if _bind_error(host, port) is None:
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range
         s.bind((host, 0))
@@ -54,15 +55,11 @@ def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
 
 def check_port_free(host: str, port: int) -> None:
     """Fail with one line if `host:port` cannot be bound (the master's store will bind it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                raise GradmeshError(f"master port {port} is already in use on {host}") from None
-            raise GradmeshError(
-                f"cannot use master address {host}:{port}: {exc.strerror}"
-            ) from None
+    exc = _bind_error(host, port)
+    if exc is not None and exc.errno == errno.EADDRINUSE:
+        raise GradmeshError(f"master port {port} is already in use on {host}")
+    if exc is not None:
+        raise GradmeshError(f"cannot use master address {host}:{port}: {exc.strerror}")
 
 
 def wait_for_master(host: str, port: int, timeout_s: float, node_rank: int) -> None:
