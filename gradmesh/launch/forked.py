@@ -43,7 +43,7 @@ import traceback
 import warnings
 from typing import Any
 
-from gradmesh.runtime.process import LAUNCHER_PID_ENV, stay_with_launcher
+from gradmesh.runtime.process import stay_with_launcher
 
 WORKER_START_ENV = "GRADMESH_WORKER_START"
 """`exec` starts every worker as a fresh process; unset (or `fork`): the rules above."""
@@ -80,8 +80,7 @@ def start_early(command: list[str], nproc: int) -> None:
     threads to check the job (a checkpoint to resume, a layout, a user's model or loss)."""
     forked = forkable(command, nproc)
     if forked is not None:
-        os.environ[LAUNCHER_PID_ENV] = str(os.getpid())  # as `launch` sets it: the server
-        start_server(forked[0])  # ends with this process
+        start_server(forked[0])
 
 
 def start_server(module: str) -> dict[str, str]:
@@ -160,12 +159,13 @@ def _fork_server(preload: list[str]) -> bool:
             alive_r, alive_w = os.pipe()
             sys.stdout.flush()  # what is buffered here would be written twice
             sys.stderr.flush()
+            launcher = os.getpid()
             pid = os.fork()
             if pid == 0:  # the server: never returns to the launcher's code
                 code = 0
                 try:
                     os.close(alive_w)
-                    stay_with_launcher()
+                    stay_with_launcher(launcher)
                     for sig in (signal.SIGTERM, signal.SIGHUP):  # the launcher's handlers
                         signal.signal(sig, signal.SIG_DFL)
                     signal.signal(signal.SIGINT, signal.default_int_handler)

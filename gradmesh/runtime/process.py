@@ -89,11 +89,13 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
-def stay_with_launcher() -> None:
+def stay_with_launcher(launcher: int | None = None) -> None:
     """A launcher's forkserver: ends when the launcher does (SIGKILL included), and at once
-    if the launcher is gone already."""
+    if the launcher is gone already (`launcher`: its pid; by default the one its environment
+    names, for a server started as a new interpreter)."""
     die_with_parent()
-    if str(os.getppid()) != os.environ.get(LAUNCHER_PID_ENV):  # gone before the kernel watched
+    expected = str(launcher) if launcher is not None else os.environ.get(LAUNCHER_PID_ENV)
+    if str(os.getppid()) != expected:  # gone before the kernel watched
         os._exit(1)
 
 
