@@ -14,6 +14,7 @@ from gradmesh.layout.config import LayoutConfig
 from gradmesh.layout.pipeline.order import check_schedule
 from gradmesh.options import check_choices, component, option
 from gradmesh.planner.links import Links
+from gradmesh.simulate.asked import refuse_unread_by_image_model, refuse_unread_by_token_model
 from gradmesh.simulate.devices import COMPUTE_KINDS, DEVICES, Device
 from gradmesh.simulate.profile import (
     CPU,
@@ -244,6 +245,7 @@ def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
     if is_token_model(args.data.model) or ":" in args.data.model:
         from gradmesh.simulate.mesh_command import run_mesh
 
+        refuse_unread_by_token_model(args)
         checked = _check(args)
         if args.device == CPU:
             raise GradmeshError(
@@ -258,11 +260,7 @@ def _run_convnet(args: SimulateConfig) -> int:
     from gradmesh.launch.jobs import write_json
 
     gpus, strategies = _check(args)
-    if args.search or args.zero_stage or args.layout.activation_checkpointing:
-        raise GradmeshError(
-            "--search, --zero-stage and --activation-checkpointing price token models (gpt, "
-            f"hf:..., a factory); model {args.data.model} is priced by --strategy"
-        )
+    refuse_unread_by_image_model(args, strategies)
     started = time.perf_counter()
     shape = _shape(args.input_shape)
     device = _device(args, shape)

@@ -1,0 +1,97 @@
+"""Which of `gradmesh simulate`'s options each pricing reads: a token model on the mesh
+(`mesh_command.run_mesh`), an image model by its strategies (`strategies.STRATEGIES`). An option
+given to a pricing that would not read it is refused in one line, never silently dropped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from gradmesh.errors import GradmeshError
+from gradmesh.options import options_of
+
+TOKEN_ONLY = (
+    "data.sequence_length",
+    "vocab",
+    "async_tp",
+    "loss_parallel",
+    "global_batch",
+    "optimizer",
+    "zero_stage",
+    "search",
+    "layout.context_parallel",
+    "layout.context_attention",
+    "layout.expert_parallel",
+    "layout.sequence_parallel",
+    "layout.activation_checkpointing",
+)
+"""Options only the pricing of a token model on the mesh (`run_mesh`) reads."""
+IMAGE_ONLY = (
+    "input_shape",
+    "allreduce.fusion_mb",
+    "ps.servers",
+    "servers_per_node",
+    "local_sgd.sync_every",
+)
+"""Options only the pricing of an image model by --strategy reads."""
+BY_STRATEGY = {
+    "ps": ("ps.servers", "servers_per_node"),
+    "local-sgd": ("local_sgd.sync_every",),
+    "tensor": ("layout.tensor_parallel",),
+    "hybrid": ("layout.tensor_parallel",),
+    "pipeline": (
+        "layout.pipeline_parallel",
+        "layout.microbatches",
+        "layout.schedule",
+        "layout.virtual_stages",
+    ),
+}
+"""The options of an image model's strategies that only that strategy reads."""
+
+
+def given(args: Any, dests: Iterable[str]) -> list[tuple[str, str]]:
+    """(dest, flag) of the options among `dests` given a value other than their default."""
+    default = type(args)()
+
+    def value(config: Any, path: tuple[str, ...]) -> Any:
+        for part in path:
+            config = getattr(config, part)
+        return config
+
+    wanted = set(dests)
+    return [
+        (o.dest, o.flag)
+        for o in options_of(type(args))
+        if o.dest in wanted and value(args, o.path) != value(default, o.path)
+    ]
+
+
+def refuse_unread(args: Any, dests: Iterable[str], what: str) -> None:
+    """One line naming the options among `dests` that were given, which price `what`: the
+    pricing asked for does not read them (never an option silently dropped)."""
+    flags = [flag for _, flag in given(args, dests)]
+    if flags:
+        raise GradmeshError(f"{', '.join(flags)}: {'price' if len(flags) > 1 else 'prices'} {what}")
+
+
+def refuse_unread_by_token_model(args: Any) -> None:
+    """A token model is priced on the mesh: the image models' options are refused."""
+    refuse_unread(args, IMAGE_ONLY, f"image models; model {args.data.model} is priced on the mesh")
+
+
+def refuse_unread_by_image_model(args: Any, strategies: list[str]) -> None:
+    """An image model is priced by `strategies`: the token models' options, and those of the
+    strategies not asked for, are refused."""
+    refuse_unread(
+        args,
+        TOKEN_ONLY,
+        f"token models (gpt, hf:..., a factory); model {args.data.model} is priced by --strategy",
+    )
+    asked = {d for s in strategies for d in BY_STRATEGY.get(s, ())}
+    unread = {d for ds in BY_STRATEGY.values() for d in ds} - asked
+    readers = sorted(
+        {s for d, _ in given(args, unread) for s, ds in BY_STRATEGY.items() if d in ds}
+    )
+    refuse_unread(
+        args, unread, f"--strategy {' or '.join(readers)}, not asked (--strategy {args.strategy})"
+    )
