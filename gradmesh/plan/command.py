@@ -130,6 +130,7 @@ def make_plan(
     from gradmesh.data import DATASETS, DataOptions
     from gradmesh.models.registry import TP_PLANS, build_model, check_pairing
     from gradmesh.planner import divisors, exchange_sizes, plan, predict, profile
+    from gradmesh.registry import parse_kwargs
     from gradmesh.units import parse_shape
 
     if setting.workers < 1 or setting.batch < setting.workers:
@@ -139,7 +140,7 @@ def make_plan(
     check_pairing(setting.model, setting.dataset)
     data = DATASETS.get(setting.dataset)(DataOptions(shape=parse_shape(setting.shape)))
     torch.manual_seed(0)
-    model = build_model(setting.model, data)
+    model = build_model(setting.model, data, parse_kwargs(setting.model_args, "--model-args"))
     if not isinstance(model, torch.nn.Sequential):
         raise GradmeshError(
             f"a per-layer plan (--plan) places each layer of a sequence of layers; model "
@@ -226,6 +227,7 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
         args.workers,
         args.batch,
         args.tensor_parallel_max or args.workers,
+        args.model_args,
     )
     limit = float(parse_size(args.memory_limit)) if args.memory_limit else None
     if args.json:
@@ -336,6 +338,7 @@ def resolve(config: Any) -> Any:
             config.job.workers,
             config.data.batch_size,
             config.job.workers,
+            config.data.model_args,
         )
         links = Links(DEFAULT_PARAMS, DEFAULT_PARAMS, config.job.workers)
         best, refs, prof, links = make_plan(setting, links, config.job.workers)

@@ -16,6 +16,8 @@ class Setting:
     workers: int
     batch: int
     tp_max: int
+    model_args: str = ""
+    """The model builder's keyword arguments (`--model-args`), as the trainer takes them."""
 
 
 def placement_config(setting: Setting, tp: int, layers: dict[str, str]) -> Any:
@@ -27,6 +29,7 @@ def placement_config(setting: Setting, tp: int, layers: dict[str, str]) -> Any:
     return TrainConfig.of(
         workers=setting.workers,
         model=setting.model,
+        model_args=setting.model_args,
         dataset=setting.dataset,
         synthetic_shape=setting.shape,
         synthetic_samples=setting.batch * 2,  # 80% of it for training: one global batch fits

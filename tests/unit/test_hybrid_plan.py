@@ -186,6 +186,14 @@ def test_a_memory_limit_no_plan_meets_is_one_line() -> None:
     assert prof.optimizer_slots == 2 and more == unit.param_bytes > 0
 
 
+def test_a_plan_profiles_the_model_its_arguments_build() -> None:
+    """`gradmesh plan --model-args` (and `train --plan auto`'s) shape the model planned: an
+    MLP of width 256 on 8 x 8 digits holds (64 + 1) x 256 + (256 + 1) x 10 parameters, not the
+    default width's."""
+    _, _, prof, _ = make_plan(Setting("mlp", "digits", "1x8x8", 2, 64, 2, "width=256"), LINKS, 1)
+    assert sum(u.param_bytes for u in prof.units) == 4 * ((64 + 1) * 256 + (256 + 1) * 10)
+
+
 def test_the_link_is_fitted_at_the_sizes_the_candidates_exchange() -> None:
     """Five sizes at most, spread in log scale from the smallest exchange (raised to 16 KB)
     to the whole model's gradient (cut to 8 MB), which is always among them."""
