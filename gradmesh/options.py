@@ -17,7 +17,7 @@ import sys
 import tomllib
 import types
 import typing
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -276,6 +276,21 @@ def values_by_key(config: Any) -> dict[str, Any]:
             value = getattr(value, part)
         out[opt.key] = value
     return out
+
+
+def given(config: Any, dests: Iterable[str]) -> list[Option]:
+    """The options among `dests` (dotted paths in `config`) whose value is not their default."""
+    wanted, default = set(dests), type(config)()
+    now, then = values_by_key(config), values_by_key(default)
+    return [o for o in options_of(type(config)) if o.dest in wanted and now[o.key] != then[o.key]]
+
+
+def refuse_unread(config: Any, dests: Iterable[str], why: str) -> None:
+    """One line naming the options among `dests` given a value other than their default, and
+    `why` this run does not read them: an option is refused, never silently dropped."""
+    flags = [o.flag for o in given(config, dests)]
+    if flags:
+        raise GradmeshError(f"{', '.join(flags)}: {why}")
 
 
 def option_named(cls: type, key: str) -> Option:

@@ -4,11 +4,9 @@ given to a pricing that would not read it is refused in one line, never silently
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-from gradmesh.errors import GradmeshError
-from gradmesh.options import options_of
+from gradmesh.options import given, refuse_unread
 
 TOKEN_ONLY = (
     "data.sequence_length",
@@ -49,34 +47,11 @@ BY_STRATEGY = {
 """The options of an image model's strategies that only that strategy reads."""
 
 
-def given(args: Any, dests: Iterable[str]) -> list[tuple[str, str]]:
-    """(dest, flag) of the options among `dests` given a value other than their default."""
-    default = type(args)()
-
-    def value(config: Any, path: tuple[str, ...]) -> Any:
-        for part in path:
-            config = getattr(config, part)
-        return config
-
-    wanted = set(dests)
-    return [
-        (o.dest, o.flag)
-        for o in options_of(type(args))
-        if o.dest in wanted and value(args, o.path) != value(default, o.path)
-    ]
-
-
-def refuse_unread(args: Any, dests: Iterable[str], what: str) -> None:
-    """One line naming the options among `dests` that were given, which price `what`: the
-    pricing asked for does not read them (never an option silently dropped)."""
-    flags = [flag for _, flag in given(args, dests)]
-    if flags:
-        raise GradmeshError(f"{', '.join(flags)}: {'price' if len(flags) > 1 else 'prices'} {what}")
-
-
 def refuse_unread_by_token_model(args: Any) -> None:
     """A token model is priced on the mesh: the image models' options are refused."""
-    refuse_unread(args, IMAGE_ONLY, f"image models; model {args.data.model} is priced on the mesh")
+    refuse_unread(
+        args, IMAGE_ONLY, f"options of image models; model {args.data.model} is priced on the mesh"
+    )
 
 
 def refuse_unread_by_image_model(args: Any, strategies: list[str]) -> None:
@@ -85,13 +60,16 @@ def refuse_unread_by_image_model(args: Any, strategies: list[str]) -> None:
     refuse_unread(
         args,
         TOKEN_ONLY,
-        f"token models (gpt, hf:..., a factory); model {args.data.model} is priced by --strategy",
+        f"options of token models (gpt, hf:..., a factory); model {args.data.model} is priced "
+        "by --strategy",
     )
     asked = {d for s in strategies for d in BY_STRATEGY.get(s, ())}
     unread = {d for ds in BY_STRATEGY.values() for d in ds} - asked
     readers = sorted(
-        {s for d, _ in given(args, unread) for s, ds in BY_STRATEGY.items() if d in ds}
+        {s for o in given(args, unread) for s, ds in BY_STRATEGY.items() if o.dest in ds}
     )
     refuse_unread(
-        args, unread, f"--strategy {' or '.join(readers)}, not asked (--strategy {args.strategy})"
+        args,
+        unread,
+        f"options of --strategy {' or '.join(readers)}, not asked (--strategy {args.strategy})",
     )

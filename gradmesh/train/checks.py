@@ -22,6 +22,7 @@ from gradmesh.runtime.axes import MeshShape
 from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
 from gradmesh.sync.config import SPLIT_LAYOUTS, check_stage
 from gradmesh.train.config import TrainConfig
+from gradmesh.train.unread import check_unread
 from gradmesh.units import parse_shape
 
 
@@ -36,6 +37,7 @@ def check_train(config: TrainConfig) -> None:
     _check_checkpoints(config)
     _check_replicas(config)
     _check_names(config)
+    check_unread(config)
     _check_machine(config)
 
 

@@ -325,16 +325,16 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
         # an option the pricing asked for would not read is refused, never dropped
         (
             ["--model", "resnet50", "--context-parallel", "2"],
-            "--context-parallel: prices token models (gpt, hf:..., a factory); model resnet50",
+            "--context-parallel: options of token models (gpt, hf:..., a factory); model resnet50",
         ),
         (
             ["--model", "gpt", "--input-shape", "3x32x32"],
-            "--input-shape: prices image models; model gpt is priced on the mesh",
+            "--input-shape: options of image models; model gpt is priced on the mesh",
         ),
         (
             ["--model", "resnet50", "--servers", "4", "--microbatches", "4"],
-            "--servers, --microbatches: price --strategy pipeline or ps, not asked (--strategy "
-            "allreduce)",
+            "--servers, --microbatches: options of --strategy pipeline or ps, not asked "
+            "(--strategy allreduce)",
         ),
     ],
 )
