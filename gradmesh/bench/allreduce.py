@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import median, quantile
+from gradmesh.bench.harness import check_link, median, quantile
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list, parse_size
@@ -41,6 +41,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.collectives import ALGORITHMS
     from gradmesh.errors import GradmeshError
 
+    check_link(args)
     worlds = parse_ints(args.world, "world size")
     sizes = [parse_size(s) for s in parse_list(args.sizes, "size")]
     algorithms = parse_list(args.algorithms, "algorithm")

@@ -25,7 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradmesh.bench.harness import label, median, network, shutdown_after_ddp, timed_turn
+from gradmesh.bench.harness import (
+    check_link,
+    label,
+    median,
+    network,
+    shutdown_after_ddp,
+    timed_turn,
+)
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.options import option
@@ -76,6 +83,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.compression.registry import make
     from gradmesh.models.registry import MODELS, check_pairing
 
+    check_link(args)
     MODELS.get(args.model)
     check_pairing(args.model, "digits")
     ALGORITHMS.get(args.allreduce)

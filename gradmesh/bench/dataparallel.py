@@ -15,6 +15,7 @@ from typing import Any
 
 from gradmesh.bench.harness import (
     Turn,
+    check_link,
     interleaved,
     label,
     median,
@@ -48,6 +49,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
     from gradmesh.models.registry import MODELS, check_pairing
 
+    check_link(args)
     MODELS.get(args.model)
     DATASETS.get(args.dataset)
     check_pairing(args.model, args.dataset)

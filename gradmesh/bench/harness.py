@@ -25,6 +25,7 @@ from typing import Any, NamedTuple, TypeVar
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.jobs import run_workers, write_json
+from gradmesh.options import refuse_unread
 from gradmesh.runtime.process import cpu_jiffies
 
 T = TypeVar("T")
@@ -173,3 +174,15 @@ def shutdown_after_ddp() -> None:
     gc.collect()
     dist.barrier()
     shutdown()
+
+
+def check_link(args: Any) -> None:
+    """`--bandwidth` rates the emulated hosts' links: without `--emulate-hosts` the benchmark
+    runs on this host's loopback, where nothing would read it (one line, not a loopback figure
+    the user takes for the rate they gave)."""
+    if not args.emulate_hosts:
+        refuse_unread(
+            args,
+            ("bandwidth",),
+            "the emulated hosts' link rate; without --emulate-hosts this runs on loopback",
+        )

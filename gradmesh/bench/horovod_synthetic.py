@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gradmesh.bench.dataparallel import measure
+from gradmesh.bench.harness import check_link
 from gradmesh.launch.jobs import write_json
 from gradmesh.options import option
 
@@ -46,6 +47,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.errors import GradmeshError
     from gradmesh.models.registry import MODELS
 
+    check_link(args)
     MODELS.get(args.model)
     if args.world < 2 or args.batches_per_round < 1 or args.rounds < 1 or args.batch_size < 1:
         raise GradmeshError("need --world >= 2, --batches-per-round >= 1, --rounds >= 1")

@@ -23,7 +23,7 @@ import itertools
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import compare_jobs, limit_of, median, medians, report
+from gradmesh.bench.harness import check_link, compare_jobs, limit_of, median, medians, report
 from gradmesh.launch.jobs import emulated_cluster
 from gradmesh.layout.config import Layout, chunks_of
 from gradmesh.layout.pipeline.order import bubble_formula
@@ -300,6 +300,7 @@ def _check_plan(results: dict[str, dict[str, Any]], plan: Any) -> dict[str, Any]
 
 
 def run(args: Config, _command: list[str] | None = None) -> int:
+    check_link(args)
     names = _check(args)
     named = {n: _layout(args, n) for n in names if n != PLAN}
     with emulated_cluster(args.emulate_hosts, args.bandwidth) as cluster:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gradmesh.bench.harness import compare_jobs, limit_of, medians, report
+from gradmesh.bench.harness import check_link, compare_jobs, limit_of, medians, report
 from gradmesh.launch.jobs import emulated_cluster, worker_main
 from gradmesh.options import option
 from gradmesh.train.timing import timed_steps
@@ -158,6 +158,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     from gradmesh.plan.setting import Setting
     from gradmesh.planner import Links
 
+    check_link(args)
     if args.world < 1 or args.batch < args.world or min(args.steps, args.rounds) < 1:
         raise GradmeshError("--world, --steps, --rounds must be >= 1 and --batch >= --world")
     setting = Setting(

@@ -33,7 +33,7 @@ from statistics import mean
 from typing import Any
 
 from gradmesh.bench import ps_micro
-from gradmesh.bench.harness import CPU_BOUND_IDLE, median
+from gradmesh.bench.harness import CPU_BOUND_IDLE, check_link, median
 from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
@@ -103,6 +103,7 @@ def _run(flags: list[str], hosts: int, emulate: bool, bandwidth: str, out: Path)
 
 
 def run(args: Config, _command: list[str] | None = None) -> int:
+    check_link(args)
     if args.micro:
         return ps_micro.run(args)
     servers = parse_ints(args.servers, "servers")

@@ -119,3 +119,38 @@ def test_a_toml_value_is_refused_as_a_flag_is(tmp_path: Path, cli_line: Callable
         "gradmesh train: error: --warmup-epochs: options of --lr-scaling linear (the warm-up "
         "rises to the scaled rate); this run keeps --lr (--lr-scaling none)"
     )
+
+
+BENCHES_ON_EMULATED_LINKS = (
+    "allreduce",
+    "compression",
+    "dataparallel",
+    "horovod-synthetic",
+    "layout",
+    "plan",
+    "ps",
+)
+
+
+@pytest.mark.parametrize("bench", BENCHES_ON_EMULATED_LINKS)
+def test_a_benchmarks_link_rate_without_emulated_hosts_is_one_line(
+    bench: str, cli_line: Callable[..., str]
+) -> None:
+    """Without --emulate-hosts a benchmark runs on loopback: a --bandwidth would be read by
+    nothing, and its figures taken for that rate's."""
+    assert cli_line(["bench", bench, "--bandwidth", "10mbit"]) == (
+        "gradmesh bench: error: --bandwidth: the emulated hosts' link rate; without "
+        "--emulate-hosts this runs on loopback"
+    )
+
+
+@pytest.mark.parametrize("bench", BENCHES_ON_EMULATED_LINKS)
+def test_a_benchmarks_link_rate_passes_with_emulated_hosts(bench: str) -> None:
+    import importlib
+
+    from gradmesh.bench.harness import check_link
+    from gradmesh.cli import BENCHES
+
+    config = importlib.import_module(BENCHES[bench][1]).Config
+    hosts = True if bench == "ps" else 2  # one host each (a switch), or H hosts
+    check_link(config(emulate_hosts=hosts, bandwidth="10mbit"))
