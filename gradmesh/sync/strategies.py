@@ -31,6 +31,7 @@ from gradmesh.sync.hogwild import HogwildOptimizer, SharedModel, share_model
 from gradmesh.sync.local_sgd import Averager, LocalSGDOptimizer
 from gradmesh.sync.parameter_server.roles import worker_role
 from gradmesh.sync.parameter_server.worker import PSWorker
+from gradmesh.sync.sharded.nonfinite import NonfiniteWatch, watch_nonfinite
 
 
 class Strategy(Protocol):
@@ -126,12 +127,15 @@ class AllreduceStrategy(_Defaults):
         self.timeout_s = timeout_s
         self.optimizer: Optimizer | None = None
         self.sharded = False
+        self.watch: NonfiniteWatch | None = None
 
     def prepare(self, model: nn.Module, optimizer: Optimizer, rt: Runtime) -> Optimizer:
         from torch.distributed.fsdp import FSDPModule
 
         if isinstance(model, FSDPModule):  # zero stages 2 and 3: FSDP2 reduce-scatters the
             self.sharded = True  # gradients itself (gradmesh.sync.sharded.model)
+            stage = self.config.allreduce.zero_stage
+            self.watch = watch_nonfinite(model, optimizer, rt.rank, stage)
             return optimizer
         broadcast_replica(model, rt)
         self.optimizer = DistributedOptimizer(
@@ -149,6 +153,8 @@ class AllreduceStrategy(_Defaults):
 
     def state_dict(self) -> dict[str, Any]:
         if self.sharded:  # FSDP2 keeps no state between steps beyond the optimizer's
+            assert self.watch is not None
+            self.watch.read(", found before a checkpoint")
             return {}
         assert self.optimizer is not None
         return self.optimizer._gm.state_dict()  # type: ignore[attr-defined,no-any-return]

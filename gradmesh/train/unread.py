@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 
 from gradmesh.data.registry import is_token_dataset
+from gradmesh.errors import GradmeshError
 from gradmesh.options import given, refuse_unread
 from gradmesh.registry import canonical_name
 from gradmesh.sync.config import ParameterServerConfig
@@ -101,9 +102,15 @@ def _check_strategy(config: TrainConfig) -> None:
         outer = {"sync.local_sgd.sync_every", *_OUTER} if sync.strategy == "diloco" else set()
         reads = {*_ALLREDUCE, *outer}
         how += " in replica groups"
-    if sync.allreduce.zero_stage >= 2:
-        reads -= set(_ALLREDUCE)
-        how += f" at --zero-stage {sync.allreduce.zero_stage} (FSDP2 reduces the gradients)"
+    stage = sync.allreduce.zero_stage
+    if stage >= 2:  # FSDP2's step stops at a non-finite gradient (`sharded.nonfinite`), no skip
+        if sync.allreduce.on_nonfinite == "skip":
+            raise GradmeshError(
+                f"--on-nonfinite skip: not at --zero-stage {stage}, whose step on FSDP2's "
+                "sharded gradients stops at a non-finite one (the default, error)"
+            )
+        reads -= {"sync.allreduce.algorithm", "sync.allreduce.fusion_mb"}
+        how += f" at --zero-stage {stage} (FSDP2 reduces the gradients)"
     unread = {d for ds in STRATEGY_READS.values() for d in ds} - reads
     owners = sorted(
         {s for o in given(config, unread) for s, ds in STRATEGY_READS.items() if o.dest in ds}

@@ -118,3 +118,53 @@ def test_stage_1_averages_through_gradmesh_s_compressors() -> None:
             moved = max(moved, float((got[2][name] - full[2][name]).abs().max()))
     assert moved > 1e-6
     assert sharded[0][4]["optimizer_bytes"] < 0.3 * plain[0][4]["optimizer_bytes"]
+
+
+def nan_at_step_2(stage: int, defer: bool, checkpoint_at: int) -> str:
+    """The trainer's ZeRO `stage` (the allreduce strategy on an FSDP2 model) with a NaN in one
+    rank's batch at step 2 of 40; the error's line, or "no error"."""
+    from gradmesh.sync.config import SyncConfig
+    from gradmesh.sync.sharded.model import shard_model
+    from gradmesh.sync.strategies import STRATEGIES
+
+    rt = gradmesh.get_runtime()
+    torch.manual_seed(0)
+    model = shard_model(GPT(GPTConfig(**MHA)).double(), stage, rt)
+    sync = SyncConfig()
+    sync.allreduce.zero_stage = stage
+    strategy = STRATEGIES.get("allreduce")(sync, 1, 60.0)
+    opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=1e-2), rt)
+    strategy.watch.defer = defer  # as on CUDA: read every NONFINITE_EVERY steps
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, MHA["vocab"], (2, MHA["seq"]), generator=g)
+    try:
+        for step in range(1, 41):
+            opt.zero_grad()
+            out = model(x)
+            if step == 2 and rt.rank == 1:
+                out = out * float("nan")
+            out.double().sum().backward()
+            opt.step()
+            if step == checkpoint_at:
+                strategy.state_dict()
+    except GradmeshError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("stage", "defer", "checkpoint_at"), [(3, False, 0), (2, False, 0), (3, True, 5)]
+)
+def test_a_nan_gradient_stops_a_sharded_job(stage: int, defer: bool, checkpoint_at: int) -> None:
+    """FSDP2's reduce-scatter spreads one rank's NaN to every shard: each rank stops before
+    the step takes it (on CUDA, at the deferred read before a checkpoint), naming the step and
+    a parameter of its shard, where before nothing stopped it."""
+    said = run_ranks(nan_at_step_2, 2, stage, defer, checkpoint_at)
+    for rank, line in enumerate(said):
+        assert line.startswith(
+            f"rank {rank}: step {checkpoint_at or 2}: non-finite gradient in parameter '"
+        ), line
+        assert line.endswith(
+            ("found before a checkpoint" if checkpoint_at else "")
+            + f" (its shard of ZeRO {stage}'s reduced gradients)"
+        ), line

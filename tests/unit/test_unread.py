@@ -32,8 +32,12 @@ REPLICA = {"replica_group": 0, "replica_groups": 2, "lighthouse": "h:1"}
         ({"strategy": "hogwild", "fusion_mb": 4.0}, "--fusion-mb: not read by --strategy hogwild"),
         ({"lock": True}, "--lock: not read by --strategy allreduce (options of --strategy hogwild"),
         (
-            {"zero_stage": 3, "on_nonfinite": "skip"},
-            "--on-nonfinite: not read by --strategy allreduce at --zero-stage 3",
+            {"zero_stage": 3, "fusion_mb": 4.0},
+            "--fusion-mb: not read by --strategy allreduce at --zero-stage 3",
+        ),
+        (
+            {"zero_stage": 2, "on_nonfinite": "skip"},
+            "--on-nonfinite skip: not at --zero-stage 2, whose step on FSDP2's sharded",
         ),
         (
             {**REPLICA, "strategy": "diloco", "warmup_sync_steps": 3},

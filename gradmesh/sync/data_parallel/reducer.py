@@ -32,11 +32,9 @@ from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import REPLICAS
 from gradmesh.runtime.passes import defer
 from gradmesh.runtime.world import get_runtime
+from gradmesh.sync.config import NONFINITE_EVERY
 from gradmesh.sync.data_parallel.buckets import Bucket, NativeWork, check_models_agree, plan_buckets
 from gradmesh.sync.data_parallel.sparse import SparseGradients
-
-NONFINITE_EVERY = 32
-"""Steps between reads of the deferred non-finite flag on CUDA (`Reducer.watch_nonfinite`)."""
 
 Average: Op = "average"
 Sum: Op = "sum"
