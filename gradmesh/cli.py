@@ -103,8 +103,10 @@ def _cmd_plan(config: Any, command: list[str]) -> int:
     """`gradmesh plan`, or with `--memory` each rank's predicted bytes: the simulator's meta
     count (`gradmesh.simulate.memory`), which the planner's package does not import."""
     if config.memory:
+        from gradmesh.plan.unread import check_memory
         from gradmesh.simulate.memory import run as memory
 
+        check_memory(config)
         return memory(config)
     from gradmesh.plan.command import run
 

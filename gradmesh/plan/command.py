@@ -22,6 +22,7 @@ from gradmesh.options import component, option
 from gradmesh.plan.mesh import TrainWorkload, describe_mesh, flags, workload
 from gradmesh.plan.probe import ProbeRequest, mesh_probe, probe_emulated
 from gradmesh.plan.setting import Setting
+from gradmesh.plan.unread import check_plan
 from gradmesh.sync.config import AllreduceConfig
 from gradmesh.train.config import STATE_TENSORS
 
@@ -244,7 +245,9 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
         args.batch,
         args.optimizer,
     )
-    if not _sequence_of_layers(work):
+    per_layer = _sequence_of_layers(work)
+    check_plan(args, per_layer)
+    if not per_layer:
         return _run_mesh(args, work, setting, links, sharing)
     best, refs, prof, links = make_plan(
         setting,

@@ -158,3 +158,32 @@ def test_a_benchmarks_link_rate_passes_with_emulated_hosts(bench: str) -> None:
     config = importlib.import_module(BENCHES[bench][1]).Config
     hosts = True if bench == "ps" else 2  # one host each (a switch), or H hosts
     check_link(config(emulate_hosts=hosts, bandwidth="10mbit"))
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--latency", "1ms"], "--latency: not read by a plan on this host's loopback"),
+        (
+            ["--probe", "--bandwidth", "1gbit"],
+            "--bandwidth: not read by a plan on --probe, which measures loopback",
+        ),
+        (
+            ["--emulate-hosts", "2", "--ranks-per-host", "2"],
+            "--ranks-per-host: not read by a plan on --emulate-hosts",
+        ),
+        (["--top", "3"], "--top: options of a mesh plan; model mlp is a sequence of layers"),
+        (["--layouts", "dp"], "--layouts: options of --memory"),
+    ],
+)
+def test_a_plan_option_the_planning_would_not_read_is_one_line(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    assert message in cli_line(["plan", "--model", "mlp", "--workers", "2", *flags])
+
+
+def test_plan_memory_refuses_the_planning_options(cli_line: Callable[..., str]) -> None:
+    said = cli_line(["plan", "--memory", "--model", "gpt", "--memory-limit", "1GB"])
+    assert said.endswith(
+        "--memory-limit: not read by --memory, which counts bytes and plans nothing"
+    )
