@@ -131,7 +131,6 @@ def make_plan(
     from gradmesh.data import DATASETS, DataOptions
     from gradmesh.models.registry import TP_PLANS, build_model, check_pairing
     from gradmesh.planner import divisors, exchange_sizes, plan, predict, profile
-    from gradmesh.registry import parse_kwargs
     from gradmesh.units import parse_shape
 
     if setting.workers < 1 or setting.batch < setting.workers:
@@ -141,7 +140,7 @@ def make_plan(
     check_pairing(setting.model, setting.dataset)
     data = DATASETS.get(setting.dataset)(DataOptions(shape=parse_shape(setting.shape)))
     torch.manual_seed(0)
-    model = build_model(setting.model, data, parse_kwargs(setting.model_args, "--model-args"))
+    model = build_model(setting.model, data, setting.arguments())
     if not isinstance(model, torch.nn.Sequential):
         raise GradmeshError(
             f"a per-layer plan (--plan) places each layer of a sequence of layers; model "

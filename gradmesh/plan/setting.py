@@ -19,6 +19,12 @@ class Setting:
     model_args: str = ""
     """The model builder's keyword arguments (`--model-args`), as the trainer takes them."""
 
+    def arguments(self) -> dict[str, Any]:
+        """`model_args` parsed, as `build_model` takes them."""
+        from gradmesh.registry import parse_kwargs
+
+        return parse_kwargs(self.model_args, "--model-args")
+
 
 def placement_config(setting: Setting, tp: int, layers: dict[str, str]) -> Any:
     """The trainer's configuration of a job that trains `setting` with placement `layers`."""
