@@ -30,7 +30,7 @@ def test_checking_a_run_s_flags_imports_no_torch() -> None:
         "import sys; from gradmesh.train.config import TrainConfig; "
         "from gradmesh.train.checks import check_train; "
         "check_train(TrainConfig.of(strategy='diloco', model='gpt', dataset='text', "
-        "compression='int8', allreduce='ring')); "
+        "compression='int8', averaging_algorithm='ring')); "
         "check_train(TrainConfig.of(model='bag', dataset='docstrings')); "
         "print('torch' in sys.modules)"
     )
