@@ -24,7 +24,7 @@ from typing import Any
 
 from gradmesh.bench.harness import CPU_BOUND_IDLE, interleaved, report
 from gradmesh.errors import GradmeshError
-from gradmesh.options import option
+from gradmesh.options import option, refuse_unread
 from gradmesh.runtime.process import cpu_jiffies, idle_since
 
 
@@ -95,6 +95,8 @@ def run(args: Config, _command: list[str] | None = None) -> int:
 
     if min(args.rounds, args.batches, args.steps, args.ranks, args.tokens) < 1 or args.rounds < 2:
         raise GradmeshError("--rounds must be >= 2 and the other counts >= 1")
+    if args.file:
+        refuse_unread(args, ("tokens",), "the size of the file written when no --file is given")
     with tempfile.TemporaryDirectory(prefix="gradmesh-loader-") as tmp:
         pattern = args.file
         if pattern is None:

@@ -23,7 +23,7 @@ from typing import Any
 
 from gradmesh.bench.harness import interleaved, median, report
 from gradmesh.errors import GradmeshError
-from gradmesh.options import option
+from gradmesh.options import option, refuse_unread
 
 
 @dataclass
@@ -125,7 +125,11 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     if args.limit and args.world < 2:
         raise GradmeshError("--limit holds each rank of a --world job: give --world 2 or more")
     if args.world > 1:
+        refuse_unread(
+            args, ("modes", "precisions"), "options of one process; a --world job runs --layouts"
+        )
         return _run_ranks(args)
+    refuse_unread(args, ("layouts",), "options of a --world job (2 or more ranks)")
     from gradmesh.runtime.process import cpu_jiffies, idle_since
 
     torch.set_num_threads(1)

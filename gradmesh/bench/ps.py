@@ -38,7 +38,7 @@ from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.jobs import write_json
-from gradmesh.options import option
+from gradmesh.options import option, refuse_unread
 from gradmesh.runtime.process import cpu_jiffies
 from gradmesh.sync.parameter_server.cost import step_time
 from gradmesh.units import parse_ints, parse_rate
@@ -67,6 +67,19 @@ class Config:
     micro: bool = option(False, "the server's CPU per push+pull by shard size")
     sizes: str = option(ps_micro.DEFAULT_SIZES, "--micro: shard sizes")
     seconds: float = option(1.0, "--micro: each timed window")
+
+
+MICRO_UNREAD = (
+    "workers",
+    "servers",
+    "emulate_hosts",
+    "bandwidth",
+    "model_mb",
+    "compute_ms",
+    "steps",
+    "mode",
+)
+"""The jobs' options, which `--micro` (no job: one server's CPU per request) does not read."""
 
 
 def _job_flags(args: Config) -> list[str]:
@@ -103,9 +116,11 @@ def _run(flags: list[str], hosts: int, emulate: bool, bandwidth: str, out: Path)
 
 
 def run(args: Config, _command: list[str] | None = None) -> int:
-    check_link(args)
     if args.micro:
+        refuse_unread(args, MICRO_UNREAD, "not read by --micro, which times one server's CPU")
         return ps_micro.run(args)
+    refuse_unread(args, ("sizes", "seconds"), "options of --micro")
+    check_link(args)
     servers = parse_ints(args.servers, "servers")
     if args.workers < 1 or args.steps < 1 or args.rounds < 1 or args.model_mb <= 0:
         raise GradmeshError("--workers, --steps, --rounds must be >= 1 and --model-mb > 0")

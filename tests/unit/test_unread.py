@@ -187,3 +187,19 @@ def test_plan_memory_refuses_the_planning_options(cli_line: Callable[..., str]) 
     assert said.endswith(
         "--memory-limit: not read by --memory, which counts bytes and plans nothing"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["ps", "--micro", "--servers", "2"], "--servers: not read by --micro"),
+        (["ps", "--seconds", "0.5"], "--seconds: options of --micro"),
+        (["memory", "--layouts", "dp"], "--layouts: options of a --world job (2 or more ranks)"),
+        (["memory", "--world", "2", "--modes", "blocks"], "--modes: options of one process"),
+        (["loader", "--file", "x.bin", "--tokens", "1000"], "--tokens: the size of the file"),
+    ],
+)
+def test_a_benchmarks_option_its_mode_would_not_read_is_one_line(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    assert message in cli_line(["bench", *flags])
