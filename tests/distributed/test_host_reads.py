@@ -41,6 +41,9 @@ def steady_steps(config: TrainConfig, steps: int, fused: bool = False) -> str:
         job.optimizer = torch.optim.AdamW(job.split.module.parameters(), lr=1e-3, fused=True)
     attach(job)
     assert job.sharder is not None
+    watch = getattr(job.strategy, "watch", None)  # ZeRO 2 and 3's check (sharded.nonfinite)
+    if watch is not None:
+        watch.defer = True  # as on CUDA
     batches = job.sharder.batches(0)
     run = _Run(job, Clock(), None, None, 0)
     sums = torch.zeros(2, dtype=torch.float64, device=job.rt.device)
