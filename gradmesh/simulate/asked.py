@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradmesh.options import given, refuse_unread
+from gradmesh.options import given, options_of, refuse_unread
 
 TOKEN_ONLY = (
     "data.sequence_length",
@@ -45,6 +45,18 @@ BY_STRATEGY = {
     ),
 }
 """The options of an image model's strategies that only that strategy reads."""
+
+
+def refuse_unread_by_validate(args: Any) -> None:
+    """`--validate` prices the published table's own runs: a job's options are refused with
+    it, and `--published` without it."""
+    if not args.validate:
+        refuse_unread(args, ("published",), "the table --validate prices")
+        return
+    job = [
+        o.dest for o in options_of(type(args)) if o.dest not in ("validate", "published", "json")
+    ]
+    refuse_unread(args, job, "not read by --validate, which prices the published runs as they ran")
 
 
 def refuse_unread_by_token_model(args: Any) -> None:

@@ -14,7 +14,11 @@ from gradmesh.layout.config import LayoutConfig
 from gradmesh.layout.pipeline.order import check_schedule
 from gradmesh.options import check_choices, component, option
 from gradmesh.planner.links import Links
-from gradmesh.simulate.asked import refuse_unread_by_image_model, refuse_unread_by_token_model
+from gradmesh.simulate.asked import (
+    refuse_unread_by_image_model,
+    refuse_unread_by_token_model,
+    refuse_unread_by_validate,
+)
 from gradmesh.simulate.devices import COMPUTE_KINDS, DEVICES, Device
 from gradmesh.simulate.profile import (
     CPU,
@@ -238,6 +242,7 @@ def _split(args: SimulateConfig, shape: Any, device: Device) -> Any:
 def run(args: SimulateConfig, _command: list[str] | None = None) -> int:
     from gradmesh.models.registry import is_token_model
 
+    refuse_unread_by_validate(args)
     if args.validate:
         from gradmesh.simulate.published import run_validate
 

@@ -331,6 +331,8 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
             ["--model", "gpt", "--input-shape", "3x32x32"],
             "--input-shape: options of image models; model gpt is priced on the mesh",
         ),
+        (["--validate"], "--gpus: not read by --validate, which prices the published runs"),
+        (["--published", "rows.toml"], "--published: the table --validate prices"),
         (
             ["--model", "resnet50", "--servers", "4", "--microbatches", "4"],
             "--servers, --microbatches: options of --strategy pipeline or ps, not asked "
