@@ -14,9 +14,6 @@ MODES = ("sync", "async", "ssp")
 SERVER_OPTIMIZERS = ("sgd", "adagrad", "adam", "adarevision")
 """The updates a parameter server applies to its shard."""
 ON_NONFINITE = ("error", "skip")
-NONFINITE_EVERY = 32
-"""Steps between reads of the deferred non-finite flag on CUDA (`Reducer.watch_nonfinite`,
-`sharded.nonfinite`): a read waits for the device, which the step otherwise never does."""
 SPLIT_LAYOUTS = ("allreduce", "local-sgd", "diloco")
 """The strategies that carry a model split by tensor or pipeline parallelism (the others need
 the whole model on every worker)."""

@@ -32,9 +32,9 @@ from gradmesh.observe.timeline import span
 from gradmesh.runtime.axes import REPLICAS
 from gradmesh.runtime.passes import defer
 from gradmesh.runtime.world import get_runtime
-from gradmesh.sync.config import NONFINITE_EVERY
 from gradmesh.sync.data_parallel.buckets import Bucket, NativeWork, check_models_agree, plan_buckets
 from gradmesh.sync.data_parallel.sparse import SparseGradients
+from gradmesh.sync.nonfinite import FINITE_AGAIN, NONFINITE_EVERY, DeferredFlag
 
 Average: Op = "average"
 Sum: Op = "sum"
@@ -103,7 +103,7 @@ class GradientReducer:
         self.skipped_steps = 0
         self.defer_nonfinite = self.rt.device.type == "cuda"
         """The "error" check reads its flag every `NONFINITE_EVERY` steps, not every step."""
-        self.nonfinite_seen: torch.Tensor | None = None
+        self.nonfinite = DeferredFlag()
         """The deferred check's flag: whether a step since the last read was not finite."""
         self.skip_sync = False
         self.synced = False
@@ -269,19 +269,15 @@ class GradientReducer:
         step's reduced gradients are finite is folded into a flag on the device, read every
         `NONFINITE_EVERY` steps and before a checkpoint (`state_dict`); the parameter named is
         the first non-finite one at that read. None until then, and while all were finite."""
-        sums = [b.buffer[: b.grad_numel].sum() for b in self.buckets if b.grad_numel]
-        if sums:
-            bad = torch.stack(sums).isfinite().all().logical_not()
-            self.nonfinite_seen = bad if self.nonfinite_seen is None else self.nonfinite_seen | bad
+        self.nonfinite.fold([b.buffer[: b.grad_numel].sum() for b in self.buckets if b.grad_numel])
         return None if self.steps % NONFINITE_EVERY else self.seen_nonfinite()
 
     def seen_nonfinite(self) -> str | None:
         """Read (and clear) the deferred flag: the parameter to name when a step since the last
         read had a non-finite gradient, else None."""
-        seen, self.nonfinite_seen = self.nonfinite_seen, None
-        if seen is None or not bool(seen):
+        if not self.nonfinite.take():
             return None
-        return self.nonfinite_parameter() or "(finite again by this step)"
+        return self.nonfinite_parameter() or FINITE_AGAIN
 
     def nonfinite_parameter(self) -> str | None:
         """The first parameter whose reduced gradient has a NaN or Inf (the same on every rank)."""

@@ -8,9 +8,10 @@ optimizer (`Optimizer.register_step_pre_hook`) and checks this rank's shard of t
 gradients: the rank holding a non-finite part stops with one line naming the step and the
 parameter, and the launcher ends the others. The check is one sum per gradient and a search
 only when a sum is not finite (an overflow of a finite gradient's sum is searched and passed);
-on CUDA it is folded into a flag on the device, read every `NONFINITE_EVERY` steps and before a
-checkpoint, as the reducer reads its own, so no step waits for a host read. Under fp16's loss
-scale the scale owns non-finite gradients (the step it skips is not an error).
+on CUDA it is folded into the reducer's kind of flag on the device (`gradmesh.sync.nonfinite`),
+read every `NONFINITE_EVERY` steps and before a checkpoint, so no step waits for a host read.
+Under fp16's loss scale the scale owns non-finite gradients (the step it skips is not an
+error).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
-from gradmesh.sync.config import NONFINITE_EVERY
+from gradmesh.sync.nonfinite import FINITE_AGAIN, NONFINITE_EVERY, DeferredFlag, any_nonfinite
 from gradmesh.sync.sharded.model import local
 
 
@@ -32,7 +33,7 @@ class NonfiniteWatch:
         self.named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.rank, self.stage, self.defer = rank, stage, defer
         self.steps = 0
-        self.seen: torch.Tensor | None = None
+        self.flag = DeferredFlag()
 
     def before_step(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         self.steps += 1
@@ -41,20 +42,18 @@ class NonfiniteWatch:
         sums = [local(p.grad).sum() for _, p in self.named if p.grad is not None]
         if not sums:
             return
-        bad = torch.stack(sums).isfinite().all().logical_not()
         if not self.defer:
-            if bool(bad):
+            if bool(any_nonfinite(sums)):
                 self._stop("")
             return
-        self.seen = bad if self.seen is None else self.seen | bad
+        self.flag.fold(sums)
         if self.steps % NONFINITE_EVERY == 0:
             self.read("")
 
     def read(self, when: str) -> None:
         """Read (and clear) the deferred flag; stop if a step since the last read had a
         non-finite gradient."""
-        seen, self.seen = self.seen, None
-        if seen is not None and bool(seen):
+        if self.flag.take():
             self._stop(when)
 
     def _stop(self, when: str) -> None:
@@ -67,7 +66,7 @@ class NonfiniteWatch:
             None,
         )
         if self.defer:
-            name = name or "(finite again by this step)"
+            name = name or FINITE_AGAIN
         elif name is None:
             return  # a finite gradient whose sum overflowed
         raise GradmeshError(
