@@ -293,6 +293,22 @@ def refuse_unread(config: Any, dests: Iterable[str], why: str) -> None:
         raise GradmeshError(f"{', '.join(flags)}: {why}")
 
 
+def refuse_others(
+    config: Any,
+    owners: Mapping[str, Sequence[str]],
+    chosen: Sequence[str],
+    reads: Iterable[str],
+    how: str,
+) -> None:
+    """The options of `owners` (a strategy's name -> the options only it reads) that this run,
+    `how`, does not read (all but `reads`): one line naming them and, where they are not the
+    `chosen` strategies' own, the strategies whose they are."""
+    unread = {d for ds in owners.values() for d in ds} - set(reads)
+    names = sorted({k for o in given(config, unread) for k, ds in owners.items() if o.dest in ds})
+    whose = f" (options of --strategy {' or '.join(names)})" if set(names) - set(chosen) else ""
+    refuse_unread(config, unread, f"not read by {how}{whose}")
+
+
 def option_named(cls: type, key: str) -> Option:
     """The option of `cls` whose flat key (its flag's name) is `key`."""
     for opt in options_of(cls):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradmesh.options import given, options_of, refuse_unread
+from gradmesh.options import options_of, refuse_others, refuse_unread
 
 TOKEN_ONLY = (
     "data.sequence_length",
@@ -24,14 +24,6 @@ TOKEN_ONLY = (
     "layout.activation_checkpointing",
 )
 """Options only the pricing of a token model on the mesh (`run_mesh`) reads."""
-IMAGE_ONLY = (
-    "input_shape",
-    "allreduce.fusion_mb",
-    "ps.servers",
-    "servers_per_node",
-    "local_sgd.sync_every",
-)
-"""Options only the pricing of an image model by --strategy reads."""
 BY_STRATEGY = {
     "ps": ("ps.servers", "servers_per_node"),
     "local-sgd": ("local_sgd.sync_every",),
@@ -45,6 +37,9 @@ BY_STRATEGY = {
     ),
 }
 """The options of an image model's strategies that only that strategy reads."""
+IMAGE_ONLY = ("input_shape", "allreduce.fusion_mb", *BY_STRATEGY["ps"], *BY_STRATEGY["local-sgd"])
+"""Options only the pricing of an image model by --strategy reads (a token model's mesh reads
+the tensor and pipeline ones)."""
 
 
 def refuse_unread_by_validate(args: Any) -> None:
@@ -76,12 +71,4 @@ def refuse_unread_by_image_model(args: Any, strategies: list[str]) -> None:
         "by --strategy",
     )
     asked = {d for s in strategies for d in BY_STRATEGY.get(s, ())}
-    unread = {d for ds in BY_STRATEGY.values() for d in ds} - asked
-    readers = sorted(
-        {s for o in given(args, unread) for s, ds in BY_STRATEGY.items() if o.dest in ds}
-    )
-    refuse_unread(
-        args,
-        unread,
-        f"options of --strategy {' or '.join(readers)}, not asked (--strategy {args.strategy})",
-    )
+    refuse_others(args, BY_STRATEGY, strategies, asked, f"--strategy {args.strategy}")

@@ -16,7 +16,7 @@ import dataclasses
 
 from gradmesh.data.registry import is_token_dataset
 from gradmesh.errors import GradmeshError
-from gradmesh.options import given, refuse_unread
+from gradmesh.options import refuse_others, refuse_unread
 from gradmesh.registry import canonical_name
 from gradmesh.sync.config import ParameterServerConfig
 from gradmesh.train.config import TrainConfig
@@ -111,12 +111,7 @@ def _check_strategy(config: TrainConfig) -> None:
             )
         reads -= {"sync.allreduce.algorithm", "sync.allreduce.fusion_mb"}
         how += f" at --zero-stage {stage} (FSDP2 reduces the gradients)"
-    unread = {d for ds in STRATEGY_READS.values() for d in ds} - reads
-    owners = sorted(
-        {s for o in given(config, unread) for s, ds in STRATEGY_READS.items() if o.dest in ds}
-    )
-    whose = f" (options of --strategy {' or '.join(owners)})" if owners != [sync.strategy] else ""
-    refuse_unread(config, unread, f"not read by {how}{whose}")
+    refuse_others(config, STRATEGY_READS, [sync.strategy], reads, how)
 
 
 def _check_optimizer(config: TrainConfig) -> None:

@@ -335,8 +335,8 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
         (["--published", "rows.toml"], "--published: the table --validate prices"),
         (
             ["--model", "resnet50", "--servers", "4", "--microbatches", "4"],
-            "--servers, --microbatches: options of --strategy pipeline or ps, not asked "
-            "(--strategy allreduce)",
+            "--servers, --microbatches: not read by --strategy allreduce (options of --strategy "
+            "pipeline or ps)",
         ),
     ],
 )
