@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import tomllib
 import types
@@ -128,9 +129,10 @@ def convert(opt: Option, value: Any, source: str | None) -> Any:
     kind, optional = field_type(opt.owner, opt.field.name)
     if value is None and optional:
         return None
+    where = opt.flag if source is None else f"{source}: {opt.key}"
     if source is None and isinstance(value, str) and kind in (int, float):
         try:
-            return kind(value)
+            return _finite(kind(value), where)
         except ValueError:
             pass
     elif kind is float and isinstance(value, int) and not isinstance(value, bool):
@@ -138,10 +140,17 @@ def convert(opt: Option, value: Any, source: str | None) -> Any:
     elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         if isinstance(value, str) and opt.field.metadata.get("name"):
             return check_choice(opt, canonical_name(value))
-        return value
+        return _finite(value, where) if kind is float else value
     shown = json.dumps(value) if not isinstance(value, str) else repr(value)
-    where = opt.flag if source is None else f"{source}: {opt.key}"
     raise GradmeshError(f"{where} must be {_KIND_NAMES[kind]}, got {shown}")
+
+
+def _finite(value: Any, where: str) -> Any:
+    """`value`, refused when it is a float NaN or infinity: no option means anything by them, and
+    every range check (`lr <= 0`) lets a NaN through."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise GradmeshError(f"{where} must be a finite number, got {value}")
+    return value
 
 
 def check_choice(opt: Option, value: str) -> str:

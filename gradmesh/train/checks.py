@@ -106,8 +106,13 @@ def _check_counts(config: TrainConfig) -> None:
             raise GradmeshError(f"{flag} must be >= 1, got {value}")
     if opt.warmup_epochs < 0 or opt.reference_batch < 0:
         raise GradmeshError("--warmup-epochs and --reference-batch must be >= 0")
-    if opt.lr <= 0 or job.timeout_s <= 0:
+    if not (opt.lr > 0 and job.timeout_s > 0):  # a NaN from code fails too
         raise GradmeshError("--lr and --timeout-s must be > 0")
+    if not 0 <= opt.momentum < 1 or opt.weight_decay < 0:
+        raise GradmeshError(
+            f"--momentum must be in [0, 1) and --weight-decay >= 0, got {opt.momentum} and "
+            f"{opt.weight_decay}"
+        )
     if job.eval_every < 0 or job.max_steps < 0:
         raise GradmeshError(
             f"--eval-every and --max-steps must be >= 0, got {job.eval_every} and {job.max_steps}"

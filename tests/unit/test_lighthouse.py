@@ -11,7 +11,7 @@ import pytest
 
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.ports import free_port
-from gradmesh.sync.replicas.lighthouse import MAX_LINE, Lighthouse, Rounds
+from gradmesh.sync.replicas.lighthouse import MAX_LINE, Lighthouse, LighthouseConfig, Rounds, run
 from gradmesh.sync.replicas.manager import ask
 
 JOB = "model gpt, 1 workers, batch 24, abc"
@@ -346,3 +346,9 @@ def test_a_group_of_another_job_is_refused_even_after_the_run_finished() -> None
     other = r.quorum(1, 0, "model mlp, 1 workers, batch 24, def", False)
     assert "runs another job" in other["error"] and "not admitted" in other["error"]
     assert r.quorum(2, 0, JOB, False)["finished"] == 60  # one of this job: told the run is over
+
+
+@pytest.mark.parametrize(("port", "store_port"), [(99999, 0), (0, 0), (29600, -3)])
+def test_a_port_out_of_range_is_one_line(port: int, store_port: int) -> None:
+    with pytest.raises(GradmeshError, match=r"--port must be in 1\.\.65535 and --store-port in"):
+        run(LighthouseConfig(port=port, store_port=store_port, exit_after_s=0.1))

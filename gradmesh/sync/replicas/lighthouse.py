@@ -320,6 +320,11 @@ def run(config: LighthouseConfig, _command: list[str] | None = None) -> int:
         raise GradmeshError(
             f"--min-groups must be in 1..--groups ({config.groups}), got {config.min_groups}"
         )
+    if not 1 <= config.port <= 65535 or not 0 <= config.store_port <= 65535:
+        raise GradmeshError(
+            f"--port must be in 1..65535 and --store-port in 0..65535, got {config.port} and "
+            f"{config.store_port}"
+        )
     timeouts = (config.join_timeout_s, config.start_timeout_s, config.quorum_timeout_s)
     if min(*timeouts, config.commit_timeout_s) <= 0:
         raise GradmeshError("the lighthouse's timeouts must be > 0")
