@@ -30,7 +30,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import emulated_train, interleaved, label, medians, report
+from gradmesh.bench.harness import (
+    check_train_flags,
+    emulated_train,
+    interleaved,
+    label,
+    medians,
+    report,
+)
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
 from gradmesh.units import parse_rate
@@ -160,6 +167,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
             f"--eval-every {every} must be a multiple of --sync-every {args.sync_every} (where "
             "DiLoCo's replicas hold one model)"
         )
+    check_train_flags(_flags(s, args, args.steps) for s in STRATEGIES)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in STRATEGIES}
     pretrained: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="gradmesh-diloco-") as tmp:

@@ -82,6 +82,22 @@ def compare_jobs(
     return results
 
 
+def check_train_flags(jobs: Iterable[Sequence[str]]) -> None:
+    """Each job's `gradmesh train` flags checked as `gradmesh train` checks them before it
+    launches: a benchmark's bad option (an lr, a compressor, a model's arguments) is one line
+    before its first job, not a failed job after minutes of the others."""
+    import argparse
+
+    from gradmesh.options import add_flags, from_flags
+    from gradmesh.train.checks import check_train
+    from gradmesh.train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_flags(parser, TrainConfig)
+    for flags in jobs:
+        check_train(from_flags(TrainConfig, parser.parse_args(list(flags))))
+
+
 def emulated_train(
     flags: list[str], hosts: int, bandwidth: str, out: Path, what: str
 ) -> dict[str, Any]:

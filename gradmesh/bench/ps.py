@@ -33,7 +33,7 @@ from statistics import mean
 from typing import Any
 
 from gradmesh.bench import ps_micro
-from gradmesh.bench.harness import CPU_BOUND_IDLE, check_link, median
+from gradmesh.bench.harness import CPU_BOUND_IDLE, check_link, check_train_flags, median
 from gradmesh.collectives.cost import DEFAULT_PARAMS, CostParams, cost
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
@@ -100,6 +100,13 @@ def _job_flags(args: Config) -> list[str]:
     ]
 
 
+def _flags(args: Config, kind: str, servers: int) -> list[str]:
+    """The `gradmesh train` flags of a ps job with `servers` servers, or of ring allreduce."""
+    if kind == "ps":
+        return [*_job_flags(args), "--strategy=ps", f"--mode={args.mode}", f"--servers={servers}"]
+    return [*_job_flags(args), "--strategy=allreduce", "--allreduce=ring"]
+
+
 def _run(flags: list[str], hosts: int, emulate: bool, bandwidth: str, out: Path) -> dict[str, Any]:
     command = ["gradmesh", "train", *flags, f"--json={out}"]
     if emulate:
@@ -125,6 +132,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     if args.workers < 1 or args.steps < 1 or args.rounds < 1 or args.model_mb <= 0:
         raise GradmeshError("--workers, --steps, --rounds must be >= 1 and --model-mb > 0")
     configs: list[tuple[str, int]] = [("ps", s) for s in servers] + [("ring", 0)]
+    check_train_flags(_flags(args, kind, s) for kind, s in configs)
     runs = _measure(args, configs)
     link = _link(args)
     results = [_summary(args, s, runs[("ps", s)], link) for s in servers]
@@ -168,18 +176,13 @@ def _measure(
 ) -> dict[tuple[str, int], list[dict[str, Any]]]:
     """Each configuration (a ps job with S servers, or ring allreduce) once a round, the order
     reversed every other round; its reports, each with the machine's idle CPU over its job."""
-    base = _job_flags(args)
     runs: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in configs}
     with tempfile.TemporaryDirectory(prefix="gradmesh-bench-") as tmp:
         for round_ in range(args.rounds):
             order = configs if round_ % 2 == 0 else configs[::-1]
             for kind, s in order:
-                if kind == "ps":
-                    flags = [*base, "--strategy=ps", f"--mode={args.mode}", f"--servers={s}"]
-                    hosts = s + args.workers
-                else:
-                    flags = [*base, "--strategy=allreduce", "--allreduce=ring"]
-                    hosts = args.workers
+                flags = _flags(args, kind, s)
+                hosts = args.workers + (s if kind == "ps" else 0)
                 out = Path(tmp) / f"{round_}-{kind}-{s}.json"
                 idle0, total0 = cpu_jiffies()
                 report = _run(flags, hosts, args.emulate_hosts, args.bandwidth, out)

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import interleaved, label, medians, report
+from gradmesh.bench.harness import check_train_flags, interleaved, label, medians, report
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.options import option
@@ -108,10 +108,9 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods or methods[0] != "none":
         raise GradmeshError(f"--methods must start with none (the reference), got {args.methods!r}")
-    for m in methods:
-        _method(m)  # a malformed diloco method: one line before any run
     if min(args.groups - 1, args.steps, args.rounds) < 1:
         raise GradmeshError("--groups must be >= 2, --steps and --rounds >= 1")
+    check_train_flags(_group(args, 0, "127.0.0.1:1", m, Path("."))[2:] for m in methods)
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in methods}
     with tempfile.TemporaryDirectory(prefix="gradmesh-replicas-") as tmp:
         for round_, m in interleaved(methods, args.rounds):

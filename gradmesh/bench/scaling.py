@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradmesh.bench.harness import CPU_BOUND_IDLE, emulated_train, interleaved, medians, report
+from gradmesh.bench.harness import (
+    CPU_BOUND_IDLE,
+    check_train_flags,
+    emulated_train,
+    interleaved,
+    medians,
+    report,
+)
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
 from gradmesh.units import parse_ints, parse_list
@@ -57,20 +64,22 @@ class Config:
     plot: str | None = option(None, "write efficiency and overhead against hosts here (PNG)")
 
 
-def _train(strategy: str, hosts: int, args: Config, tmp: Path) -> dict[str, Any]:
-    """One `gradmesh train` job of `hosts` workers, one per emulated host; its report and the
-    machine's idle CPU fraction while it ran."""
+def _flags(strategy: str, hosts: int, args: Config) -> list[str]:
+    """The `gradmesh train` flags of `strategy`'s job of `hosts` workers."""
     flags = ["--strategy", "allreduce" if strategy == BASELINE else strategy]
     flags += ["--workers", str(hosts), "--batch-size", str(args.batch_per_worker * hosts)]
     flags += ["--model", args.model, "--epochs", str(args.epochs)]
     if args.emulate_compute:
         flags += ["--emulate-compute-ms", str(args.emulate_compute)]
-    machines = hosts
-    if strategy == "ps":
-        flags += ["--servers", "1"]
-        machines += 1
+    return flags + (["--servers", "1"] if strategy == "ps" else [])
+
+
+def _train(strategy: str, hosts: int, args: Config, tmp: Path) -> dict[str, Any]:
+    """One `gradmesh train` job of `hosts` workers, one per emulated host (and its server's for
+    ps); its report and the machine's idle CPU fraction while it ran."""
+    machines = hosts + (1 if strategy == "ps" else 0)
     out = tmp / f"{strategy}-{hosts}.json"
-    report = emulated_train(flags, machines, args.bandwidth, out, strategy)
+    report = emulated_train(_flags(strategy, hosts, args), machines, args.bandwidth, out, strategy)
     return {"report": report, "cpu_idle": report["cpu_idle"]}
 
 
@@ -180,6 +189,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     if args.emulate_compute < 0:
         raise GradmeshError(f"--emulate-compute must be >= 0 ms, got {args.emulate_compute}")
     points = [(BASELINE, 1)] + [(s, h) for h in hosts for s in strategies]
+    check_train_flags(_flags(s, h, args) for s, h in points)
     runs = _measure(args, points)
     figures = {p: medians(rs) for p, rs in runs.items()}
     alone = figures[(BASELINE, 1)]["step_s"]

@@ -11,6 +11,8 @@ attention's output and the MLP's second layer row-parallel.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 from typing import cast
 
@@ -20,7 +22,7 @@ from torch import nn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.models.moe import MoE, MoEOutput, check_routing
-from gradmesh.models.registry import MODELS
+from gradmesh.models.registry import MODELS, check_arg_kinds
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,7 @@ class GPTConfig:
     """Weight of each mixture's balance loss."""
 
     def check(self) -> None:
+        check_arg_kinds("gpt", typing.get_type_hints(GPTConfig), dataclasses.asdict(self))
         if self.experts:
             check_routing(self.experts, self.top_k, self.capacity)
         kv = self.kv_heads or self.heads

@@ -236,11 +236,17 @@ def build(kind: str) -> Any:
             raise GradmeshError(f"model hf:{kind} needs token sequences, got {input_shape}")
         if is_directory(kind):
             return _pretrained(kind, num_classes, args)
+        if kind not in transformers.CONFIG_MAPPING:
+            raise GradmeshError(
+                f"model hf:{kind}: not a model type transformers {transformers.__version__} "
+                "knows (llama, mistral, qwen2, gpt2, ...), nor a model's directory"
+            )
         values = {"vocab_size": num_classes, "max_position_embeddings": input_shape[0], **args}
         try:
             config = transformers.AutoConfig.for_model(kind, **values)
-        except ValueError as exc:
-            raise GradmeshError(f"model hf:{kind}: {str(exc).splitlines()[0]}") from None
+        except Exception as exc:  # noqa: BLE001 - configs refuse values with ValueError, TypeError or huggingface_hub's own validation error
+            why = " ".join(line.strip() for line in str(exc).splitlines()[:2])
+            raise GradmeshError(f"model hf:{kind}: {why}") from None
         auto = transformers.AutoModelForCausalLM
         net = auto.from_config(config, attn_implementation="sdpa")
         return CausalLM(net)

@@ -27,6 +27,7 @@ __all__ = [
     "TP_PLANS",
     "ModelFn",
     "build_model",
+    "check_arg_kinds",
     "check_pairing",
 ]
 
@@ -95,6 +96,7 @@ def build_model(name: str, spec: DataSpec, args: dict[str, Any] | None = None) -
     called with `args` alone and must return an `nn.Module`."""
     builder = MODELS.get(name)
     args = args or {}
+    check_arg_kinds(name, _hints(builder), args)
     try:
         if ":" in name and name.partition(":")[0] not in MODELS.schemes:
             model = builder(**args)
@@ -109,3 +111,30 @@ def build_model(name: str, spec: DataSpec, args: dict[str, Any] | None = None) -
     if not isinstance(model, nn.Module):
         raise GradmeshError(f"model {name} returned a {type(model).__name__}, not an nn.Module")
     return model
+
+
+_KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "text"}
+
+
+def check_arg_kinds(model: str, hints: dict[str, Any], args: dict[str, Any]) -> None:
+    """One line for a `--model-args` value of the wrong kind (`dim=x`), which would otherwise
+    fail deep in the model's construction with a message about something else."""
+    for key, value in args.items():
+        kind = hints.get(key)
+        if kind not in _KINDS:
+            continue
+        fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            fits = True
+        if not fits:
+            raise GradmeshError(f"model {model}: {key} must be {_KINDS[kind]}, got {value!r}")
+
+
+def _hints(builder: Callable[..., Any]) -> dict[str, Any]:
+    """The builder's parameters' types, where they resolve (a user's may not)."""
+    import typing
+
+    try:
+        return typing.get_type_hints(builder)
+    except Exception:  # noqa: BLE001 - a user's annotations may name anything
+        return {}

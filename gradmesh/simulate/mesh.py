@@ -147,7 +147,7 @@ def meta_profile(spec: Spec, gpus: int, batch: int, tps: list[int], device: Devi
     try:
         return _meta_profile(spec, gpus, batch, tps, device)
     except (RuntimeError, NotImplementedError) as e:
-        if "meta" not in str(e):
+        if isinstance(e, GradmeshError) or "meta" not in str(e):
             raise
         raise GradmeshError(
             f"model {spec.model} reads tensor values in its forward, which the meta device has "

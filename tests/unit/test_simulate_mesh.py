@@ -211,3 +211,25 @@ def test_a_model_no_layout_fits_says_the_smallest_need(cli_line: Callable[..., s
     want = "no layout of 8 GPUs fits the device's 80 GiB less 2 GiB of context: the smallest, "
     assert want in line
     assert "GiB a GPU, most of it" in line
+
+
+@pytest.mark.parametrize(
+    ("command", "model", "args", "want"),
+    [
+        ("simulate", "gpt", "dim=x", "model gpt: dim must be an integer, got 'x'"),
+        ("train", "gpt", "tie=3", "model gpt: tie must be true or false, got 3"),
+        ("train", "mlp", "width=x", "model mlp: width must be an integer, got 'x'"),
+        ("simulate", "hf:llama", "hidden_size=x", "model hf:llama: Validation error for field"),
+        ("simulate", "hf:nosuchkind", "", "model hf:nosuchkind: not a model type transformers"),
+    ],
+)
+def test_a_model_argument_of_the_wrong_kind_is_one_line_naming_it(
+    cli_line: Callable[..., str], command: str, model: str, args: str, want: str
+) -> None:
+    """Once a `dim=x` failed deep in the model ("not all arguments converted during string
+    formatting"), and an unknown Hugging Face type printed every type transformers knows."""
+    if model.startswith("hf:"):
+        pytest.importorskip("transformers")
+    data = ["--dataset", "digits" if model == "mlp" else "text"] if command == "train" else []
+    line = cli_line([command, "--model", model, "--model-args", args, *data])
+    assert want in line and len(line) < 300
