@@ -36,6 +36,7 @@ from gradmesh.bench.harness import (
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
 from gradmesh.options import option
+from gradmesh.train.checks import check_rates
 from gradmesh.units import parse_list
 
 TORCH_HOOK = "torch-powersgd"
@@ -94,6 +95,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         raise GradmeshError(f"unknown engine {unknown[0]!r} (valid: {', '.join(engines())})")
     if args.world < 2 or args.chunk < 1 or args.min_rounds < 1 or args.max_epochs < 1:
         raise GradmeshError("need --world >= 2, --chunk >= 1, --min-rounds >= 1, --max-epochs >= 1")
+    check_rates(args.lr, args.momentum)
     if args.batch_size % args.world:
         raise GradmeshError(f"--batch-size {args.batch_size} must split evenly over {args.world}")
     keys = ("model", "batch_size", "lr", "momentum", "ratio", "rank", "allreduce", "target")

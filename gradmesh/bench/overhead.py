@@ -30,6 +30,7 @@ from typing import Any
 from gradmesh.bench.harness import interleaved, limit_of, median, report
 from gradmesh.errors import GradmeshError
 from gradmesh.options import option
+from gradmesh.train.checks import check_rates
 
 SIDES = ("trainer", "plain")
 
@@ -293,6 +294,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
 
     if min(args.steps, args.rounds, args.batch) < 1 or args.warmup < 0:
         raise GradmeshError("--steps, --rounds and --batch must be >= 1, --warmup >= 0")
+    check_rates(args.lr)
     rt = init(backend=_backend(args.device))
     try:
         trainer, (job, indices) = trainer_side(args, rt)

@@ -93,6 +93,17 @@ def _check_names(config: TrainConfig) -> None:
     parse_shape(data.synthetic_shape)
 
 
+def check_rates(lr: float, momentum: float = 0.0, weight_decay: float = 0.0) -> None:
+    """An optimizer's rates, before a worker's torch optimizer refuses them in a traceback (or
+    takes a momentum of 1 or more, under which SGD's steps grow without end)."""
+    if not lr > 0:  # a NaN from code fails too
+        raise GradmeshError(f"--lr must be > 0, got {lr}")
+    if not 0 <= momentum < 1:
+        raise GradmeshError(f"--momentum must be in [0, 1), got {momentum}")
+    if weight_decay < 0:
+        raise GradmeshError(f"--weight-decay must be >= 0, got {weight_decay}")
+
+
 def _check_counts(config: TrainConfig) -> None:
     job, data, opt = config.job, config.data, config.optimizer
     for flag, value in (
@@ -106,13 +117,9 @@ def _check_counts(config: TrainConfig) -> None:
             raise GradmeshError(f"{flag} must be >= 1, got {value}")
     if opt.warmup_epochs < 0 or opt.reference_batch < 0:
         raise GradmeshError("--warmup-epochs and --reference-batch must be >= 0")
-    if not (opt.lr > 0 and job.timeout_s > 0):  # a NaN from code fails too
-        raise GradmeshError("--lr and --timeout-s must be > 0")
-    if not 0 <= opt.momentum < 1 or opt.weight_decay < 0:
-        raise GradmeshError(
-            f"--momentum must be in [0, 1) and --weight-decay >= 0, got {opt.momentum} and "
-            f"{opt.weight_decay}"
-        )
+    check_rates(opt.lr, opt.momentum, opt.weight_decay)
+    if not job.timeout_s > 0:
+        raise GradmeshError(f"--timeout-s must be > 0, got {job.timeout_s}")
     if job.eval_every < 0 or job.max_steps < 0:
         raise GradmeshError(
             f"--eval-every and --max-steps must be >= 0, got {job.eval_every} and {job.max_steps}"

@@ -61,9 +61,10 @@ def test_registry_lists_valid_names_on_unknown() -> None:
         ({"strategy": "diloco", "outer_momentum": 1.0}, "--outer-momentum in [0, 1)"),
         ({"workers": 0}, "--workers must be >= 1, got 0"),
         ({"workers": 4, "batch_size": 3}, "global batch 3 is smaller than the number of workers 4"),
-        ({"lr": 0.0}, "--lr and --timeout-s must be > 0"),
-        ({"momentum": 1.0}, "--momentum must be in [0, 1) and --weight-decay >= 0, got 1.0"),
-        ({"weight_decay": -0.1}, "--momentum must be in [0, 1) and --weight-decay >= 0, got 0.9"),
+        ({"lr": 0.0}, "--lr must be > 0, got 0.0"),
+        ({"timeout_s": -1.0}, "--timeout-s must be > 0, got -1.0"),
+        ({"momentum": 1.0}, "--momentum must be in [0, 1), got 1.0"),
+        ({"weight_decay": -0.1}, "--weight-decay must be >= 0, got -0.1"),
         ({"synthetic_shape": "3xy"}, "bad shape '3xy'"),
         ({"emulate_compute_ms": -1.0}, "--emulate-compute-ms must be >= 0, got -1.0"),
         (

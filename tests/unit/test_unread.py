@@ -209,6 +209,8 @@ def test_a_benchmarks_option_its_mode_would_not_read_is_one_line(
     ("flags", "message"),
     [
         (["diloco", "--outer-lr", "0"], "--outer-lr must be > 0"),
+        (["compression", "--momentum", "2"], "--momentum must be in [0, 1), got 2.0"),
+        (["overhead", "--lr", "-1"], "--lr must be > 0, got -1.0"),
         (["diloco", "--compression", "nosuch"], "unknown compressor 'nosuch'"),
         (["replicas", "--methods", "none,nosuch"], "unknown compressor 'nosuch'"),
         (["replicas", "--methods", "none,diloco:0:int8"], "--sync-every must be >= 1"),
@@ -217,6 +219,7 @@ def test_a_benchmarks_option_its_mode_would_not_read_is_one_line(
 def test_a_benchmarks_bad_job_option_is_one_line_before_its_first_job(
     flags: list[str], message: str, cli_line: Callable[..., str]
 ) -> None:
-    """Each of these once failed a job after the benchmark's other jobs had run for minutes:
-    the jobs' `gradmesh train` flags are now checked first, as `gradmesh train` checks them."""
+    """Each of these once failed after the benchmark had started: a job after the other jobs
+    had run for minutes, or torch's optimizer in a traceback (or never, with a momentum of 2).
+    The jobs' `gradmesh train` flags are now checked first, as `gradmesh train` checks them."""
     assert message in cli_line(["bench", *flags])
