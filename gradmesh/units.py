@@ -25,6 +25,8 @@ def parse_size(text: str) -> int:
     m = re.fullmatch(r"\s*(\d+)\s*([KMG]?B?)\s*", text.upper())
     if not m:
         raise GradmeshError(f"bad size {text!r}: expected a number with KB, MB or GB, like 4MB")
+    if int(m.group(1)) == 0:
+        raise GradmeshError(f"bad size {text!r}: it must be more than 0 bytes")
     return int(m.group(1)) * _UNITS[m.group(2)]
 
 

@@ -13,7 +13,7 @@ from gradmesh.registry import Registry
 from gradmesh.runtime.axes import MeshShape
 from gradmesh.train.checks import check_train
 from gradmesh.train.config import TrainConfig
-from gradmesh.units import parse_shape
+from gradmesh.units import parse_shape, parse_size
 
 
 def test_registry_lists_valid_names_on_unknown() -> None:
@@ -134,6 +134,13 @@ def test_toml_fills_fields_and_rejects_unknown_keys(tmp_path: Path) -> None:
     bad.write_text("[train]\nwrokers = 3\n")
     with pytest.raises(GradmeshError, match="unknown option.*wrokers"):
         TrainConfig.from_toml(str(bad))
+
+
+def test_parse_size_takes_binary_units_and_refuses_nothing() -> None:
+    assert (parse_size("4KB"), parse_size("2mb"), parse_size("3")) == (4096, 2 << 20, 3)
+    for bad, why in (("0MB", "more than 0 bytes"), ("-5", "expected a number"), ("4TB", "")):
+        with pytest.raises(GradmeshError, match=f"bad size '{bad}': .*{why}"):
+            parse_size(bad)
 
 
 def test_parse_shape() -> None:
