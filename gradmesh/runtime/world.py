@@ -12,6 +12,7 @@ passed explicitly.
 from __future__ import annotations
 
 import atexit
+import os
 import sys
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -176,6 +177,7 @@ def init(
     axis. Calling `init()` again in an initialised process returns the existing runtime.
     """
     global _runtime
+    _hook_on_top()  # first, so that init's own refusals are one line too
     sizes = _mesh_sizes(mesh, tensor_parallel, pipeline_parallel)
     rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if _runtime is not None:
@@ -196,9 +198,7 @@ def init(
         finish_reports_on_stop()
     chosen, device = pick_backend(_env_int("LOCAL_WORLD_SIZE", size), backend)
     adopted = connect(chosen, rank, size, timeout)
-    if not getattr(sys.excepthook, "gradmesh", False):  # once per process, however many inits
-        atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
-        sys.excepthook = _failing_hook(sys.excepthook)
+    _hook_on_top()  # again over torch's, which its process group put on top ("[rank0]: ...")
     _runtime = _build(rank, size, chosen, device, timeout, shape)
     _runtime.adopted = adopted
     return _runtime
@@ -281,6 +281,20 @@ def mark_failed(exc: BaseException) -> int:
     return PEER_FAILED_EXIT if isinstance(exc, PeerFailure) else 1
 
 
+def _hook_on_top() -> None:
+    """gradmesh's excepthook on top of whatever is there (once an interpreter's; the atexit
+    leave registered with the first)."""
+    if getattr(sys.excepthook, "gradmesh", False):
+        return
+    if not _HOOKS:
+        atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
+    _HOOKS.append(_failing_hook(sys.excepthook))
+    sys.excepthook = _HOOKS[-1]
+
+
+_HOOKS: list[Callable[..., Any]] = []
+
+
 def _failing_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
     """sys.excepthook for scripts: an uncaught exception marks the rank failing; a gradmesh
     error is printed as its one line (it names the rank), anything else as usual."""
@@ -288,7 +302,7 @@ def _failing_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
     def hook(kind: type[BaseException], exc: BaseException, tb: Any) -> None:
         mark_failed(exc)
         if isinstance(exc, GradmeshError):
-            rank = _runtime.rank if _runtime is not None else "?"
+            rank = _runtime.rank if _runtime is not None else os.environ.get("RANK", "0")
             print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         else:
             previous(kind, exc, tb)

@@ -221,3 +221,19 @@ def test_forked_workers_are_named_when_killed_and_end_with_their_launcher(
     while any(alive(p) for p in workers.values()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in workers.values() if alive(p)], "forked workers outlived the job"
+
+
+def test_a_script_whose_init_refuses_its_mesh_says_one_line() -> None:
+    """The hook that prints a gradmesh error as its line is installed before `init` checks
+    anything: it once came after, so `init`'s own refusals were a traceback."""
+    code = "import gradmesh; gradmesh.init(tensor_parallel=3)"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines() == [
+        "gradmesh: rank 0: 1 workers cannot hold replicas of pipeline stages 1 x expert-parallel "
+        "ranks 1 x context-parallel ranks 1 x tensor-parallel ranks 3 = 3 ranks: their product "
+        "must divide the worker count (1)"
+    ]
