@@ -17,6 +17,7 @@ TOKEN_ONLY = (
     "optimizer",
     "zero_stage",
     "search",
+    "top",
     "layout.context_parallel",
     "layout.context_attention",
     "layout.expert_parallel",

@@ -197,11 +197,12 @@ def _check(args: SimulateConfig) -> tuple[list[int], list[str]]:
         or min(args.ps.servers, args.layout.tensor_parallel, args.layout.pipeline_parallel) < 1
         or args.servers_per_node < 0
         or args.allreduce.fusion_mb <= 0
-        or args.layout.microbatches < 1
+        or min(args.layout.microbatches, args.nics_per_node) < 1
     ):
         raise GradmeshError(
-            "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel and "
-            "--pipeline-parallel must be >= 1, --servers-per-node >= 0, --fusion-mb > 0"
+            "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel, "
+            "--pipeline-parallel and --nics-per-node must be >= 1, --servers-per-node >= 0, "
+            "--fusion-mb > 0"
         )
     check_schedule(
         args.layout.schedule,

@@ -17,6 +17,7 @@ from gradmesh.layout.config import (
     check_expert_layout,
     check_sequence_parallel,
 )
+from gradmesh.options import refuse_unread
 from gradmesh.runtime.axes import divisors
 from gradmesh.simulate.mesh import CONTEXT_GIB, MetaProfile, Priced, meta_profile, price
 from gradmesh.simulate.mesh import search as search_layouts
@@ -130,6 +131,8 @@ def run_mesh(
         )
     if args.search and not args.global_batch:
         raise GradmeshError("--search needs --global-batch (samples a step)")
+    if not args.search:
+        refuse_unread(args, ("top",), "options of --search (the layouts it prints)")
     if args.global_batch < 0 or args.top < 1:
         raise GradmeshError("--global-batch must be >= 0 and --top >= 1")
     started = time.perf_counter()
