@@ -22,7 +22,7 @@ from gradmesh.options import component, option
 from gradmesh.plan.mesh import TrainWorkload, describe_mesh, flags, workload
 from gradmesh.plan.probe import ProbeRequest, mesh_probe, probe_emulated
 from gradmesh.plan.setting import Setting
-from gradmesh.plan.unread import check_plan
+from gradmesh.plan.unread import check_counts, check_plan
 from gradmesh.sync.config import AllreduceConfig
 from gradmesh.train.config import STATE_TENSORS
 
@@ -208,8 +208,7 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
     from gradmesh.planner import to_plan
     from gradmesh.units import parse_size
 
-    if args.workers < 1:
-        raise GradmeshError(f"--workers must be >= 1, got {args.workers}")
+    check_counts(args)
     if args.optimizer not in STATE_TENSORS:
         raise GradmeshError(
             f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(sorted(STATE_TENSORS))})"

@@ -223,3 +223,21 @@ def test_a_benchmarks_bad_job_option_is_one_line_before_its_first_job(
     had run for minutes, or torch's optimizer in a traceback (or never, with a momentum of 2).
     The jobs' `gradmesh train` flags are now checked first, as `gradmesh train` checks them."""
     assert message in cli_line(["bench", *flags])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--batch", "0"], "--batch must be >= 1, got 0"),
+        (["--tensor-parallel-max", "-1"], "--tensor-parallel-max must be >= 1, got -1"),
+        (["--emulate-hosts", "0"], "--emulate-hosts must be >= 1, got 0"),
+        (["--memory", "--model", "gpt", "--workers", "0"], "--workers must be >= 1, got 0"),
+        (["--memory", "--model", "gpt", "--sequence-length", "0"], "--sequence-length must be"),
+    ],
+)
+def test_a_plans_count_under_one_is_one_line(
+    flags: list[str], message: str, cli_line: Callable[..., str]
+) -> None:
+    """Once a traceback (a negative tensor dimension, an empty min(), a division by zero) or a
+    plan of nothing (0 taken for not given)."""
+    assert message in cli_line(["plan", "--model", "mlp", *flags])
