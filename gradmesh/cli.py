@@ -123,6 +123,8 @@ def _cmd_emulate(config: EmulateConfig, command: list[str]) -> int:
 
     if config.hosts is None:
         raise GradmeshError("--hosts is required")
+    if not config.timeout > 0:
+        raise GradmeshError(f"--timeout must be > 0, got {config.timeout}")
     min_hosts, hosts = parse_nnodes(config.nnodes) if config.nnodes else (None, config.hosts)
     if hosts != config.hosts:
         raise GradmeshError(f"--nnodes {config.nnodes}: MAX must be --hosts ({config.hosts})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,12 @@ def test_cluster_checks_its_size() -> None:
         emulate.EmulatedCluster(hosts=0)
     with pytest.raises(GradmeshError, match="more than one /24"):
         emulate.EmulatedCluster(hosts=300)
+
+
+@pytest.mark.parametrize("timeout", ["0", "-1"])
+def test_a_timeout_that_has_passed_is_one_line_before_any_host(
+    timeout: str, cli_line: Callable[..., str]
+) -> None:
+    """Once it created the hosts and ended the job at once as if it had run out of time."""
+    line = cli_line(["emulate", "--hosts", "2", "--timeout", timeout, "--", "true"])
+    assert line == f"gradmesh emulate: error: --timeout must be > 0, got {float(timeout)}"
