@@ -38,11 +38,13 @@ def option(
     choices: Sequence[str] = (),
     deprecated: Sequence[str] = (),
     positional: bool = False,
+    at_least: float | None = None,
 ) -> Any:
     """A field holding one option: its default and help text. `flag`: its command-line flag when
     that is not `--field-name`; `name`: a name (of a registry's entries, say), matched without
     regard to case; `choices`: the names it may be (checked here; a registry checks its own);
-    `deprecated`: former flags that still work, with a warning."""
+    `deprecated`: former flags that still work, with a warning; `at_least`: the smallest value
+    a number may be given (a count's 1, a warm-up's 0), checked where every value is converted."""
     metadata = {
         "help": help,
         "flag": flag,
@@ -50,6 +52,7 @@ def option(
         "choices": tuple(choices),
         "deprecated": tuple(deprecated),
         "positional": positional,
+        "at_least": at_least,
     }
     return field(default=default, metadata=metadata)
 
@@ -130,26 +133,30 @@ def convert(opt: Option, value: Any, source: str | None) -> Any:
     if value is None and optional:
         return None
     where = opt.flag if source is None else f"{source}: {opt.key}"
+    least = opt.field.metadata.get("at_least")
     if source is None and isinstance(value, str) and kind in (int, float):
         try:
-            return _finite(kind(value), where)
+            return _in_range(kind(value), where, least)
         except ValueError:
             pass
     elif kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        return _in_range(float(value), where, least)
     elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
         if isinstance(value, str) and opt.field.metadata.get("name"):
             return check_choice(opt, canonical_name(value))
-        return _finite(value, where) if kind is float else value
+        return _in_range(value, where, least) if kind in (int, float) else value
     shown = json.dumps(value) if not isinstance(value, str) else repr(value)
     raise GradmeshError(f"{where} must be {_KIND_NAMES[kind]}, got {shown}")
 
 
-def _finite(value: Any, where: str) -> Any:
-    """`value`, refused when it is a float NaN or infinity: no option means anything by them, and
-    every range check (`lr <= 0`) lets a NaN through."""
+def _in_range(value: Any, where: str, least: float | None) -> Any:
+    """`value`, refused when it is a float NaN or infinity (no option means anything by them,
+    and every range check, `lr <= 0`, lets a NaN through) or under the option's `at_least`."""
     if isinstance(value, float) and not math.isfinite(value):
         raise GradmeshError(f"{where} must be a finite number, got {value}")
+    if least is not None and value < least:
+        shown = int(least) if float(least).is_integer() else least
+        raise GradmeshError(f"{where} must be >= {shown}, got {value}")
     return value
 
 

@@ -29,11 +29,11 @@ class Config:
     world: str = option("2,4", "world sizes, like 2,4")
     sizes: str = option("4KB,256KB,4MB,32MB", "message sizes")
     algorithms: str = option(DEFAULT_ALGORITHMS, "algorithms to compare", name=True)
-    reps: int = option(10, "measured rounds")
-    warmup: int = option(2, "warm-up rounds")
+    reps: int = option(10, "measured rounds", at_least=1)
+    warmup: int = option(2, "warm-up rounds", at_least=0)
     json: str | None = option(None, "write the results here")
     timeout: float = option(120.0, "collective timeout, s")
-    emulate_hosts: int | None = option(None, "spread each world over H emulated hosts")
+    emulate_hosts: int | None = option(None, "spread each world over H emulated hosts", at_least=1)
     bandwidth: str = option("1gbit", "emulated link rate")
 
 

@@ -44,10 +44,10 @@ class Config:
 
     model: str = option("alexnet", "model", name=True)
     dataset: str = option("digits", "dataset", name=True)
-    workers: int = option(2, "worker processes")
-    epochs: int = option(2, "epochs per run")
-    every: int = option(5, "steps between checkpoints (5)")
-    rounds: int = option(3, "rounds of every mode")
+    workers: int = option(2, "worker processes", at_least=1)
+    epochs: int = option(2, "epochs per run", at_least=1)
+    every: int = option(5, "steps between checkpoints (5)", at_least=1)
+    rounds: int = option(3, "rounds of every mode", at_least=1)
     modes: str = option("sync,async", "save modes to time against no checkpoints", name=True)
     json: str | None = option(None, "write the result here")
 

@@ -33,9 +33,10 @@ from gradmesh.bench.harness import (
     shutdown_after_ddp,
     timed_turn,
 )
+from gradmesh.compression.config import READ_BY
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.jobs import emulated_cluster, run_workers, worker_main, write_json
-from gradmesh.options import option
+from gradmesh.options import option, refuse_unread
 from gradmesh.train.checks import check_rates
 from gradmesh.units import parse_list
 
@@ -61,20 +62,20 @@ class Config:
     """gradmesh bench compression: every compressor over a slow link: bytes, step time, time to
     accuracy, torch's hook"""
 
-    world: int = option(2, "workers")
+    world: int = option(2, "workers", at_least=2)
     engines: str | None = option(None, "comma-separated")
     model: str = option("alexnet", "a registered model", name=True)
-    batch_size: int = option(64, "global batch")
+    batch_size: int = option(64, "global batch", at_least=1)
     lr: float = option(0.05, "SGD learning rate")
     momentum: float = option(0.9, "SGD momentum")
     ratio: float = option(0.01, "topk's fraction (0.01)")
     rank: int = option(4, "PowerSGD's rank")
     allreduce: str = option("native", "gradmesh's allreduce algorithm")
     target: float = option(0.95, "test accuracy to reach")
-    chunk: int = option(10, "steps per turn")
-    min_rounds: int = option(5, "timed turns at least")
-    max_epochs: int = option(15, "give up after")
-    emulate_hosts: int | None = option(None, "spread the workers over H hosts")
+    chunk: int = option(10, "steps per turn", at_least=1)
+    min_rounds: int = option(5, "timed turns at least", at_least=1)
+    max_epochs: int = option(15, "give up after", at_least=1)
+    emulate_hosts: int | None = option(None, "spread the workers over H hosts", at_least=1)
     bandwidth: str = option("100mbit", "emulated link rate (100mbit)")
     json: str | None = option(None, "write the result here")
 
@@ -93,9 +94,15 @@ def run(args: Config, _command: list[str] | None = None) -> int:
     unknown = [e for e in chosen if e not in engines()]
     if unknown:
         raise GradmeshError(f"unknown engine {unknown[0]!r} (valid: {', '.join(engines())})")
-    if args.world < 2 or args.chunk < 1 or args.min_rounds < 1 or args.max_epochs < 1:
-        raise GradmeshError("need --world >= 2, --chunk >= 1, --min-rounds >= 1, --max-epochs >= 1")
+    for dest, owner in READ_BY.items():
+        readers = {owner, OUR_HOOK, TORCH_HOOK} if owner == "powersgd" else {owner}
+        if not readers & set(chosen):
+            refuse_unread(
+                args, (dest,), f"{owner}'s option; --engines {args.engines} has none that reads it"
+            )
     check_rates(args.lr, args.momentum)
+    if not 0 < args.target <= 1:
+        raise GradmeshError(f"--target is a test accuracy: in (0, 1], got {args.target}")
     if args.batch_size % args.world:
         raise GradmeshError(f"--batch-size {args.batch_size} must split evenly over {args.world}")
     keys = ("model", "batch_size", "lr", "momentum", "ratio", "rank", "allreduce", "target")

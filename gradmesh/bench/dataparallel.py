@@ -31,14 +31,14 @@ from gradmesh.options import option
 class Config:
     """gradmesh bench dataparallel: gradmesh's DistributedOptimizer against torch DDP."""
 
-    world: int = option(2, "workers")
+    world: int = option(2, "workers", at_least=1)
     model: str = option("cnn", "a registered model", name=True)
     dataset: str = option("digits", "input shape from this dataset", name=True)
-    batch_size: int = option(64, "global batch")
-    steps: int = option(20, "steps per timed round")
-    rounds: int = option(10, "timed rounds per engine")
+    batch_size: int = option(64, "global batch", at_least=1)
+    steps: int = option(20, "steps per timed round", at_least=1)
+    rounds: int = option(10, "timed rounds per engine", at_least=1)
     allreduce: str = option("native", "gradmesh's allreduce algorithm")
-    emulate_hosts: int | None = option(None, "spread the workers over H hosts")
+    emulate_hosts: int | None = option(None, "spread the workers over H hosts", at_least=1)
     bandwidth: str = option("1gbit", "emulated link rate")
     json: str | None = option(None, "write the result here")
 

@@ -55,9 +55,9 @@ class Config:
     workers: str = option("1,2", "worker counts")
     modes: str = option("hogwild,locked", "hogwild, locked or both", name=True)
     problems: str = option("sparse,dense", "sparse, dense or both", name=True)
-    rounds: int = option(5, "runs of each configuration")
-    epochs: int | None = option(None, "override every problem's epochs")
-    batch_per_worker: int | None = option(None, "override every problem's batch")
+    rounds: int = option(5, "runs of each configuration", at_least=1)
+    epochs: int | None = option(None, "override every problem's epochs", at_least=1)
+    batch_per_worker: int | None = option(None, "override every problem's batch", at_least=1)
     json: str | None = option(None, "write the result here")
 
 

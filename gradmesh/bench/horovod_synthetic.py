@@ -32,13 +32,13 @@ class Config:
     """gradmesh bench horovod-synthetic: Horovod's synthetic benchmark: the drop-in against
     gradmesh's API and DDP, img/s"""
 
-    world: int = option(2, "workers")
+    world: int = option(2, "workers", at_least=1)
     model: str = option("alexnet", "a registered model", name=True)
-    image_size: int = option(32, "square RGB images")
-    batch_size: int = option(32, "images per worker")
-    batches_per_round: int = option(10, "steps per timed round")
-    rounds: int = option(10, "timed rounds per engine")
-    emulate_hosts: int | None = option(None, "spread the workers over H hosts")
+    image_size: int = option(32, "square RGB images", at_least=1)
+    batch_size: int = option(32, "images per worker", at_least=1)
+    batches_per_round: int = option(10, "steps per timed round", at_least=1)
+    rounds: int = option(10, "timed rounds per engine", at_least=1)
+    emulate_hosts: int | None = option(None, "spread the workers over H hosts", at_least=1)
     bandwidth: str = option("1gbit", "emulated link rate")
     json: str | None = option(None, "write the result here")
 

@@ -80,17 +80,19 @@ class Config:
         "alexnet", "model (gpt and hf:... train on text, and report tokens/s)", name=True
     )
     model_args: str = option("", "the model builder's keyword arguments, like depth=4")
-    sequence_length: int = option(64, "token models: tokens per sample")
+    sequence_length: int = option(64, "token models: tokens per sample", at_least=1)
     synthetic_shape: str = option("3x32x32", "other models: the synthetic inputs' shape")
-    synthetic_classes: int = option(10, "other models: the synthetic data's classes")
-    world: int = option(4, "ranks")
-    batch: int = option(64, "global batch")
-    microbatches: int = option(8, "pipeline")
+    synthetic_classes: int = option(10, "other models: the synthetic data's classes", at_least=1)
+    world: int = option(4, "ranks", at_least=1)
+    batch: int = option(64, "global batch", at_least=1)
+    microbatches: int = option(8, "pipeline", at_least=1)
     schedule: str = option("1f1b", "the pp layouts' schedule: gpipe or 1f1b", name=True)
-    virtual_stages: int = option(2, "the interleaved layouts (pp2i, pp4i): chunks per rank")
-    steps: int = option(10, "measured steps")
-    warmup: int = option(3, "warm-up steps")
-    rounds: int = option(2, "interleaved rounds")
+    virtual_stages: int = option(
+        2, "the interleaved layouts (pp2i, pp4i): chunks per rank", at_least=1
+    )
+    steps: int = option(10, "measured steps", at_least=1)
+    warmup: int = option(3, "warm-up steps", at_least=0)
+    rounds: int = option(2, "interleaved rounds", at_least=1)
     layouts: str = option(
         ",".join([*LAYOUTS, PLAN]),
         f"which layouts (also {', '.join(SCHEDULED)}: interleaved 1F1B, ZB-H1 and ZBV; "
@@ -101,8 +103,9 @@ class Config:
         "each job's step computes this many ms longer, slept by the layers (`gradmesh train "
         "--emulate-compute-ms`): the schedules' bubbles without the cores' contention; the "
         "pipelines' rows then carry the simulator's step (`order.timeline`) beside the measured",
+        at_least=0,
     )
-    emulate_hosts: int | None = option(None, "emulated hosts")
+    emulate_hosts: int | None = option(None, "emulated hosts", at_least=1)
     bandwidth: str = option("1gbit", "emulated link rate")
     json: str | None = option(None, "write the result here")
 
@@ -121,7 +124,29 @@ def _check(args: Config) -> list[str]:
         lay = _layout(args, name)
         if args.world % lay.shape.split or lay.dp < 1:
             raise GradmeshError(f"layout {name} needs a world that {lay.shape.split} divides")
+    _refuse_unread(args, names)
     return names
+
+
+def _refuse_unread(args: Config, names: list[str]) -> None:
+    """The pipelines' options where no layout asked for reads them (the planner's search
+    chooses its own micro-batches and schedule)."""
+    from gradmesh.options import refuse_unread
+
+    piped = [n for n in names if n != PLAN and SHAPES[n][1] > 1]
+    plain = [n for n in piped if n not in SCHEDULED]  # under --schedule
+    chunked = [n for n in piped if _layout(args, n).schedule == "interleaved"]
+    asked = f"--layouts {args.layouts}"
+    if not piped:
+        pipelined = ", ".join(n for n in SHAPES if SHAPES[n][1] > 1)
+        why = f"options of the pipelined layouts ({pipelined}); {asked} has none"
+        refuse_unread(args, ("microbatches", "schedule", "virtual_stages"), why)
+    if piped and not plain:
+        refuse_unread(args, ("schedule",), f"the schedule of pp2 and pp4; {asked} run their own")
+    if piped and not chunked:
+        refuse_unread(
+            args, ("virtual_stages",), f"the interleaved layouts' chunks; {asked} has none"
+        )
 
 
 def _layout(args: Config, name: str) -> Layout:

@@ -33,15 +33,15 @@ class Config:
     """gradmesh bench loader: tokens/s the token loader feeds one rank from one core, against
     the GPT's training tokens/s"""
 
-    tokens: int = option(50_000_000, "tokens in the file written for the benchmark")
+    tokens: int = option(50_000_000, "tokens in the file written for the benchmark", at_least=1)
     file: str | None = option(None, "read this token file (or glob) instead of writing one")
-    sequence: int = option(64, "tokens per sample (train's --sequence-length default)")
-    batch: int = option(64, "global batch (train's --batch-size default)")
-    ranks: int = option(4, "data-parallel ranks the batch is split over (one is timed)")
-    batches: int = option(200, "batches each loader turn reads")
-    steps: int = option(5, "training steps each training turn takes")
+    sequence: int = option(64, "tokens per sample (train's --sequence-length default)", at_least=1)
+    batch: int = option(64, "global batch (train's --batch-size default)", at_least=1)
+    ranks: int = option(4, "data-parallel ranks the batch is split over (one is timed)", at_least=1)
+    batches: int = option(200, "batches each loader turn reads", at_least=1)
+    steps: int = option(5, "training steps each training turn takes", at_least=1)
     model_args: str = option("", "the GPT's --model-args")
-    rounds: int = option(5, "rounds (the first warms up)")
+    rounds: int = option(5, "rounds (the first warms up)", at_least=1)
     json: str | None = option(None, "write the result here")
 
 

@@ -32,18 +32,20 @@ class Config:
 
     model: str = option("gpt", "model (built-in name or pkg.module:factory)", name=True)
     model_args: str = option("dim=128,depth=8,heads=4", "the model builder's keyword arguments")
-    batch: int = option(16, "samples per step")
-    sequence_length: int = option(128, "token models: tokens per sample")
+    batch: int = option(16, "samples per step", at_least=1)
+    sequence_length: int = option(128, "token models: tokens per sample", at_least=1)
     modes: str = option(
         "none,every:2,blocks", "none, blocks, every:K or attention, comma-separated"
     )
     precisions: str = option(
         "fp32", "fp32 and/or bf16 (forward under bf16 autocast), comma-separated"
     )
-    steps: int = option(5, "timed steps per mode and round")
-    warmup: int = option(2, "untimed steps per mode first")
-    rounds: int = option(3, "interleaved rounds")
-    world: int = option(1, "ranks: above 1, each of --layouts is a job of this many ranks")
+    steps: int = option(5, "timed steps per mode and round", at_least=1)
+    warmup: int = option(2, "untimed steps per mode first", at_least=0)
+    rounds: int = option(3, "interleaved rounds", at_least=1)
+    world: int = option(
+        1, "ranks: above 1, each of --layouts is a job of this many ranks", at_least=1
+    )
     layouts: str = option(
         "dp,zero1,zero2,zero3,zero3+ac,dpxtp2,zero3xtp2",
         "with --world: dp or zero1-3, with xtpT (tensor parallel) and +ac (checkpointing)",

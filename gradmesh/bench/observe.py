@@ -30,8 +30,8 @@ class Config:
     --timeline"""
 
     strategy: str = option("allreduce", "", name=True)
-    epochs: int = option(12, "epochs per job (train's default)")
-    rounds: int = option(5, "jobs of each kind")
+    epochs: int = option(12, "epochs per job (train's default)", at_least=1)
+    rounds: int = option(5, "jobs of each kind", at_least=1)
     json: str | None = option(None, "write the result here")
 
 

@@ -44,7 +44,7 @@ class Config:
     model_args: str = option("dim=128,depth=2,heads=4", "the model builder's keyword arguments")
     dataset: str = option("text", "dataset (text for token models)", name=True)
     batch: int = option(16, "samples per step")
-    sequence_length: int = option(128, "token models: tokens per sample")
+    sequence_length: int = option(128, "token models: tokens per sample", at_least=1)
     precision: str = option(
         "fp32", "fp32, or bf16 (forward under autocast)", choices=("fp32", "bf16")
     )

@@ -54,14 +54,14 @@ frames."""
 class Config:
     """gradmesh bench ps: parameter servers 1..S against ring allreduce, on emulated hosts"""
 
-    workers: int = option(4, "workers")
+    workers: int = option(4, "workers", at_least=1)
     servers: str = option("1,2,4", "server counts")
     emulate_hosts: bool = option(False, "one emulated host each")
     bandwidth: str = option("1gbit", "emulated link rate")
     model_mb: float = option(2.0, "parameters, MB (float32)")
-    compute_ms: float = option(10.0, "emulated compute/step")
-    steps: int = option(40, "steps per worker per run")
-    rounds: int = option(2, "runs of each configuration")
+    compute_ms: float = option(10.0, "emulated compute/step", at_least=0)
+    steps: int = option(40, "steps per worker per run", at_least=1)
+    rounds: int = option(2, "runs of each configuration", at_least=1)
     mode: str = option("async", "ps mode", name=True)
     json: str | None = option(None, "write the result here")
     micro: bool = option(False, "the server's CPU per push+pull by shard size")

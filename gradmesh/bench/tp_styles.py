@@ -27,14 +27,14 @@ IMPLEMENTATIONS = ("gradmesh", "dtensor")
 class Config:
     """gradmesh bench tp-styles: gradmesh's tensor-parallel layers against DTensor's styles"""
 
-    world: int = option(2, "tensor-parallel ranks")
-    dim: int = option(128, "the GPT's width")
-    depth: int = option(2, "the GPT's blocks")
-    batch: int = option(8, "sequences per step")
-    sequence_length: int = option(64, "tokens per sequence")
-    steps: int = option(20, "timed steps per job")
-    warmup: int = option(3, "untimed steps first")
-    rounds: int = option(3, "interleaved rounds")
+    world: int = option(2, "tensor-parallel ranks", at_least=1)
+    dim: int = option(128, "the GPT's width", at_least=1)
+    depth: int = option(2, "the GPT's blocks", at_least=1)
+    batch: int = option(8, "sequences per step", at_least=1)
+    sequence_length: int = option(64, "tokens per sequence", at_least=1)
+    steps: int = option(20, "timed steps per job", at_least=1)
+    warmup: int = option(3, "untimed steps first", at_least=0)
+    rounds: int = option(3, "interleaved rounds", at_least=1)
     json: str | None = option(None, "write the result here")
 
 

@@ -9,6 +9,8 @@ from gradmesh.errors import GradmeshError
 from gradmesh.options import option
 
 ERROR_FEEDBACK = ("auto", "on", "off")
+READ_BY = {"ratio": "topk", "rank": "powersgd"}
+"""Each compressor setting, and the one compressor that reads it."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from gradmesh.compression.config import READ_BY
 from gradmesh.data.registry import is_token_dataset
 from gradmesh.errors import GradmeshError
 from gradmesh.options import refuse_others, refuse_unread
@@ -163,7 +164,7 @@ def _check_optimizer(config: TrainConfig) -> None:
 def _check_compression(config: TrainConfig) -> None:
     """Each compressor's own setting, and error feedback, which needs one."""
     method = canonical_name(config.sync.compression.method)
-    for dest, owner in (("ratio", "topk"), ("rank", "powersgd")):
+    for dest, owner in READ_BY.items():
         if method != owner:
             refuse_unread(
                 config,

@@ -66,6 +66,20 @@ def test_field_values_of_the_wrong_type_are_one_line(
     assert str(err.value) == message
 
 
+def test_a_number_under_its_options_least_is_one_line_from_a_flag_or_a_file() -> None:
+    from gradmesh.bench.memory import Config
+
+    batch, warmup = option_named(Config, "batch"), option_named(Config, "warmup")
+    for value, source, message in (
+        ("0", None, "--batch must be >= 1, got 0"),
+        (-2, "f.toml", "f.toml: batch must be >= 1, got -2"),
+    ):
+        with pytest.raises(GradmeshError) as err:
+            convert(batch, value, source)
+        assert str(err.value) == message
+    assert convert(warmup, "0", None) == 0 and convert(batch, 1, "f.toml") == 1
+
+
 def test_a_json_config_goes_through_the_same_checks() -> None:
     with pytest.raises(GradmeshError, match="--config: epochs must be an integer, got 2.5"):
         TrainConfig.from_mapping({"epochs": 2.5}, "--config")

@@ -197,6 +197,17 @@ def test_plan_memory_refuses_the_planning_options(cli_line: Callable[..., str]) 
         (["memory", "--layouts", "dp"], "--layouts: options of a --world job (2 or more ranks)"),
         (["memory", "--world", "2", "--modes", "blocks"], "--modes: options of one process"),
         (["loader", "--file", "x.bin", "--tokens", "1000"], "--tokens: the size of the file"),
+        (["layout", "--layouts", "dp,tp2", "--microbatches", "4"], "--microbatches: options of"),
+        (["layout", "--layouts", "dp,pp2i", "--schedule", "gpipe"], "--schedule: the schedule of"),
+        (["layout", "--layouts", "dp,pp2", "--virtual-stages", "3"], "--virtual-stages: the inte"),
+        (
+            ["compression", "--engines", "none,int8", "--ratio", "0.1"],
+            "--ratio: topk's option; --engines none,int8 has none that reads it",
+        ),
+        (
+            ["compression", "--engines", "none,topk", "--rank", "2"],
+            "--rank: powersgd's option; --engines none,topk has none that reads it",
+        ),
     ],
 )
 def test_a_benchmarks_option_its_mode_would_not_read_is_one_line(
@@ -211,6 +222,12 @@ def test_a_benchmarks_option_its_mode_would_not_read_is_one_line(
         (["diloco", "--outer-lr", "0"], "--outer-lr must be > 0"),
         (["compression", "--momentum", "2"], "--momentum must be in [0, 1), got 2.0"),
         (["overhead", "--lr", "-1"], "--lr must be > 0, got -1.0"),
+        # counts under 1: tracebacks (a division by zero, a median of nothing) or runs of nothing
+        (["hogwild", "--epochs", "0"], "--epochs must be >= 1, got 0"),
+        (["memory", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+        (["layout", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
+        (["loader", "--batch", "-1"], "--batch must be >= 1, got -1"),
+        (["compression", "--target", "0"], "--target is a test accuracy: in (0, 1], got 0.0"),
         (["diloco", "--compression", "nosuch"], "unknown compressor 'nosuch'"),
         (["replicas", "--methods", "none,nosuch"], "unknown compressor 'nosuch'"),
         (["replicas", "--methods", "none,diloco:0:int8"], "--sync-every must be >= 1"),
