@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -83,6 +84,8 @@ def name_hash(name: str) -> int:
 def header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> list[int]:
     """A request's header (without its unnamed counter, which `submit` fills in)."""
     row = [kind, -1, extra, -1, 0] + [-1] * MAX_DIMS
+    if tensor is not None:
+        tensors_only(KINDS[kind], [tensor])
     if tensor is not None and kind in SHAPED:
         known = tensor.dtype in DTYPES and tensor.dim() <= MAX_DIMS
         row[DTYPE] = DTYPES.index(tensor.dtype) if known else len(DTYPES)
@@ -92,6 +95,14 @@ def header(kind: int, tensor: torch.Tensor | None = None, extra: int = 0) -> lis
         row[NDIM] = len(dims)
         row[SHAPE : SHAPE + len(dims)] = dims
     return row
+
+
+def tensors_only(what: str, values: list[Any]) -> None:
+    """One line where a call was given something else than tensors (a list of numbers, say),
+    before anything reads a dtype off it."""
+    for value in values:
+        if not isinstance(value, torch.Tensor):
+            raise GradmeshError(f"{what} takes torch tensors, got {type(value).__name__}")
 
 
 def grouped_header(buffers: list[torch.Tensor], op: int) -> list[int]:

@@ -20,6 +20,7 @@ from gradmesh.horovod.headers import (
     REDUCESCATTER,
     grouped_header,
     header,
+    tensors_only,
 )
 from gradmesh.horovod.process_sets import (
     _group,
@@ -47,6 +48,10 @@ __all__ = [
 
 
 def _autograd(function: type[torch.autograd.Function], *args: Any) -> Any:
+    if function is not _GroupedAllreduce:  # whose tensors follow its settings
+        first = args[0]
+        listed = isinstance(first, list) and function is _Allreduce  # a grouped one
+        tensors_only(function.__name__.strip("_").lower(), first if listed else [first])
     return function.apply(*args)  # type: ignore[no-untyped-call]
 
 
@@ -84,6 +89,7 @@ def _reduction(
     if isinstance(tensors, list):
         if not tensors:
             raise GradmeshError("grouped allreduce needs at least one tensor")
+        tensors_only(what, tensors)
         fused = flat_buffers(tensors)
         buffers = [flat for flat, _ in fused]
         row = grouped_header(buffers, code)

@@ -242,3 +242,26 @@ def test_torchs_own_collectives_failing_on_a_lost_peer_are_one_line() -> None:
         mine["run"]()
     assert torch_collective_failure(elsewhere.value, 0) is None
     assert torch_collective_failure(GradmeshError(GLOO), 0) is None
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        ("allreduce", "allreduce takes torch tensors, got int"),
+        ("allgather", "allgather takes torch tensors, got list"),
+        ("broadcast", "broadcast takes torch tensors, got list"),
+        ("grouped_allreduce", "grouped_allreduce takes torch tensors, got int"),
+    ],
+)
+def test_a_horovod_call_given_no_tensor_is_one_line(call: str, message: str) -> None:
+    """Once an AttributeError from deep inside ('list' object has no attribute 'detach');
+    refused before the runtime is asked for, so no job is needed here."""
+    from gradmesh.horovod import gathers, reductions
+
+    fn = getattr(reductions, call, None) or getattr(gathers, call)
+    args: tuple[Any, ...] = ([torch.ones(2), 3],) if call.endswith("allreduce") else ([1],)
+    if call == "broadcast":
+        args = ([1], 0)
+    with pytest.raises(GradmeshError) as err:
+        fn(*args)
+    assert str(err.value) == message
