@@ -142,6 +142,11 @@ def arrow_tokens(paths: list[Path]) -> np.ndarray:
 
 def corpus_files(pattern: str) -> list[tuple[np.ndarray, int, str]]:
     """(tokens, stated vocabulary, name) of each file the glob matches, sorted by name."""
+    if not pattern.strip():  # Path("") is the working directory: every file in it
+        raise GradmeshError(
+            "dataset tokens: names no files: give a file, a glob or a folder after the colon, "
+            "like tokens:/data/train-*.bin"
+        )
     root = Path(pattern)
     if root.is_dir():  # a datasets folder (save_to_disk) or a folder of token files
         arrows = sorted(root.glob("*.arrow"))

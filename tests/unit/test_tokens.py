@@ -174,3 +174,12 @@ def test_the_next_batch_is_read_on_a_thread_while_this_one_is_used() -> None:
     early = prefetched(range(10), fetch)
     next(early)
     early.close()  # a loop that stops early ends the reader's thread (the leak check sees it)
+
+
+def test_an_empty_tokens_pattern_is_one_line_not_the_working_directory() -> None:
+    """`tokens:` with nothing after the colon once read every file of the working directory
+    (Path("") is "."), failing on the first that was not a token file."""
+    from gradmesh.data.tokens import corpus_files
+
+    with pytest.raises(GradmeshError, match="dataset tokens: names no files: give a file, a glob"):
+        corpus_files("")
