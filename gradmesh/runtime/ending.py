@@ -126,3 +126,20 @@ def finish_reports_on_stop(grace_s: float = STOP_GRACE_S) -> bool:
         target=_watch, args=(read, grace_s), name="gradmesh-stop-grace", daemon=True
     ).start()
     return True
+
+
+INTERRUPTED_EXIT = 128 + signal.SIGINT
+"""A process's exit code after Ctrl-C, as a shell's."""
+
+
+def _interrupt_once(_signum: int, _frame: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt
+
+
+def interrupt_once() -> None:
+    """SIGINT raises KeyboardInterrupt once, then is ignored: Ctrl-C reaches every process of
+    the terminal's group and the launcher passes its own on, so a second one would interrupt
+    the process's ending (a traceback in the except block that ends it quietly)."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where ignored
+        signal.signal(signal.SIGINT, _interrupt_once)

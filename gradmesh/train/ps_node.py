@@ -12,6 +12,7 @@ import os
 import sys
 
 from gradmesh.errors import GradmeshError, on_rank
+from gradmesh.runtime.ending import INTERRUPTED_EXIT, interrupt_once
 from gradmesh.runtime.process import bind_to_launcher, connect_store
 from gradmesh.sync.parameter_server.roles import (
     job_token,
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     bind_to_launcher(rank)  # servers and supervisors join no process group, so say it here
+    interrupt_once()
     try:
         servers, workers = config.sync.ps.servers, config.job.workers
         if world != servers + workers:
@@ -107,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     except GradmeshError as exc:
         print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the launcher's one line says so for the job
+        return INTERRUPTED_EXIT
 
 
 if __name__ == "__main__":

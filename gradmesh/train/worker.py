@@ -10,7 +10,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from gradmesh.errors import GradmeshError, on_rank, torch_collective_failure
-from gradmesh.runtime.ending import exit_process
+from gradmesh.runtime.ending import INTERRUPTED_EXIT, exit_process, interrupt_once
 from gradmesh.runtime.world import init, mark_failed, shutdown
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.trainer import train
@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     config = TrainConfig.from_mapping(json.loads(args.config), "--config")
     rank = "?"
+    interrupt_once()
     try:
         rt = init(timeout_s=config.job.timeout_s, mesh=config.layout.mesh_sizes())
         rank = str(rt.rank)
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     except GradmeshError as exc:
         print(f"gradmesh: {on_rank(rank, exc)}", file=sys.stderr, flush=True)
         return mark_failed(exc)
+    except KeyboardInterrupt as exc:  # Ctrl-C, or the launcher passing on its SIGINT: the
+        mark_failed(exc)  # launcher's one line says so for the job, no traceback from each rank
+        return INTERRUPTED_EXIT
     except RuntimeError as exc:  # torch's own collectives (FSDP2, ZeroRedundancyOptimizer)
         failure = torch_collective_failure(exc, rank)
         if failure is None:

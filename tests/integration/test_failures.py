@@ -237,3 +237,28 @@ def test_a_script_whose_init_refuses_its_mesh_says_one_line() -> None:
         "ranks 1 x context-parallel ranks 1 x tensor-parallel ranks 3 = 3 ranks: their product "
         "must divide the worker count (1)"
     ]
+
+
+@pytest.mark.parametrize("strategy", ["allreduce", "ps"])
+def test_ctrl_c_ends_a_training_job_in_one_line(strategy: str) -> None:
+    """Ctrl-C reaches every process of the terminal's group, and the launcher passes its own
+    on: each rank (and a ps job's servers and supervisors) once printed a KeyboardInterrupt
+    traceback, some two. Now the launcher's line is the job's only word on it."""
+    proc = subprocess.Popen(
+        [*GRADMESH, "train", "--epochs", "1000", "--strategy", strategy],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        start_new_session=True,  # its own group, as a terminal's foreground job
+        # a suite started in the background inherits SIGINT ignored: Ctrl-C must reach it
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # noqa: PLW1509
+    )
+    assert proc.stderr is not None
+    while "epoch 2/" not in proc.stderr.readline():  # its progress goes to stderr
+        assert proc.poll() is None, "the job ended before its second epoch"
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert gradmesh_lines(err)[-1] == "gradmesh run: stopped by SIGINT; every worker was ended"
