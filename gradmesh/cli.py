@@ -375,13 +375,26 @@ def main(argv: list[str] | None = None) -> int:
     if spec.interruptible:
         signal.signal(signal.SIGTERM, _interrupt)
     try:
-        return int(_load(spec.handler)(_config(args), command))
+        config = _config(args)
+        _check_outputs(config)
+        return int(_load(spec.handler)(config, command))
     except GradmeshError as exc:
         print(f"gradmesh {args.command}: error: {exc}", file=sys.stderr)
         return USAGE_ERROR
     except KeyboardInterrupt:
         print(f"gradmesh {args.command}: interrupted", file=sys.stderr)
         return 130
+
+
+def _check_outputs(config: Any) -> None:
+    """A command's result files (`--json`, `--plot`) writable before it works: a benchmark's
+    figures were lost to a traceback at its end (gradmesh train checks its own outputs)."""
+    from gradmesh.train.config import check_writable
+
+    for name in ("json", "plot"):
+        path = getattr(config, name, None)
+        if isinstance(path, str) and path:
+            check_writable(path, f"--{name}")
 
 
 def program() -> int:

@@ -229,10 +229,6 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
         args.model_args,
     )
     limit = float(parse_size(args.memory_limit)) if args.memory_limit else None
-    if args.json:
-        from gradmesh.train.config import check_writable
-
-        check_writable(args.json, "--json")
     links, sharing = links_for(args, args.workers)
     work = workload(
         args.model,

@@ -136,6 +136,10 @@ def test_default_train_reaches_accuracy_and_is_reproducible(
             ["emulate", "--hosts", "4", "--nnodes", "2:3", "--", "gradmesh", "train"],
             "--nnodes 2:3: MAX must be --hosts (4)",
         ),
+        # a result file that cannot be written: once a traceback after the whole benchmark
+        (["bench", "allreduce", "--json", "/no/such/r.json"], "the folder /no/such does not"),
+        (["simulate", "--json", "/no/such/r.json"], "--json /no/such/r.json: the folder"),
+        (["report", "r.json", "--plot", "/no/such/p.png"], "--plot /no/such/p.png: the folder"),
     ],
 )
 def test_bad_input_gets_one_clear_line(
