@@ -34,6 +34,7 @@ from gradmesh.train.checkpoint.files import complete, read_meta
 from gradmesh.train.checkpoint.reshard import whole_model
 from gradmesh.train.config import ExportConfig
 from gradmesh.train.pretrained import retie, tied_names
+from gradmesh.units import parse_size
 
 
 def run(config: ExportConfig, _command: list[str]) -> int:
@@ -62,6 +63,11 @@ def export(directory: str, out: str, fmt: str = "auto", max_shard_size: str = "5
             f"checkpoint {meta.checkpoint} holds model {name}, not a Hugging Face one: "
             "export it with --format safetensors"
         )
+    if fmt != "hf" and max_shard_size != ExportConfig.max_shard_size:
+        raise GradmeshError(
+            f"--max-shard-size: not read by --format {fmt}, which writes one file (hf's shards)"
+        )
+    parse_size(max_shard_size)  # one line for a bad size, before the model is made
     model, config = _rebuilt(meta.identity)
     state = whole_model(meta)
     own = {n for n, _ in model.named_buffers()} - set(model.state_dict())  # not persistent

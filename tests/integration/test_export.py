@@ -34,6 +34,11 @@ def test_a_gpt_checkpoint_exports_to_safetensors_and_builds_again(
     refused = cli_line(["export", str(ck), "--to", str(tmp_path / "hf"), "--format", "hf"])
     assert "holds model gpt, not a Hugging Face one" in refused
     assert not (tmp_path / "hf").exists()
+    refused = cli_line(["export", str(ck), "--to", str(tmp_path / "hf"), "--max-shard-size", "1MB"])
+    assert refused.endswith(
+        "--max-shard-size: not read by --format safetensors, which writes one file (hf's shards)"
+    )
+    assert not (tmp_path / "hf").exists()  # once ignored: a folder written without shards
     assert cli(["export", str(ck), "--to", str(tmp_path / "out")]) == 0
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["gradmesh_model"] == "gpt" and config["sequence_length"] == 32
