@@ -193,6 +193,12 @@ def _check(spec: LaunchSpec) -> None:
         raise GradmeshError(f"--nnodes {spec.min_nodes}:{spec.nnodes}: MIN must be in 1..MAX")
     if spec.elastic and spec.nnodes == 1:
         raise GradmeshError("--nnodes MIN:MAX is for jobs over several hosts: MAX must be > 1")
+    names = [name for _, name in socket.if_nameindex()]
+    if spec.iface is not None and spec.iface not in names:  # else each rank's Gloo says so
+        raise GradmeshError(
+            f"--iface {spec.iface}: no such network interface here (this host has "
+            f"{', '.join(names)})"
+        )
 
 
 def _worker_env(spec: LaunchSpec, host: str) -> dict[str, str]:

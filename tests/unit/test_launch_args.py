@@ -56,6 +56,8 @@ def test_resolve_command(tmp_path: Path) -> None:
         (LaunchSpec(nproc=0), "-np must be >= 1"),
         (LaunchSpec(nproc=1, nnodes=2, node_rank=2), "--node-rank 2 is not in 0..1"),
         (LaunchSpec(nproc=1, timeout_s=0), "--timeout must be > 0"),
+        # once each rank's Gloo said it at rendezvous ("ifa != nullptr. Unable to find ...")
+        (LaunchSpec(nproc=1, iface="nosuch0"), r"--iface nosuch0: no such network interface"),
     ],
 )
 def test_spec_checks(spec: LaunchSpec, message: str) -> None:
