@@ -18,6 +18,7 @@ user's loss, which need not know of it.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +70,7 @@ class Summed:
 
     def __init__(self, fn: LossFn, name: str = "") -> None:
         self.fn, self.name = fn, name or _name(fn)
+        _check_signature(fn, self.name)
 
     def __call__(self, out: Any, y: Any) -> torch.Tensor:
         n = batch_size(y)
@@ -88,6 +90,24 @@ class Summed:
         if isinstance(out, MoEOutput):  # a mixture's balance loss, a mean over samples too
             value = value + out.aux_loss
         return value * n
+
+
+def _check_signature(fn: Any, name: str) -> None:
+    """One line, before the first step, for a loss that cannot be called as `fn(outputs,
+    targets)` (not a function, or another signature); one whose signature Python cannot read
+    is called as it is."""
+    if not callable(fn):
+        raise GradmeshError(f"loss {name} is a {type(fn).__name__}, not a function")
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as exc:
+        raise GradmeshError(
+            f"loss {name} cannot be called as fn(outputs, targets): {signature} ({exc})"
+        ) from None
 
 
 def summed(fn: LossFn | None, name: str = "") -> Summed:

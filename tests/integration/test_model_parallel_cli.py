@@ -158,6 +158,8 @@ def test_train_takes_a_dataset_of_dicts_and_a_loss_over_them(tmp_path: Path) -> 
             "returned shape (2,), not a scalar: return the batch's mean",
         ),
         (["--model", "gpt"], "model gpt and dataset digits do not fit"),
+        (["--loss", "os:getcwd"], "loss os:getcwd cannot be called as fn(outputs, targets): ()"),
+        (["--loss", "os:sep"], "loss os:sep is a str, not a function"),
         (
             ["--model", "gpt", "--dataset", "text", "--model-args", "heads=3"],
             "dim 64 must be a multiple of heads 3",
