@@ -19,7 +19,7 @@ from typing import Any, NamedTuple, NoReturn
 from gradmesh.errors import GradmeshError
 from gradmesh.launch.config import EmulateConfig, RunConfig
 from gradmesh.options import add_flags, from_flags, from_toml, option
-from gradmesh.train.config import TrainConfig
+from gradmesh.train.config import TrainConfig, check_result_files
 
 USAGE_ERROR = 2
 
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, _interrupt)
     try:
         config = _config(args)
-        _check_outputs(config)
+        check_result_files(config)
         return int(_load(spec.handler)(config, command))
     except GradmeshError as exc:
         print(f"gradmesh {args.command}: error: {exc}", file=sys.stderr)
@@ -384,17 +384,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"gradmesh {args.command}: interrupted", file=sys.stderr)
         return 130
-
-
-def _check_outputs(config: Any) -> None:
-    """A command's result files (`--json`, `--plot`) writable before it works: a benchmark's
-    figures were lost to a traceback at its end (gradmesh train checks its own outputs)."""
-    from gradmesh.train.config import check_writable
-
-    for name in ("json", "plot"):
-        path = getattr(config, name, None)
-        if isinstance(path, str) and path:
-            check_writable(path, f"--{name}")
 
 
 def program() -> int:

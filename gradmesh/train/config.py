@@ -29,6 +29,15 @@ from gradmesh.sync.config import SyncConfig
 LR_SCALING = ("none", "linear")
 
 
+def check_result_files(config: Any) -> None:
+    """A command's result files (its `--json`, `--plot`) writable before it works: a
+    benchmark's figures were lost to a traceback at its end (train checks its own outputs)."""
+    for name in ("json", "plot"):
+        path = getattr(config, name, None)
+        if isinstance(path, str) and path:
+            check_writable(path, f"--{name}")
+
+
 def check_writable(path: str, what: str, directory: bool = False) -> None:
     """Raise one line unless `path` (a file, or with `directory` a folder, created here if it
     is missing) can be written: checked before launch so no run's results are lost at the end."""
