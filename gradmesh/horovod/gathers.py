@@ -20,6 +20,7 @@ from gradmesh.horovod.headers import (
     BROADCAST_OBJECT,
     SPARSE,
     header,
+    tensors_only,
 )
 from gradmesh.horovod.process_sets import (
     _group,
@@ -173,6 +174,7 @@ def broadcast_async_(
 def _broadcast_async(
     tensor: torch.Tensor, root_rank: int, name: str | None, process_set: Any, in_place: bool
 ) -> Handle:
+    tensors_only("broadcast", [tensor])
     root = _root(root_rank, _group(process_set, "broadcast"), "broadcast")
     target = tensor.data if in_place else tensor.detach().clone()
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from gradmesh.collectives.objects import differing
 from gradmesh.errors import GradmeshError
 from gradmesh.horovod.coordinator import Coordinator, close, coordinator
-from gradmesh.horovod.headers import ALLGATHER, header
+from gradmesh.horovod.headers import ALLGATHER, header, tensors_only
 from gradmesh.runtime.world import get_runtime, rank, size
 from gradmesh.sync.data_parallel import api as _api
 from gradmesh.sync.data_parallel.api import Handle
@@ -208,6 +208,7 @@ def submit(process_set: Any, what: str, row: list[int], name: str | None, run: R
 def allgather_request(tensor: torch.Tensor, name: str | None, process_set: Any) -> Handle:
     """Every rank's `tensor` (a copy taken now) concatenated along dimension 0, matched by
     name; first dimensions may differ."""
+    tensors_only("allgather", [tensor])
     copy = tensor.detach().clone()
     row = header(ALLGATHER, copy)
     return submit(process_set, "allgather", row, name, lambda g, _: _api.allgather_tensor(copy, g))

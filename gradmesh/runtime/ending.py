@@ -141,5 +141,7 @@ def interrupt_once() -> None:
     """SIGINT raises KeyboardInterrupt once, then is ignored: Ctrl-C reaches every process of
     the terminal's group and the launcher passes its own on, so a second one would interrupt
     the process's ending (a traceback in the except block that ends it quietly)."""
+    if threading.current_thread() is not threading.main_thread():  # a Ray actor's thread
+        return
     if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where ignored
         signal.signal(signal.SIGINT, _interrupt_once)

@@ -177,7 +177,8 @@ def init(
     axis. Calling `init()` again in an initialised process returns the existing runtime.
     """
     global _runtime
-    _hook_on_top()  # first, so that init's own refusals are one line too
+    if _runtime is None:  # first, so that init's own refusals are one line too
+        _hook_on_top()
     sizes = _mesh_sizes(mesh, tensor_parallel, pipeline_parallel)
     rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     if _runtime is not None:
@@ -393,7 +394,9 @@ def shutdown() -> None:
 def _leave_at_exit() -> None:
     """atexit: leave the job; a rank failing on an uncaught exception then ends at once, since
     interpreter teardown would wait for any collective still stuck in a backend thread."""
-    code = mark_failed(_runtime.failure) if _runtime and _runtime.failure else None
+    if _runtime is None:  # never joined, or left already: a group the script made is its own
+        return
+    code = mark_failed(_runtime.failure) if _runtime.failure else None
     shutdown()
     if code is not None:
         exit_process(code)

@@ -34,7 +34,6 @@ from gradmesh.train.checkpoint.files import complete, read_meta
 from gradmesh.train.checkpoint.reshard import whole_model
 from gradmesh.train.config import ExportConfig
 from gradmesh.train.pretrained import retie, tied_names
-from gradmesh.units import parse_size
 
 
 def run(config: ExportConfig, _command: list[str]) -> int:
@@ -67,7 +66,8 @@ def export(directory: str, out: str, fmt: str = "auto", max_shard_size: str = "5
         raise GradmeshError(
             f"--max-shard-size: not read by --format {fmt}, which writes one file (hf's shards)"
         )
-    parse_size(max_shard_size)  # one line for a bad size, before the model is made
+    if fmt == "hf":
+        _check_shard_size(max_shard_size)
     model, config = _rebuilt(meta.identity)
     state = whole_model(meta)
     own = {n for n, _ in model.named_buffers()} - set(model.state_dict())  # not persistent
@@ -115,6 +115,21 @@ def _rebuilt(identity: dict[str, Any]) -> tuple[nn.Module, dict[str, Any]]:
         "sequence_length": config.data.sequence_length,
         "input_shape": list(data.input_shape),
     }
+
+
+def _check_shard_size(size: str) -> None:
+    """One line, before the model is made, for a size `save_pretrained` would refuse at the
+    end, read by Hugging Face's own parser (decimal GB, binary GiB)."""
+    try:
+        from transformers.utils.hub import convert_file_size_to_int
+    except ImportError:  # moved in another transformers: save_pretrained still says it
+        return
+    try:
+        convert_file_size_to_int(size)
+    except ValueError:
+        raise GradmeshError(
+            f"--max-shard-size {size!r}: expected a whole number and a unit, like 5GB or 500MiB"
+        ) from None
 
 
 def _save_hf(model: nn.Module, folder: Path, max_shard_size: str) -> None:

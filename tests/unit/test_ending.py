@@ -86,3 +86,24 @@ def test_a_rank_pausing_after_its_report_leaves_at_once_on_sigterm() -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 75
     assert time.monotonic() - started < 15
+
+
+def test_interrupt_once_leaves_a_thread_alone() -> None:
+    """Ray runs each rank's worker in a thread, where Python refuses signal handlers: the
+    worker once failed there before training."""
+    import threading
+
+    from gradmesh.runtime.ending import interrupt_once
+
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            interrupt_once()
+        except BaseException as exc:  # noqa: BLE001 - the test's verdict
+            failed.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert not failed

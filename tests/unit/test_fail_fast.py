@@ -251,6 +251,8 @@ def test_torchs_own_collectives_failing_on_a_lost_peer_are_one_line() -> None:
         ("allgather", "allgather takes torch tensors, got list"),
         ("broadcast", "broadcast takes torch tensors, got list"),
         ("grouped_allreduce", "grouped_allreduce takes torch tensors, got int"),
+        ("broadcast_", "broadcast takes torch tensors, got list"),
+        ("allgather_async", "allgather takes torch tensors, got list"),
     ],
 )
 def test_a_horovod_call_given_no_tensor_is_one_line(call: str, message: str) -> None:
@@ -260,8 +262,21 @@ def test_a_horovod_call_given_no_tensor_is_one_line(call: str, message: str) -> 
 
     fn = getattr(reductions, call, None) or getattr(gathers, call)
     args: tuple[Any, ...] = ([torch.ones(2), 3],) if call.endswith("allreduce") else ([1],)
-    if call == "broadcast":
+    if call.startswith("broadcast"):
         args = ([1], 0)
     with pytest.raises(GradmeshError) as err:
         fn(*args)
     assert str(err.value) == message
+
+
+def test_an_hf_shard_size_is_read_as_hugging_face_reads_it() -> None:
+    """Checked before the model is made, by transformers' own parser: gradmesh's sizes once
+    refused its 2GiB and let its refused 5G through to a traceback at the end."""
+    pytest.importorskip("transformers")
+    from gradmesh.train.export import _check_shard_size
+
+    for good in ("5GB", "2GiB", "500MiB"):
+        _check_shard_size(good)
+    for bad in ("5G", "500", "lots"):
+        with pytest.raises(GradmeshError, match=f"--max-shard-size '{bad}': expected a whole"):
+            _check_shard_size(bad)
