@@ -320,9 +320,9 @@ def run(config: LighthouseConfig, _command: list[str] | None = None) -> int:
         raise GradmeshError(
             f"--min-groups must be in 1..--groups ({config.groups}), got {config.min_groups}"
         )
-    if not 1 <= config.port <= 65535 or not 0 <= config.store_port <= 65535:
+    if not (0 <= config.port <= 65535 and 0 <= config.store_port <= 65535):  # 0: any free one
         raise GradmeshError(
-            f"--port must be in 1..65535 and --store-port in 0..65535, got {config.port} and "
+            f"--port and --store-port must be in 0..65535, got {config.port} and "
             f"{config.store_port}"
         )
     timeouts = (config.join_timeout_s, config.start_timeout_s, config.quorum_timeout_s)
