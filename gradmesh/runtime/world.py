@@ -282,18 +282,17 @@ def mark_failed(exc: BaseException) -> int:
     return PEER_FAILED_EXIT if isinstance(exc, PeerFailure) else 1
 
 
-def _hook_on_top() -> None:
-    """gradmesh's excepthook on top of whatever is there (once an interpreter's; the atexit
-    leave registered with the first)."""
-    if getattr(sys.excepthook, "gradmesh", False):
-        return
-    if not _HOOKS:
-        atexit.register(_leave_at_exit)  # scripts that never call shutdown() still leave
-    _HOOKS.append(_failing_hook(sys.excepthook))
-    sys.excepthook = _HOOKS[-1]
-
-
 _HOOKS: list[Callable[..., Any]] = []
+
+
+def _hook_on_top() -> None:
+    """gradmesh's excepthook on top of whatever is there; the first registers the atexit leave
+    (scripts that never call shutdown() still leave)."""
+    if not getattr(sys.excepthook, "gradmesh", False):
+        if not _HOOKS:
+            atexit.register(_leave_at_exit)
+        _HOOKS.append(_failing_hook(sys.excepthook))
+        sys.excepthook = _HOOKS[-1]
 
 
 def _failing_hook(previous: Callable[..., Any]) -> Callable[..., Any]:
@@ -394,9 +393,8 @@ def shutdown() -> None:
 def _leave_at_exit() -> None:
     """atexit: leave the job; a rank failing on an uncaught exception then ends at once, since
     interpreter teardown would wait for any collective still stuck in a backend thread."""
-    if _runtime is None:  # never joined, or left already: a group the script made is its own
-        return
-    code = mark_failed(_runtime.failure) if _runtime.failure else None
-    shutdown()
-    if code is not None:
-        exit_process(code)
+    if _runtime is not None:  # else never joined, or left: a group the script made is its own
+        code = mark_failed(_runtime.failure) if _runtime.failure else None
+        shutdown()
+        if code is not None:
+            exit_process(code)
