@@ -123,7 +123,15 @@ def field_type(cls: type, name: str) -> tuple[type, bool]:
     return typing.cast(type, hint), False
 
 
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def of_kind(value: Any, kind: type) -> bool:
+    """Whether a parsed value (a TOML or JSON one, a `--model-args` item) is of `kind`: a bool
+    is no integer, and an integer is a number."""
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return True
+    return isinstance(value, kind) and not (kind is int and isinstance(value, bool))
 
 
 def convert(opt: Option, value: Any, source: str | None) -> Any:
@@ -139,14 +147,12 @@ def convert(opt: Option, value: Any, source: str | None) -> Any:
             return _in_range(kind(value), where, least)
         except ValueError:
             pass
-    elif kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return _in_range(float(value), where, least)
-    elif isinstance(value, kind) and not (kind is int and isinstance(value, bool)):
+    elif of_kind(value, kind):
         if isinstance(value, str) and opt.field.metadata.get("name"):
             return check_choice(opt, canonical_name(value))
-        return _in_range(value, where, least) if kind in (int, float) else value
+        return _in_range(kind(value), where, least) if kind in (int, float) else value
     shown = json.dumps(value) if not isinstance(value, str) else repr(value)
-    raise GradmeshError(f"{where} must be {_KIND_NAMES[kind]}, got {shown}")
+    raise GradmeshError(f"{where} must be {KIND_NAMES[kind]}, got {shown}")
 
 
 def _in_range(value: Any, where: str, least: float | None) -> Any:

@@ -14,6 +14,7 @@ from gradmesh.data.registry import (
     is_token_dataset,
 )
 from gradmesh.errors import GradmeshError
+from gradmesh.options import KIND_NAMES, of_kind
 from gradmesh.registry import Registry
 
 if TYPE_CHECKING:
@@ -113,22 +114,14 @@ def build_model(name: str, spec: DataSpec, args: dict[str, Any] | None = None) -
     return model
 
 
-_KINDS = {int: "an integer", float: "a number", bool: "true or false"}
-"""The kinds checked (text is not: `variant=50` reads as a number, and a factory may take it)."""
-
-
 def check_arg_kinds(model: str, hints: dict[str, Any], args: dict[str, Any]) -> None:
     """One line for a `--model-args` value of the wrong kind (`dim=x`), which would otherwise
-    fail deep in the model's construction with a message about something else."""
+    fail deep in the model's construction with a message about something else. Text is not
+    checked: `variant=50` reads as a number, and a factory may take it."""
     for key, value in args.items():
         kind = hints.get(key)
-        if kind not in _KINDS:
-            continue
-        fits = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            fits = True
-        if not fits:
-            raise GradmeshError(f"model {model}: {key} must be {_KINDS[kind]}, got {value!r}")
+        if kind in (int, float, bool) and not of_kind(value, kind):
+            raise GradmeshError(f"model {model}: {key} must be {KIND_NAMES[kind]}, got {value!r}")
 
 
 def _hints(builder: Callable[..., Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from gradmesh.options import component, option
 from gradmesh.plan.mesh import TrainWorkload, describe_mesh, flags, workload
 from gradmesh.plan.probe import ProbeRequest, mesh_probe, probe_emulated
 from gradmesh.plan.setting import Setting
-from gradmesh.plan.unread import check_counts, check_plan
+from gradmesh.plan.unread import check_plan
 from gradmesh.sync.config import AllreduceConfig
 from gradmesh.train.config import STATE_TENSORS
 
@@ -39,14 +39,16 @@ class PlanConfig:
     model_args: str = option("", "the model builder's keyword arguments, like depth=4")
     dataset: str = option("synthetic", "dataset whose inputs the model takes", name=True)
     synthetic_shape: str = option("3x32x32", "synthetic input shape")
-    sequence_length: int = option(64, "token models: tokens per sample")
-    workers: int = option(4, "ranks of the job")
-    batch: int = option(64, "global batch")
-    tensor_parallel_max: int | None = option(None, "largest tp to consider (default: --workers)")
+    sequence_length: int = option(64, "token models: tokens per sample", at_least=1)
+    workers: int = option(4, "ranks of the job", at_least=1)
+    batch: int = option(64, "global batch", at_least=1)
+    tensor_parallel_max: int | None = option(
+        None, "largest tp to consider (default: --workers)", at_least=1
+    )
     bandwidth: str | None = option(None, "link rate between hosts, like 1gbit")
     latency: str | None = option(None, "one-way latency between hosts, like 100us")
     ranks_per_host: int | None = option(None, "ranks per host (with --bandwidth)")
-    emulate_hosts: int | None = option(None, "probe an emulated cluster of H hosts")
+    emulate_hosts: int | None = option(None, "probe an emulated cluster of H hosts", at_least=1)
     probe: bool = option(False, "probe loopback between the job's ranks")
     memory_limit: str | None = option(
         None,
@@ -56,7 +58,7 @@ class PlanConfig:
     optimizer: str = option(
         "sgd", "the job's optimizer (sgd, adam, adamw): its state counts against --memory-limit"
     )
-    top: int = option(12, "a mesh plan (any other model): the fastest layouts to print")
+    top: int = option(12, "a mesh plan (any other model): the fastest layouts to print", at_least=1)
     allreduce: AllreduceConfig = component(AllreduceConfig, only=("algorithm", "fusion_mb"))
     json: str | None = option(None, "write the plan file here (gradmesh train --plan FILE)")
     memory: bool = option(
@@ -208,7 +210,6 @@ def run(args: PlanConfig, _command: list[str] | None = None) -> int:
     from gradmesh.planner import to_plan
     from gradmesh.units import parse_size
 
-    check_counts(args)
     if args.optimizer not in STATE_TENSORS:
         raise GradmeshError(
             f"unknown --optimizer {args.optimizer!r} (valid: {', '.join(sorted(STATE_TENSORS))})"

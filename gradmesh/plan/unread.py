@@ -1,14 +1,12 @@
 """`gradmesh plan`'s options that the asked planning would not read, refused in one line (as
 `gradmesh.train.unread` refuses the trainer's): the links' options outside the link mode that
 reads them, a mesh plan's `--top` on a model planned per layer, `--layouts` and `--device`
-without `--memory`, and the planning options under `--memory`, which plans nothing. Counts
-under 1 are refused here too, before either mode reads them."""
+without `--memory`, and the planning options under `--memory`, which plans nothing."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from gradmesh.errors import GradmeshError
 from gradmesh.options import refuse_unread
 
 LINK_OPTIONS = ("bandwidth", "latency", "ranks_per_host")
@@ -29,24 +27,8 @@ MEMORY_UNREAD = (
 read."""
 
 
-def check_counts(args: Any) -> None:
-    """The job's counts: each at least 1 where it is given."""
-    counts = {
-        "--workers": args.workers,
-        "--batch": args.batch,
-        "--sequence-length": args.sequence_length,
-        "--top": args.top,
-        "--tensor-parallel-max": args.tensor_parallel_max,
-        "--emulate-hosts": args.emulate_hosts,
-    }
-    for flag, n in counts.items():
-        if n is not None and n < 1:
-            raise GradmeshError(f"{flag} must be >= 1, got {n}")
-
-
 def check_memory(args: Any) -> None:
     """`gradmesh plan --memory`'s refusals."""
-    check_counts(args)
     refuse_unread(args, MEMORY_UNREAD, "not read by --memory, which counts bytes and plans nothing")
 
 

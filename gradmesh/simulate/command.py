@@ -58,7 +58,7 @@ class SimulateConfig:
     achieved: float | None = option(None, "fraction of peak every compute kernel reaches (0..4]")
     intra_fabric: str = option("", "interconnect within a node: a preset (nvlink-v100, pcie3, ...)")
     inter_fabric: str = option("", "interconnect between nodes: a preset (infiniband-hdr, ...)")
-    nics_per_node: int = option(1, "links of --inter-fabric each node has")
+    nics_per_node: int = option(1, "links of --inter-fabric each node has", at_least=1)
     intra_node_bandwidth: str | None = option(None, "link rate within a node (1200gbit)")
     inter_node_bandwidth: str | None = option(None, "link rate between nodes (100gbit)")
     latency: str | None = option(None, "per message between nodes (5us)")
@@ -197,12 +197,11 @@ def _check(args: SimulateConfig) -> tuple[list[int], list[str]]:
         or min(args.ps.servers, args.layout.tensor_parallel, args.layout.pipeline_parallel) < 1
         or args.servers_per_node < 0
         or args.allreduce.fusion_mb <= 0
-        or min(args.layout.microbatches, args.nics_per_node) < 1
+        or args.layout.microbatches < 1
     ):
         raise GradmeshError(
-            "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel, "
-            "--pipeline-parallel and --nics-per-node must be >= 1, --servers-per-node >= 0, "
-            "--fusion-mb > 0"
+            "--batch-per-gpu, --sync-every, --microbatches, --servers, --tensor-parallel and "
+            "--pipeline-parallel must be >= 1, --servers-per-node >= 0, --fusion-mb > 0"
         )
     check_schedule(
         args.layout.schedule,

@@ -335,7 +335,7 @@ def test_the_pipeline_is_simulated_action_by_action(schedule: str) -> None:
         (["--published", "rows.toml"], "--published: the table --validate prices"),
         (["--model", "gpt", "--top", "3"], "--top: options of --search (the layouts it prints)"),
         (["--top", "3"], "--top: options of token models (gpt, hf:..., a factory); model cnn"),
-        (["--nics-per-node", "0"], "--pipeline-parallel and --nics-per-node must be >= 1"),
+        (["--nics-per-node", "0"], "--nics-per-node must be >= 1, got 0"),
         (
             ["--model", "resnet50", "--servers", "4", "--microbatches", "4"],
             "--servers, --microbatches: not read by --strategy allreduce (options of --strategy "
