@@ -87,8 +87,6 @@ def _train(args: Config, folder: Path, mode: str, kill: int | None) -> dict[str,
 
 
 def run(args: Config, _command: list[str] | None = None) -> int:
-    if min(args.workers, args.epochs, args.every, args.rounds) < 1:
-        raise GradmeshError("--workers, --epochs, --every and --rounds must be >= 1")
     chosen = [m for m in args.modes.split(",") if m]
     if not chosen or set(chosen) - set(MODES[1:]):
         raise GradmeshError(f"--modes {args.modes!r}: a list of sync, async")

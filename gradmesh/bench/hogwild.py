@@ -91,8 +91,6 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         bad = sorted(set(modes if name == "mode" else problems) - set(known))
         if bad:
             raise GradmeshError(f"unknown {name} {bad[0]!r} (valid: {', '.join(known)})")
-    if min(args.rounds, args.epochs or 1, args.batch_per_worker or 1) < 1:
-        raise GradmeshError("--rounds, --epochs and --batch-per-worker must be >= 1")
     chosen = {name: dict(PROBLEMS[name]) for name in problems}
     for problem in chosen.values():
         problem["epochs"] = args.epochs or problem["epochs"]

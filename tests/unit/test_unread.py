@@ -224,6 +224,8 @@ def test_a_benchmarks_option_its_mode_would_not_read_is_one_line(
         (["overhead", "--lr", "-1"], "--lr must be > 0, got -1.0"),
         # counts under 1: tracebacks (a division by zero, a median of nothing) or runs of nothing
         (["hogwild", "--epochs", "0"], "--epochs must be >= 1, got 0"),
+        (["checkpoint", "--every", "0"], "--every must be >= 1, got 0"),
+        (["allreduce", "--warmup", "-1"], "--warmup must be >= 0, got -1"),
         (["memory", "--rounds", "0"], "--rounds must be >= 1, got 0"),
         (["layout", "--microbatches", "0"], "--microbatches must be >= 1, got 0"),
         (["loader", "--batch", "-1"], "--batch must be >= 1, got -1"),
