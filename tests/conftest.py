@@ -31,6 +31,7 @@ import pytest  # noqa: E402
 
 from gradmesh.runtime import device_guard  # noqa: E402
 from tests.harness import CLI, kept_environment
+from tests.zygote import ZYGOTE
 
 device_guard.install()
 
@@ -90,11 +91,15 @@ def cli_line(
 
 
 @pytest.fixture(scope="session", autouse=True)
-def rank_forkserver() -> None:
-    """The long-lived process the test harness forks ranks from, started before any test."""
+def rank_forkserver() -> Iterator[None]:
+    """The long-lived processes the test harness forks ranks and `gradmesh` runs from, started
+    before any test (tests/harness.py, tests/zygote.py)."""
     from tests.harness import start_forkserver
 
     start_forkserver()
+    ZYGOTE.start()
+    yield
+    ZYGOTE.close()
 
 
 def our_temp_dirs(root: str | None = None) -> set[str]:
@@ -220,7 +225,9 @@ def no_leaked_processes() -> Iterator[str]:
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
     left_temp = {d for d in our_temp_dirs() - temp_before if not foreign(d, leaked)}
+    forked = ZYGOTE.leftovers()
     assert not leaked, f"processes left behind by the test: {leaked}"
+    assert not forked, f"`gradmesh` runs or their processes left behind by the test: {forked}"
     assert not left_temp, f"temporary folders left behind: {sorted(left_temp)}"
     assert not left_namespaces, f"network namespaces left behind: {sorted(left_namespaces)}"
     assert not children, f"child processes left behind by the test: {children}"

@@ -74,18 +74,19 @@ def forkable(command: list[str], nproc: int) -> tuple[str, list[str]] | None:
     return (module, args) if visible_gpus() == 0 else None
 
 
-def start_early(command: list[str], nproc: int) -> None:
+def start_early(command: list[str], nproc: int, torch_unused: bool = False) -> None:
     """Start the server `launch` would start for `command`'s `nproc` workers now, where it can
     still be a fork of this launcher: before the launcher imports torch and runs ops on its
-    threads to check the job (a checkpoint to resume, a layout, a user's model or loss)."""
+    threads to check the job (a checkpoint to resume, a layout, a user's model or loss).
+    `torch_unused`: see `server_forks`."""
     forked = forkable(command, nproc)
     if forked is not None:
-        start_server(forked[0])
+        start_server(forked[0], torch_unused)
 
 
-def start_server(module: str) -> dict[str, str]:
+def start_server(module: str, torch_unused: bool = False) -> dict[str, str]:
     """Start this process's forkserver (once), with torch and `module` imported, and return
-    the environment it started with."""
+    the environment it started with (`torch_unused`: see `server_forks`)."""
     import multiprocessing as mp
     from multiprocessing import forkserver
 
@@ -93,7 +94,7 @@ def start_server(module: str) -> dict[str, str]:
     if _server_env is None:
         preload = ["torch", "torch._dynamo", "torch.distributed", module, __name__]
         _server_env = dict(os.environ)
-        if not (server_forks() and _fork_server(preload)):
+        if not (server_forks(torch_unused) and _fork_server(preload)):
             # the guard first: the server dies with this process (its forks hold it up otherwise)
             mp.get_context("forkserver").set_forkserver_preload([GUARD, *preload])
             forkserver.ensure_running()
@@ -105,16 +106,18 @@ _SERVER_MAIN = ["listener_fd", "alive_r", "preload", "main_path", "sys_path"]
 (Python 3.11 to 3.13; 3.14 added a key exchange: the exec'd server serves there)."""
 
 
-def server_forks() -> bool:
+def server_forks(torch_unused: bool = False) -> bool:
     """Whether `start_server` would fork the server from this process: this Python's
     forkserver is one `_fork_server` can start, and this process has not imported torch yet.
     A launcher that has (to check a checkpoint or a layout before launch) may have run an op on
     several threads: GNU OpenMP's thread pool does not survive a fork (a fork's first parallel
-    op waits forever), and the exec'd server never ran one."""
+    op waits forever), and the exec'd server never ran one. `torch_unused`: the caller knows
+    this process imported torch and has run no op since (a program forked from a process that
+    only imported it: the test suite's `gradmesh` runs, tests/zygote.py)."""
     import inspect
     from multiprocessing import forkserver
 
-    if "torch" in sys.modules:
+    if "torch" in sys.modules and not torch_unused:
         return False
     server = getattr(forkserver, "_forkserver", None)
     fields = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_lock")

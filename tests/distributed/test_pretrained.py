@@ -10,8 +10,6 @@ model's, after it the reloaded model's are the layout's, each to 1e-5."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 import torch
 
 from tests.harness import run_ranks
+from tests.zygote import gradmesh
 
 transformers = pytest.importorskip("transformers", reason="the hf extra is missing")
 
@@ -109,10 +108,7 @@ def test_pretrained_in_trained_exported_reloaded(
     assert torch.allclose(before, expected, rtol=0, atol=1e-5), (before - expected).abs().max()
     assert (after - before).abs().max() > 1e-2  # it trained
     out = tmp_path / "exported"
-    done = subprocess.run(
-        [sys.executable, "-m", "gradmesh.cli", "export", str(tmp_path / "ck"), "--to", str(out)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = gradmesh("export", str(tmp_path / "ck"), "--to", str(out))
     assert done.returncode == 0, done.stderr
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(out)
     with torch.no_grad():

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.zygote import gradmesh
 
 ROOT = Path(__file__).resolve().parents[2]
 SIDE_KEYS = {
@@ -26,13 +26,7 @@ def test_bench_overhead_times_the_trainer_beside_a_plain_loop(tmp_path: Path) ->
     out = tmp_path / "o.json"
     flags = ["--model-args", "dim=16,depth=1,heads=2", "--batch", "4", "--sequence-length", "16"]
     flags += ["--steps", "2", "--warmup", "1", "--rounds", "1", "--device", "cpu"]
-    done = subprocess.run(
-        [sys.executable, "-m", "gradmesh.cli", "bench", "overhead", *flags, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    done = gradmesh("bench", "overhead", *flags, "--json", str(out))
     assert done.returncode == 0, done.stderr
     got = json.loads(out.read_text())
     assert {"device", "torch", "ratio", "overhead_ms", "cpu_idle", "limit", "unit"} <= set(got)

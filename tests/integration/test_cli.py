@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from tests.harness import CLI
+from tests.zygote import gradmesh
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
@@ -32,20 +33,6 @@ REPORT_KEYS = {
     "epochs",
     "seed",
 }
-
-
-def gradmesh(
-    *args: str, timeout: float = 120, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    """`gradmesh ARGS` in a subprocess, with `env` added to this process's environment."""
-    return subprocess.run(
-        [*GRADMESH, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        env={**os.environ, **env} if env else None,
-    )
 
 
 def one_line_error(out: subprocess.CompletedProcess[str]) -> str:

@@ -15,6 +15,7 @@ import pytest
 from gradmesh.bench.harness import CPU_BOUND_IDLE
 from gradmesh.launch import namespaces
 from gradmesh.launch.emulate import EmulatedCluster, HostJob
+from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[2]
 GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
@@ -23,9 +24,7 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
 def gradmesh(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*GRADMESH, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT
-    )
+    return zygote.gradmesh(*args, timeout=timeout)
 
 
 def test_bench_link_measures_a_shaped_link(tmp_path: Path) -> None:

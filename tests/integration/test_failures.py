@@ -20,6 +20,7 @@ import pytest
 from gradmesh.errors import PEER_FAILED_EXIT
 from gradmesh.launch.ports import free_port
 from gradmesh.runtime.ending import PEER_GRACE_S, STOP_GRACE_S
+from tests.zygote import gradmesh
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = str(ROOT / "tests" / "integration" / "scripts" / "faulty.py")
@@ -150,13 +151,10 @@ def test_workers_never_outlive_a_killed_launcher(tmp_path: Path) -> None:
 def test_an_unreachable_master_fails_within_the_timeout() -> None:
     port = free_port()
     started = time.monotonic()
-    out = subprocess.run(
-        [*GRADMESH, "run", "-np", "1", "--nnodes", "2", "--node-rank", "1"]
-        + ["--master", f"127.0.0.1:{port}", "--timeout", "5", "--", "python", "-c", "pass"],
-        capture_output=True,
-        text=True,
+    out = gradmesh(
+        *("run", "-np", "1", "--nnodes", "2", "--node-rank", "1"),
+        *("--master", f"127.0.0.1:{port}", "--timeout", "5", "--", "python", "-c", "pass"),
         timeout=60,
-        cwd=ROOT,
     )
     assert time.monotonic() - started < 5 + LATE_S  # the 5 s timeout, not torch's 15 minutes
     assert out.returncode != 0 and "Traceback" not in out.stderr

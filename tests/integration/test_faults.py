@@ -8,29 +8,20 @@ import json
 import os
 import random
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.integration.test_cli import ROOT
+from tests.zygote import gradmesh
 
-GRADMESH = [sys.executable, "-m", "gradmesh.cli"]
 SMALL = ["--epochs", "2", "--checkpoint-every", "4", "--keep-checkpoints", "2"]
 STEPS = 2 * 23  # digits: 1437 training samples, global batch 64
 
 
 def train(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*GRADMESH, "train", *args],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        cwd=ROOT,
-        env={**os.environ, **(env or {})},
-    )
+    return gradmesh("train", *args, env=env, timeout=180)
 
 
 def final_state(folder: Path) -> list[dict[str, torch.Tensor]]:
@@ -229,13 +220,10 @@ def test_a_straggler_is_named_in_the_report(tmp_path: Path) -> None:
 
 
 def test_bench_checkpoint_measures_sizes_stalls_and_a_restart(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [*GRADMESH, "bench", "checkpoint", "--model", "cnn", "--rounds", "1", "--epochs", "1"]
-        + ["--modes", "async", "--json", str(tmp_path / "b.json")],
-        capture_output=True,
-        text=True,
+    out = gradmesh(
+        *("bench", "checkpoint", "--model", "cnn", "--rounds", "1", "--epochs", "1"),
+        *("--modes", "async", "--json", str(tmp_path / "b.json")),
         timeout=300,
-        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr
     result = json.loads((tmp_path / "b.json").read_text())

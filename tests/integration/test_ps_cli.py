@@ -140,13 +140,7 @@ def test_ps_options_are_checked_before_launch(cli_line: Callable[..., str]) -> N
 
 
 def test_the_script_example_serves_and_trains_through_gradmesh_run() -> None:
-    out = subprocess.run(
-        [*GRADMESH, "run", "-np", "3", "--", sys.executable, "examples/ps_digits.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = gradmesh("run", "-np", "3", "--", sys.executable, "examples/ps_digits.py")
     assert out.returncode == 0, out.stderr
     line = next(x for x in out.stdout.splitlines() if "test accuracy" in x)
     # asynchronous (ssp): 0.967-0.981 over 5 runs, but the default job's ssp has dipped to 0.925

@@ -11,7 +11,6 @@ import random
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from gradmesh.launch import namespaces
 from gradmesh.launch.emulate import EmulatedCluster
 from gradmesh.launch.ports import free_port
 from tests.integration.test_cli import ROOT, gradmesh
+from tests.zygote import ZYGOTE, Run
 
 GROUPS, STEPS, BATCH = 3, 300, 24
 GPT = ["--model", "gpt", "--dataset", "text", "--optimizer", "adamw", "--lr", "0.002"]
@@ -78,6 +78,14 @@ def lighthouse_flags(
         "--quorum-timeout-s",
         "60",
     ]
+
+
+def fork(argv: list[str], out: Path, name: str, env: dict[str, str] | None = None) -> Run:
+    """`gradmesh ARGV` forked from the tests' zygote (tests/zygote.py), started at once; its
+    output in `out`/NAME.out and NAME.err."""
+    return ZYGOTE.spawn(
+        argv, {**os.environ, **(env or {})}, ROOT, out / f"{name}.out", out / f"{name}.err"
+    )
 
 
 def reports(out: Path) -> list[dict[str, Any]]:
@@ -165,7 +173,7 @@ def test_a_group_killed_mid_run_is_dropped_restarted_and_rejoins_bit_equal(
     )
 
 
-def _children(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
+def _children(launcher: Run) -> list[psutil.Process]:
     """The launcher's processes alive now (none once it ended)."""
     try:
         return list(psutil.Process(launcher.pid).children(recursive=True))
@@ -173,12 +181,12 @@ def _children(launcher: subprocess.Popen[bytes]) -> list[psutil.Process]:
         return []
 
 
-def _job_processes(launchers: list[subprocess.Popen[bytes]], seen: set[int]) -> None:
+def _job_processes(launchers: list[Run], seen: set[int]) -> None:
     """Add the launchers' worker processes alive now to `seen`."""
     seen.update(p.pid for launcher in launchers for p in _children(launcher))
 
 
-def _workers_of(launcher: subprocess.Popen[bytes]) -> list[int]:
+def _workers_of(launcher: Run) -> list[int]:
     """The PID of the launcher's training worker, if one is up (at most one: a group is one
     worker): a process of its own (its command names the module), or forked by the launcher's
     forkserver (a grandchild)."""
@@ -210,23 +218,16 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
     and no process of the job is left. The average across groups is int8 with error feedback,
     so steps taken again (its residual put back) and groups rejoining with none are part of it."""
     port = free_port()
-    lighthouse = subprocess.Popen(
-        # the first step goes on with whichever group asks first, as every later one does:
-        # kills land from the start, and a group killed before its first step joins later
-        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, 1.0)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-    )
-    env = {**os.environ, "GRADMESH_FAULT": "slow:0:60"}
+    # the first step goes on with whichever group asks first, as every later one does:
+    # kills land from the start, and a group killed before its first step joins later
+    lighthouse = fork(lighthouse_flags("127.0.0.1", port, 1, 1.0), tmp_path, "lighthouse")
     launchers = [
-        subprocess.Popen(
-            [sys.executable, "-m", "gradmesh.cli"]
-            + group_flags(g, f"127.0.0.1:{port}", tmp_path, "--max-steps", "300")
+        fork(
+            group_flags(g, f"127.0.0.1:{port}", tmp_path, "--max-steps", "300")
             + ["--max-restarts", "30", "--compression", "int8"],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            tmp_path,
+            f"group{g}",
+            env={"GRADMESH_FAULT": "slow:0:60"},
         )
         for g in range(GROUPS)
     ]
@@ -253,11 +254,12 @@ def test_20_random_kills_end_without_a_hang_or_an_orphan(tmp_path: Path) -> None
                 launcher.kill()
         lighthouse.kill()
         lighthouse.wait(timeout=30)
-    errors = [launcher.stderr.read().decode()[-2000:] for launcher in launchers if launcher.stderr]
+    errors = [launcher.err.read_text()[-2000:] for launcher in launchers]
     assert kills == 20
     assert [launcher.returncode for launcher in launchers] == [0, 0, 0], errors
     time.sleep(1)
     assert _alive(seen) == []  # no orphans: every worker ended with its launcher
+    assert ZYGOTE.left_behind() == []
     got = reports(tmp_path)
     # every group that took the last step holds the same model (one restarted after the end
     # is told so by the lighthouse and trains nothing)
@@ -279,7 +281,7 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
     port = free_port()
     flags = lighthouse_flags("127.0.0.1", port, 2)
     flags[flags.index("--quorum-timeout-s") + 1] = "3"
-    lighthouse = subprocess.Popen([sys.executable, "-m", "gradmesh.cli", *flags], cwd=ROOT)
+    lighthouse = fork(flags, tmp_path, "lighthouse")
     try:
         alone = gradmesh(*group_flags(0, f"127.0.0.1:{port}", tmp_path), "--max-steps", "5")
     finally:
@@ -292,20 +294,15 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
     assert "Traceback" not in alone.stderr
 
     port = free_port()
-    lighthouse = subprocess.Popen(  # group 0 starts alone (1 of 3) after a 1 s start timeout
-        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, 1.0)],
-        cwd=ROOT,
-    )
+    # group 0 starts alone (1 of 3) after a 1 s start timeout
+    lighthouse = fork(lighthouse_flags("127.0.0.1", port, 1, 1.0), tmp_path, "lighthouse2")
     ckpt = tmp_path / "ckpt"
     try:
-        first = subprocess.Popen(
-            [sys.executable, "-m", "gradmesh.cli"]
-            + group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "60")
+        first = fork(
+            group_flags(0, f"127.0.0.1:{port}", tmp_path, "--max-steps", "60")
             + ["--checkpoint-dir", str(ckpt), "--checkpoint-every", "1"],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            tmp_path,
+            "first",
         )
         # the other job asks only once group 0 took a step (its quorum, and so the run's
         # identity, is then group 0's); started together, either may ask first on a busy host
@@ -317,7 +314,8 @@ def test_no_quorum_and_a_group_of_another_run_are_one_line_each(tmp_path: Path) 
         other = gradmesh(
             *group_flags(1, f"127.0.0.1:{port}", tmp_path, "--model", "mlp"), "--max-steps", "5"
         )
-        out, err = first.communicate(timeout=240)
+        first.wait(timeout=240)
+        err = first.err.read_text()
         # a group that comes after the run's end (as one restarted too late would): told at
         # once, where it waited the 60 s quorum timeout and failed
         late = gradmesh(*group_flags(2, f"127.0.0.1:{port}", tmp_path), "--max-steps", "60")
@@ -349,36 +347,26 @@ def _run_groups(
     their reports."""
     port, faults = free_port(), faults or {}
     least = 1 if any(f.startswith("kill") for f in faults.values()) else groups
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "gradmesh.cli"]
-        + lighthouse_flags("127.0.0.1", port, least, groups=groups, join_s=join_s),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-    )
-    logs = [(out / f"group{g}.err").open("w") for g in range(groups)]
-    jobs: list[subprocess.Popen[bytes]] = []
+    lighthouse_args = lighthouse_flags("127.0.0.1", port, least, groups=groups, join_s=join_s)
+    lighthouse = fork(lighthouse_args, out, "lighthouse")
+    jobs: list[Run] = []
     try:
         jobs += [
-            subprocess.Popen(
-                [sys.executable, "-m", "gradmesh.cli"]
-                + group_flags(g, f"127.0.0.1:{port}", out, *GPT, *extra, groups=groups),
-                cwd=ROOT,
-                env={**os.environ, **({"GRADMESH_FAULT": faults[g]} if g in faults else {})},
-                stdout=subprocess.DEVNULL,
-                stderr=logs[g],
+            fork(
+                group_flags(g, f"127.0.0.1:{port}", out, *GPT, *extra, groups=groups),
+                out,
+                f"group{g}",
+                env={"GRADMESH_FAULT": faults[g]} if g in faults else {},
             )
             for g in range(groups)
         ]
         codes = [job.wait(timeout=240) for job in jobs]
     finally:
         for process in [*jobs, lighthouse]:  # a launcher ends its workers with it
-            if process.poll() is None:
-                process.terminate()
-                process.wait(timeout=30)
-        for log in logs:
-            log.close()
+            process.end()
     errors = [(out / f"group{g}.err").read_text()[-2000:] for g in range(groups)]
     assert codes == [0] * groups, errors
+    assert ZYGOTE.left_behind() == []
     return [json.loads((out / f"group{g}.json").read_text()) for g in range(groups)]
 
 
@@ -567,29 +555,27 @@ def test_a_script_s_replica_groups_go_on_without_a_killed_one_and_take_it_back(
     after step 20; group 0 goes on alone, group 1 is restarted, copies the state from it, and
     both end with the same bits and the digits learnt."""
     port = free_port()
-    lighthouse = subprocess.Popen(
-        [sys.executable, "-m", "gradmesh.cli", *lighthouse_flags("127.0.0.1", port, 1, groups=2)],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-    )
+    lighthouse = fork(lighthouse_flags("127.0.0.1", port, 1, groups=2), tmp_path, "lighthouse")
     script = [sys.executable, str(ROOT / "examples" / "replica_groups.py")]
+    jobs: list[Run] = []
     try:
-        jobs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "gradmesh.cli", "run", "-np", "1", "--max-restarts", "1"]
+        jobs += [
+            fork(
+                ["run", "-np", "1", "--max-restarts", "1"]
                 + ["--", *script, "--group", str(g), "--groups", "2", "--steps", "400"]
                 # the 380 steps after the kill (17.1 s) outlast the restart 2.5 times over
                 + ["--step-ms", "45"]
                 + ["--lighthouse", f"127.0.0.1:{port}", "--json", str(tmp_path / f"{g}.json")]
                 + (["--kill-after", "20"] if g == 1 else []),
-                cwd=ROOT,
-                stdout=subprocess.DEVNULL,
-                stderr=(tmp_path / f"{g}.err").open("w"),
+                tmp_path,
+                str(g),
             )
             for g in range(2)
         ]
         codes = [job.wait(timeout=240) for job in jobs]
     finally:
+        for job in jobs:
+            job.end()
         lighthouse.kill()
         lighthouse.wait(timeout=30)
     errors = [(tmp_path / f"{g}.err").read_text()[-2000:] for g in range(2)]
