@@ -64,10 +64,14 @@ def _child(request: dict[str, Any]) -> None:
             signal.signal(
                 sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
             )
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["out"]), (2, request["err"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+        for fd, path, flags in (
+            (0, os.devnull, os.O_RDONLY),
+            (1, request["out"], os.O_WRONLY | os.O_APPEND),
+            (2, request["err"], os.O_WRONLY | os.O_APPEND),
+        ):
+            opened = os.open(path, flags)
+            os.dup2(opened, fd)
+            os.close(opened)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
@@ -366,11 +370,13 @@ def gradmesh(
 def main() -> None:
     import importlib
 
+    requests, answers = os.dup(0), os.dup(1)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    os.dup2(2, 1)  # a stray print of an import is no answer
     for module in PRELOAD:
         importlib.import_module(module)
-    requests, answers = os.dup(0), os.dup(1)
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    os.dup2(2, 1)  # a stray print of an import is no answer
     serve(requests, answers)
 
 
