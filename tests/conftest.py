@@ -224,8 +224,8 @@ def no_leaked_processes() -> Iterator[str]:
         child.kill()
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
+    forked = ZYGOTE.leftovers()  # before the folders: a run it ends leaves its own
     left_temp = {d for d in our_temp_dirs() - temp_before if not foreign(d, leaked)}
-    forked = ZYGOTE.leftovers()
     assert not leaked, f"processes left behind by the test: {leaked}"
     assert not forked, f"`gradmesh` runs or their processes left behind by the test: {forked}"
     assert not left_temp, f"temporary folders left behind: {sorted(left_temp)}"

@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,8 @@ def _child(request: dict[str, Any]) -> None:
         if request["argv"][:1] in (["train"], ["bench"]):  # before the command runs an op
             forked.start_early([sys.executable, "-m", "gradmesh.train.worker"], 2, True)
         code = _as_the_interpreter(cli.program)
+    except BaseException:  # noqa: BLE001 - a fork that failed before the command: said
+        traceback.print_exc()
     finally:
         os._exit(code)
 
@@ -238,7 +241,6 @@ class Zygote:
                 raise RuntimeError("the zygote forked nothing within 60 s")
             self.collect(1.0)
         pid = self.forked.pop(0)
-        self.running.add(pid)
         return Run(self, pid, ["gradmesh", *argv], out, err)
 
     def collect(self, seconds: float) -> None:
@@ -257,8 +259,10 @@ class Zygote:
         while b"\n" in self.pending:
             line, self.pending = self.pending.split(b"\n", 1)
             answer = json.loads(line)
-            if "pid" in answer:
+            if "pid" in answer:  # always before that pid's exit: a pid reused starts afresh
                 self.forked.append(answer["pid"])
+                self.running.add(answer["pid"])
+                self.exits.pop(answer["pid"], None)
             else:
                 self.exits[answer["exit"]] = answer["code"]
                 self.running.discard(answer["exit"])
@@ -301,10 +305,14 @@ class Zygote:
             return []
         import psutil
 
+        while select.select([self.proc.stdout], [], [], 0)[0]:  # exits already told
+            self.collect(0)
         named = []
         for pid in list(self.running):
             with contextlib.suppress(psutil.NoSuchProcess):
                 root = psutil.Process(pid)
+                if root.ppid() != self.proc.pid:  # not the run: its pid taken by another
+                    continue
                 named.append(f"{pid} {' '.join(root.cmdline())[:120]}")
                 for process in [root, *root.children(recursive=True)]:
                     with contextlib.suppress(psutil.NoSuchProcess):
@@ -342,7 +350,7 @@ def gradmesh(
     """`gradmesh ARGS` with `env` added to this process's environment: forked from the zygote,
     or (`fresh`, or an environment a fork cannot honour) a new interpreter."""
     full = {**os.environ, **(env or {})}
-    if fresh or not ZYGOTE.forks(full):
+    if fresh or cwd != ROOT or not ZYGOTE.forks(full):  # sys.path[0]: the zygote's folder
         return subprocess.run(
             [sys.executable, "-m", "gradmesh.cli", *args],
             capture_output=True,
@@ -361,8 +369,8 @@ def gradmesh(
             raise subprocess.TimeoutExpired(
                 run.args, timeout, run.out.read_bytes(), run.err.read_bytes()
             ) from None
+        left = ZYGOTE.left_behind()  # first: what its last processes write is its output too
         stdout, stderr = (_text(path.read_bytes()) for path in (run.out, run.err))
-    left = ZYGOTE.left_behind()
     assert not left, f"`{' '.join(run.args)}` left processes behind: {left}\n{stderr[-2000:]}"
     return subprocess.CompletedProcess(run.args, run.wait(), stdout, stderr)
 
