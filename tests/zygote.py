@@ -289,14 +289,7 @@ class Zygote:
             time.sleep(0.05)
         else:
             return []
-        named = []
-        for process in alive:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                named.append(f"{process.pid} {' '.join(process.cmdline())[:120]}")
-                for p in [process, *process.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        p.kill()
-        return named
+        return [_killed(process) for process in alive]
 
     def leftovers(self) -> list[str]:
         """What a test's runs leave when it ends: runs still going and the processes runs
@@ -311,12 +304,8 @@ class Zygote:
         for pid in list(self.running):
             with contextlib.suppress(psutil.NoSuchProcess):
                 root = psutil.Process(pid)
-                if root.ppid() != self.proc.pid:  # not the run: its pid taken by another
-                    continue
-                named.append(f"{pid} {' '.join(root.cmdline())[:120]}")
-                for process in [root, *root.children(recursive=True)]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.kill()
+                if root.ppid() == self.proc.pid:  # the run (not another that took its pid)
+                    named.append(_killed(root))
         deadline = time.monotonic() + 10
         while self.running and time.monotonic() < deadline:
             self.collect(0.1)
@@ -330,6 +319,19 @@ class Zygote:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def _killed(process: Any) -> str:
+    """Kill a psutil process and everything it started; its pid and command line."""
+    import psutil
+
+    name = str(process.pid)
+    with contextlib.suppress(psutil.NoSuchProcess):
+        name += " " + " ".join(process.cmdline())[:120]
+        for p in [process, *process.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.kill()
+    return name
 
 
 def _text(data: bytes) -> str:
