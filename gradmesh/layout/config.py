@@ -175,6 +175,10 @@ class Layout:
     """Context parallelism's exchange (`--context-attention`)."""
     recompute: str = ""
     """Selective recomputation of every block (`SELECTIVE`), where `checkpointing` is not."""
+    ring_gathers: bool = False
+    """Ring attention as torch's `context_parallel` runs it (torchtitan's CP): every cp rank's
+    keys and values all-gathered once a call, not one block in flight as in gradmesh's ring
+    (priced by the simulator's `--context-gather`; trained with gradmesh's ring)."""
 
     @property
     def recomputation(self) -> str:
@@ -205,7 +209,8 @@ class Layout:
     def name(self) -> str:
         parts = [f"dp{self.dp}"] + [f"tp{self.tp}"] * (self.tp > 1)
         if self.cp > 1:
-            parts.append(f"cp{self.cp}" + ("a2a" if self.attention == "alltoall" else ""))
+            kind = "a2a" if self.attention == "alltoall" else "ag" if self.ring_gathers else ""
+            parts.append(f"cp{self.cp}{kind}")
         parts += [f"ep{self.ep}"] * (self.ep > 1)
         if self.pp > 1:
             suffix = {"interleaved": "i", "zb-h1": "zb", "zbv": "v"}.get(self.schedule or "", "")

@@ -11,7 +11,13 @@ whole-sequence bytes times b / c):
   attention (its FLOPs / c^2 of the call's, at the slice's measured FLOP rate); backward c - 1
   more, overlapped with twice that, and c transfers of the keys' and values' gradients (K in
   the work precision), which wait for their block: not overlapped. Bytes a step per rank:
-  calls x (3 c - 2) x K.
+  calls x (3 c - 2) x K. Where torch's `context_parallel` runs the ring (torchtitan's CP, the
+  simulator's `--context-gather`), each call all-gathers every rank's keys and values at once
+  (its default rotate method) instead of passing one block at a time: the same bytes arrive.
+  The ring's memory (`context_held`): at a call's backward it holds, beyond what the call keeps
+  for it, the keys and values in flight (one block K; all c of them where gathered) and the
+  key and value gradients passing around the ring in fp32, the one being summed into and the
+  one arriving: 2 K x 4 / the keys' element bytes.
 - all-to-all (Ulysses): forward four all-to-alls (q, k, v, out) of the local activations Q
   (the call's query bytes times b / c), backward four more, (c - 1) / c of each leaving the
   rank; not overlapped.
@@ -54,6 +60,8 @@ class Sequences:
     heads: int
     length: int
     """The sequence's tokens."""
+    element: int = 4
+    """Bytes of one element of the keys (the ring's gradients are fp32 whatever it is)."""
 
 
 def context_fits(seqs: Sequences | None, lay: Layout) -> bool:
@@ -124,7 +132,7 @@ def record_axes(
         b, h, t, d = q.shape
         kv = 2 * k[0].numel() * k.element_size() * (h // k.shape[1])
         per = q[0].numel() * q.element_size()
-        seqs = Sequences(len(seen), kv, per, 2.0 * t * t * h * d, h, t)
+        seqs = Sequences(len(seen), kv, per, 2.0 * t * t * h * d, h, t, k.element_size())
     mixtures = [m for m in model.modules() if isinstance(m, MoE)]
     experts = None
     if mixtures:
@@ -177,6 +185,17 @@ def context_s(seqs: Sequences | None, lay: Layout, links: Links, b: int, rate: f
     forward = (c - 1) * max(0.0, one - block)
     backward = (c - 1) * max(0.0, one - 2 * block) + c * one
     return seqs.calls * (forward + backward)
+
+
+def context_held(seqs: Sequences | None, lay: Layout, b: int) -> float:
+    """Bytes the ring holds at an attention call's backward beyond what the call keeps for it
+    (the module docstring), at micro-batches of `b` samples; none at cp 1 or all-to-all (its
+    exchanges are the size of the call's own inputs and outputs)."""
+    c = lay.cp
+    if c == 1 or seqs is None or lay.attention == "alltoall":
+        return 0.0
+    k = seqs.kv_bytes * b / (c * lay.tp)
+    return k * ((c if lay.ring_gathers else 1) + 2 * 4 / seqs.element)
 
 
 def context_bytes(seqs: Sequences | None, lay: Layout, b: int) -> float:

@@ -4,7 +4,9 @@ activation checkpointing or not), from the same profile its time is priced on (`
 rank 0's slice at each tp degree T, measured once at its largest micro-batch of S samples). The
 rank counted is the pipeline rank that holds the most. Context parallelism at cp c holds 1/c of
 each sequence, so every activation term is taken at b / c samples (the ring keeps what torch's
-fused attention keeps: queries, keys, values, output and log-sum-exp, of its own chunks);
+fused attention keeps: queries, keys, values, output and log-sum-exp, of its own chunks), and
+the ring's exchange buffers at an attention's backward are held on top, once
+(`axes_cost.context_held`);
 expert parallelism at ep e keeps 1/e of the experts' parameters (and their gradients and
 optimizer state); stages 2 and 3 shard over dp x cp, stage 1 over dp.
 
@@ -59,7 +61,7 @@ from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout
 from gradmesh.layout.pipeline.order import peak_in_flight, schedule_actions
 from gradmesh.layout.pipeline.zero_bubble import Action
-from gradmesh.planner.axes_cost import expert_bytes_held
+from gradmesh.planner.axes_cost import context_held, expert_bytes_held
 from gradmesh.planner.mesh import MeshProfile, Slice, rank_blocks
 
 __all__ = [
@@ -180,6 +182,7 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
     table = saved.recomputed(lay.recomputation)[0]
     rebuilt = (saved.blocks[n] - table[n] + saved.inputs[n] for n in names)
     biggest = max(rebuilt, default=0) / sl.saved_samples
+    ring = context_held(prof.sequences, lay, lay.micro(prof.batch))
     best: MemoryPrediction | None = None
     for rank, chunks in enumerate(rank_blocks(prof, lay)):
         mine = [i for chunk in chunks for i in chunk]
@@ -196,6 +199,7 @@ def predict_memory(prof: MeshProfile, lay: Layout) -> MemoryPrediction:
             acts = in_flight(lay, rank, held, kept) + b * (transient + max(rest, biggest))
         else:  # the embeddings' on the first stage, the head's and the loss's on the last
             acts = in_flight(lay, rank, [h + b * rest for h in held], kept) + b * transient
+        acts += ring
         params, grads, optimizer = _state(sl, g, lay, slots)
         gathered = 0.0
         if lay.zero_stage >= 2:

@@ -12,6 +12,7 @@ TOKEN_ONLY = (
     "data.sequence_length",
     "vocab",
     "async_tp",
+    "context_gather",
     "loss_parallel",
     "global_batch",
     "optimizer",

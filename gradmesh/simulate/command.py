@@ -51,6 +51,12 @@ class SimulateConfig:
     )
     compile: bool = option(False, "token models: price torch.compile's fusion of each block")
     async_tp: bool = option(False, "token models: tp exchanges overlapped with their products")
+    context_gather: bool = option(
+        False,
+        "token models with ring attention at --context-parallel 2 or more: priced as torch's "
+        "context_parallel runs it (torchtitan's CP: every rank's keys and values all-gathered "
+        "once a call, not one block in flight as in gradmesh's ring)",
+    )
     loss_parallel: bool = option(
         False, "token models with tp: the loss on the logits split by vocabulary, not gathered"
     )

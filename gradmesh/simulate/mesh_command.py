@@ -92,7 +92,12 @@ def _fixed(args: Any, n: int) -> Layout:
             f"--activation-checkpointing {lay.activation_checkpointing}: the simulator prices "
             "blocks, ops and attention (every block), not every:K"
         )
-    return lay.at(n, args.zero_stage)
+    if args.context_gather and (lay.context_parallel < 2 or lay.context_attention != "ring"):
+        raise GradmeshError(
+            "--context-gather prices ring attention's keys and values all-gathered: it needs "
+            "--context-parallel 2 or more and --context-attention ring"
+        )
+    return dataclasses.replace(lay.at(n, args.zero_stage), ring_gathers=args.context_gather)
 
 
 def _row(p: Priced, n: int) -> dict[str, Any]:
@@ -133,6 +138,8 @@ def run_mesh(
         raise GradmeshError("--search needs --global-batch (samples a step)")
     if not args.search:
         refuse_unread(args, ("top",), "options of --search (the layouts it prints)")
+    else:
+        refuse_unread(args, ("context_gather",), "--search looks for layouts gradmesh runs")
     if args.global_batch < 0 or args.top < 1:
         raise GradmeshError("--global-batch must be >= 0 and --top >= 1")
     started = time.perf_counter()

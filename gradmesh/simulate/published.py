@@ -60,6 +60,8 @@ class Row:
     recompute: str = ""
     zero_stage: int = 0
     context_parallel: int = 1
+    context_gather: bool = False
+    """Ring attention as torch's `context_parallel` ran it: keys and values all-gathered."""
     schedule: str = ""
     chunks: int = 1
     compile: bool = False
@@ -90,7 +92,7 @@ class Row:
             self.sequence,
             self.precision,
             (self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.schedule),
-            (self.compile, self.float8, self.async_tp),
+            (self.compile, self.float8, self.async_tp, self.context_gather),
         )
 
 
@@ -244,7 +246,7 @@ def _priced(row: Row, device: Device) -> Any:
     schedule = (row.schedule or "1f1b") if pp > 1 else None
     lay = Layout(
         dp, tp, pp, m, schedule, row.chunks, row.zero_stage, row.checkpointing, cp,
-        recompute=row.recompute,
+        recompute=row.recompute, ring_gathers=row.context_gather,
     )  # fmt: skip
     intra, inter = _links(row)
     return price(meta, lay, intra, inter, row.gpus_per_node, row.sequence, async_tp=row.async_tp)

@@ -24,6 +24,7 @@ from gradmesh.planner import (
     preference,
     variants,
 )
+from gradmesh.planner.axes_cost import Sequences, context_held
 from gradmesh.planner.mesh import Slice
 from tests.unit.test_mesh_planner import LINKS
 
@@ -93,6 +94,28 @@ def test_a_model_of_one_block_holds_its_block() -> None:
     one = predict_memory(prof, Layout(4, 1, 1))
     assert one.param_bytes == 40_000 + 20_000
     assert one.activation_bytes == pytest.approx(8 * (1_000_000 + 200_000 + 100_000))
+
+
+def test_the_ring_s_exchange_buffers_are_held_on_top_of_the_activations() -> None:
+    """At cp c a rank's keys and values K (its chunks', bf16 here): gradmesh's ring holds one
+    block in flight and the fp32 key and value gradients passing around it (K + 2 x 2 K);
+    torch's all-gathering ring all c blocks (c K + 4 K); all-to-all none of them."""
+    prof = _profile()
+    without = {c: predict_memory(prof, Layout(8 // c, 1, 1, cp=c)) for c in (2, 4)}
+    prof.sequences = Sequences(4, 2 * 64 * 32 * 2, 64 * 32 * 2, 2.0 * 64 * 64 * 32, 4, 64, 2)
+    for c in (2, 4):
+        lay = Layout(8 // c, 1, 1, cp=c)
+        k = 2 * 64 * 32 * 2 * lay.micro(32) / c
+        rings = {
+            (k + 4 * k): lay,
+            (c * k + 4 * k): Layout(8 // c, 1, 1, cp=c, ring_gathers=True),
+            0: Layout(8 // c, 1, 1, cp=c, attention="alltoall"),
+        }
+        for held, ring in rings.items():
+            assert context_held(prof.sequences, ring, ring.micro(32)) == pytest.approx(held)
+            extra = predict_memory(prof, ring).activation_bytes - without[c].activation_bytes
+            assert extra == pytest.approx(held)
+    assert context_held(prof.sequences, Layout(8, 1, 1), 4) == 0
 
 
 def test_a_schedule_keeps_its_warm_up_in_flight() -> None:

@@ -115,6 +115,24 @@ def test_search_lays_out_gpt3_on_1024_a100s_within_their_memory(tmp_path: Path, 
     assert steps == sorted(steps) and len(rows) == 5
 
 
+def test_context_gather_holds_every_rank_s_keys_and_values(tmp_path: Path, cli: CLI) -> None:
+    """--context-gather prices ring attention as torchtitan ran it: the same layout and step,
+    and on top of gradmesh's ring the other 3 ranks' keys and values held at once."""
+    rows = {}
+    for flags in ([], ["--context-gather"]):
+        out = tmp_path / f"cp{len(flags)}.json"
+        args = [*GPT, "--gpus", "8", "--context-parallel", "4", "--sequence-length", "256"]
+        assert cli([*args, "--global-batch", "8", "--json", str(out), *flags]) == 0
+        (rows[bool(flags)],) = json.loads(out.read_text())["rows"]
+    ring, gathered = rows[False], rows[True]
+    assert (ring["name"], gathered["name"]) == ("dp2xcp4", "dp2xcp4ag")
+    assert gathered["step_s"] == ring["step_s"]
+    # one call's keys and values at b = 4 samples a rank, 64 dims in bf16, 64 of 256 tokens:
+    # 3 more ranks' of them a call on top of the ring's one
+    extra = gathered["memory"]["activation_bytes"] - ring["memory"]["activation_bytes"]
+    assert extra == pytest.approx(3 * 2 * 4 * 64 * 64 * 2)
+
+
 def test_a_layout_that_does_not_fit_is_marked_not_priced(
     tmp_path: Path, cli: CLI, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -159,6 +177,15 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
             "--context-parallel 2 with --pipeline-parallel: a pipeline's stages are graphs",
         ),
         (["--loss-parallel"], "--loss-parallel splits the logits over the tensor-parallel ranks"),
+        (["--context-gather"], "--context-gather prices ring attention's keys and values all"),
+        (
+            ["--context-gather", "--context-parallel", "2", "--context-attention", "alltoall"],
+            "it needs --context-parallel 2 or more and --context-attention ring",
+        ),
+        (
+            ["--context-gather", "--search", "--global-batch", "16"],
+            "--context-gather: --search looks for layouts gradmesh runs",
+        ),
         (
             ["--activation-checkpointing", "every:2"],
             "--activation-checkpointing every:2: the simulator prices blocks, ops and attention",
