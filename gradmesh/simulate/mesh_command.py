@@ -100,6 +100,26 @@ def _fixed(args: Any, n: int) -> Layout:
     return dataclasses.replace(lay.at(n, args.zero_stage), ring_gathers=args.context_gather)
 
 
+def _check_context(meta: MetaProfile, lay: Layout) -> None:
+    """The trainer's refusals of a context-parallel layout, on the counted model: attention it
+    can split (torch's, causal, unmasked), a sequence that cuts into 2 x cp chunks, and for
+    all-to-all heads that divide by cp (`--search` tries only such layouts)."""
+    from gradmesh.layout.context.chunks import check_length
+    from gradmesh.layout.context.parallel import check_heads
+
+    seqs, model = meta.profile.sequences, meta.spec.model
+    if lay.cp == 1:
+        return
+    if seqs is None:
+        raise GradmeshError(
+            f"--context-parallel: model {model} has no attention context parallelism splits "
+            "(torch's scaled_dot_product_attention, causal, without a mask or dropout)"
+        )
+    check_length(seqs.length, lay.cp, f"--context-parallel: model {model}: ")
+    if lay.attention == "alltoall":
+        check_heads(seqs.heads, lay.tp, lay.cp, model)
+
+
 def _row(p: Priced, n: int) -> dict[str, Any]:
     row = {"gpus": n, **p.row()}
     if not p.fits:  # marked, not priced
@@ -150,6 +170,8 @@ def run_mesh(
         t for t in divisors(args.gpus_per_node) if all(n % t == 0 for n in gpus)
     ]
     meta = meta_profile(spec, max(gpus), args.global_batch or args.batch_per_gpu, tps, device)
+    for lay in fixed.values():
+        _check_context(meta, lay)
     if meta.profile.experts is None and any(lay.ep > 1 for lay in fixed.values()):
         raise GradmeshError(
             f"--expert-parallel {args.layout.expert_parallel}: model {spec.model} has no "

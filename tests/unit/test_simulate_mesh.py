@@ -178,6 +178,14 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
         ),
         (["--loss-parallel"], "--loss-parallel splits the logits over the tensor-parallel ranks"),
         (["--context-gather"], "--context-gather prices ring attention's keys and values all"),
+        (  # the trainer's refusals of a context-parallel layout, not a price
+            ["--context-parallel", "4", "--sequence-length", "100"],
+            "sequence of 100 tokens cannot be cut into 2 x --context-parallel 4 = 8 equal chunks",
+        ),
+        (
+            ["--context-parallel", "8", "--context-attention", "alltoall"],
+            "model gpt has 4 attention heads, which --context-parallel 8 does not divide",
+        ),
         (
             ["--context-gather", "--context-parallel", "2", "--context-attention", "alltoall"],
             "it needs --context-parallel 2 or more and --context-attention ring",

@@ -136,10 +136,16 @@ def check_context(
         where = torch.arange(short, device=batch.leaves(first)[0].device)
         model(*args, **kwargs, **{argument: where[None]})
     probe.check_called()
-    if attention == "alltoall" and (probe.heads % tp or (probe.heads // tp) % cp):
+    if attention == "alltoall":
+        check_heads(probe.heads, tp, cp, model_name)
+
+
+def check_heads(heads: int, tp: int, cp: int, model_name: str) -> None:
+    """One line unless all-to-all attention's `heads` (on each of `tp` ranks) divide by cp."""
+    if heads % tp or (heads // tp) % cp:
         raise GradmeshError(
-            f"--context-attention alltoall: model {model_name} has {probe.heads} attention heads"
-            f"{f' over tp {tp} ({probe.heads // tp} a rank)' if tp > 1 else ''}, which "
+            f"--context-attention alltoall: model {model_name} has {heads} attention heads"
+            f"{f' over tp {tp} ({heads // tp} a rank)' if tp > 1 else ''}, which "
             f"--context-parallel {cp} does not divide; use --context-attention ring"
         )
 
