@@ -100,14 +100,24 @@ def _fixed(args: Any, n: int) -> Layout:
     return dataclasses.replace(lay.at(n, args.zero_stage), ring_gathers=args.context_gather)
 
 
-def _check_context(meta: MetaProfile, lay: Layout) -> None:
-    """The trainer's refusals of a context-parallel layout, on the counted model: attention it
-    can split (torch's, causal, unmasked), a sequence that cuts into 2 x cp chunks, and for
-    all-to-all heads that divide by cp (`--search` tries only such layouts)."""
+def _check_axes(meta: MetaProfile, lay: Layout) -> None:
+    """The trainer's refusals of a context- or expert-parallel layout, on the counted model:
+    attention cp can split (torch's, causal, unmasked), a sequence that cuts into 2 x cp
+    chunks, for all-to-all heads that divide by cp; mixtures whose experts divide by ep
+    (`--search` tries only such layouts)."""
     from gradmesh.layout.context.chunks import check_length
     from gradmesh.layout.context.parallel import check_heads
 
-    seqs, model = meta.profile.sequences, meta.spec.model
+    seqs, experts, model = meta.profile.sequences, meta.profile.experts, meta.spec.model
+    if lay.ep > 1 and experts is None:
+        raise GradmeshError(
+            f"--expert-parallel {lay.ep}: model {model} has no mixture of experts to spread"
+        )
+    if lay.ep > 1 and experts is not None and experts.experts % lay.ep:
+        raise GradmeshError(
+            f"--expert-parallel {lay.ep}: model {model}'s mixtures have {experts.experts} "
+            f"experts, which {lay.ep} ranks cannot hold equally"
+        )
     if lay.cp == 1:
         return
     if seqs is None:
@@ -171,12 +181,7 @@ def run_mesh(
     ]
     meta = meta_profile(spec, max(gpus), args.global_batch or args.batch_per_gpu, tps, device)
     for lay in fixed.values():
-        _check_context(meta, lay)
-    if meta.profile.experts is None and any(lay.ep > 1 for lay in fixed.values()):
-        raise GradmeshError(
-            f"--expert-parallel {args.layout.expert_parallel}: model {spec.model} has no "
-            "mixture of experts to spread"
-        )
+        _check_axes(meta, lay)
     rows = _rows(args, meta, fixed, gpus, intra, inter)
     payload = {
         "model": spec.model,
