@@ -200,15 +200,21 @@ def check_layout(
     if pp > 1 and not isinstance(model, nn.Sequential):  # cut on the graph at module names
         if layout.stages:
             check_points(model, layout.stages.split(","), pp, model_name)
-        elif len(candidates(model)) + 1 < pp:
-            raise GradmeshError(
-                f"a pipeline of {pp} stages: model {model_name} has {len(candidates(model)) + 1} "
-                "blocks to cut into stages (--pipeline-parallel times the stages each rank holds: "
-                "2 under zbv, --virtual-stages under interleaved); give split points with "
-                "--stages (module names)"
-            )
+        else:
+            check_stage_count(len(candidates(model)) + 1, pp, model_name, "; give split points "
+                              "with --stages (module names)")  # fmt: skip
     elif pp > 1:
         parse_stages(layout.stages, layers_of(model, model_name), pp)
+
+
+def check_stage_count(blocks: int, stages: int, model_name: str, advice: str = "") -> None:
+    """One line unless a model of `blocks` blocks cuts into `stages` pipeline stages."""
+    if blocks < stages:
+        raise GradmeshError(
+            f"a pipeline of {stages} stages: model {model_name} has {blocks} blocks to cut into "
+            "stages (--pipeline-parallel times the stages each rank holds: 2 under zbv, "
+            f"--virtual-stages under interleaved){advice}"
+        )
 
 
 def check_run(layout: LayoutConfig, mesh: dict[str, int], zero_stage: int = 0) -> None:

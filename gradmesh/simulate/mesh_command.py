@@ -101,14 +101,16 @@ def _fixed(args: Any, n: int) -> Layout:
 
 
 def _check_axes(meta: MetaProfile, lay: Layout) -> None:
-    """The trainer's refusals of a context- or expert-parallel layout, on the counted model:
-    attention cp can split (torch's, causal, unmasked), a sequence that cuts into 2 x cp
-    chunks, for all-to-all heads that divide by cp; mixtures whose experts divide by ep
+    """The trainer's refusals of a layout, on the counted model: blocks for every pipeline
+    stage; attention cp can split (torch's, causal, unmasked), a sequence that cuts into 2 x
+    cp chunks, for all-to-all heads that divide by cp; mixtures whose experts divide by ep
     (`--search` tries only such layouts)."""
     from gradmesh.layout.context.chunks import check_length
     from gradmesh.layout.context.parallel import check_heads
+    from gradmesh.layout.engine import check_stage_count
 
     seqs, experts, model = meta.profile.sequences, meta.profile.experts, meta.spec.model
+    check_stage_count(len(meta.profile.block_names), lay.pp * lay.chunks, model)
     if lay.ep > 1 and experts is None:
         raise GradmeshError(
             f"--expert-parallel {lay.ep}: model {model} has no mixture of experts to spread"
