@@ -177,7 +177,7 @@ class Layout:
     """Selective recomputation of every block (`SELECTIVE`), where `checkpointing` is not."""
     ring_gathers: bool = False
     """Ring attention as torch's `context_parallel` runs it (torchtitan's CP): every cp rank's
-    keys and values all-gathered once a call, not one block in flight as in gradmesh's ring
+    keys and values all-gathered once a call, not passed a block at a time as gradmesh's ring does
     (priced by the simulator's `--context-gather`; trained with gradmesh's ring)."""
 
     @property

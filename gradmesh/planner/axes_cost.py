@@ -14,10 +14,13 @@ whole-sequence bytes times b / c):
   calls x (3 c - 2) x K. Where torch's `context_parallel` runs the ring (torchtitan's CP, the
   simulator's `--context-gather`), each call all-gathers every rank's keys and values at once
   (its default rotate method) instead of passing one block at a time: the same bytes arrive.
-  The ring's memory (`context_held`): at a call's backward it holds, beyond what the call keeps
-  for it, the keys and values in flight (one block K; all c of them where gathered) and the
-  key and value gradients passing around the ring in fp32, the one being summed into and the
-  one arriving: 2 K x 4 / the keys' element bytes.
+  The ring's memory (`context_held`), at a call's backward, as the two implementations allocate
+  it beyond what the call keeps for it, with g = 4 / the keys' element bytes (the gradients are
+  fp32): gradmesh's ring (`layout/context/ring.py`) holds the block it computes against (a
+  copy) and the one arriving, 2 K, and the key and value gradients being summed into and
+  arriving, 2 g K; torch's holds every rank's keys and values gathered and its own
+  concatenated to send, (c + 1) K, and the gradients summed into, concatenated to send and
+  arriving, 3 g K.
 - all-to-all (Ulysses): forward four all-to-alls (q, k, v, out) of the local activations Q
   (the call's query bytes times b / c), backward four more, (c - 1) / c of each leaving the
   rank; not overlapped.
@@ -194,8 +197,8 @@ def context_held(seqs: Sequences | None, lay: Layout, b: int) -> float:
     c = lay.cp
     if c == 1 or seqs is None or lay.attention == "alltoall":
         return 0.0
-    k = seqs.kv_bytes * b / (c * lay.tp)
-    return k * ((c if lay.ring_gathers else 1) + 2 * 4 / seqs.element)
+    k, g = seqs.kv_bytes * b / (c * lay.tp), 4 / seqs.element
+    return k * (c + 1 + 3 * g) if lay.ring_gathers else k * (2 + 2 * g)
 
 
 def context_bytes(seqs: Sequences | None, lay: Layout, b: int) -> float:

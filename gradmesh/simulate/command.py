@@ -55,7 +55,7 @@ class SimulateConfig:
         False,
         "token models with ring attention at --context-parallel 2 or more: priced as torch's "
         "context_parallel runs it (torchtitan's CP: every rank's keys and values all-gathered "
-        "once a call, not one block in flight as in gradmesh's ring)",
+        "once a call, not passed a block at a time as in gradmesh's ring)",
     )
     loss_parallel: bool = option(
         False, "token models with tp: the loss on the logits split by vocabulary, not gathered"

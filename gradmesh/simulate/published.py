@@ -92,7 +92,7 @@ class Row:
             self.sequence,
             self.precision,
             (self.tensor_parallel, self.pipeline_parallel, self.context_parallel, self.schedule),
-            (self.compile, self.float8, self.async_tp, self.context_gather),
+            (self.compile, self.float8, self.async_tp),
         )
 
 
@@ -130,6 +130,11 @@ def load(path: Path = PUBLISHED) -> Table:
             )
         if row.source not in data.get("sources", {}):
             raise GradmeshError(f"{path.name}: row {name} cites unknown source {row.source}")
+        if row.context_gather and row.context_parallel < 2:
+            raise GradmeshError(
+                f"{path.name}: row {name}: context_gather prices the ring of context_parallel 2 "
+                "or more"
+            )
         rows.append(row)
     return Table(data.get("tolerance", {}), data.get("sources", {}), rows)
 

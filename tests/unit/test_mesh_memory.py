@@ -97,9 +97,11 @@ def test_a_model_of_one_block_holds_its_block() -> None:
 
 
 def test_the_ring_s_exchange_buffers_are_held_on_top_of_the_activations() -> None:
-    """At cp c a rank's keys and values K (its chunks', bf16 here): gradmesh's ring holds one
-    block in flight and the fp32 key and value gradients passing around it (K + 2 x 2 K);
-    torch's all-gathering ring all c blocks (c K + 4 K); all-to-all none of them."""
+    """At cp c a rank's keys and values K (its chunks', its tp rank's heads, bf16 here), as each
+    ring allocates them at a backward: gradmesh's holds the block it computes against and the
+    one arriving, and the fp32 key and value gradients summed into and arriving (2 K + 2 x 2
+    K); torch's all-gathering ring every rank's blocks and its own concatenated to send, and
+    three fp32 gradient buffers ((c + 1) K + 3 x 2 K); all-to-all none of them."""
     prof = _profile()
     without = {c: predict_memory(prof, Layout(8 // c, 1, 1, cp=c)) for c in (2, 4)}
     prof.sequences = Sequences(4, 2 * 64 * 32 * 2, 64 * 32 * 2, 2.0 * 64 * 64 * 32, 4, 64, 2)
@@ -107,14 +109,17 @@ def test_the_ring_s_exchange_buffers_are_held_on_top_of_the_activations() -> Non
         lay = Layout(8 // c, 1, 1, cp=c)
         k = 2 * 64 * 32 * 2 * lay.micro(32) / c
         rings = {
-            (k + 4 * k): lay,
-            (c * k + 4 * k): Layout(8 // c, 1, 1, cp=c, ring_gathers=True),
+            (2 * k + 4 * k): lay,
+            ((c + 1) * k + 6 * k): Layout(8 // c, 1, 1, cp=c, ring_gathers=True),
             0: Layout(8 // c, 1, 1, cp=c, attention="alltoall"),
         }
         for held, ring in rings.items():
             assert context_held(prof.sequences, ring, ring.micro(32)) == pytest.approx(held)
             extra = predict_memory(prof, ring).activation_bytes - without[c].activation_bytes
             assert extra == pytest.approx(held)
+    # tp 2: each rank's half of the heads
+    halves = Layout(2, 2, 1, cp=2)
+    assert context_held(prof.sequences, halves, 8) == pytest.approx(6 * 2 * 64 * 32 * 2 * 8 / 4)
     assert context_held(prof.sequences, Layout(8, 1, 1), 4) == 0
 
 

@@ -177,6 +177,20 @@ def test_the_validation_rows_are_within_tolerance() -> None:
     assert abs(rows["tf-p100-vgg16"]["error"]) <= 0.15
 
 
+def test_a_row_that_gathers_a_ring_it_does_not_run_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], cli: CLI
+) -> None:
+    text = PUBLISHED.read_text()
+    start = text.index('[[rows]]\nid = "goyal-resnet50-256"')
+    row = text[start : text.index("[[rows]]", start + 1)]
+    table = tmp_path / "rows.toml"
+    table.write_text(text[: text.index("# -- calibration")] + row + "context_gather = true\n")
+    assert cli(["simulate", "--validate", "--published", str(table)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "row goyal-resnet50-256: context_gather prices the ring of context_parallel 2" in err
+
+
 def test_validate_exits_non_zero_when_a_row_is_outside(tmp_path: Path, cli: CLI) -> None:
     """A table of the sources and one row, Goyal et al.'s: within tolerance it exits 0; with the
     published figure moved out of reach, 1, and the JSON names the row."""

@@ -117,7 +117,7 @@ def test_search_lays_out_gpt3_on_1024_a100s_within_their_memory(tmp_path: Path, 
 
 def test_context_gather_holds_every_rank_s_keys_and_values(tmp_path: Path, cli: CLI) -> None:
     """--context-gather prices ring attention as torchtitan ran it: the same layout and step,
-    and on top of gradmesh's ring the other 3 ranks' keys and values held at once."""
+    and every rank's keys and values held at once."""
     rows = {}
     for flags in ([], ["--context-gather"]):
         out = tmp_path / f"cp{len(flags)}.json"
@@ -127,10 +127,11 @@ def test_context_gather_holds_every_rank_s_keys_and_values(tmp_path: Path, cli: 
     ring, gathered = rows[False], rows[True]
     assert (ring["name"], gathered["name"]) == ("dp2xcp4", "dp2xcp4ag")
     assert gathered["step_s"] == ring["step_s"]
-    # one call's keys and values at b = 4 samples a rank, 64 dims in bf16, 64 of 256 tokens:
-    # 3 more ranks' of them a call on top of the ring's one
+    # K, one call's keys and values at b = 4 samples a rank, 64 dims in fp16, 64 of 256
+    # tokens: the gathered ring's (4 + 1) K and 3 fp32 gradient buffers (3 x 2 K) against the
+    # passing ring's 2 K and 2 (2 x 2 K)
     extra = gathered["memory"]["activation_bytes"] - ring["memory"]["activation_bytes"]
-    assert extra == pytest.approx(3 * 2 * 4 * 64 * 64 * 2)
+    assert extra == pytest.approx(5 * 2 * 4 * 64 * 64 * 2)
 
 
 def test_a_layout_that_does_not_fit_is_marked_not_priced(

@@ -141,17 +141,18 @@ class RingAttention(torch.autograd.Function):
                 ring.finish(ch, pending[1])
                 kv = pending[0]
         ring.count(ch)
+        out = out.to(q.dtype)  # kept as fused attention keeps it, in the inputs' dtype
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.ring = scale, ring
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         scale, ring = ctx.scale, ctx.ring
-        work, c = out.dtype, q.shape[-2] // 2
+        work, c = lse.dtype, q.shape[-2] // 2
         dout = dout.to(work)
-        delta = (dout * out).sum(-1)
+        delta = (dout * out.to(work)).sum(-1)
         dq = torch.zeros(q.shape, dtype=work, device=q.device)
         kv = torch.stack([k, v]).contiguous()
         dkv = torch.zeros(kv.shape, dtype=work, device=q.device)
