@@ -26,6 +26,7 @@ import itertools
 from typing import Any
 
 from gradmesh.bench.harness import compare_jobs, limit_of, medians
+from gradmesh.layout.context.chunks import check_length
 from gradmesh.planner.mesh_memory import named_layout, parse_layout
 from gradmesh.units import parse_size
 
@@ -59,6 +60,9 @@ def run_ranks(args: Any, names: list[str]) -> dict[str, Any]:
         "adamw",
     )
     layouts = {n: parse_layout(n, args.world) for n in names}
+    for name, lay in layouts.items():  # the trainer's check of a cp layout, before launch
+        if lay["cp"] > 1:
+            check_length(args.sequence_length, lay["cp"], f"layout {name}: ")
     grids = {name: named_layout(name, args.world) for name in layouts}
     options = {**work.options, "model": work.name}
     configs = [

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NoReturn
 
-from gradmesh.errors import GradmeshError
+from gradmesh.errors import GradmeshError, on_rank
 from gradmesh.launch.emulate import EmulatedCluster
 
 
@@ -76,7 +76,12 @@ def worker_main(measure: Callable[[dict[str, Any]], tuple[int, Any]]) -> NoRetur
         from gradmesh.launch.cgroup import join
 
         join(f"{config['memory_cgroup']}{os.environ.get('RANK', '0')}")
-    rank, result = measure(config)
+    try:
+        rank, result = measure(config)
+    except GradmeshError as exc:  # bad input the launcher could not see: one line a rank
+        print(f"gradmesh: {on_rank(os.environ.get('RANK', '?'), exc)}", file=sys.stderr)
+        sys.stderr.flush()
+        exit_process(1)
     if rank == 0:
         write_json(args.out, result)
     exit_process(0)

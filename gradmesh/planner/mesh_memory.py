@@ -235,13 +235,14 @@ _LAYOUT = re.compile(r"^(dp|zero[123])(?:xtp(\d+))?(?:xcp(\d+))?(\+ac)?$")
 
 
 def parse_layout(name: str, world: int) -> dict[str, Any]:
-    """`dp`, `zero1`..`zero3`, with `xtpT` (tensor parallelism T, dp the rest) and `+ac`
-    (activation checkpointing of every block): (stage, tp, checkpointing)."""
+    """`dp`, `zero1`..`zero3`, with `xtpT` (tensor parallelism T, dp the rest), `xcpC`
+    (context parallelism C) and `+ac` (activation checkpointing of every block): (stage, tp,
+    cp, checkpointing)."""
     match = _LAYOUT.match(name)
     if not match:
         raise GradmeshError(
             f"unknown memory layout {name!r} (like dp, zero1, zero2, zero3, zero3+ac, dpxtp2, "
-            "zero3xtp2)"
+            "zero3xtp2, dpxcp2)"
         )
     kind, tp, cp = match.group(1), int(match.group(2) or 1), int(match.group(3) or 1)
     if tp < 1 or cp < 1 or world % (tp * cp):

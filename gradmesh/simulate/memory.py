@@ -22,6 +22,7 @@ from gradmesh.errors import GradmeshError
 from gradmesh.planner.mesh_memory import MemoryPrediction, named_layout, predict_memory
 from gradmesh.simulate.devices import DEVICES, Device
 from gradmesh.simulate.mesh import CONTEXT_GIB, meta_profile
+from gradmesh.simulate.mesh_command import check_axes
 from gradmesh.simulate.meta_count import Spec
 from gradmesh.train.config import STATE_TENSORS
 
@@ -58,6 +59,8 @@ def rank_memory(config: Any) -> dict[str, MemoryPrediction]:
     device = _device(config.device)
     tps = sorted({g.tp for g in grids.values()})
     meta = meta_profile(spec, config.workers, config.batch, tps, device)
+    for grid in grids.values():
+        check_axes(meta, grid)  # a layout the trainer refuses is not priced
     profile = meta.profile
     if config.device == "cpu":  # a CPU's optimizer steps tensor by tensor: no foreach copy
         slices = {

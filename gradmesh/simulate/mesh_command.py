@@ -100,7 +100,7 @@ def _fixed(args: Any, n: int) -> Layout:
     return dataclasses.replace(lay.at(n, args.zero_stage), ring_gathers=args.context_gather)
 
 
-def _check_axes(meta: MetaProfile, lay: Layout) -> None:
+def check_axes(meta: MetaProfile, lay: Layout) -> None:
     """The trainer's refusals of a layout, on the counted model: blocks for every pipeline
     stage; attention cp can split (torch's, causal, unmasked), a sequence that cuts into 2 x
     cp chunks, for all-to-all heads that divide by cp; mixtures whose experts divide by ep
@@ -183,7 +183,7 @@ def run_mesh(
     ]
     meta = meta_profile(spec, max(gpus), args.global_batch or args.batch_per_gpu, tps, device)
     for lay in fixed.values():
-        _check_axes(meta, lay)
+        check_axes(meta, lay)
     rows = _rows(args, meta, fixed, gpus, intra, inter)
     payload = {
         "model": spec.model,

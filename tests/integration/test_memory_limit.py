@@ -45,3 +45,15 @@ def test_a_bad_memory_limit_is_one_line(cli_line: Callable[..., str]) -> None:
     assert said.endswith("bad size 'lots': expected a number with KB, MB or GB, like 4MB")
     said = cli_line(["bench", "memory", "--limit", "1GB"])
     assert said.endswith("--limit holds each rank of a --world job: give --world 2 or more")
+
+
+def test_a_context_parallel_layout_the_sequence_does_not_fit_is_one_line_before_launch(
+    cli_line: Callable[..., str],
+) -> None:
+    """Checked as the trainer checks it, not found by every rank in a traceback."""
+    flags = ["--world", "4", "--layouts", "dp,dpxcp4", "--sequence-length", "100"]
+    said = cli_line(["bench", "memory", *flags])
+    assert said.endswith(
+        "layout dpxcp4: sequence of 100 tokens cannot be cut into 2 x --context-parallel 4 = "
+        "8 equal chunks (context-parallel sizes that fit: 1, 2, 5, 10, 25, 50)"
+    )

@@ -3,6 +3,7 @@ own code, then ends it by SIGTERM even when it is stuck: real processes, real si
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -107,3 +108,23 @@ def test_interrupt_once_leaves_a_thread_alone() -> None:
     thread.start()
     thread.join()
     assert not failed
+
+
+def test_a_benchmark_worker_s_bad_input_is_one_line_naming_its_rank() -> None:
+    """A benchmark's worker module (`jobs.worker_main`) that meets bad input its launcher could
+    not see says so in one line naming its rank and exits 1, no traceback."""
+    code = (
+        "import sys\n"
+        "sys.argv = ['w', '--config', '{}', '--out', 'unused.json']\n"
+        "from gradmesh.errors import GradmeshError\n"
+        "from gradmesh.launch.jobs import worker_main\n"
+        "def measure(config):\n"
+        "    raise GradmeshError('layout x: not this one')\n"
+        "worker_main(measure)\n"
+    )
+    env = {**os.environ, "RANK": "3"}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert done.returncode == 1
+    assert done.stderr == "gradmesh: rank 3: layout x: not this one\n"

@@ -271,6 +271,10 @@ def test_the_planner_takes_a_zero_bubble_schedule_where_it_fits_and_1f1b_where_m
         (["--model", "cnn"], "plan --memory counts token models on the meta device"),
         (["--model", "gpt", "--layouts", "dp,zero9"], "unknown memory layout 'zero9'"),
         (["--model", "gpt", "--workers", "3", "--layouts", "dpxtp2"], "does not divide --world 3"),
+        (
+            ["--model", "gpt", "--workers", "4", "--layouts", "dpxcp4", "--sequence-length", "100"],
+            "sequence of 100 tokens cannot be cut into 2 x --context-parallel 4 = 8 equal chunks",
+        ),
     ],
 )
 def test_plan_memory_refuses_in_one_line(
