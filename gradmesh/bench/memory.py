@@ -48,7 +48,8 @@ class Config:
     )
     layouts: str = option(
         "dp,zero1,zero2,zero3,zero3+ac,dpxtp2,zero3xtp2",
-        "with --world: dp or zero1-3, with xtpT (tensor parallel) and +ac (checkpointing)",
+        "with --world: dp or zero1-3, with xtpT (tensor parallel), xcpC (context parallel) "
+        "and +ac (checkpointing)",
     )
     limit: str | None = option(
         None,

@@ -78,10 +78,13 @@ def worker_main(measure: Callable[[dict[str, Any]], tuple[int, Any]]) -> NoRetur
         join(f"{config['memory_cgroup']}{os.environ.get('RANK', '0')}")
     try:
         rank, result = measure(config)
-    except GradmeshError as exc:  # bad input the launcher could not see: one line a rank
+    except GradmeshError as exc:  # bad input the launcher could not see, or a peer's failure
+        from gradmesh.runtime.world import mark_failed, shutdown
+
         print(f"gradmesh: {on_rank(os.environ.get('RANK', '?'), exc)}", file=sys.stderr)
-        sys.stderr.flush()
-        exit_process(1)
+        code = mark_failed(exc)  # a peer's failure exits 75: the launcher names the cause
+        shutdown()
+        exit_process(code)
     if rank == 0:
         write_json(args.out, result)
     exit_process(0)

@@ -14,11 +14,12 @@ whole-sequence bytes times b / c):
   calls x (3 c - 2) x K. Where torch's `context_parallel` runs the ring (torchtitan's CP, the
   simulator's `--context-gather`), each call all-gathers every rank's keys and values at once
   (its default rotate method) instead of passing one block at a time: the same bytes arrive.
-  The ring's memory (`context_held`), at a call's backward, as the two implementations allocate
-  it beyond what the call keeps for it, with g = 4 / the keys' element bytes (the gradients are
-  fp32): gradmesh's ring (`layout/context/ring.py`) holds the block it computes against (a
-  copy) and the one arriving, 2 K, and the key and value gradients being summed into and
-  arriving, 2 g K; torch's holds every rank's keys and values gathered and its own
+  The ring's memory (`context_held`): the exchange buffers of a call's backward beyond what
+  the call keeps for it (the fp32 copies of the queries' gradient and of the output's, the
+  queries' size, are left to the profile's transient), with g = 4 / the keys' element bytes
+  (the gradients are fp32): gradmesh's ring (`layout/context/ring.py`) holds the block it
+  computes against (a copy) and the one arriving, 2 K, and the key and value gradients being
+  summed into and arriving, 2 g K; torch's holds every rank's keys and values gathered and its own
   concatenated to send, (c + 1) K, and the gradients summed into, concatenated to send and
   arriving, 3 g K.
 - all-to-all (Ulysses): forward four all-to-alls (q, k, v, out) of the local activations Q

@@ -102,15 +102,17 @@ def _fixed(args: Any, n: int) -> Layout:
 
 def check_axes(meta: MetaProfile, lay: Layout) -> None:
     """The trainer's refusals of a layout, on the counted model: blocks for every pipeline
-    stage; attention cp can split (torch's, causal, unmasked), a sequence that cuts into 2 x
-    cp chunks, for all-to-all heads that divide by cp; mixtures whose experts divide by ep
-    (`--search` tries only such layouts)."""
+    stage, no mixtures of experts in a pipeline; attention cp can split (torch's, causal,
+    unmasked), a sequence that cuts into 2 x cp chunks, for all-to-all heads that divide by cp;
+    mixtures whose experts divide by ep (`--search` tries only such layouts)."""
     from gradmesh.layout.context.chunks import check_length
     from gradmesh.layout.context.parallel import check_heads
     from gradmesh.layout.engine import check_stage_count
+    from gradmesh.layout.expert.parallel import check_unpiped
 
     seqs, experts, model = meta.profile.sequences, meta.profile.experts, meta.spec.model
     check_stage_count(len(meta.profile.block_names), lay.pp * lay.chunks, model)
+    check_unpiped(experts is not None, lay.pp, model)
     if lay.ep > 1 and experts is None:
         raise GradmeshError(
             f"--expert-parallel {lay.ep}: model {model} has no mixture of experts to spread"
@@ -127,7 +129,7 @@ def check_axes(meta: MetaProfile, lay: Layout) -> None:
             f"--context-parallel: model {model} has no attention context parallelism splits "
             "(torch's scaled_dot_product_attention, causal, without a mask or dropout)"
         )
-    check_length(seqs.length, lay.cp, f"--context-parallel: model {model}: ")
+    check_length(meta.spec.sequence, lay.cp, f"--context-parallel: model {model}: ")
     if lay.attention == "alltoall":
         check_heads(seqs.heads, lay.tp, lay.cp, model)
 

@@ -14,7 +14,7 @@ import torch
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import Layout, LayoutConfig, check_context_layout, check_expert_layout
 from gradmesh.layout.context.chunks import check_length, positions, restore, take
-from gradmesh.layout.context.ring import _pairs
+from gradmesh.layout.context.ring import _pairs, ring_attention
 from gradmesh.models.gpt import GPT, GPTConfig
 from gradmesh.models.moe import MoE, _balance
 from gradmesh.planner import MeshProfile, layouts, predict_mesh
@@ -51,6 +51,43 @@ def test_the_ring_computes_every_causal_block_once_and_each_rank_alike() -> None
         wanted = [(q, k) for q in range(2 * cp) for k in range(q + 1)]
         assert sorted(seen) == wanted  # every causal pair of chunks once
         assert len(set(work)) == 1  # balanced: the same work on every rank
+
+
+class _OneRank:
+    """A ring of one rank (nothing to exchange): the attention's own arithmetic."""
+
+    size, index, next, prev = 1, 0, 0, 0
+
+    def channel(self, what: str) -> None:
+        return None
+
+    def start(self, ch: object, send: object) -> None:
+        raise AssertionError("one rank exchanges nothing")
+
+    def finish(self, ch: object, works: object) -> None: ...
+
+    def count(self, ch: object) -> None: ...
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_the_ring_in_low_precision_keeps_its_output_in_the_inputs_dtype(
+    dtype: torch.dtype, tol: float
+) -> None:
+    """Output and gradients equal torch's causal attention's in the inputs' dtype (the output
+    kept for backward as fused attention keeps it, its arithmetic in fp32)."""
+    torch.manual_seed(0)
+    qkv = [torch.randn(1, 2, 16, 8, dtype=dtype, requires_grad=True) for _ in range(3)]
+    out = ring_attention(*qkv, 8**-0.5, _OneRank())  # type: ignore[arg-type]
+    out.float().square().sum().backward()
+    got = [t.grad for t in qkv]
+    for t in qkv:
+        t.grad = None
+    want = torch.nn.functional.scaled_dot_product_attention(*qkv, is_causal=True)
+    want.float().square().sum().backward()
+    assert out.dtype == dtype
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)
+    for g, t in zip(got, qkv, strict=True):
+        torch.testing.assert_close(g, t.grad, atol=tol, rtol=tol)
 
 
 def test_a_sequence_the_chunks_do_not_divide_is_one_line() -> None:

@@ -110,21 +110,23 @@ def test_interrupt_once_leaves_a_thread_alone() -> None:
     assert not failed
 
 
-def test_a_benchmark_worker_s_bad_input_is_one_line_naming_its_rank() -> None:
+@pytest.mark.parametrize(("kind", "code"), [("GradmeshError", 1), ("PeerFailure", 75)])
+def test_a_benchmark_worker_s_bad_input_is_one_line_naming_its_rank(kind: str, code: int) -> None:
     """A benchmark's worker module (`jobs.worker_main`) that meets bad input its launcher could
-    not see says so in one line naming its rank and exits 1, no traceback."""
-    code = (
+    not see says so in one line naming its rank and exits 1, no traceback; a peer's failure
+    exits 75, so that the launcher names the rank that caused it."""
+    program = (
         "import sys\n"
         "sys.argv = ['w', '--config', '{}', '--out', 'unused.json']\n"
-        "from gradmesh.errors import GradmeshError\n"
+        f"from gradmesh.errors import {kind}\n"
         "from gradmesh.launch.jobs import worker_main\n"
         "def measure(config):\n"
-        "    raise GradmeshError('layout x: not this one')\n"
+        f"    raise {kind}('layout x: not this one')\n"
         "worker_main(measure)\n"
     )
     env = {**os.environ, "RANK": "3"}
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=60, env=env
     )
-    assert done.returncode == 1
+    assert done.returncode == code
     assert done.stderr == "gradmesh: rank 3: layout x: not this one\n"

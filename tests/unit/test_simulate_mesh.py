@@ -178,6 +178,11 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
             "a pipeline of 4 stages: model gpt has 2 blocks to cut into stages",
         ),
         (
+            ["--model-args", "dim=64,depth=2,heads=4,experts=4,top_k=2"]
+            + ["--pipeline-parallel", "2", "--microbatches", "2", "--global-batch", "64"],
+            "--pipeline-parallel 2: model gpt has mixtures of experts, whose routing depends",
+        ),
+        (
             ["--model-args", "dim=64,depth=2,heads=4,experts=4,top_k=2", "--expert-parallel", "8"],
             "model gpt's mixtures have 4 experts, which 8 ranks cannot hold equally",
         ),

@@ -29,16 +29,21 @@ def mixtures(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def check_expert(model: nn.Module, model_name: str, ep: int, pp: int = 1) -> None:
-    """One line, before launch, unless `model`'s mixtures spread over `ep` ranks (and, with
-    mixtures, unless there is no pipeline)."""
-    found = mixtures(model)
-    if found and pp > 1:
+def check_unpiped(has_mixtures: bool, pp: int, model_name: str) -> None:
+    """One line for a model with mixtures of experts in a pipeline."""
+    if has_mixtures and pp > 1:
         raise GradmeshError(
             f"--pipeline-parallel {pp}: model {model_name} has mixtures of experts, whose "
             "routing depends on its tokens' values, which a pipeline's traced stage graphs "
             "cannot hold"
         )
+
+
+def check_expert(model: nn.Module, model_name: str, ep: int, pp: int = 1) -> None:
+    """One line, before launch, unless `model`'s mixtures spread over `ep` ranks (and, with
+    mixtures, unless there is no pipeline)."""
+    found = mixtures(model)
+    check_unpiped(bool(found), pp, model_name)
     if ep == 1:
         return
     if not found:
