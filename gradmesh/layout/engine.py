@@ -201,8 +201,8 @@ def check_layout(
         if layout.stages:
             check_points(model, layout.stages.split(","), pp, model_name)
         else:
-            check_stage_count(len(candidates(model)) + 1, pp, model_name, "; give split points "
-                              "with --stages (module names)")  # fmt: skip
+            advice = "; give split points with --stages (module names)"
+            check_stage_count(len(candidates(model)) + 1, pp, model_name, advice)
     elif pp > 1:
         parse_stages(layout.stages, layers_of(model, model_name), pp)
 

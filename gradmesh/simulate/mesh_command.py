@@ -108,20 +108,12 @@ def check_axes(meta: MetaProfile, lay: Layout) -> None:
     from gradmesh.layout.context.chunks import check_length
     from gradmesh.layout.context.parallel import check_heads
     from gradmesh.layout.engine import check_stage_count
-    from gradmesh.layout.expert.parallel import check_unpiped
+    from gradmesh.layout.expert.parallel import check_mixtures
 
     seqs, experts, model = meta.profile.sequences, meta.profile.experts, meta.spec.model
     check_stage_count(len(meta.profile.block_names), lay.pp * lay.chunks, model)
-    check_unpiped(experts is not None, lay.pp, model)
-    if lay.ep > 1 and experts is None:
-        raise GradmeshError(
-            f"--expert-parallel {lay.ep}: model {model} has no mixture of experts to spread"
-        )
-    if lay.ep > 1 and experts is not None and experts.experts % lay.ep:
-        raise GradmeshError(
-            f"--expert-parallel {lay.ep}: model {model}'s mixtures have {experts.experts} "
-            f"experts, which {lay.ep} ranks cannot hold equally"
-        )
+    counts = {"of every block": experts.experts} if experts is not None else {}
+    check_mixtures(counts, model, lay.ep, lay.pp)
     if lay.cp == 1:
         return
     if seqs is None:

@@ -184,7 +184,7 @@ GPT = ["simulate", "--model", "gpt", "--model-args", "dim=64,depth=2,heads=4", "
         ),
         (
             ["--model-args", "dim=64,depth=2,heads=4,experts=4,top_k=2", "--expert-parallel", "8"],
-            "model gpt's mixtures have 4 experts, which 8 ranks cannot hold equally",
+            "gpt's mixture of every block has 4 experts, which 8 ranks cannot hold equally",
         ),
         (
             ["--context-parallel", "2", "--pipeline-parallel", "2"],

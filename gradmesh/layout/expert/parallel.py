@@ -29,32 +29,32 @@ def mixtures(model: nn.Module) -> list[tuple[str, MoE]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, MoE)]
 
 
-def check_unpiped(has_mixtures: bool, pp: int, model_name: str) -> None:
-    """One line for a model with mixtures of experts in a pipeline."""
-    if has_mixtures and pp > 1:
+def check_expert(model: nn.Module, model_name: str, ep: int, pp: int = 1) -> None:
+    """One line, before launch, unless `model`'s mixtures spread over `ep` ranks (and, with
+    mixtures, unless there is no pipeline)."""
+    check_mixtures({name: moe.experts for name, moe in mixtures(model)}, model_name, ep, pp)
+
+
+def check_mixtures(experts: dict[str, int], model_name: str, ep: int, pp: int = 1) -> None:
+    """`check_expert` on the mixtures' expert counts (name -> experts; the simulator's are
+    counted on the meta device)."""
+    if experts and pp > 1:
         raise GradmeshError(
             f"--pipeline-parallel {pp}: model {model_name} has mixtures of experts, whose "
             "routing depends on its tokens' values, which a pipeline's traced stage graphs "
             "cannot hold"
         )
-
-
-def check_expert(model: nn.Module, model_name: str, ep: int, pp: int = 1) -> None:
-    """One line, before launch, unless `model`'s mixtures spread over `ep` ranks (and, with
-    mixtures, unless there is no pipeline)."""
-    found = mixtures(model)
-    check_unpiped(bool(found), pp, model_name)
     if ep == 1:
         return
-    if not found:
+    if not experts:
         raise GradmeshError(
             f"--expert-parallel {ep}: model {model_name} has no mixture of experts to spread "
             "(gradmesh's GPT has them with --model-args experts=8,top_k=2)"
         )
-    for name, moe in found:
-        if moe.experts % ep:
+    for name, count in experts.items():
+        if count % ep:
             raise GradmeshError(
-                f"--expert-parallel {ep}: {model_name}'s mixture {name} has {moe.experts} "
+                f"--expert-parallel {ep}: {model_name}'s mixture {name} has {count} "
                 f"experts, which {ep} ranks cannot hold equally"
             )
 
