@@ -8,6 +8,7 @@ the launcher."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import os
 import re
@@ -31,7 +32,7 @@ import pytest  # noqa: E402
 
 from gradmesh.runtime import device_guard  # noqa: E402
 from tests.harness import CLI, kept_environment
-from tests.zygote import ZYGOTE
+from tests.zygote import HOSTS, ZYGOTE, on_host
 
 device_guard.install()
 
@@ -100,6 +101,20 @@ def rank_forkserver() -> Iterator[None]:
     ZYGOTE.start()
     yield
     ZYGOTE.close()
+    HOSTS.close()
+
+
+@pytest.fixture(autouse=True)
+def hosts_forked() -> Iterator[None]:
+    """A test's emulated cluster forks its hosts' `gradmesh` commands from the hosts' zygote
+    (tests/zygote.py `on_host`) rather than starting a new interpreter on each. Not through
+    `monkeypatch`: a test's own would then be undone after the environment check."""
+    from gradmesh.launch import emulate
+
+    start = emulate._start
+    emulate._start = functools.partial(on_host, otherwise=start)
+    yield
+    emulate._start = start
 
 
 def our_temp_dirs(root: str | None = None) -> set[str]:
@@ -224,7 +239,7 @@ def no_leaked_processes() -> Iterator[str]:
         child.kill()
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
-    forked = ZYGOTE.leftovers()  # before the folders: a run it ends leaves its own
+    forked = ZYGOTE.leftovers() + HOSTS.leftovers()  # before the folders: runs leave their own
     left_temp = {d for d in our_temp_dirs() - temp_before if not foreign(d, leaked)}
     assert not leaked, f"processes left behind by the test: {leaked}"
     assert not forked, f"`gradmesh` runs or their processes left behind by the test: {forked}"

@@ -25,6 +25,7 @@ import io
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -53,6 +54,8 @@ PRELOAD = [
     "gradmesh.train.worker",
 ]
 PR_SET_CHILD_SUBREAPER = 36
+CLONE_NEWNET, CLONE_NEWNS = 0x40000000, 0x00020000
+MS_BIND, MS_REC, MS_SLAVE, MNT_DETACH = 0x1000, 0x4000, 0x80000, 2
 LINGER_S = 5.0
 """How long a run's last processes (its launcher's worker server) may take to end after it."""
 
@@ -70,12 +73,15 @@ def _child(request: dict[str, Any]) -> None:
             (1, request["out"], os.O_WRONLY | os.O_APPEND),
             (2, request["err"], os.O_WRONLY | os.O_APPEND),
         ):
-            opened = os.open(path, flags)
+            opened = os.open(path, flags)  # a pipe's end (`on_host`) waits for its reader
             os.dup2(opened, fd)
             os.close(opened)
+        if request.get("namespace"):
+            _enter(request["namespace"])
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        tempfile.tempdir = None  # the zygote's imports fixed it at its TMPDIR: the run's own
         from gradmesh import cli
         from gradmesh.launch import forked
 
@@ -88,6 +94,32 @@ def _child(request: dict[str, Any]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _enter(name: str) -> None:
+    """What `ip netns exec NAME` does before its command: the network namespace NAME, a mount
+    namespace of its own in which /sys shows that network and /etc/netns/NAME's files (the
+    emulated hosts' names) lie over /etc's, and, as the cluster starts its hosts, a session of
+    its own."""
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(code: int, what: str) -> None:
+        if code != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"{what} for namespace {name}: {os.strerror(errno)}")
+
+    fd = os.open(f"/run/netns/{name}", os.O_RDONLY)
+    check(libc.setns(fd, CLONE_NEWNET), "setns")
+    os.close(fd)
+    check(libc.unshare(CLONE_NEWNS), "unshare")
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_SLAVE, None), "mount --make-rslave /")
+    libc.umount2(b"/sys", MNT_DETACH)  # as ip: none mounted is as good
+    check(libc.mount(name.encode(), b"/sys", b"sysfs", 0, None), "mount /sys")
+    etc = Path("/etc/netns", name)
+    for entry in sorted(etc.iterdir()) if etc.is_dir() else []:
+        target = f"/etc/{entry.name}".encode()
+        check(libc.mount(str(entry).encode(), target, None, MS_BIND, None), f"bind {entry}")
+    os.setsid()
 
 
 def _as_the_interpreter(program: Any) -> int:
@@ -159,6 +191,9 @@ class Run:
     def __init__(self, zygote: Zygote, pid: int, args: list[str], out: Path, err: Path) -> None:
         self.zygote, self.pid, self.args, self.out, self.err = zygote, pid, args, out, err
         self.returncode: int | None = None
+        self.stdout: Any = None
+        self.stderr: Any = None
+        """Where its output is read as it comes (`on_host`), as a Popen's pipes."""
 
     def poll(self) -> int | None:
         if self.returncode is None:
@@ -200,7 +235,9 @@ class Run:
 class Zygote:
     """The test side: start the zygote (once), send it runs, collect their ends."""
 
-    def __init__(self) -> None:
+    def __init__(self, extra: dict[str, str] | None = None) -> None:
+        self.extra = extra or {}
+        """What the zygote's environment adds to the tests' (its runs must agree)."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.env: dict[str, str] = {}
         self.exits: dict[int, int] = {}
@@ -211,6 +248,7 @@ class Zygote:
     def start(self) -> subprocess.Popen[bytes]:
         if self.proc is None or self.proc.poll() is not None:
             self.env = {k: v for k, v in os.environ.items() if not k.startswith(STARTUP[-1])}
+            self.env.update(self.extra)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.zygote"],
                 stdin=subprocess.PIPE,
@@ -226,13 +264,17 @@ class Zygote:
         keys = {k for k in (*env, *self.env) if k.startswith(STARTUP[:-1])} - LATER
         return all(env.get(k) == self.env.get(k) for k in keys)
 
-    def spawn(self, argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path) -> Run:
-        """Fork `gradmesh ARGV` with `env` in `cwd`, its output appended to `out` and `err`."""
+    def spawn(
+        self, argv: list[str], env: dict[str, str], cwd: Path, out: Path, err: Path, netns: str = ""
+    ) -> Run:
+        """Fork `gradmesh ARGV` with `env` in `cwd`, its output appended to `out` and `err`
+        (in network namespace `netns`, where given, as `ip netns exec` runs it)."""
         proc = self.start()
         assert proc.stdin is not None
         for path in (out, err):
             path.touch()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
+        request["namespace"] = netns
         proc.stdin.write(json.dumps(request).encode() + b"\n")
         proc.stdin.flush()
         deadline = time.monotonic() + 60
@@ -340,6 +382,32 @@ def _text(data: bytes) -> str:
 
 
 ZYGOTE = Zygote()
+HOSTS = Zygote({"OMP_NUM_THREADS": "1"})
+"""The emulated hosts' zygote: a cluster on a machine of few cores gives each host's processes
+one thread (`EmulatedCluster._spawn`), which its forks must have started with."""
+GRADMESH_CLI = [sys.executable, "-m", "gradmesh.cli"]
+
+
+def on_host(command: list[str], env: dict[str, str], otherwise: Any) -> Any:
+    """`gradmesh.launch.emulate._start` for the tests' clusters (tests/conftest.py): a
+    `gradmesh` command on an emulated host (`ip netns exec NS python -m gradmesh.cli ARGS`)
+    forked from `HOSTS` into that namespace, its output through named pipes that the cluster
+    reads as it reads a process's pipes; anything else started `otherwise` (the cluster's way)."""
+    namespace, argv = command[3], command[4:]
+    HOSTS.start()  # its environment is what `forks` compares
+    if argv[:3] != GRADMESH_CLI or Path.cwd() != ROOT or not HOSTS.forks(env):
+        return otherwise(command, env)
+    folder = Path(tempfile.mkdtemp(prefix="zygote-host-"))
+    try:
+        out, err = folder / "out", folder / "err"
+        os.mkfifo(out)
+        os.mkfifo(err)
+        run = HOSTS.spawn(argv[3:], env, ROOT, out, err, netns=namespace)
+        run.stdout = open(out)  # noqa: SIM115 - each waits for the fork to open its end
+        run.stderr = open(err)  # noqa: SIM115 - closed by the cluster's readers at the end
+    finally:
+        shutil.rmtree(folder)
+    return run
 
 
 def gradmesh(

@@ -136,6 +136,15 @@ def _tbf(bps: int) -> list[str]:
     return f"tbf rate {bps}bit burst {burst} latency 50ms".split()
 
 
+def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    """A host's command (`ip netns exec NS ...`) in a session of its own, its output piped (the
+    test suite forks its `gradmesh` commands into the namespace instead: tests/zygote.py)."""
+    pipe = subprocess.PIPE
+    return subprocess.Popen(
+        command, stdout=pipe, stderr=pipe, text=True, env=env, start_new_session=True
+    )
+
+
 def _pump(stream: IO[str], prefix: str, sink: IO[str]) -> None:
     for line in stream:
         sink.write(f"{prefix}{line}")
@@ -345,14 +354,7 @@ class EmulatedCluster:
         # every emulated host shares this machine's cores: do not let each think it has all
         omp = max(1, (os.cpu_count() or 1) // (self.hosts * procs_per_host))
         env.setdefault("OMP_NUM_THREADS", str(omp))
-        proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.namespace(host), *argv],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-            start_new_session=True,
-        )
+        proc = _start(["ip", "netns", "exec", self.namespace(host), *argv], env)
         for stream, sink in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr)):
             assert stream is not None
             t = threading.Thread(target=_pump, args=(stream, f"[h{host}] ", sink), daemon=True)
