@@ -270,8 +270,11 @@ def _peak_after(
     model: nn.Module, loss: torch.Tensor, run: Callable[[], torch.Tensor], peak: bool
 ) -> int:
     """`loss`'s backward (the gradients allocated, as after the first step: the meta count's
-    `live_peak` relies on it too), then with `peak` the peak of a step of `run`."""
+    `live_peak` relies on it too), then with `peak` the peak of a step of `run` (nothing else
+    run: the meta count counts the kernels of that forward and backward)."""
     loss.backward()  # type: ignore[no-untyped-call]
+    if not peak:
+        return 0
     for p in model.parameters():
         if p.grad is not None:
             p.grad.zero_()
@@ -279,7 +282,7 @@ def _peak_after(
     def step() -> None:
         run().backward()  # type: ignore[no-untyped-call]
 
-    return peak_bytes(step) if peak else 0
+    return peak_bytes(step)
 
 
 def _selective(out: Saved, policy: selective.PolicyCount, inner: _ByBlock) -> Saved:

@@ -128,11 +128,9 @@ def count(spec: Spec, tp: int) -> Counted:
 
     fused = fused_attention if spec.fused_attention else _unfused
     with fused() as sdpa, dry_exchanges(tp) as dry:
-        with counter, scores:
-            loss().backward()  # type: ignore[no-untyped-call]
-        made = [(n, kind) for _, n, kind in dry.made]
-    with fused(), dry_exchanges(tp):
-        saved = saved_activations(net, loss, ids, peak=False)
+        with counter, scores:  # one forward and backward: its kernels and what it saves
+            saved = saved_activations(net, loss, ids, peak=False)
+        made, attention_calls = [(n, kind) for _, n, kind in dry.made], sdpa[0]
         saved.peak = live_peak(lambda: loss().backward())  # type: ignore[no-untyped-call]
     kernels = [(k, f, b) for costs in counter.costs.values() for k, (f, b) in costs.items()]
     names = block_list(net)
@@ -145,7 +143,7 @@ def count(spec: Spec, tp: int) -> Counted:
         else:
             per_block[owner] += p.numel() * p.element_size()
     params = sum(p.numel() for p in net.parameters())
-    kind = _attention_kind(spec, net, names, sdpa[0], scores.seen)
+    kind = _attention_kind(spec, net, names, attention_calls, scores.seen)
     calls = {k: float(n) for k, n in counter.calls.items()}
     return Counted(kernels, made, saved, per_block, rest, params, counter.useful, kind, calls)
 
