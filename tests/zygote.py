@@ -14,6 +14,14 @@ torch starts (PYTHON*, OMP_*, TORCH*, ...: read once, at start or import) is sta
 is one a test asks for with `fresh=True`. The zygote is a child subreaper, so a process a run
 leaves behind (a worker outliving its launcher) comes back to it: the run fails naming it.
 
+Emulated hosts too: a cluster's host runs `ip netns exec NS python -m gradmesh.cli ...`, a new
+interpreter each (some 60 a suite). `on_host` forks those instead, into the host's namespace as
+`ip netns exec` enters it (`_enter`): from `HOSTS` for a test's own cluster (tests/conftest.py
+puts it in `gradmesh.launch.emulate._start`), and for a `gradmesh emulate` or `bench` run from
+a zygote that run forks of itself before its first op (`_host_zygote`). A cluster gives each
+host one thread on a machine of few cores: `HOSTS` imported torch that way, and the run's own
+zygote's forks set it (`torch.set_num_threads`, as the launcher's forked workers do).
+
 The requests and answers are JSON lines on pipes (no pickle); the zygote ends with its pipe.
 """
 
@@ -21,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import io
 import json
 import os
@@ -44,6 +53,10 @@ LATER = {"TORCHINDUCTOR_CACHE_DIR"}
 """Of those, what torch sets in a process's environment on first use and reads when it uses it
 (after the start): a test process's inductor sets it, and its runs may differ from the
 zygote there."""
+LAUNCHER = {"TORCH_CPP_LOG_LEVEL"}
+"""Of those, what every `gradmesh` launcher sets before it loads torch (`quiet_cpp_logs`: torch's
+C++ logs at FATAL), as the zygote does: a run's own value reaches its exec'd workers
+(GRADMESH_WORKER_TORCH_CPP_LOG_LEVEL), never its launcher."""
 PRELOAD = [
     "torch",
     "torch._dynamo",
@@ -82,11 +95,18 @@ def _child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # the zygote's imports fixed it at its TMPDIR: the run's own
+        threads = os.environ.get("OMP_NUM_THREADS", "")
+        if request.get("threads") and threads.isdigit():  # torch read it at the zygote's start
+            import torch
+
+            torch.set_num_threads(int(threads))
         from gradmesh import cli
         from gradmesh.launch import forked
 
         sys.argv = [cli.__file__, *request["argv"]]
         forked.PROGRAM = True
+        if request["argv"][:1] in (["emulate"], ["bench"]):  # first: nothing of the next in it
+            _host_zygote()
         if request["argv"][:1] in (["train"], ["bench"]):  # before the command runs an op
             forked.start_early([sys.executable, "-m", "gradmesh.train.worker"], 2, True)
         code = _as_the_interpreter(cli.program)
@@ -94,6 +114,61 @@ def _child(request: dict[str, Any]) -> None:
         traceback.print_exc()
     finally:
         os._exit(code)
+
+
+def _host_zygote() -> None:
+    """For a run that may start emulated hosts (`gradmesh emulate`, the benchmarks): a zygote
+    forked from it before it runs an op, from which its cluster forks them (`on_host`). Its
+    forks set the thread count the cluster gives a host, which this run's torch read before."""
+    from gradmesh.launch import emulate
+
+    requests_r, requests_w = os.pipe()
+    answers_r, answers_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            os.close(requests_w)
+            os.close(answers_r)
+            serve(requests_r, answers_w)  # ends with the run: its requests' pipe closes
+        except BaseException:  # noqa: BLE001 - said, and it ends
+            traceback.print_exc()
+            code = 1
+        finally:
+            os._exit(code)
+    os.close(requests_r)
+    os.close(answers_w)
+    zygote = Zygote(threads=True)
+    zygote.attach(_Forked(pid, requests_w, answers_r), dict(os.environ))
+    emulate._start = functools.partial(on_host, otherwise=emulate._start, zygote=zygote)
+
+
+class _Forked:
+    """A zygote forked by the run that uses it (`_host_zygote`): the part of `subprocess.Popen`
+    a `Zygote` uses."""
+
+    def __init__(self, pid: int, requests: int, answers: int) -> None:
+        self.pid, self.returncode = pid, None
+        self.stdin, self.stdout = open(requests, "wb"), open(answers, "rb")  # noqa: SIM115
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            done, status = os.waitpid(self.pid, os.WNOHANG)
+            if done:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = time.monotonic() + (timeout if timeout is not None else 1e9)
+        while self.poll() is None:
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(["zygote"], timeout or 0)
+            time.sleep(0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _enter(name: str) -> None:
@@ -235,18 +310,27 @@ class Run:
 class Zygote:
     """The test side: start the zygote (once), send it runs, collect their ends."""
 
-    def __init__(self, extra: dict[str, str] | None = None) -> None:
+    def __init__(self, extra: dict[str, str] | None = None, threads: bool = False) -> None:
         self.extra = extra or {}
         """What the zygote's environment adds to the tests' (its runs must agree)."""
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.threads = threads
+        """Whether its forks set their thread count from OMP_NUM_THREADS (`_host_zygote`)."""
+        self.proc: Any = None
+        """The zygote: a `subprocess.Popen`, or the `_Forked` a run attached."""
+        self.attached = False
         self.env: dict[str, str] = {}
         self.exits: dict[int, int] = {}
         self.forked: list[int] = []
         self.running: set[int] = set()
         self.pending = b""
 
-    def start(self) -> subprocess.Popen[bytes]:
-        if self.proc is None or self.proc.poll() is not None:
+    def attach(self, proc: _Forked, env: dict[str, str]) -> None:
+        """Use `proc`, a zygote started with `env`, from now on."""
+        self.proc, self.env, self.attached = proc, env, True
+        self.exits, self.forked, self.running, self.pending = {}, [], set(), b""
+
+    def start(self) -> Any:
+        if not self.attached and (self.proc is None or self.proc.poll() is not None):
             self.env = {k: v for k, v in os.environ.items() if not k.startswith(STARTUP[-1])}
             self.env.update(self.extra)
             self.proc = subprocess.Popen(
@@ -261,7 +345,9 @@ class Zygote:
 
     def forks(self, env: dict[str, str]) -> bool:
         """Whether a run in `env` can be a fork: what it starts with is the zygote's."""
-        keys = {k for k in (*env, *self.env) if k.startswith(STARTUP[:-1])} - LATER
+        keys = {k for k in (*env, *self.env) if k.startswith(STARTUP[:-1])} - LATER - LAUNCHER
+        if self.threads:
+            keys.discard("OMP_NUM_THREADS")
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def spawn(
@@ -274,7 +360,7 @@ class Zygote:
         for path in (out, err):
             path.touch()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
-        request["namespace"] = netns
+        request.update(namespace=netns, threads=self.threads)
         proc.stdin.write(json.dumps(request).encode() + b"\n")
         proc.stdin.flush()
         deadline = time.monotonic() + 60
@@ -388,21 +474,21 @@ one thread (`EmulatedCluster._spawn`), which its forks must have started with.""
 GRADMESH_CLI = [sys.executable, "-m", "gradmesh.cli"]
 
 
-def on_host(command: list[str], env: dict[str, str], otherwise: Any) -> Any:
+def on_host(command: list[str], env: dict[str, str], otherwise: Any, zygote: Zygote = HOSTS) -> Any:
     """`gradmesh.launch.emulate._start` for the tests' clusters (tests/conftest.py): a
     `gradmesh` command on an emulated host (`ip netns exec NS python -m gradmesh.cli ARGS`)
     forked from `HOSTS` into that namespace, its output through named pipes that the cluster
     reads as it reads a process's pipes; anything else started `otherwise` (the cluster's way)."""
     namespace, argv = command[3], command[4:]
-    HOSTS.start()  # its environment is what `forks` compares
-    if argv[:3] != GRADMESH_CLI or Path.cwd() != ROOT or not HOSTS.forks(env):
+    zygote.start()  # its environment is what `forks` compares
+    if argv[:3] != GRADMESH_CLI or Path.cwd() != ROOT or not zygote.forks(env):
         return otherwise(command, env)
     folder = Path(tempfile.mkdtemp(prefix="zygote-host-"))
     try:
         out, err = folder / "out", folder / "err"
         os.mkfifo(out)
         os.mkfifo(err)
-        run = HOSTS.spawn(argv[3:], env, ROOT, out, err, netns=namespace)
+        run = zygote.spawn(argv[3:], env, ROOT, out, err, netns=namespace)
         run.stdout = open(out)  # noqa: SIM115 - each waits for the fork to open its end
         run.stderr = open(err)  # noqa: SIM115 - closed by the cluster's readers at the end
     finally:
@@ -453,6 +539,9 @@ def main() -> None:
     os.dup2(null, 0)
     os.close(null)
     os.dup2(2, 1)  # a stray print of an import is no answer
+    from gradmesh.launch.logs import quiet_cpp_logs
+
+    quiet_cpp_logs()  # before torch loads, as `gradmesh` does
     for module in PRELOAD:
         importlib.import_module(module)
     serve(requests, answers)
