@@ -536,8 +536,11 @@ def test_a_link_unplugged_mid_copy_fails_the_copy_in_a_line_and_the_other_goes_o
     assert alone, zero["quorum_changes"]
     if one["after_the_end"]:  # group 0 finished before the link came back
         assert one["recoveries"] == 0
-    else:  # the copy taken again over the link plugged back in: the same bits on both
-        assert one["recoveries"] == 1 and got[1]["steps"] < steps - step
+    else:  # the copy taken again over the link plugged back in: the same bits on both (a
+        # busy machine can drop group 1 once more after it rejoined, and it copies again:
+        # 2 recoveries, beside two CPU hogs and another test worker; this line failed in both
+        # of two such runs)
+        assert one["recoveries"] >= 1 and got[1]["steps"] < steps - step, (one, got[1]["steps"])
         assert one["parameters_sha256"] == zero["parameters_sha256"]
     print(
         f"the copy at step {step} failed {seconds:.1f} s after the unplug; group 1 "
