@@ -490,7 +490,7 @@ def on_host(command: list[str], env: dict[str, str], otherwise: Any, zygote: Zyg
         os.mkfifo(err)
         run = zygote.spawn(argv[3:], env, ROOT, out, err, netns=namespace)
         run.stdout = open(out)  # noqa: SIM115 - each waits for the fork to open its end
-        run.stderr = open(err)  # noqa: SIM115 - closed by the cluster's readers at the end
+        run.stderr = open(err)  # noqa: SIM115 - read to their end by the cluster, as pipes
     finally:
         shutil.rmtree(folder)
     return run
