@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 
 from gradmesh.runtime import device_guard  # noqa: E402
 from tests.harness import CLI, kept_environment
-from tests.zygote import HOSTS, ZYGOTE, on_host
+from tests.zygote import ZYGOTE, on_host
 
 device_guard.install()
 
@@ -101,12 +101,11 @@ def rank_forkserver() -> Iterator[None]:
     ZYGOTE.start()
     yield
     ZYGOTE.close()
-    HOSTS.close()
 
 
 @pytest.fixture(autouse=True)
 def hosts_forked() -> Iterator[None]:
-    """A test's emulated cluster forks its hosts' `gradmesh` commands from the hosts' zygote
+    """A test's emulated cluster forks its hosts' `gradmesh` commands from the zygote
     (tests/zygote.py `on_host`) rather than starting a new interpreter on each. Not through
     `monkeypatch`: a test's own would then be undone after the environment check."""
     from gradmesh.launch import emulate
@@ -239,7 +238,7 @@ def no_leaked_processes() -> Iterator[str]:
         child.kill()
     for name in left_namespaces:
         subprocess.run(["ip", "netns", "del", name], check=False)
-    forked = ZYGOTE.leftovers() + HOSTS.leftovers()  # before the folders: runs leave their own
+    forked = ZYGOTE.leftovers()  # before the folders: a run it ends leaves its own
     left_temp = {d for d in our_temp_dirs() - temp_before if not foreign(d, leaked)}
     assert not leaked, f"processes left behind by the test: {leaked}"
     assert not forked, f"`gradmesh` runs or their processes left behind by the test: {forked}"

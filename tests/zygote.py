@@ -16,11 +16,12 @@ leaves behind (a worker outliving its launcher) comes back to it: the run fails 
 
 Emulated hosts too: a cluster's host runs `ip netns exec NS python -m gradmesh.cli ...`, a new
 interpreter each (some 60 a suite). `on_host` forks those instead, into the host's namespace as
-`ip netns exec` enters it (`_enter`): from `HOSTS` for a test's own cluster (tests/conftest.py
-puts it in `gradmesh.launch.emulate._start`), and for a `gradmesh emulate` or `bench` run from
-a zygote that run forks of itself before its first op (`_host_zygote`). A cluster gives each
-host one thread on a machine of few cores: `HOSTS` imported torch that way, and the run's own
-zygote's forks set it (`torch.set_num_threads`, as the launcher's forked workers do).
+`ip netns exec` enters it (`_enter`): from the zygote for a test's own cluster
+(tests/conftest.py puts `on_host` in `gradmesh.launch.emulate._start`), and for a `gradmesh
+emulate` or `bench` run from a zygote that run forks of itself before its first op
+(`_host_zygote`). The same rule holds: a host whose environment starts torch otherwise than
+its zygote did (the cluster's OMP_NUM_THREADS, where the tests' one thread is not it) starts
+as the cluster starts it.
 
 The requests and answers are JSON lines on pipes (no pickle); the zygote ends with its pipe.
 """
@@ -95,11 +96,6 @@ def _child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         tempfile.tempdir = None  # the zygote's imports fixed it at its TMPDIR: the run's own
-        threads = os.environ.get("OMP_NUM_THREADS", "")
-        if request.get("threads") and threads.isdigit():  # torch read it at the zygote's start
-            import torch
-
-            torch.set_num_threads(int(threads))
         from gradmesh import cli
         from gradmesh.launch import forked
 
@@ -118,8 +114,7 @@ def _child(request: dict[str, Any]) -> None:
 
 def _host_zygote() -> None:
     """For a run that may start emulated hosts (`gradmesh emulate`, the benchmarks): a zygote
-    forked from it before it runs an op, from which its cluster forks them (`on_host`). Its
-    forks set the thread count the cluster gives a host, which this run's torch read before."""
+    forked from it before it runs an op, from which its cluster forks them (`on_host`)."""
     from gradmesh.launch import emulate
 
     requests_r, requests_w = os.pipe()
@@ -138,7 +133,7 @@ def _host_zygote() -> None:
             os._exit(code)
     os.close(requests_r)
     os.close(answers_w)
-    zygote = Zygote(threads=True)
+    zygote = Zygote()
     zygote.attach(_Forked(pid, requests_w, answers_r), dict(os.environ))
     emulate._start = functools.partial(on_host, otherwise=emulate._start, zygote=zygote)
 
@@ -310,11 +305,7 @@ class Run:
 class Zygote:
     """The test side: start the zygote (once), send it runs, collect their ends."""
 
-    def __init__(self, extra: dict[str, str] | None = None, threads: bool = False) -> None:
-        self.extra = extra or {}
-        """What the zygote's environment adds to the tests' (its runs must agree)."""
-        self.threads = threads
-        """Whether its forks set their thread count from OMP_NUM_THREADS (`_host_zygote`)."""
+    def __init__(self) -> None:
         self.proc: Any = None
         """The zygote: a `subprocess.Popen`, or the `_Forked` a run attached."""
         self.attached = False
@@ -332,7 +323,6 @@ class Zygote:
     def start(self) -> Any:
         if not self.attached and (self.proc is None or self.proc.poll() is not None):
             self.env = {k: v for k, v in os.environ.items() if not k.startswith(STARTUP[-1])}
-            self.env.update(self.extra)
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "tests.zygote"],
                 stdin=subprocess.PIPE,
@@ -346,8 +336,6 @@ class Zygote:
     def forks(self, env: dict[str, str]) -> bool:
         """Whether a run in `env` can be a fork: what it starts with is the zygote's."""
         keys = {k for k in (*env, *self.env) if k.startswith(STARTUP[:-1])} - LATER - LAUNCHER
-        if self.threads:
-            keys.discard("OMP_NUM_THREADS")
         return all(env.get(k) == self.env.get(k) for k in keys)
 
     def spawn(
@@ -360,7 +348,7 @@ class Zygote:
         for path in (out, err):
             path.touch()
         request = {"argv": argv, "env": env, "cwd": str(cwd), "out": str(out), "err": str(err)}
-        request.update(namespace=netns, threads=self.threads)
+        request["namespace"] = netns
         proc.stdin.write(json.dumps(request).encode() + b"\n")
         proc.stdin.flush()
         deadline = time.monotonic() + 60
@@ -468,16 +456,15 @@ def _text(data: bytes) -> str:
 
 
 ZYGOTE = Zygote()
-HOSTS = Zygote({"OMP_NUM_THREADS": "1"})
-"""The emulated hosts' zygote: a cluster on a machine of few cores gives each host's processes
-one thread (`EmulatedCluster._spawn`), which its forks must have started with."""
 GRADMESH_CLI = [sys.executable, "-m", "gradmesh.cli"]
 
 
-def on_host(command: list[str], env: dict[str, str], otherwise: Any, zygote: Zygote = HOSTS) -> Any:
+def on_host(
+    command: list[str], env: dict[str, str], otherwise: Any, zygote: Zygote = ZYGOTE
+) -> Any:
     """`gradmesh.launch.emulate._start` for the tests' clusters (tests/conftest.py): a
     `gradmesh` command on an emulated host (`ip netns exec NS python -m gradmesh.cli ARGS`)
-    forked from `HOSTS` into that namespace, its output through named pipes that the cluster
+    forked from `zygote` into that namespace, its output through named pipes that the cluster
     reads as it reads a process's pipes; anything else started `otherwise` (the cluster's way)."""
     namespace, argv = command[3], command[4:]
     zygote.start()  # its environment is what `forks` compares
