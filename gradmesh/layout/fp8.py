@@ -21,6 +21,7 @@ from torch import nn
 
 from gradmesh.errors import GradmeshError
 from gradmesh.models.blocks import block_list
+from gradmesh.models.quiet import torchao_quiet
 
 MIN_CAPABILITY = (8, 9)
 """CUDA compute capability of the first tensor cores with fp8 (Ada, Hopper)."""
@@ -45,7 +46,8 @@ def fp8_problem() -> str | None:
 
 def torchao_problem() -> str | None:
     try:
-        import torchao.float8  # noqa: F401
+        with torchao_quiet():
+            import torchao.float8  # noqa: F401
     except ImportError:
         return "--precision fp8 needs torchao: pip install 'gradmesh[fp8]' (or torchao)"
     return None

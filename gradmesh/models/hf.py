@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from gradmesh.errors import GradmeshError
+from gradmesh.models.quiet import torchao_quiet
 from gradmesh.models.registry import MODELS
 
 
@@ -188,7 +189,7 @@ def _pretrained(directory: str, num_classes: int, args: dict[str, Any]) -> nn.Mo
             f"{num_classes - 1}, and it has {config.vocab_size}"
         )
     auto = _transformers(directory).AutoModelForCausalLM
-    with empty_parameters():
+    with empty_parameters(), torchao_quiet():
         net = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = CausalLM(net)
     model.pretrained = directory  # type: ignore[assignment]
@@ -248,7 +249,8 @@ def build(kind: str) -> Any:
             why = " ".join(line.strip() for line in str(exc).splitlines()[:2])
             raise GradmeshError(f"model hf:{kind}: {why}") from None
         auto = transformers.AutoModelForCausalLM
-        net = auto.from_config(config, attn_implementation="sdpa")
+        with torchao_quiet():
+            net = auto.from_config(config, attn_implementation="sdpa")
         return CausalLM(net)
 
     return builder

@@ -499,6 +499,9 @@ def test_a_hugging_face_model_trains_from_the_cli_with_its_mfu(tmp_path: Path) -
         "--max-steps", "20", "--json", str(report),
     )  # fmt: skip  # 20 of the epoch's 187 steps: 5 warm-up steps, then the steady rate's 15
     assert out.returncode == 0, out.stderr
+    # torchao's import noise (its CUDA extensions, torch's pytree; gradmesh.models.quiet) is not
+    # the run's: none of it on stderr, from the launcher or either rank
+    assert "torchao" not in out.stderr and "_pytree" not in out.stderr, out.stderr
     result = json.loads(report.read_text())
     assert result["layout"]["tp"] == 2
     assert result["flops_per_sample"] > 0 and 0 < result["mfu"] < 1
