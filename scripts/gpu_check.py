@@ -107,6 +107,12 @@ def rows() -> list[Row]:
             [*gpt, "--precision", "bf16", "--activation-checkpointing", "blocks"],
             precision="bf16",
         ),
+        Row(  # issue 60: one context-parallel rank's attention at torchtitan's 8B shapes
+            "cp rank's attention, 8B at 32k tokens a rank",
+            ["scripts/cp_probe.py", "--json", str(OUT / "cp_probe.json")],
+            kind="script",
+            timeout_s=120,
+        ),
         Row("fp16 tests", ["tests/distributed/test_fp16.py"], kind="pytest", timeout_s=120),
         Row(  # import-linter is a development tool, not on a GPU image: CI runs that one
             "unit tests",
