@@ -152,14 +152,15 @@ def _time(cuda: bool, work: Callable[..., Any], *args: Any) -> tuple[float, Any]
 
 
 def probe(cp: int, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
-    """The median forward and backward of the ring's last rank (the one with the most whole
-    steps of a lower rank's keys; every rank has the same FLOPs) at `cp`."""
+    """The median forward and backward of ranks 0 and cp - 1 at `cp`: every off-diagonal step
+    of rank 0 is a higher rank's keys (its second chunk against them), every one of rank cp - 1
+    a lower rank's (both chunks against their first half). Every rank has the same FLOPs; at
+    each step of the ring both kinds run, so the ring goes at the slower rank's pace."""
     shape = (1, args.heads, args.tokens, args.head_dim)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     q, dout = (torch.randn(shape, device=device, dtype=dtype) for _ in range(2))
     gathered = torch.randn((cp, 2, *shape), device=device, dtype=dtype)  # the all-gather's
     kv = [(gathered[s, 0], gathered[s, 1]) for s in range(cp)]
-    rank = cp - 1
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -169,21 +170,23 @@ def probe(cp: int, args: argparse.Namespace, device: torch.device) -> dict[str, 
         zeros = torch.zeros(shape, dtype=torch.float32, device=device)
         return zeros, torch.zeros_like(zeros)
 
-    forward, backward = [], []
-    for _ in range(args.repeats + 1):  # the first is the warm-up
-        seconds, (out, lse, saved) = _time(cuda, ring_forward, rank, q, kv)
-        forward.append(seconds)
-        seconds, _ = _time(cuda, ring_backward, rank, q, kv, out, lse, dout, saved, fresh)
-        backward.append(seconds)
-    fwd, bwd = statistics.median(forward[1:]), statistics.median(backward[1:])
-    return {
-        "cp": cp,
-        "forward_ms": fwd * 1e3,
-        "backward_ms": bwd * 1e3,
-        "ms_a_step": (2 * fwd + bwd) * 1e3 / cp,  # full recomputation: forward twice
-        "alloc_retries": _retries(device) - retries,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
-    }
+    row: dict[str, Any] = {"cp": cp}
+    for rank in sorted({0, cp - 1}):
+        forward, backward = [], []
+        for _ in range(args.repeats + 1):  # the first is the warm-up
+            seconds, (out, lse, saved) = _time(cuda, ring_forward, rank, q, kv)
+            forward.append(seconds)
+            seconds, _ = _time(cuda, ring_backward, rank, q, kv, out, lse, dout, saved, fresh)
+            backward.append(seconds)
+        fwd, bwd = statistics.median(forward[1:]), statistics.median(backward[1:])
+        row[f"rank{rank}"] = {"forward_ms": fwd * 1e3, "backward_ms": bwd * 1e3}
+    ranks = [row[f"rank{r}"] for r in sorted({0, cp - 1})]
+    row["forward_ms"] = max(r["forward_ms"] for r in ranks)
+    row["backward_ms"] = max(r["backward_ms"] for r in ranks)
+    row["ms_a_step"] = (2 * row["forward_ms"] + row["backward_ms"]) / cp  # recomputed forward
+    row["alloc_retries"] = _retries(device) - retries
+    row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    return row
 
 
 def _retries(device: torch.device) -> int:
@@ -253,7 +256,7 @@ def main() -> int:
             f"{r['ms_a_step']:.1f} | {r['against_first']:.2f}x | {r['alloc_retries']} |"
         )
     for name, rate in rates.items():
-        print(f"{name}: {rate:.0f} TFLOP/s (forward and backward)")
+        print(f"{name}: {rate:.3g} TFLOP/s (forward and backward)")
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     if args.json:
         with open(args.json, "w") as f:
