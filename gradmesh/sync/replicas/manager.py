@@ -351,12 +351,16 @@ class ReplicaManager:
 
     def report(self) -> dict[str, Any]:
         """The group's figures: its quorum changes (step, members, unix time), the copies it
-        received, the steps taken again, the step times (median and longest, with its step)."""
+        received, the steps taken again, the step times (median; the first, which waits for
+        the other groups to start or copies their state; the longest after it, with its step)."""
         ordered = sorted(self.step_seconds.values())
-        longest = max(self.step_seconds, key=self.step_seconds.__getitem__, default=-1)
+        first = min(self.step_seconds, default=-1)
+        later = {step: s for step, s in self.step_seconds.items() if step != first}
+        longest = max(later, key=later.__getitem__, default=-1)
         return {
             "step_s_median": ordered[len(ordered) // 2] if ordered else 0.0,
-            "step_s_longest": self.step_seconds.get(longest, 0.0),
+            "first_step_s": self.step_seconds.get(first, 0.0),
+            "step_s_longest": later.get(longest, 0.0),
             "longest_step": longest,
             "replica_group": self.group,
             "replica_groups": self.groups,
