@@ -10,19 +10,41 @@ within `timeout` are killed and named.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from gradmesh.launch.ports import free_port
 
 CLI = Callable[[list[str]], int]
 """The `cli` fixture: `gradmesh ARGS...` run in the test's own process, its exit code back."""
+
+
+SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
+
+
+@contextlib.contextmanager
+def script(name: str) -> Iterator[ModuleType]:
+    """scripts/NAME.py loaded as module NAME (in sys.modules meanwhile: a dataclass looks its
+    module up there)."""
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        del sys.modules[name]
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ equal plain causal attention over the sequence. A wrong half, step or merge fail
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -16,16 +15,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "cp_probe.py"
+from tests.harness import SCRIPTS, script
+
+SCRIPT = SCRIPTS / "cp_probe.py"
 
 
 @pytest.fixture(scope="module")
 def probe() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("cp_probe", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    yield module
+    with script("cp_probe") as module:
+        yield module
 
 
 @pytest.mark.parametrize("cp", [1, 2, 4])

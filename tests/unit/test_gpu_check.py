@@ -3,8 +3,6 @@ reads the reports as they are written, and without CUDA it says so in one line."
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -12,22 +10,15 @@ from types import ModuleType
 import pytest
 
 from gradmesh.cli import build_parser
-from tests.harness import kept_environment
+from tests.harness import SCRIPTS, kept_environment, script
 
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+SCRIPT = SCRIPTS / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def check() -> Iterator[ModuleType]:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # its dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with script("gpu_check") as module:
         yield module
-    finally:
-        del sys.modules["gpu_check"]
 
 
 def test_every_row_is_a_command_gradmesh_parses(check: ModuleType) -> None:
