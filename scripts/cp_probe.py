@@ -8,15 +8,18 @@ cp 8 at 256k), so a rank's attention FLOPs grow with cp: one causal block on its
 cp - 1 half blocks (torch's load balancing: its two chunks against the first half of a lower
 rank's keys, or its second chunk against a higher rank's whole). The published steps grow
 faster than that from cp 2 to cp 4 and 8; the simulator, pricing the FLOPs, is 27-36 % fast
-there. This probe runs one rank's share as torch did (the same aten flash kernels, keys and
-values repeated to every head and all-gathered, the partial outputs merged in fp32 by their
-log-sum-exp, backward against the merged output with fp32 gradient accumulators, a new fp32 key
-and value gradient buffer a step, as the ring's receive makes) with no other rank: if its time a
-step grows with cp, the cause is on the GPU (kernels, merges, the allocator) and this prices it;
+there. This probe runs one rank's share with torch's kernels and copies (read in torch's
+`_context_parallel/_attention.py`: the aten flash kernels and their backward, keys and values
+repeated to every head and all-gathered, the partial outputs merged in fp32 by their log-sum-exp
+into new tensors, a half updated by a full-size `torch.cat`, backward against the merged output
+with fp32 accumulators, a new fp32 key and value gradient buffer a step as the ring's receive
+makes, and their concatenation to send on) with no other rank and no exchange: if its time a
+step grows with cp, the cause is on the GPU (kernels, copies, the allocator) and this prices it;
 if it stays flat, the cause is in the ring across GPUs (exchanges, ranks waiting on each other).
 
-Printed: a table (cp, ring steps, forward ms, backward ms, ms a step, a step's cost against
-cp 1's, the allocator's retries) and the three kernel shapes' TFLOP/s; the last line sums it up.
+Printed: a table (cp, forward ms, backward ms, ms a ring step with the forward counted twice as
+full recomputation runs it, against cp 1's, the allocator's retries) and the three kernel
+shapes' TFLOP/s; the last line sums it up.
 `--free-gib G` first fills the GPU to leave G GiB (the published runs reserved 84 of 95 GiB),
 to see whether the ring's large buffers make the allocator free its cache and retry.
 
@@ -81,9 +84,18 @@ def wide(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _with_half(whole: Tensor, half: Tensor, second: bool, add: bool) -> Tensor:
+    """A new tensor: `whole` with its first or second half along the sequence replaced by (or
+    added to) `half`, as torch's ring's `_partial_update` makes it (a full-size copy)."""
+    parts = list(whole.chunk(2, dim=2))
+    parts[int(second)] = parts[int(second)] + half if add else half
+    return torch.cat(parts, dim=2)
+
+
 def ring_forward(rank: int, q: Tensor, kv: list[tuple[Tensor, Tensor]]) -> tuple[Any, ...]:
     """One rank's output and log-sum-exp over every rank's keys (`kv[s]`: rank s's), merged in
-    fp32 step by step: out -= sigmoid(lse_b - lse) (out - out_b); lse -= logsigmoid(lse - lse_b)."""
+    fp32 step by step as torch's ring merges (new tensors, not in place):
+    out - sigmoid(lse_b - lse) (out - out_b) and lse - logsigmoid(lse - lse_b)."""
     cp = len(kv)
     out = lse = None
     saved = []
@@ -97,8 +109,13 @@ def ring_forward(rank: int, q: Tensor, kv: list[tuple[Tensor, Tensor]]) -> tuple
             out, lse = block.to(wide(q)), block_lse
             continue
         part_out, part_lse = out[:, :, rows], lse[:, :, rows]
-        part_out.sub_(torch.sigmoid(block_lse - part_lse) * (part_out - block))
-        part_lse.sub_(F.logsigmoid(part_lse - block_lse))
+        new_out = part_out - torch.sigmoid(block_lse - part_lse) * (part_out - block)
+        new_lse = part_lse - F.logsigmoid(part_lse - block_lse)
+        if rows == slice(None):
+            out, lse = new_out, new_lse
+        else:
+            out = _with_half(out, new_out, second=True, add=False)
+            lse = _with_half(lse, new_lse, second=True, add=False)
     assert out is not None and lse is not None
     return out.to(q.dtype), lse.squeeze(-1), saved
 
@@ -108,7 +125,9 @@ def ring_backward(
     dout: Tensor, saved: list[Any], dkv: Callable[[int], tuple[Tensor, Tensor]],
 ) -> Tensor:  # fmt: skip
     """One rank's query gradient (fp32), and each visiting block's key and value gradients
-    added into `dkv(source)` (fp32): backward against the merged output, as torch's ring."""
+    added into `dkv(source)` (fp32, the buffers that arrive with the block): backward against
+    the merged output, with torch's ring's copies (a half added by a full-size copy, the
+    key and value gradients concatenated to be sent on)."""
     cp = len(kv)
     dq = torch.zeros(q.shape, dtype=wide(q), device=q.device)
     for step in range(cp):
@@ -125,11 +144,20 @@ def ring_backward(
             causal,
             saved[step],
         )
-        dq[:, :, rows] += grads[0]
+        if rows == slice(None):
+            dq += grads[0]
+        else:  # our second chunk only
+            dq = _with_half(dq, grads[0], second=True, add=True)
         dk, dv = dkv(source)
-        keys = slice(None, kk.shape[2])
-        dk[:, :, keys] += grads[1]
-        dv[:, :, keys] += grads[2]
+        if kk.shape[2] == k.shape[2]:
+            dk += grads[1]
+            dv += grads[2]
+        else:  # the first half of a lower rank's keys
+            # (copied back into the buffers `dkv` gave: one copy more than torch's, which keeps
+            # the new tensor)
+            dk.copy_(_with_half(dk, grads[1], second=False, add=True))
+            dv.copy_(_with_half(dv, grads[2], second=False, add=True))
+        torch.cat([dk.flatten(), dv.flatten()])  # what the ring sends on (dropped here)
     return dq
 
 
@@ -209,9 +237,10 @@ def kernel_rates(args: argparse.Namespace, device: torch.device) -> dict[str, fl
             torch.randn(1, args.heads, keys, args.head_dim, device=device, dtype=dtype)
             for _ in range(2)
         )
-        seconds = statistics.median(
+        times = [
             _time(device.type == "cuda", _both, q, k, v, causal)[0] for _ in range(args.repeats + 1)
-        )
+        ]
+        seconds = statistics.median(times[1:])  # the first is the warm-up
         pairs = rows * keys / (2 if causal else 1)
         rates[name] = 3.5 * 4 * pairs * args.head_dim * args.heads / seconds / 1e12
     return rates

@@ -344,7 +344,7 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
             elastic_launch(config, run_module)(*forked, LauncherEnvironment(), server_env)
         else:  # any other command, through the shim that binds it to this launcher
-            elastic_launch(config, sys.executable)(bound.__file__, *command)
+            elastic_launch(config, sys.executable)("-I", "-S", bound.__file__, *command)
         return 0
     except ChildFailedError as exc:
         message, code = _failure_message(exc, spec.max_restarts, spec.roles)

@@ -5,6 +5,7 @@ equal plain causal attention over the sequence. A wrong half, step or merge fail
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -57,8 +58,11 @@ def test_the_ring_of_every_rank_is_causal_attention_over_the_sequence(
 def test_on_the_cpu_it_runs_small_and_refuses_a_gpu_s_size_in_a_line(tmp_path: Path) -> None:
     small = [sys.executable, str(SCRIPT), "--cp", "1,2", "--tokens", "256", "--heads", "2"]
     small += ["--head-dim", "16", "--repeats", "1", "--json", str(tmp_path / "p.json")]
-    done = subprocess.run(small, capture_output=True, text=True, timeout=120)
+    cpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # the CPU's path, on a GPU's host too
+    done = subprocess.run(small, capture_output=True, text=True, timeout=120, env=cpu)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines()[-1].startswith("a ring step's time against cp 1's: 1.00/")
-    big = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    big = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=120, env=cpu
+    )
     assert big.returncode == 2 and big.stderr.count("\n") == 1, big.stderr
