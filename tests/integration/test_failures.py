@@ -148,47 +148,6 @@ def test_workers_never_outlive_a_killed_launcher(tmp_path: Path) -> None:
     assert not [p for p in pids if alive(p)], "workers outlived their launcher"
 
 
-def test_a_plain_script_s_workers_never_outlive_a_killed_launcher(tmp_path: Path) -> None:
-    """A command that never calls gradmesh (a plain torch script, any program) starts through
-    `gradmesh.runtime.bound`, which binds it to the launcher before it becomes the command:
-    the launcher killed by SIGKILL takes its workers along (they used to stay, as torchrun's)."""
-    code = "import time; time.sleep(120)"
-    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the killed launcher's log folder
-    proc = subprocess.Popen(
-        [*GRADMESH, "run", "-np", "2", "--", "python", "-c", code],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
-    )  # fmt: skip
-    deadline, workers = time.monotonic() + 60, []
-    while len(workers) < 2:
-        assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
-        time.sleep(0.1)
-        workers = [p for p in _children(proc.pid) if code.encode() in _cmdline(p)]
-    proc.kill()
-    proc.communicate(timeout=10)
-    deadline = time.monotonic() + 10
-    while any(alive(p) for p in workers) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [p for p in workers if alive(p)], "a plain script's workers outlived the launcher"
-
-
-def _children(parent: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if stat.read_text().rpartition(")")[2].split()[1] == str(parent):
-                found.append(int(stat.parent.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return b""
-
-
 def test_an_unreachable_master_fails_within_the_timeout() -> None:
     port = free_port()
     started = time.monotonic()
