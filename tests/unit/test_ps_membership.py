@@ -76,3 +76,29 @@ def test_a_worker_declared_lost_is_readmitted_into_the_round_under_way(
         server.closed = True  # ends the loop at its next poll whatever happened above
         serving.join(timeout=20)
     assert not serving.is_alive() and stats
+
+
+def test_the_job_ends_when_its_reporter_closes_not_on_a_timer() -> None:
+    """A worker never heard from is lost after `timeout_s`; the reporter, starved past
+    `lost_after_s` after DONE, still gets its final pull; its connection closing (it died before
+    CLOSE) ends the server at once, not after `timeout_s`."""
+    config = ServerConfig.of(0, 2, NUMEL, timeout_s=3, mode="async", lost_after_s=0.5, lr=LR)
+    server = Server(config, TOKEN, "127.0.0.1")
+    serving = in_thread(server.serve)
+    try:
+        reporter = Client([server.endpoint], TOKEN, 0, NUMEL, timeout_s=20)
+        values = torch.arange(NUMEL, dtype=torch.float32)
+        reporter.init(values)
+        summary = reporter.finish({"samples": 1, "wall_s": 1.0})  # worker 1 never speaks
+        assert summary[0]["lost_workers"] == [1] and summary[0]["reporter"] == 0
+        time.sleep(4 * config.ps.lost_after_s)  # within timeout_s
+        out = torch.zeros(NUMEL)
+        reporter.pull(out)
+        assert torch.equal(out, values), "the final pull did not get the model"
+        assert serving.is_alive()
+        reporter.close()
+        serving.join(timeout=2.5)  # the quiet timer would end it 3 s after the pull
+        assert not serving.is_alive(), "the reporter's connection closing did not end the server"
+    finally:
+        server.closed = True
+        serving.join(timeout=20)

@@ -113,30 +113,33 @@ class Server:
             else torch.empty(0, device="cpu")
         )
         """sync: the step's sum, reused."""
-        self.done_at: float | None = None
+        self.reporter: Peer | None = None
+        """The connection of the worker DONE named reporter: the job ends when it closes."""
         self.closed = False
+        self.active_at = 0.0
+        """When the server last received a message or sent DONE."""
 
     # -- the loop ---------------------------------------------------------------------------
 
     def serve(self) -> dict[str, Any]:
-        """Run until CLOSE (or until the workers are all gone); return this server's stats."""
-        idle_since = time.monotonic()
+        """Run until the reporter closes the job (its CLOSE, or its connection gone after DONE:
+        it died), or nothing happens for `timeout_s`; return this server's stats. No shorter
+        timer after DONE: a reporter starved of CPU before its final pull found such a server
+        closed."""
+        self.active_at = time.monotonic()
         if self.cfg.index == 0 and sys.stderr.isatty():
             self.progress = Progress(self.stats)
         try:
             while not self.closed:
                 events = self.selector.select(POLL_S)
                 if events:
-                    idle_since = time.monotonic()
+                    self.active_at = time.monotonic()
                     self._wakeup(events)
                 now = time.monotonic()
                 self._find_lost(now)
                 self._release_pulls()
                 self._maybe_done()
-                quiet = now - idle_since
-                if self.done_at is not None and quiet > self.cfg.ps.lost_after_s:
-                    break  # done was sent and nobody closed: the reporter is gone
-                if quiet > self.cfg.timeout_s:
+                if now - self.active_at > self.cfg.timeout_s:
                     break
         finally:
             self.close()
@@ -184,6 +187,7 @@ class Server:
             self.selector.register(sock, selectors.EVENT_READ, peer)
 
     def _disconnect(self, peer: Peer) -> None:
+        self.closed = self.closed or peer is self.reporter
         if peer.sock.fileno() >= 0:
             self.selector.unregister(peer.sock)
             peer.close()
@@ -240,7 +244,7 @@ class Server:
             self.finished[msg.worker] = json.loads(bytes(msg.raw or b"{}"))
             self.pending_done.append((peer, msg.worker))
         elif msg.kind is Kind.CLOSE:
-            self.closed = self.done_at is not None
+            self.closed = self.reporter is not None  # DONE was sent
         elif msg.kind is Kind.SAVE:
             assert self.checkpoints is not None
             self.checkpoints.save(self.cfg.index, msg.clock, self.state_dict())
@@ -382,7 +386,7 @@ class Server:
                 self._close_round()
 
     def _maybe_done(self) -> None:
-        if self.done_at is not None or self._live() or not self.pending_done:
+        if self.reporter is not None or self._live() or not self.pending_done:
             return
         reporter = min(w for _, w in self.pending_done)
         summary = {
@@ -393,6 +397,7 @@ class Server:
             "server": self.stats.as_dict(self.cfg.index, sorted(self.members.lost)),
         }
         data = json.dumps(summary).encode()
+        self.reporter = next(p for p, w in self.pending_done if w == reporter)
+        self.active_at = time.monotonic()  # the reporter's final pull gets all of timeout_s
         for peer, w in self.pending_done:
             self._reply(peer, Kind.DONE, w, data=data)
-        self.done_at = time.monotonic()
