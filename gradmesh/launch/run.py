@@ -28,7 +28,9 @@ from gradmesh.errors import PEER_FAILED_EXIT, GradmeshError, first_line
 from gradmesh.launch.forked import LauncherEnvironment, forkable, run_module, start_server
 from gradmesh.launch.logs import CPP_LOG_ENV, WORKER_CPP_LOG_ENV
 from gradmesh.launch.ports import check_port_free, free_port, wait_for_master
-from gradmesh.runtime.process import LAUNCHER_PID_ENV, MAX_WORLD_ENV, TIMEOUT_ENV
+from gradmesh.runtime import bound
+from gradmesh.runtime.bound import LAUNCHER_PID_ENV
+from gradmesh.runtime.process import MAX_WORLD_ENV, TIMEOUT_ENV
 
 DEFAULT_PORT = 29500
 PYTHON_NAMES = ("python", "python3", f"python{sys.version_info.major}.{sys.version_info.minor}")
@@ -341,8 +343,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
     try:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
             elastic_launch(config, run_module)(*forked, LauncherEnvironment(), server_env)
-        else:
-            elastic_launch(config, command[0])(*command[1:])
+        else:  # any other command, through the shim that binds it to this launcher
+            elastic_launch(config, sys.executable)("-I", "-S", bound.__file__, *command)
         return 0
     except ChildFailedError as exc:
         message, code = _failure_message(exc, spec.max_restarts, spec.roles)

@@ -3,21 +3,17 @@ parameter-server job's worker supervisors need no more than this, and start fast
 
 from __future__ import annotations
 
-import ctypes
 import os
-import signal
 import socket
 import sys
 from typing import TYPE_CHECKING
 
 from gradmesh.errors import GradmeshError
+from gradmesh.runtime.bound import LAUNCHER_PID_ENV, die_with_parent
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
-LAUNCHER_PID_ENV = "GRADMESH_LAUNCHER_PID"
-"""Set by `gradmesh run` (and a ps worker's supervisor) to its own pid: the process a worker
-must not outlive."""
 STORE_ENV = "GRADMESH_PS_STORE"
 """Set by a ps worker's supervisor: the job's rendezvous store, HOST:PORT (it has no torchrun
 world of its own)."""
@@ -30,7 +26,6 @@ ROUND_ENV = "GRADMESH_RDZV_ROUND"
 """Set by an elastic job's agent: the rendezvous round its workers were started in."""
 MAX_WORLD_ENV = "GRADMESH_MAX_WORLD"
 """Set by `gradmesh run --nnodes MIN:MAX` to the most workers the elastic job can have."""
-_PR_SET_PDEATHSIG = 1
 
 
 def visible_gpus() -> int:
@@ -81,12 +76,6 @@ def _env_int(name: str, default: int) -> int:
 def restarts() -> int:
     """How many times the launcher has restarted this job (0 in its first attempt)."""
     return _env_int(RESTART_ENV, 0)
-
-
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when the process that started it dies."""
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def stay_with_launcher(launcher: int | None = None) -> None:

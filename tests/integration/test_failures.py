@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from gradmesh.errors import PEER_FAILED_EXIT
@@ -146,6 +147,36 @@ def test_workers_never_outlive_a_killed_launcher(tmp_path: Path) -> None:
     while any(alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in pids if alive(p)], "workers outlived their launcher"
+
+
+def test_a_plain_script_s_workers_never_outlive_a_killed_launcher(tmp_path: Path) -> None:
+    """A command that never calls gradmesh (a plain torch script, any program) starts through
+    `gradmesh.runtime.bound`, which binds it to the launcher before it becomes the command:
+    the launcher killed by SIGKILL takes its workers along (they used to stay, as torchrun's)."""
+    code = "import time; time.sleep(120)"
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the killed launcher's log folder
+    proc = subprocess.Popen(
+        [*GRADMESH, "run", "-np", "2", "--", "python", "-c", code],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=ROOT,
+    )  # fmt: skip
+    deadline, workers = time.monotonic() + 60, []
+    while len(workers) < 2:
+        assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
+        time.sleep(0.1)
+        workers = [p.pid for p in psutil.Process(proc.pid).children() if _runs(p, code)]
+    proc.kill()
+    proc.communicate(timeout=10)
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if alive(p)], "a plain script's workers outlived the launcher"
+
+
+def _runs(proc: psutil.Process, code: str) -> bool:
+    try:
+        return code in proc.cmdline()
+    except psutil.Error:  # it ended meanwhile
+        return False
 
 
 def test_an_unreachable_master_fails_within_the_timeout() -> None:

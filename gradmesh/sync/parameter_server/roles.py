@@ -22,14 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from gradmesh.runtime.process import (
-    LAUNCHER_PID_ENV,
-    STORE_ENV,
-    connect_store,
-    die_with_parent,
-    local_address,
-    restarts,
-)
+from gradmesh.runtime.bound import LAUNCHER_PID_ENV, die_with_parent
+from gradmesh.runtime.process import STORE_ENV, connect_store, local_address, restarts
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore  # type: ignore[attr-defined]
