@@ -81,8 +81,8 @@ def test_a_worker_declared_lost_is_readmitted_into_the_round_under_way(
 def test_the_job_ends_when_its_reporter_closes_not_on_a_timer() -> None:
     """A worker never heard from is lost after `timeout_s`; the reporter, starved past
     `lost_after_s` after DONE, still gets its final pull; its connection closing (it died before
-    CLOSE) ends the server at once, not after `timeout_s`."""
-    config = ServerConfig.of(0, 2, NUMEL, timeout_s=3, mode="async", lost_after_s=0.5, lr=LR)
+    CLOSE), the last DONE went on, ends the server at once, not after `timeout_s`."""
+    config = ServerConfig.of(0, 2, NUMEL, timeout_s=6, mode="async", lost_after_s=0.5, lr=LR)
     server = Server(config, TOKEN, "127.0.0.1")
     serving = in_thread(server.serve)
     try:
@@ -97,8 +97,56 @@ def test_the_job_ends_when_its_reporter_closes_not_on_a_timer() -> None:
         assert torch.equal(out, values), "the final pull did not get the model"
         assert serving.is_alive()
         reporter.close()
-        serving.join(timeout=2.5)  # the quiet timer would end it 3 s after the pull
+        serving.join(timeout=3)  # the quiet timer would end it 6 s after the pull
         assert not serving.is_alive(), "the reporter's connection closing did not end the server"
+    finally:
+        server.closed = True
+        serving.join(timeout=20)
+
+
+def test_a_worker_back_after_done_gets_done_and_a_finish_closes_a_sync_round() -> None:
+    """async: a worker declared lost that finishes after DONE is answered with DONE (it used
+    to wait for a summary that never came). sync: a round waiting only for a worker that
+    finishes instead of pushing closes at its FINISH (it waited for the timeout)."""
+    config = ServerConfig.of(0, 2, NUMEL, timeout_s=20, mode="async", lost_after_s=0.5, lr=LR)
+    server = Server(config, TOKEN, "127.0.0.1")
+    serving = in_thread(server.serve)
+    try:
+        first, late = (Client([server.endpoint], TOKEN, w, NUMEL, timeout_s=20) for w in (0, 1))
+        first.init(torch.zeros(NUMEL))
+        late.pull(torch.zeros(NUMEL))
+        time.sleep(4 * config.ps.lost_after_s)  # lost: the first worker finishes without it
+        assert first.finish({"samples": 1, "wall_s": 1.0})[0]["lost_workers"] == [1]
+        summary = late.finish({"samples": 1, "wall_s": 1.0})  # a timeout error before the fix
+        assert summary[0]["reporter"] == 0
+        first.close_servers()
+        for client in (first, late):
+            client.close()
+        serving.join(timeout=10)
+        assert not serving.is_alive()
+    finally:
+        server.closed = True
+        serving.join(timeout=20)
+
+    config = ServerConfig.of(0, 2, NUMEL, timeout_s=20, mode="sync", lr=LR)
+    server = Server(config, TOKEN, "127.0.0.1")
+    serving = in_thread(server.serve)
+    try:
+        pusher, quitter = (Client([server.endpoint], TOKEN, w, NUMEL, timeout_s=5) for w in (0, 1))
+        pusher.init(torch.zeros(NUMEL))
+        quitter.pull(torch.zeros(NUMEL))
+        read = torch.zeros(NUMEL)
+        step = in_thread(lambda: pusher.pull(read, push=torch.ones(NUMEL)))
+        while 0 not in server.round:
+            time.sleep(0.01)
+        done = in_thread(lambda: quitter.finish({"samples": 1, "wall_s": 1.0}))
+        step.join(timeout=5)  # the pusher's client times out at 5 s before the fix
+        assert server.version == 1 and torch.allclose(read, torch.full((NUMEL,), -LR))
+        pusher.finish({"samples": 1, "wall_s": 1.0})
+        done.join(timeout=10)
+        pusher.close_servers()
+        for client in (pusher, quitter):
+            client.close()
     finally:
         server.closed = True
         serving.join(timeout=20)

@@ -107,25 +107,21 @@ class Server:
         """sync: the gradients of the step under way, by worker (in `held`)."""
         self.held: dict[int, torch.Tensor] = {}
         """sync: a buffer per worker its gradient is copied into (the connection's is reused)."""
-        self.total = (
-            torch.empty(config.numel, device="cpu")
-            if config.ps.mode == "sync"
-            else torch.empty(0, device="cpu")
-        )
+        self.total = torch.empty(config.numel if config.ps.mode == "sync" else 0, device="cpu")
         """sync: the step's sum, reused."""
-        self.reporter: Peer | None = None
-        """The connection of the worker DONE named reporter: the job ends when it closes."""
+        self.summary: bytes | None = None
+        """DONE's summary, once every live worker has finished (it names the reporter)."""
+        self.done_to: list[Peer] = []
+        """The connections DONE was sent on: the job ends once they have all closed."""
         self.closed = False
-        self.active_at = 0.0
-        """When the server last received a message or sent DONE."""
+        self.active_at = 0.0  # when it last received a message or sent DONE
 
     # -- the loop ---------------------------------------------------------------------------
 
     def serve(self) -> dict[str, Any]:
-        """Run until the reporter closes the job (its CLOSE, or its connection gone after DONE:
-        it died), or nothing happens for `timeout_s`; return this server's stats. No shorter
-        timer after DONE: a reporter starved of CPU before its final pull found such a server
-        closed."""
+        """Run until a CLOSE after DONE (the reporter's, after its final pull), every
+        connection DONE went on closed (the reporter died; servers may name different ones), or
+        nothing happening for `timeout_s`; return this server's stats."""
         self.active_at = time.monotonic()
         if self.cfg.index == 0 and sys.stderr.isatty():
             self.progress = Progress(self.stats)
@@ -187,10 +183,11 @@ class Server:
             self.selector.register(sock, selectors.EVENT_READ, peer)
 
     def _disconnect(self, peer: Peer) -> None:
-        self.closed = self.closed or peer is self.reporter
         if peer.sock.fileno() >= 0:
             self.selector.unregister(peer.sock)
             peer.close()
+        if self.done_to and all(p.sock.fileno() < 0 for p in self.done_to):
+            self.closed = True
         self.pending_pulls = [(p, m) for p, m in self.pending_pulls if p is not peer]
         self.pending_done = [(p, w) for p, w in self.pending_done if p is not peer]
 
@@ -243,8 +240,9 @@ class Server:
         elif msg.kind is Kind.FINISH:
             self.finished[msg.worker] = json.loads(bytes(msg.raw or b"{}"))
             self.pending_done.append((peer, msg.worker))
+            self._close_round()  # sync: a round may have waited for this worker alone
         elif msg.kind is Kind.CLOSE:
-            self.closed = self.reporter is not None  # DONE was sent
+            self.closed = self.summary is not None  # DONE was sent
         elif msg.kind is Kind.SAVE:
             assert self.checkpoints is not None
             self.checkpoints.save(self.cfg.index, msg.clock, self.state_dict())
@@ -255,13 +253,9 @@ class Server:
         if msg.codec:
             if msg.kind not in PUSHES:
                 raise WireError(f"{msg.kind.name} carries no codec")
-            msg = replace(msg, payload=self._decompress(msg))
+            msg = replace(msg, payload=decompress(msg, self.cfg.numel))
+            self.stats.decoded += 1
         return check_request(msg, self.cfg, self.initialized, self.checkpoints, self.version)
-
-    def _decompress(self, msg: Message) -> torch.Tensor:
-        dense = decompress(msg, self.cfg.numel)
-        self.stats.decoded += 1
-        return dense
 
     # -- the modes --------------------------------------------------------------------------
 
@@ -382,22 +376,25 @@ class Server:
         waiting = {msg.worker for _, msg in self.pending_pulls}
         for w, silent in self.members.find_lost(self._live(), waiting, now):
             self._say(f"worker {w} lost (silent for {silent:.0f} s)")
-            if self.cfg.ps.mode == "sync":
-                self._close_round()
+            self._close_round()  # sync: a round may have waited for this worker alone
 
     def _maybe_done(self) -> None:
-        if self.reporter is not None or self._live() or not self.pending_done:
+        """Once every live worker has finished, answer each FINISH with DONE and the summary;
+        a FINISH after that (a worker declared lost that came back) is answered at once."""
+        if not self.pending_done or (self.summary is None and self._live()):
             return
-        reporter = min(w for _, w in self.pending_done)
-        summary = {
-            "reporter": reporter,
-            "lost_workers": sorted(self.members.lost),
-            "readmitted_workers": self.members.readmitted,
-            "workers": {str(w): s for w, s in sorted(self.finished.items())},
-            "server": self.stats.as_dict(self.cfg.index, sorted(self.members.lost)),
-        }
-        data = json.dumps(summary).encode()
-        self.reporter = next(p for p, w in self.pending_done if w == reporter)
-        self.active_at = time.monotonic()  # the reporter's final pull gets all of timeout_s
-        for peer, w in self.pending_done:
-            self._reply(peer, Kind.DONE, w, data=data)
+        if self.summary is None:
+            lost = sorted(self.members.lost)
+            summary = {
+                "reporter": min(w for _, w in self.pending_done),
+                "lost_workers": lost,
+                "readmitted_workers": self.members.readmitted,
+                "workers": {str(w): s for w, s in sorted(self.finished.items())},
+                "server": self.stats.as_dict(self.cfg.index, lost),
+            }
+            self.summary = json.dumps(summary).encode()
+            self.active_at = time.monotonic()  # the reporter's final pull gets all of timeout_s
+        done, self.pending_done = self.pending_done, []
+        self.done_to += [peer for peer, _ in done]  # all of them before a failed reply counts
+        for peer, w in done:
+            self._reply(peer, Kind.DONE, w, data=self.summary)

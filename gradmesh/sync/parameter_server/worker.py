@@ -137,12 +137,14 @@ class PSWorker:
             self.client.push(self.grad)
         cpu_s = time.process_time() - self.cpu_start
         stats = {"samples": samples, "wall_s": wall_s, "steps": self.steps, "cpu_s": cpu_s}
-        self.summaries = self.client.finish(stats)
-        self.reporter = self.summaries[0]["reporter"] == self.role.index
-        if self.reporter:
-            self.client.pull(self.flat)
-            self.client.close_servers()
-        self.client.close()
+        try:
+            self.summaries = self.client.finish(stats)
+            self.reporter = self.summaries[0]["reporter"] == self.role.index
+            if self.reporter:
+                self.client.pull(self.flat)
+                self.client.close_servers()
+        finally:  # the servers end once every connection DONE went on has closed
+            self.client.close()
 
     def report(self) -> dict[str, Any]:
         first = self.summaries[0] if self.summaries else {}
