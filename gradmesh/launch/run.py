@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -320,6 +321,12 @@ def _launch_config(spec: LaunchSpec, host: str, port: int, log_dir: str, start: 
     )
 
 
+def _verbatim(arg: str) -> str:
+    """`arg` escaped for torch elastic's `${local_rank}` substitution (string.Template), which
+    turned a shell's `$$` into `$`: only `${local_rank}` / `$local_rank` are substituted."""
+    return re.sub(r"\$(?!\{local_rank\}|local_rank(?!\w))", "$$", arg)
+
+
 def launch(spec: LaunchSpec, command: list[str]) -> int:
     """Run `command` as `spec.nproc` workers on this host; return the job's exit code."""
     _check(spec)
@@ -344,7 +351,8 @@ def launch(spec: LaunchSpec, command: list[str]) -> int:
         if forked:  # gradmesh's own module: forked from a server that imported torch once
             elastic_launch(config, run_module)(*forked, LauncherEnvironment(), server_env)
         else:  # any other command, through the shim that binds it to this launcher
-            elastic_launch(config, sys.executable)("-I", "-S", bound.__file__, *command)
+            shim = ["-I", "-S", bound.__file__, *map(_verbatim, command)]
+            elastic_launch(config, sys.executable)(*shim)
         return 0
     except ChildFailedError as exc:
         message, code = _failure_message(exc, spec.max_restarts, spec.roles)

@@ -172,6 +172,18 @@ def test_a_plain_script_s_workers_never_outlive_a_killed_launcher(tmp_path: Path
     assert not [p for p in workers if alive(p)], "a plain script's workers outlived the launcher"
 
 
+def test_a_plain_command_gets_its_arguments_as_typed() -> None:
+    """torch elastic substitutes `${local_rank}` in a command's arguments with string.Template,
+    which also turned `$$` into `$`; gradmesh passes every other `$` through."""
+    args = ["a$$b", "$HOME", "${local_rank}", "$local_rank"]
+    out = gradmesh(
+        "run", "-np", "2", "--", sys.executable, "-c", "import sys; print(sys.argv[1:])", *args
+    )
+    assert out.returncode == 0, out.stderr
+    for rank in (0, 1):
+        assert f"[{rank}] {['a$$b', '$HOME', str(rank), str(rank)]}" in out.stdout, out.stdout
+
+
 def _runs(proc: psutil.Process, code: str) -> bool:
     try:
         return code in proc.cmdline()
