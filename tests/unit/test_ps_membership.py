@@ -4,8 +4,10 @@ as the other worker's does (a real server, real clients over TCP)."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -78,14 +80,25 @@ def test_a_worker_declared_lost_is_readmitted_into_the_round_under_way(
     assert not serving.is_alive() and stats
 
 
+@contextlib.contextmanager
+def served(config: ServerConfig) -> Iterator[tuple[Server, threading.Thread]]:
+    """A server on loopback, serving in a thread; ended at its next poll afterwards whatever
+    happened."""
+    server = Server(config, TOKEN, "127.0.0.1")
+    serving = in_thread(server.serve)
+    try:
+        yield server, serving
+    finally:
+        server.closed = True
+        serving.join(timeout=20)
+
+
 def test_the_job_ends_when_its_reporter_closes_not_on_a_timer() -> None:
     """A worker never heard from is lost after `timeout_s`; the reporter, starved past
     `lost_after_s` after DONE, still gets its final pull; its connection closing (it died before
     CLOSE), the last DONE went on, ends the server at once, not after `timeout_s`."""
     config = ServerConfig.of(0, 2, NUMEL, timeout_s=6, mode="async", lost_after_s=0.5, lr=LR)
-    server = Server(config, TOKEN, "127.0.0.1")
-    serving = in_thread(server.serve)
-    try:
+    with served(config) as (server, serving):
         reporter = Client([server.endpoint], TOKEN, 0, NUMEL, timeout_s=20)
         values = torch.arange(NUMEL, dtype=torch.float32)
         reporter.init(values)
@@ -99,9 +112,6 @@ def test_the_job_ends_when_its_reporter_closes_not_on_a_timer() -> None:
         reporter.close()
         serving.join(timeout=3)  # the quiet timer would end it 6 s after the pull
         assert not serving.is_alive(), "the reporter's connection closing did not end the server"
-    finally:
-        server.closed = True
-        serving.join(timeout=20)
 
 
 def test_a_worker_back_after_done_gets_done_and_a_finish_closes_a_sync_round() -> None:
@@ -109,9 +119,7 @@ def test_a_worker_back_after_done_gets_done_and_a_finish_closes_a_sync_round() -
     to wait for a summary that never came). sync: a round waiting only for a worker that
     finishes instead of pushing closes at its FINISH (it waited for the timeout)."""
     config = ServerConfig.of(0, 2, NUMEL, timeout_s=20, mode="async", lost_after_s=0.5, lr=LR)
-    server = Server(config, TOKEN, "127.0.0.1")
-    serving = in_thread(server.serve)
-    try:
+    with served(config) as (server, serving):
         first, late = (Client([server.endpoint], TOKEN, w, NUMEL, timeout_s=20) for w in (0, 1))
         first.init(torch.zeros(NUMEL))
         late.pull(torch.zeros(NUMEL))
@@ -124,20 +132,16 @@ def test_a_worker_back_after_done_gets_done_and_a_finish_closes_a_sync_round() -
             client.close()
         serving.join(timeout=10)
         assert not serving.is_alive()
-    finally:
-        server.closed = True
-        serving.join(timeout=20)
 
     config = ServerConfig.of(0, 2, NUMEL, timeout_s=20, mode="sync", lr=LR)
-    server = Server(config, TOKEN, "127.0.0.1")
-    serving = in_thread(server.serve)
-    try:
+    with served(config) as (server, serving):
         pusher, quitter = (Client([server.endpoint], TOKEN, w, NUMEL, timeout_s=5) for w in (0, 1))
         pusher.init(torch.zeros(NUMEL))
         quitter.pull(torch.zeros(NUMEL))
         read = torch.zeros(NUMEL)
         step = in_thread(lambda: pusher.pull(read, push=torch.ones(NUMEL)))
-        while 0 not in server.round:
+        deadline = time.monotonic() + 10
+        while 0 not in server.round and time.monotonic() < deadline:
             time.sleep(0.01)
         done = in_thread(lambda: quitter.finish({"samples": 1, "wall_s": 1.0}))
         step.join(timeout=5)  # the pusher's client times out at 5 s before the fix
@@ -147,6 +151,3 @@ def test_a_worker_back_after_done_gets_done_and_a_finish_closes_a_sync_round() -
         pusher.close_servers()
         for client in (pusher, quitter):
             client.close()
-    finally:
-        server.closed = True
-        serving.join(timeout=20)
