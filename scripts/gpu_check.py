@@ -12,6 +12,8 @@ Each row is one command with its own time limit; the table gives, per row, wheth
 tokens/s, MFU (the report's, and the formula tokens/s x (6N + 12·L·d·s) / peak beside it),
 the GPU's peak memory, and the plain PyTorch loop's ratio where the row compares with it. The
 table and every report go to gpu_check/ (gpu_check/table.md, gpu_check/*.json).
+`GPU_CHECK_FROM=NAME` starts at the first row whose name begins so: a second call goes on where
+a first one's time budget (`GPU_CHECK_BUDGET_S`) stopped it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ GPT_FLAGS = [
     "--epochs", "3", "--workers", "1",
 ]  # fmt: skip
 LINTER_TEST = "tests/unit/test_architecture.py::test_imports_point_down_the_layers"
+XDIST = ["-n", "8"] if importlib.util.find_spec("xdist") else []
+"""The unit tests over 8 processes where pytest-xdist is there (a GPU host has the cores)."""
 PEAKS = {"fp32": 66.9e12, "bf16": 989e12, "fp16": 989e12, "fp8": 1979e12}
 """H100 SXM dense peaks: the formula's column where a report names no peak (the report's MFU
 reads the device table by the GPU's name, `gradmesh.models.devices`)."""
@@ -116,7 +120,7 @@ def rows() -> list[Row]:
         Row("fp16 tests", ["tests/distributed/test_fp16.py"], kind="pytest", timeout_s=120),
         Row(  # import-linter is a development tool, not on a GPU image: CI runs that one
             "unit tests",
-            ["tests/unit", "--deselect", f"{LINTER_TEST}"],
+            ["tests/unit", "--deselect", f"{LINTER_TEST}", *XDIST],
             kind="pytest",
             timeout_s=300,
         ),
@@ -282,6 +286,12 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     env["PYTHONUNBUFFERED"] = "1"
     all_rows = rows()
+    if first := os.environ.get("GPU_CHECK_FROM"):  # a second call goes on where one stopped
+        starts = [i for i, row in enumerate(all_rows) if row.name.startswith(first)]
+        if not starts:
+            print(f"gpu_check: GPU_CHECK_FROM={first!r} names no row", file=sys.stderr)
+            return 2
+        all_rows = all_rows[starts[0] :]
     deadline = time.monotonic() + float(os.environ.get("GPU_CHECK_BUDGET_S", "1e9"))
     header = (
         f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
@@ -290,7 +300,8 @@ def main() -> int:
     n = parameters()
     by_name = {row.name: row for row in all_rows}
     for i, row in enumerate(all_rows):
-        if row.unless_within and within_target(by_name[row.unless_within]):
+        reference = by_name.get(row.unless_within)
+        if reference is not None and within_target(reference):
             said = f"not needed: {row.unless_within} kept {TARGET}x of the plain loop's rate"
             row.result = {"ok": True, "code": 0, "seconds": 0.0, "said": said}
         else:

@@ -8,8 +8,10 @@ warm-up steps. Without `--profile`: 5 steps of the trainer (bf16; `--fp16`: fp16
 scale) with `torch.cuda.set_sync_debug_mode("warn")`, printing how many calls made the host wait
 for the GPU and, for each distinct one, the innermost gradmesh frame; exit status 1 when there
 was any (the CPU suite's version of the same rule is `gradmesh.runtime.host_reads`). With
-`--profile`: each side's ms a step and torch.profiler's top operations by host time and by GPU
-time over 3 steps, to find what the trainer adds.
+`--profile`: each side's ms a step, the GPU's busy time a step (its kernels' own time summed:
+well under the step's time means the step waits on its host), dynamo's counters (graphs, graph
+breaks, recompiles) and torch.profiler's top operations by host time and by GPU time over 3
+steps, to find what the trainer adds.
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ def main() -> int:
 
 def profile(sides: dict[str, Any]) -> None:
     import torch
+    from torch._dynamo.utils import counters
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiled
 
@@ -85,6 +89,8 @@ def profile(sides: dict[str, Any]) -> None:
         for _ in range(5):
             side.step()
         torch.cuda.synchronize()
+        stats = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break")}
+        print(f"{name}: dynamo's counters after its warm-up: {stats}")  # graphs, breaks, recompiles
         started = time.perf_counter()
         for _ in range(10):
             side.step()
@@ -95,7 +101,10 @@ def profile(sides: dict[str, Any]) -> None:
                 side.step()
             torch.cuda.synchronize()
         table = prof.key_averages()
-        for key in ("cpu_time_total", "self_cuda_time_total"):
+        kernels = [e for e in table if e.device_type != DeviceType.CPU]  # as the table's total
+        busy = sum(e.self_device_time_total for e in kernels) / 3e3  # us in 3 steps: ms a step
+        print(f"{name}: the GPU busy {busy:.2f} ms a step (kernels' own time, summed)")
+        for key in ("cpu_time_total", "self_device_time_total"):
             print(f"== {name}, 3 steps, by {key}")
             print(table.table(sort_by=key, row_limit=15, max_name_column_width=50))
 
