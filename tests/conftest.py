@@ -176,6 +176,10 @@ OWN_ENVIRONMENT = {
     TAG,
     "PYTEST_CURRENT_TEST",  # pytest's own
     "TORCHINDUCTOR_CACHE_DIR",  # torch memoises its cache folder here on first use
+    # scikit-learn and joblib set these at their first import, which a test of Hugging Face
+    # models can be where another library pulls them in (a GPU host's transformers did)
+    "KMP_DUPLICATE_LIB_OK",
+    "KMP_INIT_AT_FORK",
 }
 """Variables the harness or a library sets, which no test is to blame for."""
 

@@ -39,11 +39,18 @@ class CausalLM(nn.Module):
 
     @property
     def tp_plan(self) -> dict[str, str]:
+        """The model's declared plan, its input embedding split by vocabulary rows where the
+        declaration leaves it out: transformers 5.24 declares Llama's (as torchtitan splits
+        it), 5.17 did not, and the same model was then a different split on another machine."""
         declared = dict(getattr(self.net, "_tp_plan", None) or {})
         if not declared:
             prefix = getattr(self.net, "base_model_prefix", "model")
             base = getattr(self.net.config, "base_model_tp_plan", None) or {}
             declared = {f"{prefix}.{k}": v for k, v in base.items()}
+        table = self.net.get_input_embeddings()
+        name = next((n for n, m in self.net.named_modules() if m is table), None)
+        if name and type(table) is nn.Embedding and name not in declared:  # not a scaled one
+            declared[name] = "embedding_rowwise"
         return {f"net.{k}": v for k, v in declared.items()}
 
     @property

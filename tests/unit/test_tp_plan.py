@@ -122,3 +122,22 @@ def test_the_models_declared_plans_fit() -> None:
         styles = check_plan(model, model.tp_plan, tp, type(model).__name__)
         assert styles
     assert check_plan(gpt(), gpt().sp_plan, 2, "gpt")["blocks.0"].mode == "scatter"
+
+
+def test_a_hugging_face_model_s_embedding_is_split_whatever_transformers_declares() -> None:
+    """transformers 5.24 declares Llama's input embedding split by vocabulary, 5.17 did not:
+    the same model and tp were a different split (and the simulator's torchtitan rows other
+    figures) on a machine with the older release. The wrapper adds the entry where it lacks."""
+    pytest.importorskip("transformers")
+    from gradmesh.models.registry import MODELS
+
+    args = {"hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 4}
+    with torch.device("meta"):
+        model = MODELS.get("hf:llama")((8,), 64, **args, intermediate_size=64)
+    declared = dict(model.net._tp_plan)
+    assert model.tp_plan["net.model.embed_tokens"] == "embedding_rowwise"
+    declared.pop("model.embed_tokens", None)  # as an older transformers declares it
+    model.net._tp_plan = declared
+    assert model.tp_plan["net.model.embed_tokens"] == "embedding_rowwise"
+    styles = check_plan(model, model.tp_plan, 2, "hf:llama")
+    assert styles["net.model.embed_tokens"].kind == "embedding"
