@@ -35,6 +35,7 @@ class _Parser(argparse.ArgumentParser):
 def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
     from gradmesh.launch.engines.choice import check_engine
     from gradmesh.launch.run import LaunchSpec, cluster_defaults, launch
+    from gradmesh.runtime.process import check_gpu_share
     from gradmesh.train.checks import check_train
 
     check_engine(config.job.engine)
@@ -64,6 +65,7 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
         from gradmesh.train.resume import check_resume
 
         check_resume(config)
+    check_gpu_share(config.job.workers)  # the machine's limit after every flag's check
     if config.job.engine != "local":
         return train_on(config)
     worker.append(config.to_json())

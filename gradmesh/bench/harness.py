@@ -89,13 +89,18 @@ def check_train_flags(jobs: Iterable[Sequence[str]]) -> None:
     import argparse
 
     from gradmesh.options import add_flags, from_flags
+    from gradmesh.runtime.process import check_gpu_share
     from gradmesh.train.checks import check_train
     from gradmesh.train.config import TrainConfig
 
     parser = argparse.ArgumentParser(add_help=False)
     add_flags(parser, TrainConfig)
+    workers = 0
     for flags in jobs:
-        check_train(from_flags(TrainConfig, parser.parse_args(list(flags))))
+        config = from_flags(TrainConfig, parser.parse_args(list(flags)))
+        check_train(config)
+        workers = max(workers, config.job.workers)
+    check_gpu_share(workers)  # after every job's flags: a bad option reads the same anywhere
 
 
 def emulated_train(

@@ -4,8 +4,6 @@ what spans components (a layout a strategy cannot carry) is checked here."""
 
 from __future__ import annotations
 
-import os
-
 from gradmesh.errors import GradmeshError
 from gradmesh.layout.config import (
     check_compile,
@@ -19,7 +17,6 @@ from gradmesh.layout.config import (
 from gradmesh.layout.pipeline.order import check_schedule
 from gradmesh.registry import canonical_name
 from gradmesh.runtime.axes import MeshShape
-from gradmesh.runtime.process import BACKEND_ENV, gpu_share_problem, visible_gpus
 from gradmesh.sync.config import SPLIT_LAYOUTS, check_stage
 from gradmesh.train.config import TrainConfig
 from gradmesh.train.unread import check_unread
@@ -28,8 +25,9 @@ from gradmesh.units import parse_shape
 
 def check_train(config: TrainConfig) -> None:
     """Raise a one-line `GradmeshError` for values no run can use: the counts and the layout
-    first, which need no torch, then the names, which the registries (torch's modules) hold,
-    then this machine's GPUs."""
+    first, which need no torch, then the names, which the registries (torch's modules) hold.
+    What this machine can run is its caller's last check (`check_gpu_share`), after the checks
+    that build the model."""
     config.check_choices()
     config.sync.check()
     _check_counts(config)
@@ -38,15 +36,6 @@ def check_train(config: TrainConfig) -> None:
     _check_replicas(config)
     _check_names(config)
     check_unread(config)
-    _check_machine(config)
-
-
-def _check_machine(config: TrainConfig) -> None:
-    """What this host can run, after every value is known good: a flag's mistake is said the
-    same on every machine, before any machine's limit."""
-    problem = gpu_share_problem(config.job.workers, visible_gpus(), os.environ.get(BACKEND_ENV, ""))
-    if problem:
-        raise GradmeshError(problem)
 
 
 def _check_replicas(config: TrainConfig) -> None:

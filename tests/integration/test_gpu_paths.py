@@ -79,6 +79,24 @@ def test_gpu_only_choices_are_one_line_each(cli_line: Callable[..., str]) -> Non
     )
 
 
+def test_a_flag_s_mistake_comes_before_the_machine_s_limit(
+    cli_line: Callable[..., str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a one-GPU host, two ranks are refused, but only once every flag is known good: the
+    checks that build the model (a model's argument, context and expert layouts) and a
+    benchmark's jobs come first, so a mistake reads as on a CPU. Before, an H200 named its one
+    GPU first, and 33 unit tests that pass on a CPU failed there."""
+    monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 1)
+    two = ["--workers", "2", "--max-steps", "1"]
+    assert "2 ranks on this host but 1 GPU" in cli_line([*GPT_TEXT, *two])
+    tie = cli_line([*GPT_TEXT, *two, "--model-args", "dim=32,depth=2,heads=4,tie=3"])
+    assert tie.endswith("model gpt: tie must be true or false, got 3"), tie
+    experts = [*two, "--expert-parallel", "2", "--model-args", "dim=32,depth=2,heads=4,experts=3"]
+    assert "has 3 experts, which 2 ranks" in cli_line([*GPT_TEXT, *experts])
+    assert "--outer-lr must be > 0" in cli_line(["bench", "diloco", "--outer-lr", "0"])
+    assert "ranks on this host but 1 GPU" in cli_line(["bench", "diloco"])
+
+
 def test_more_ranks_than_gpus_is_refused() -> None:
     line = gpu_share_problem(4, 2, "")
     assert line is not None and "4 ranks on this host but 2 GPUs" in line
