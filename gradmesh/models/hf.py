@@ -47,7 +47,7 @@ class CausalLM(nn.Module):
             prefix = getattr(self.net, "base_model_prefix", "model")
             base = getattr(self.net.config, "base_model_tp_plan", None) or {}
             declared = {f"{prefix}.{k}": v for k, v in base.items()}
-        table = self.net.get_input_embeddings()
+        table = self.net.get_input_embeddings()  # type: ignore[operator]
         name = next((n for n, m in self.net.named_modules() if m is table), None)
         if name and type(table) is nn.Embedding and name not in declared:  # not a scaled one
             declared[name] = "embedding_rowwise"
