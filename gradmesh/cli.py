@@ -33,7 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
-    from gradmesh.launch.engines.choice import check_engine
+    from gradmesh.launch.engines.choice import check_engine, entry_point, train_on
     from gradmesh.launch.run import LaunchSpec, cluster_defaults, launch
     from gradmesh.runtime.process import check_gpu_share
     from gradmesh.train.checks import check_train
@@ -45,8 +45,6 @@ def _cmd_train(config: TrainConfig, _command: list[str]) -> int:
     if where.get("min_nodes") is not None:
         config.check_elastic()
     config.check_outputs()
-    from gradmesh.launch.engines.choice import entry_point, train_on
-
     module, nproc, roles = entry_point(config)  # a ps job's servers and workers alike
     worker = [sys.executable, "-m", module, "--config"]
     if config.job.engine == "local":  # its server before the checks below import torch

@@ -43,6 +43,7 @@ def main() -> int:
     )  # fmt: skip
     rt = init(backend=_backend("cuda"))
     seen: dict[str, int] = {}
+    side = None
     try:
         side, (job, indices) = trainer_side(args, rt)
         if "--profile" in sys.argv:
@@ -70,6 +71,8 @@ def main() -> int:
                 torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
     finally:
+        if side is not None:
+            side.close()  # the trainer's reader thread
         shutdown()
     total = sum(seen.values())
     print(

@@ -5,7 +5,9 @@ precision, with the same torch optimizer, on whatever device the machine has (`-
 
 - **trainer**: the job `gradmesh train --workers 1` builds (`setup`, `attach`: the strategy's
   optimizer wrapper, the sharder), stepped by the loop's own `_Run.one_step` on the first batch
-  of epoch 0, its loss added on the device into a (sum, count) tensor as the loop does;
+  of epoch 0, read each step as the loop reads it (`loop.reader`: on a GPU, the next step's
+  on a background thread), its loss added on the device into a (sum, count) tensor as the
+  loop does;
 - **plain**: `opt.zero_grad()`, forward and loss under the same autocast, `backward()`,
   `opt.step()`, the batch on the device already, the loss summed on the device (no `.item()`).
 
@@ -21,6 +23,7 @@ its last turn, and the machine's idle CPU (`limit`: `cpu` under 10 %, as every b
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 from collections.abc import Callable
@@ -75,6 +78,8 @@ class Side:
     """The mean loss over the steps since the last call (a host read: outside the timers)."""
     kernels: str
     zero_grad: str
+    close: Callable[[], None] = lambda: None
+    """Ends what the side started (the trainer's reader thread on a GPU)."""
     seconds: list[float] = field(default_factory=list)
     first_loss: float = 0.0
 
@@ -137,7 +142,8 @@ def trainer_side(args: Config, rt: Any) -> tuple[Side, Any]:
     batch; and the job (its data and indices make the plain side's batch)."""
     import torch
 
-    from gradmesh.train.loop import Clock, _Run
+    from gradmesh.data.prefetch import prefetched
+    from gradmesh.train.loop import Clock, _Run, reader
     from gradmesh.train.setup import attach, setup
 
     job = setup(_train_config(args), rt)
@@ -146,11 +152,12 @@ def trainer_side(args: Config, rt: Any) -> tuple[Side, Any]:
     indices, global_count = next(iter(job.sharder.batches(0)))
     run = _Run(job, Clock(), None, None, 0)
     sums = torch.zeros(2, dtype=torch.float64, device=rt.device)
+    parts = prefetched(itertools.repeat(indices), *reader(job))  # read as the loop reads
 
     def step() -> None:
-        run.one_step(job.data.train.rows(indices), global_count, sums)  # the read, as the loop
+        run.one_step(next(parts)[1], global_count, sums)
 
-    side = Side(step, _mean_of(sums), kernels(job.optimizer), "set_to_none=False")
+    side = Side(step, _mean_of(sums), kernels(job.optimizer), "set_to_none=False", parts.close)
     return side, (job, indices)
 
 
@@ -296,9 +303,10 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         raise GradmeshError("--steps, --rounds and --batch must be >= 1, --warmup >= 0")
     check_rates(args.lr)
     rt = init(backend=_backend(args.device))
+    sides: dict[str, Side] = {}
     try:
-        trainer, (job, indices) = trainer_side(args, rt)
-        sides = {"trainer": trainer, "plain": plain_side(args, job, indices)}
+        sides["trainer"], (job, indices) = trainer_side(args, rt)
+        sides["plain"] = plain_side(args, job, indices)
         cuda = rt.device.type == "cuda"
         sync = (lambda: torch.cuda.synchronize(rt.device)) if cuda else (lambda: None)
         cpu, load = cpu_jiffies(), os.getloadavg()[0]
@@ -307,5 +315,7 @@ def run(args: Config, _command: list[str] | None = None) -> int:
         payload["load_average"] = [load, os.getloadavg()[0]]  # 1 minute, before and after
         payload["trainer_compiled"] = job.split.info.get("compiled")  # its scope, or None
     finally:
+        for side in sides.values():
+            side.close()
         shutdown()
     return report(args.json, payload, _lines(payload))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass, field
 from itertools import islice
@@ -284,6 +285,23 @@ class _Run:
         return self.clock, self.samples, time.perf_counter() - self.started
 
 
+def reader(job: Job) -> tuple[Callable[[torch.Tensor], Split], bool]:
+    """How the loop reads a step's samples: gathered from the training split and, for a GPU,
+    page-locked; and whether the next step's are read on a background thread while this one
+    trains (`gradmesh.data.prefetch`). Ahead where the samples come from disk, and wherever
+    the step runs on a GPU: there the gather is host work that the step's kernel launches
+    would wait behind. On an H200 it took 12 ms of a compiled GPT step's 42, against a plain
+    loop's 24 (scripts/gpu_step.py --profile --compile, docs/gpu.md). On a CPU the gather is
+    a small part of a step and a thread would take a core from it."""
+    device, train = job.rt.device, job.data.train
+
+    def read(indices: torch.Tensor) -> Split:
+        part: Split = train.rows(indices).pinned(device)
+        return part
+
+    return read, bool(getattr(train, "lazy", False)) or device.type == "cuda"
+
+
 def loop(job: Job) -> tuple[Clock, int, float]:
     """Train from the step after the checkpoint to the last; returns the clock, the samples
     this replica trained on, and the wall time."""
@@ -302,18 +320,16 @@ def loop(job: Job) -> tuple[Clock, int, float]:
         run.bar.update(min(job.start_step, last))
     first_epoch, skip = divmod(job.start_step, steps)
     device = job.rt.device
-    train = job.data.train
+    read, ahead = reader(job)
 
     def fetch(item: tuple[int, tuple[torch.Tensor, int]]) -> Split:
-        part: Split = train.rows(item[1][0]).pinned(device)
-        return part
+        return read(item[1][0])
 
-    lazy = bool(getattr(train, "lazy", False))  # read from disk: the next batch in background
     for epoch in range(first_epoch, config.job.epochs):
         fresh = torch.zeros(2, dtype=torch.float64, device=device)
         loss_sum = job.loss_sum.to(device) if skip and job.loss_sum is not None else fresh
         batches = islice(enumerate(sharder.batches(epoch)), skip, None)  # skip: done before
-        with closing(prefetched(batches, fetch, lazy)) as parts:  # the reader ends with the loop
+        with closing(prefetched(batches, fetch, ahead)) as parts:  # the reader ends with the loop
             for (k, (_, global_count)), part in parts:
                 if run.step >= last:  # --max-steps
                     break
