@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# gradmesh's GPU check (docs/gpu.md): every GPU path once, one table, about 4 minutes on an H100.
+# gradmesh's GPU check (docs/gpu.md): every GPU path once, one table; 12.5 minutes on an H200
+# (GPU_CHECK_BUDGET_S and GPU_CHECK_FROM split it over calls).
 # Run from anywhere; uses this checkout's package and the python on the PATH (torch, numpy,
 # pytest already there; nothing is downloaded). A torchao wheel in .whl/ is used for fp8 when
 # torchao is not installed.

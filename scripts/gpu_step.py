@@ -17,6 +17,7 @@ steps, to find what the trainer adds.
 from __future__ import annotations
 
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -54,10 +55,12 @@ def main() -> int:
         torch.cuda.synchronize()
 
         def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-            ours = [f for f in traceback.extract_stack() if "/gradmesh/" in f.filename]
-            where = (
-                f"{ours[-1].filename.split('/gradmesh/')[-1]}:{ours[-1].lineno}" if ours else "?"
-            )
+            stack = traceback.extract_stack()[:-1]
+            ours = [f for f in stack if "/gradmesh/" in f.filename]
+            where = f"{ours[-1].filename.split('/gradmesh/')[-1]}:{ours[-1].lineno}" if ours else ""
+            if not where:  # none of gradmesh's frames: the thread and the innermost three
+                inner = [f"{f.filename.rsplit('/', 2)[-1]}:{f.lineno}" for f in stack[-3:]]
+                where = f"thread {threading.current_thread().name}: {' < '.join(inner[::-1])}"
             seen[where] = seen.get(where, 0) + 1
 
         with warnings.catch_warnings():
