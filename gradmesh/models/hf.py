@@ -39,18 +39,22 @@ class CausalLM(nn.Module):
 
     @property
     def tp_plan(self) -> dict[str, str]:
-        """The model's declared plan, its input embedding split by vocabulary rows where the
-        declaration leaves it out: transformers 5.24 declares Llama's (as torchtitan splits
-        it), 5.17 did not, and the same model was then a different split on another machine."""
+        """The model's declared plan, with the input embedding as transformers 5.24 declares
+        it whatever release is installed: split by vocabulary rows where a plan is declared
+        and the base model's `embed_tokens` is an `nn.Embedding` (5.17 left Llama's whole, and
+        the same model was a different split on another machine); whole where it is a
+        subclass with a forward of its own (Gemma's scales its rows), which a split would lose.
+        """
+        prefix = getattr(self.net, "base_model_prefix", "model")
         declared = dict(getattr(self.net, "_tp_plan", None) or {})
         if not declared:
-            prefix = getattr(self.net, "base_model_prefix", "model")
             base = getattr(self.net.config, "base_model_tp_plan", None) or {}
             declared = {f"{prefix}.{k}": v for k, v in base.items()}
-        table = self.net.get_input_embeddings()  # type: ignore[operator]
-        name = next((n for n, m in self.net.named_modules() if m is table), None)
-        if name and type(table) is nn.Embedding and name not in declared:  # not a scaled one
-            declared[name] = "embedding_rowwise"
+        table, name = getattr(self.net.base_model, "embed_tokens", None), f"{prefix}.embed_tokens"
+        if isinstance(table, nn.Embedding) and type(table) is not nn.Embedding:
+            declared.pop(name, None)
+        elif declared and isinstance(table, nn.Embedding):
+            declared.setdefault(name, "embedding_rowwise")
         return {f"net.{k}": v for k, v in declared.items()}
 
     @property

@@ -124,10 +124,11 @@ def test_the_models_declared_plans_fit() -> None:
     assert check_plan(gpt(), gpt().sp_plan, 2, "gpt")["blocks.0"].mode == "scatter"
 
 
-def test_a_hugging_face_model_s_embedding_is_split_whatever_transformers_declares() -> None:
+def test_a_hugging_face_model_s_embedding_is_split_as_transformers_5_24_declares() -> None:
     """transformers 5.24 declares Llama's input embedding split by vocabulary, 5.17 did not:
     the same model and tp were a different split (and the simulator's torchtitan rows other
-    figures) on a machine with the older release. The wrapper adds the entry where it lacks."""
+    figures) on a machine with the older release. The wrapper declares it as 5.24 does: where
+    a plan is declared, and not on an embedding whose own forward a split would lose."""
     pytest.importorskip("transformers")
     from gradmesh.models.registry import MODELS
 
@@ -141,3 +142,16 @@ def test_a_hugging_face_model_s_embedding_is_split_whatever_transformers_declare
     assert model.tp_plan["net.model.embed_tokens"] == "embedding_rowwise"
     styles = check_plan(model, model.tp_plan, 2, "hf:llama")
     assert styles["net.model.embed_tokens"].kind == "embedding"
+    model.net._tp_plan = {}  # no plan declared (gpt2's kind): none made up
+    model.net.config.base_model_tp_plan = {}
+    assert model.tp_plan == {}
+
+    class Scaled(nn.Embedding):  # Gemma's kind: its forward multiplies the rows
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return super().forward(ids) * 2.0
+
+    model.net._tp_plan = {**declared, "model.embed_tokens": "embedding_rowwise"}
+    model.net.model.embed_tokens = Scaled(64, 32, device="meta")
+    assert "net.model.embed_tokens" not in model.tp_plan  # kept whole: still the same function
+    with pytest.raises(GradmeshError, match="is a Scaled; the embedding style splits a dense"):
+        check_plan(model, {"net.model.embed_tokens": "embedding"}, 2, "hf:llama")

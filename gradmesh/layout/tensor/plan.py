@@ -152,10 +152,10 @@ def _check_one(model: nn.Module, name: str, style: Style, tp: int, model_name: s
                 )
         return
     if style.kind == "embedding":
-        if not isinstance(module, nn.Embedding) or module.sparse or module.max_norm is not None:
-            raise GradmeshError(
+        if type(module) is not nn.Embedding or module.sparse or module.max_norm is not None:
+            raise GradmeshError(  # a subclass's forward (a scale: Gemma's) would be lost
                 f"{where} is a {type(module).__name__}; the embedding style splits a dense "
-                "nn.Embedding (no sparse gradients, no max_norm)"
+                "nn.Embedding (not a subclass, no sparse gradients, no max_norm)"
             )
         size, what = module.num_embeddings, "vocabulary rows"
     elif isinstance(module, ParallelLayer):
