@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# gradmesh's GPU check (docs/gpu.md): every GPU path once, one table; 12.5 minutes on an H200
+# gradmesh's GPU check (docs/gpu.md): every GPU path once, one table; over 12 minutes on an H200
 # (GPU_CHECK_BUDGET_S and GPU_CHECK_FROM split it over calls).
 # Run from anywhere; uses this checkout's package and the python on the PATH (torch, numpy,
 # pytest already there; nothing is downloaded). A torchao wheel in .whl/ is used for fp8 when

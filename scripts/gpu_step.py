@@ -55,7 +55,7 @@ def main() -> int:
         torch.cuda.synchronize()
 
         def record(message, category, filename, lineno, file=None, line=None):  # type: ignore[no-untyped-def]
-            stack = traceback.extract_stack()[:-1]
+            stack = [f for f in traceback.extract_stack() if "warnings.py" not in f.filename][:-1]
             ours = [f for f in stack if "/gradmesh/" in f.filename]
             where = f"{ours[-1].filename.split('/gradmesh/')[-1]}:{ours[-1].lineno}" if ours else ""
             if not where:  # none of gradmesh's frames: the thread and the innermost three
@@ -92,6 +92,7 @@ def profile(sides: dict[str, Any]) -> None:
     from torch.profiler import profile as profiled
 
     for name, side in sides.items():
+        counters.clear()  # this side's compile alone
         for _ in range(5):
             side.step()
         torch.cuda.synchronize()
@@ -107,7 +108,9 @@ def profile(sides: dict[str, Any]) -> None:
                 side.step()
             torch.cuda.synchronize()
         table = prof.key_averages()
-        kernels = [e for e in table if e.device_type != DeviceType.CPU]  # as the table's total
+        kernels = [  # as the table's own total counts them
+            e for e in table if e.device_type == DeviceType.CUDA and not e.is_user_annotation
+        ]
         busy = sum(e.self_device_time_total for e in kernels) / 3e3  # us in 3 steps: ms a step
         print(f"{name}: the GPU busy {busy:.2f} ms a step (kernels' own time, summed)")
         for key in ("cpu_time_total", "self_device_time_total"):

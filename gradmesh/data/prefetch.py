@@ -1,6 +1,7 @@
 """The next batch read while this one trains: a data source whose samples are read from disk
-(`TokenSplit.lazy`) has each step's batch gathered, and page-locked where it goes to a GPU, on
-one background thread while the step before it runs (numpy's gathers and torch's pinning leave
+(`TokenSplit.lazy`), and any on a GPU job (`gradmesh.train.loop.reader`), has each step's
+batch gathered, and page-locked where it goes to a GPU, on one background thread while the
+step before it runs (numpy's gathers and torch's pinning leave
 the interpreter lock while they copy). One batch ahead: enough when the loader is faster than
 the step (`gradmesh bench loader` measures it), and no more memory than one batch."""
 

@@ -52,7 +52,7 @@ def gpu_share_problem(ranks: int, gpus: int, backend: str) -> str | None:
 def check_gpu_share(ranks: int) -> None:
     """`gpu_share_problem` for this host, as one line: what a command checks after every value
     it was given is known good, so that a flag's mistake reads the same on every machine and
-    comes before any machine's limit (a one-GPU host named its GPUs first: 33 unit tests that
+    comes before any machine's limit (a one-GPU host named its GPUs first: 31 unit tests that
     pass on a CPU failed on an H200)."""
     problem = gpu_share_problem(ranks, visible_gpus(), os.environ.get(BACKEND_ENV, ""))
     if problem:

@@ -85,7 +85,7 @@ def test_a_flag_s_mistake_comes_before_the_machine_s_limit(
     """On a one-GPU host, two ranks are refused, but only once every flag is known good: the
     checks that build the model (a model's argument, context and expert layouts) and a
     benchmark's jobs come first, so a mistake reads as on a CPU. Before, an H200 named its one
-    GPU first, and 33 unit tests that pass on a CPU failed there."""
+    GPU first, and 31 unit tests that pass on a CPU failed there."""
     monkeypatch.setattr("gradmesh.runtime.process.visible_gpus", lambda: 1)
     two = ["--workers", "2", "--max-steps", "1"]
     assert "2 ranks on this host but 1 GPU" in cli_line([*GPT_TEXT, *two])
