@@ -51,10 +51,10 @@ class CausalLM(nn.Module):
             base = getattr(self.net.config, "base_model_tp_plan", None) or {}
             declared = {f"{prefix}.{k}": v for k, v in base.items()}
         table, name = getattr(self.net.base_model, "embed_tokens", None), f"{prefix}.embed_tokens"
-        if isinstance(table, nn.Embedding) and type(table) is not nn.Embedding:
-            declared.pop(name, None)
-        elif declared and isinstance(table, nn.Embedding):
+        if type(table) is nn.Embedding and declared:
             declared.setdefault(name, "embedding_rowwise")
+        elif isinstance(table, nn.Embedding):  # a subclass: whole
+            declared.pop(name, None)
         return {f"net.{k}": v for k, v in declared.items()}
 
     @property
